@@ -1,0 +1,1 @@
+"""The kopf operator for SpecDecodeDeployment (imported as specdeploy.operator)."""

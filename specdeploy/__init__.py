@@ -1,0 +1,3 @@
+"""specdeploy: speculative decoding on Kubernetes."""
+
+__version__ = "0.1.0"
