@@ -1,0 +1,113 @@
+"""What can be checked of the images without a Docker engine: the essentials of each Dockerfile."""
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs with line continuations joined and comments dropped."""
+    text = (ROOT / name).read_text()
+    logical = re.sub(r"\\\n", " ", text)
+    pairs = []
+    for line in logical.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        pairs.append((word.upper(), rest.strip()))
+    return pairs
+
+
+def _args(pairs) -> dict[str, str]:
+    out = {}
+    for word, rest in pairs:
+        if word == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            out[key] = value
+    return out
+
+
+def _base_images(pairs) -> list[str]:
+    args = _args(pairs)
+    images = []
+    for word, rest in pairs:
+        if word != "FROM":
+            continue
+        ref = rest.split()[0]
+        images.append(re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], ref))
+    return images
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.engine"])
+def test_base_images_are_pinned_to_a_version_tag(name):
+    pairs = _instructions(name)
+    stages = {rest.split()[-1] for word, rest in pairs if word == "FROM" and " AS " in rest.upper()}
+    external = [ref for ref in _base_images(pairs) if ref not in stages]
+    assert external
+    for ref in external:
+        repo, _, tag = ref.rpartition(":")
+        assert repo and tag and tag != "latest", ref
+        # A version tag carries a dotted release number (3.12.10, 12.8.1), not a floating name.
+        assert re.match(r"^\d+\.\d+\.\d+", tag), f"{name}: {ref} is not pinned to a release"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.engine"])
+def test_runs_as_a_numeric_non_root_user(name):
+    users = [rest for word, rest in _instructions(name) if word == "USER"]
+    assert users, f"{name} has no USER"
+    final = users[-1]
+    uid, _, gid = final.partition(":")
+    assert uid.isdigit() and int(uid) != 0, final
+    assert not gid or (gid.isdigit() and int(gid) != 0), final
+
+
+@pytest.mark.parametrize("name, entry", [
+    ("Dockerfile.operator", ["operator"]),
+    ("Dockerfile.engine", ["engine", "serve"]),
+])
+def test_runs_the_specdeploy_cli(name, entry):
+    pairs = _instructions(name)
+    entrypoint = [rest for word, rest in pairs if word == "ENTRYPOINT"][-1]
+    cmd = [rest for word, rest in pairs if word == "CMD"][-1]
+    assert entrypoint == '["specdeploy"]'
+    assert cmd.startswith("[" + ", ".join(f'"{w}"' for w in entry))
+
+
+def test_operator_image_installs_no_torch():
+    pairs = _instructions("Dockerfile.operator")
+    installs = [rest for word, rest in pairs if word == "RUN" and "pip install" in rest]
+    assert installs
+    for line in installs:
+        assert "torch" not in line
+        assert ".[engine]" not in line and ".[dev]" not in line
+    assert any('".[operator]"' in line for line in installs)
+    # ... and the operator extra itself pulls no torch.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(dep.lower().startswith("torch") for dep in extras["operator"])
+
+
+def test_engine_image_installs_torch_and_the_engine_extra():
+    pairs = _instructions("Dockerfile.engine")
+    installs = " ".join(rest for word, rest in pairs if word == "RUN" and "pip install" in rest)
+    assert "torch==" in installs
+    assert '".[engine]"' in installs
+    assert _base_images(pairs)[0].startswith("nvidia/cuda:")
+    assert "-runtime-" in _base_images(pairs)[0]
+
+
+def test_build_context_is_limited_to_what_the_images_copy():
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in ignore
+    copied = set()
+    for name in ("Dockerfile.operator", "Dockerfile.engine"):
+        for word, rest in _instructions(name):
+            if word == "COPY" and "--from" not in rest:
+                copied.update(src.rstrip("/") for src in rest.split()[:-1])
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert copied <= allowed, f"copied but ignored: {copied - allowed}"
+    for path in copied:
+        assert (ROOT / path).exists(), path
