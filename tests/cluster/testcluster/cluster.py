@@ -1,0 +1,485 @@
+"""A throwaway Kubernetes cluster on loopback for tests.
+
+kwokctl's binary runtime starts real etcd, kube-apiserver, kube-controller-manager and
+kube-scheduler processes from the cached binaries, plus kwok's controller, which plays the kubelet
+for fake nodes: it marks them Ready, moves pods bound to them to Running/Ready and serves
+`kubectl logs` from files. Everything lives under one temporary directory and is removed, with
+every process started for it, by `KubeCluster.stop()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+
+import yaml
+
+from .tools import Tools
+
+log = logging.getLogger("specdeploy.tests.cluster")
+
+T = TypeVar("T")
+
+# kwok's CRDs that tests may create at run time (per-pod `Logs` wins over the cluster-wide default).
+KWOK_CRDS = ("Logs", "ClusterLogs")
+DEFAULT_LOG_LINE = "fake container started by the kwok test cluster"
+
+
+@dataclass(frozen=True)
+class FakeNode:
+    """A node that exists only in the API; kwok keeps it Ready and runs its pods on paper."""
+
+    name: str
+    gpu_product: str
+    gpu_memory_mib: int
+    gpu_count: int = 8
+    cpu: str = "192"
+    memory: str = "2048Gi"
+    pods: str = "110"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            "kubernetes.io/hostname": self.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            "type": "kwok",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": self.gpu_product,
+            "nvidia.com/gpu.memory": str(self.gpu_memory_mib),
+            "nvidia.com/gpu.count": str(self.gpu_count),
+        }
+
+    @property
+    def capacity(self) -> dict[str, str]:
+        return {
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "pods": self.pods,
+            "ephemeral-storage": "1Ti",
+            "nvidia.com/gpu": str(self.gpu_count),
+        }
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.name,
+                "labels": self.labels,
+                # kwok's controller manages only nodes carrying this annotation.
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            },
+            "spec": {},
+            "status": {
+                "capacity": self.capacity,
+                "allocatable": self.capacity,
+                "nodeInfo": {
+                    "architecture": "amd64",
+                    "operatingSystem": "linux",
+                    "kubeletVersion": "fake",
+                    "kubeProxyVersion": "fake",
+                },
+            },
+        }
+
+
+# Two 8 x H200 nodes, and one 8 x H100 node so that node affinity on the GPU product can be tested.
+DEFAULT_NODES: tuple[FakeNode, ...] = (
+    FakeNode("gpu-h200-0", "NVIDIA-H200", 143771),
+    FakeNode("gpu-h200-1", "NVIDIA-H200", 143771),
+    FakeNode("gpu-h100-0", "NVIDIA-H100-80GB-HBM3", 81559),
+)
+
+
+class KubectlError(RuntimeError):
+    """kubectl (or helm) exited non-zero; the message carries its command line and stderr."""
+
+    def __init__(self, cmd: list[str], result: subprocess.CompletedProcess[str]):
+        self.cmd = cmd
+        self.returncode = result.returncode
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+        super().__init__(
+            f"{' '.join(cmd)} exited {result.returncode}:\n{(result.stderr or result.stdout).strip()}"
+        )
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout_s: float = 30.0,
+    interval_s: float = 0.25,
+    what: str = "condition",
+) -> T:
+    """Call `predicate` until it returns something truthy and return that value.
+
+    Exceptions raised by the predicate count as "not yet"; if the deadline passes, TimeoutError
+    names `what` and the last value or exception seen, so a failing test says what it waited for.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+            last = value
+        except Exception as exc:  # noqa: BLE001 - reported below if the wait times out
+            last = exc
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}; last result: {last!r}")
+        time.sleep(interval_s)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_is_bound(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _cri_log(lines: Iterable[str]) -> str:
+    """Lines in the CRI container-log format that kwok's log server parses."""
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return "".join(f"{now} stdout F {line}\n" for line in lines)
+
+
+@dataclass
+class KubeCluster:
+    """A running test cluster. Create with `KubeCluster.start(tools)`; always `stop()` it."""
+
+    name: str
+    tools: Tools
+    workdir: Path
+    nodes: tuple[FakeNode, ...]
+    kubeconfig: Path = field(init=False)
+    server: str = field(init=False, default="")
+    ports: list[int] = field(init=False, default_factory=list)
+    _stopped: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.kubeconfig = self.cluster_dir / "kubeconfig.yaml"
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        tools: Tools,
+        nodes: Iterable[FakeNode] = DEFAULT_NODES,
+        base_dir: Path | None = None,
+        timeout_s: float = 120.0,
+    ) -> "KubeCluster":
+        t0 = time.monotonic()
+        name = f"sd-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        workdir = Path(tempfile.mkdtemp(prefix="specdeploy-kube-", dir=base_dir))
+        cluster = cls(name=name, tools=tools, workdir=workdir, nodes=tuple(nodes))
+        try:
+            cluster._create(timeout_s)
+            log.info("cluster %s: control plane up after %.1fs", name, time.monotonic() - t0)
+            cluster._add_nodes()
+            cluster._install_default_logs()
+            cluster.wait_for_default_service_account("default", timeout_s=60)
+        except BaseException:
+            diagnostics = cluster.component_logs_tail()
+            cluster.stop()
+            if diagnostics:
+                log.error("cluster %s failed to start; component logs:\n%s", name, diagnostics)
+            raise
+        log.info("cluster %s ready in %.1fs (kubeconfig %s)", name, time.monotonic() - t0, cluster.kubeconfig)
+        return cluster
+
+    @property
+    def cluster_dir(self) -> Path:
+        return self.workdir / "clusters" / self.name
+
+    def _kwokctl_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "KWOK_WORKDIR": str(self.workdir),
+                "KWOK_RUNTIME": "binary",
+                "KWOK_KUBE_VERSION": self.tools.kube_version,
+                "KWOK_KUBE_APISERVER_BINARY": str(self.tools.kube_apiserver),
+                "KWOK_KUBE_CONTROLLER_MANAGER_BINARY": str(self.tools.kube_controller_manager),
+                "KWOK_KUBE_SCHEDULER_BINARY": str(self.tools.kube_scheduler),
+                "KWOK_KUBECTL_BINARY": str(self.tools.kubectl),
+                "KWOK_CONTROLLER_BINARY": str(self.tools.kwok),
+                "KWOK_ETCD_BINARY": str(self.tools.etcd),
+            }
+        )
+        env.pop("KUBECONFIG", None)
+        return env
+
+    def _kwokctl(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.tools.kwokctl), "--name", self.name, *args]
+        log.debug("run %s", " ".join(cmd))
+        return subprocess.run(
+            cmd,
+            env=self._kwokctl_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def _create(self, timeout_s: float) -> None:
+        port = _free_port()
+        result = self._kwokctl(
+            "create",
+            "cluster",
+            "--runtime", "binary",
+            "--kube-apiserver-port", str(port),
+            "--enable-crds", ",".join(KWOK_CRDS),
+            # kwokctl would otherwise also write the context into ~/.kube/config.
+            "--kubeconfig", str(self.workdir / "merged-kubeconfig.yaml"),
+            "--wait", f"{int(timeout_s)}s",
+            "--timeout", f"{int(timeout_s)}s",
+            timeout_s=timeout_s + 30,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"kwokctl create cluster {self.name} failed (exit {result.returncode}):\n"
+                f"{result.stderr.strip()[-4000:]}"
+            )
+        if not self.kubeconfig.exists():
+            raise RuntimeError(f"kwokctl did not write {self.kubeconfig}")
+        kubeconfig = yaml.safe_load(self.kubeconfig.read_text())
+        self.server = kubeconfig["clusters"][0]["cluster"]["server"]
+        self.ports = sorted(set(self._component_ports()) | {port})
+        wait_for(
+            lambda: self.kubectl("get", "--raw", "/readyz", check=False).stdout.strip() == "ok",
+            timeout_s=60,
+            what=f"kube-apiserver {self.server}/readyz",
+        )
+
+    def _component_ports(self) -> list[int]:
+        """Loopback ports the components listen on, read from kwokctl's saved configuration."""
+        ports: list[int] = []
+        conf = self.cluster_dir / "kwok.yaml"
+        if not conf.exists():
+            return ports
+        for doc in yaml.safe_load_all(conf.read_text()):
+            if not isinstance(doc, dict) or doc.get("kind") != "KwokctlConfiguration":
+                continue
+            for comp in doc.get("components") or []:
+                for p in comp.get("ports") or []:
+                    for key in ("hostPort", "port"):
+                        if p.get(key):
+                            ports.append(int(p[key]))
+        return ports
+
+    def _add_nodes(self) -> None:
+        self.apply([n.manifest() for n in self.nodes])
+
+        def all_ready() -> bool:
+            items = self.kubectl_json("get", "nodes")["items"]
+            ready = {
+                n["metadata"]["name"]
+                for n in items
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+            }
+            return {n.name for n in self.nodes} <= ready
+
+        wait_for(all_ready, timeout_s=60, what="fake nodes to become Ready")
+
+    def _install_default_logs(self) -> None:
+        """Every pod's `kubectl logs` returns one line unless a test sets its own with set_pod_log."""
+        default_log = self.workdir / "default-container.log"
+        default_log.write_text(_cri_log([DEFAULT_LOG_LINE]))
+        self.apply(
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "ClusterLogs",
+                "metadata": {"name": "default"},
+                "spec": {"logs": [{"logsFile": str(default_log)}]},
+            }
+        )
+
+    def stop(self) -> None:
+        """Delete the cluster: stop every process started for it, free its ports, remove its files."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            result = self._kwokctl("delete", "cluster", "--kubeconfig", str(self.workdir / "merged-kubeconfig.yaml"), timeout_s=60)
+            if result.returncode != 0:
+                log.warning("kwokctl delete cluster %s exited %d: %s", self.name, result.returncode, result.stderr.strip())
+        except subprocess.TimeoutExpired:
+            log.warning("kwokctl delete cluster %s timed out; killing its processes", self.name)
+        leftovers = self._kill_leftovers()
+        if leftovers:
+            log.warning("cluster %s: killed leftover processes %s", self.name, leftovers)
+        if os.environ.get("SPECDEPLOY_KEEP_CLUSTER") == "1":
+            log.warning("cluster %s: keeping %s (SPECDEPLOY_KEEP_CLUSTER=1)", self.name, self.workdir)
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def processes(self) -> list[int]:
+        """PIDs of live processes whose command line mentions this cluster's directory."""
+        marker = str(self.workdir).encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Zombies (state Z) have already exited; they hold no port.
+            if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
+                pids.append(int(entry.name))
+        return pids
+
+    def _kill_leftovers(self, grace_s: float = 5.0) -> list[int]:
+        pids = self.processes()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while self.processes() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not self.processes():
+                break
+        return pids
+
+    def bound_ports(self) -> list[int]:
+        """Those of the cluster's ports on which something still accepts connections."""
+        return [p for p in self.ports if _port_is_bound(p)]
+
+    def component_logs_tail(self, lines: int = 30) -> str:
+        logs_dir = self.cluster_dir / "logs"
+        if not logs_dir.is_dir():
+            return ""
+        out = []
+        for f in sorted(logs_dir.glob("*.log")):
+            tail = f.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {f.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    # ---- helpers for tests ----------------------------------------------------------------
+
+    @property
+    def kubectl_path(self) -> Path:
+        return self.tools.kubectl
+
+    @property
+    def helm_path(self) -> Path:
+        return self.tools.helm
+
+    @property
+    def gpu_nodes(self) -> list[FakeNode]:
+        return [n for n in self.nodes if n.gpu_count > 0]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for a subprocess (kubectl, helm, an operator) that should talk to this cluster."""
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        helm_home = self.workdir / "helm"
+        env["HELM_CACHE_HOME"] = str(helm_home / "cache")
+        env["HELM_CONFIG_HOME"] = str(helm_home / "config")
+        env["HELM_DATA_HOME"] = str(helm_home / "data")
+        return env
+
+    def _run(self, cmd: list[str], input: str | None, check: bool, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            cmd,
+            input=input,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
+        if check and result.returncode != 0:
+            raise KubectlError(cmd, result)
+        return result
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout_s: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster; raises KubectlError on failure when `check`."""
+        return self._run([str(self.tools.kubectl), "--kubeconfig", str(self.kubeconfig), *args], input, check, timeout_s)
+
+    def kubectl_json(self, *args: str, timeout_s: float = 60.0) -> Any:
+        """`kubectl <args> -o json`, parsed."""
+        return json.loads(self.kubectl(*args, "-o", "json", timeout_s=timeout_s).stdout)
+
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout_s: float = 300.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run helm against this cluster (its cache/config/data live in the cluster's temp dir)."""
+        return self._run([str(self.tools.helm), "--kubeconfig", str(self.kubeconfig), *args], input, check, timeout_s)
+
+    def apply(self, objs: dict[str, Any] | list[dict[str, Any]] | str, namespace: str | None = None) -> str:
+        """`kubectl apply` a manifest: YAML text, one object, or a list of objects."""
+        if isinstance(objs, str):
+            text = objs
+        else:
+            docs = objs if isinstance(objs, list) else [objs]
+            text = yaml.safe_dump_all(docs, sort_keys=False)
+        args = ["apply", "-f", "-"]
+        if namespace:
+            args += ["-n", namespace]
+        return self.kubectl(*args, input=text).stdout
+
+    def api_client(self):  # -> kubernetes.client.ApiClient
+        """A new kubernetes python ApiClient for this cluster (close it when done)."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def wait_for_default_service_account(self, namespace: str, timeout_s: float = 30.0) -> None:
+        """Pods cannot be created in a namespace until kube-controller-manager has made its `default` ServiceAccount."""
+        wait_for(
+            lambda: self.kubectl("get", "serviceaccount", "default", "-n", namespace, check=False).returncode == 0,
+            timeout_s=timeout_s,
+            what=f"ServiceAccount default in namespace {namespace}",
+        )
+
+    def set_pod_log(self, namespace: str, pod: str, lines: Iterable[str] | str, container: str | None = None) -> Path:
+        """Make `kubectl logs <pod>` (optionally for one container) return `lines`.
+
+        Creates kwok's namespaced `Logs` object named after the pod, which takes precedence over the
+        cluster-wide default. Returns the log file, which a test may append to (CRI log format).
+        """
+        if isinstance(lines, str):
+            lines = lines.splitlines()
+        log_dir = self.workdir / "pod-logs"
+        log_dir.mkdir(exist_ok=True)
+        path = log_dir / f"{namespace}_{pod}_{container or 'all'}.log"
+        path.write_text(_cri_log(lines))
+        entry: dict[str, Any] = {"logsFile": str(path)}
+        if container:
+            entry["containers"] = [container]
+        self.apply(
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "Logs",
+                "metadata": {"name": pod, "namespace": namespace},
+                "spec": {"logs": [entry]},
+            }
+        )
+        return path

@@ -1,0 +1,74 @@
+"""pytest fixtures for the test cluster; loaded for every test folder by tests/conftest.py."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import uuid
+from typing import Iterator
+
+import pytest
+
+from .cluster import KubeCluster
+from .tools import Tools, ToolsMissing
+
+log = logging.getLogger("specdeploy.tests.cluster")
+
+
+def _report(config: pytest.Config, message: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"[kube_cluster] {message}")
+    log.info(message)
+
+
+@pytest.fixture(scope="session")
+def kube_tools() -> Tools:
+    """Paths of the cached binaries; fails (never skips) with a `make tools` hint when missing."""
+    try:
+        return Tools.find()
+    except ToolsMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(request: pytest.FixtureRequest, kube_tools: Tools) -> Iterator[KubeCluster]:
+    """One throwaway cluster for the whole test session, torn down at its end (also on failure)."""
+    _report(request.config, f"starting a kwok cluster from {kube_tools.kube_apiserver.parent.parent}")
+    t0 = time.monotonic()
+    cluster = KubeCluster.start(kube_tools)
+    # Belt and braces: if the session dies before fixture teardown runs, stop at interpreter exit.
+    atexit.register(cluster.stop)
+    _report(
+        request.config,
+        f"cluster {cluster.name} ({kube_tools.kube_version}) up in {time.monotonic() - t0:.1f}s at {cluster.server}; "
+        f"nodes: {', '.join(n.name for n in cluster.nodes)}",
+    )
+    try:
+        yield cluster
+    finally:
+        t1 = time.monotonic()
+        cluster.stop()
+        atexit.unregister(cluster.stop)
+        _report(request.config, f"cluster {cluster.name} deleted in {time.monotonic() - t1:.1f}s")
+
+
+@pytest.fixture(scope="session")
+def kube_client(kube_cluster: KubeCluster):
+    """A kubernetes python `ApiClient` for the session cluster."""
+    client = kube_cluster.api_client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def kube_namespace(request: pytest.FixtureRequest, kube_cluster: KubeCluster) -> Iterator[str]:
+    """A fresh namespace for one test (its `default` ServiceAccount exists), deleted afterwards."""
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:5]}"
+    kube_cluster.kubectl("create", "namespace", name)
+    kube_cluster.wait_for_default_service_account(name)
+    yield name
+    # Deletion finishes in the background (the namespace controller empties it); no test waits for it.
+    kube_cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
