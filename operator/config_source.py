@@ -1,0 +1,203 @@
+"""Where a model's config.json comes from: inline, a ConfigMap, or a Hugging Face-compatible hub.
+
+The functions here do no Kubernetes I/O themselves: ConfigMap and Secret contents come through a
+`ClusterReader`, so the resolution rules are testable with plain dicts, and the hub is reached over
+HTTP with httpx (tests run a real local HTTP server as the hub).
+
+Every failure is a `ConfigSourceError` with a condition reason, a message that names the field or
+URL, and whether retrying can help without the user editing the resource (`transient`).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+DEFAULT_REVISION = "main"
+DEFAULT_CONFIG_KEY = "config.json"
+DEFAULT_TOKEN_KEY = "token"
+HUB_TIMEOUT_S = 10.0
+
+# Condition reasons (PlanReady=False) for config resolution.
+REASON_NOT_FOUND = "ConfigNotFound"
+REASON_INVALID = "ConfigInvalid"
+REASON_HUB_UNREACHABLE = "HubUnreachable"
+REASON_HUB_UNAUTHORIZED = "HubUnauthorized"
+REASON_TOKEN_NOT_FOUND = "HubTokenNotFound"
+
+
+class ConfigSourceError(Exception):
+    """A model config that cannot be obtained; `reason` becomes the condition reason."""
+
+    def __init__(self, reason: str, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.transient = transient
+
+
+class ClusterReader(Protocol):
+    """Reads the namespaced objects a spec may refer to; None when the object does not exist."""
+
+    def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None: ...
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """Decoded (not base64) Secret values."""
+        ...
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A model's config.json and where it was read from (for messages and events)."""
+
+    config: dict[str, Any]
+    origin: str
+
+
+def hub_config_url(endpoint: str, model: str, revision: str) -> str:
+    # The hub quotes the whole revision ("refs/pr/1" -> "refs%2Fpr%2F1"), but not the model id,
+    # whose single slash separates organisation and name.
+    return (
+        f"{endpoint.rstrip('/')}/{urllib.parse.quote(model, safe='/')}"
+        f"/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
+    )
+
+
+def resolve_hub_token(
+    hub_spec: dict[str, Any] | None, namespace: str, reader: ClusterReader
+) -> str | None:
+    ref = (hub_spec or {}).get("tokenSecretRef")
+    if not ref:
+        return None
+    name, key = ref["name"], ref.get("key", DEFAULT_TOKEN_KEY)
+    field = "spec.hub.tokenSecretRef"
+    data = reader.secret_data(namespace, name)
+    if data is None:
+        raise ConfigSourceError(
+            REASON_TOKEN_NOT_FOUND, f"{field}: Secret {namespace}/{name} not found", transient=True
+        )
+    token = data.get(key)
+    if not token:
+        raise ConfigSourceError(
+            REASON_TOKEN_NOT_FOUND,
+            f"{field}: Secret {namespace}/{name} has no key {key!r}",
+            transient=True,
+        )
+    return token.strip()
+
+
+def resolve_model_config(
+    model_spec: dict[str, Any],
+    field: str,
+    namespace: str,
+    reader: ClusterReader,
+    *,
+    hub_endpoint: str,
+    hub_token: str | None,
+    http: httpx.Client | None = None,
+) -> ResolvedConfig:
+    """The config.json of `model_spec` (spec.target or spec.draft, named by `field`)."""
+    if "config" in model_spec:
+        config = model_spec["config"]
+        if not isinstance(config, dict) or not config:
+            raise ConfigSourceError(
+                REASON_INVALID, f"{field}.config: must be a non-empty object", transient=False
+            )
+        return ResolvedConfig(config, f"{field}.config")
+    if "configMapRef" in model_spec:
+        return _from_config_map(model_spec["configMapRef"], field, namespace, reader)
+    return _from_hub(
+        model_spec["model"],
+        model_spec.get("revision", DEFAULT_REVISION),
+        hub_endpoint,
+        hub_token,
+        http,
+    )
+
+
+def _from_config_map(
+    ref: dict[str, Any], field: str, namespace: str, reader: ClusterReader
+) -> ResolvedConfig:
+    name, key = ref["name"], ref.get("key", DEFAULT_CONFIG_KEY)
+    origin = f"ConfigMap {namespace}/{name} key {key}"
+    data = reader.config_map_data(namespace, name)
+    # A ConfigMap may be created or fixed after the resource: retry rather than give up.
+    if data is None:
+        raise ConfigSourceError(
+            REASON_NOT_FOUND,
+            f"{field}.configMapRef: ConfigMap {namespace}/{name} not found",
+            transient=True,
+        )
+    if key not in data:
+        raise ConfigSourceError(
+            REASON_NOT_FOUND,
+            f"{field}.configMapRef: ConfigMap {namespace}/{name} has no key {key!r}",
+            transient=True,
+        )
+    return ResolvedConfig(_parse_json_object(data[key], origin, transient=True), origin)
+
+
+def _from_hub(
+    model: str,
+    revision: str,
+    endpoint: str,
+    token: str | None,
+    http: httpx.Client | None,
+) -> ResolvedConfig:
+    url = hub_config_url(endpoint, model, revision)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        if http is None:
+            with httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True) as client:
+                response = client.get(url, headers=headers)
+        else:
+            response = http.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        raise ConfigSourceError(
+            REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}", transient=True
+        ) from exc
+    status = response.status_code
+    if status == 404:
+        raise ConfigSourceError(
+            REASON_NOT_FOUND,
+            f"GET {url}: 404 (no such model {model!r} or revision {revision!r})",
+            transient=False,
+        )
+    if status in (401, 403):
+        # Gated or private models; the token lives in a Secret that may be fixed at any time.
+        raise ConfigSourceError(
+            REASON_HUB_UNAUTHORIZED,
+            f"GET {url}: {status} ({'token rejected' if token else 'no token given'};"
+            " set spec.hub.tokenSecretRef to a token with access)",
+            transient=True,
+        )
+    if status >= 500 or status == 429:
+        raise ConfigSourceError(
+            REASON_HUB_UNREACHABLE, f"GET {url}: {status} from hub", transient=True
+        )
+    if status != 200:
+        raise ConfigSourceError(
+            REASON_NOT_FOUND, f"GET {url}: unexpected status {status}", transient=False
+        )
+    return ResolvedConfig(_parse_json_object(response.text, url, transient=False), url)
+
+
+def _parse_json_object(text: str, origin: str, *, transient: bool) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigSourceError(
+            REASON_INVALID, f"{origin}: not JSON ({exc})", transient=transient
+        ) from exc
+    if not isinstance(value, dict):
+        raise ConfigSourceError(
+            REASON_INVALID,
+            f"{origin}: expected a JSON object, got {type(value).__name__}",
+            transient=transient,
+        )
+    return value
