@@ -1,0 +1,162 @@
+"""Tokenizer for the server: HF `tokenizer.json` through the `tokenizers` package, the chat
+template from `tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2.
+
+The server never imports transformers: it is slow to import and pulls in far more than we need.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+# How many already-decoded tokens the incremental detokenizer keeps as left context. Byte-level and
+# sentencepiece decoders can render a token differently depending on its neighbours (a leading
+# space, a multi-byte character split over tokens), so each delta is decoded with a little context.
+_DETOKENIZE_CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (no template, or the template raised). A client error."""
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as "<s>" or as {"content": "<s>", ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_template_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@dataclass
+class Tokenizer:
+    """Encodes prompts, decodes outputs, renders chat messages. Thread-safe for encode/decode."""
+
+    hf: _HFTokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
+    eos_token_ids: set[int] = field(default_factory=set)
+    _compiled_template: jinja2.Template | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        hf = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            by_name = {t.get("name"): t.get("template") for t in template}
+            template = by_name.get("default") or next(iter(by_name.values()), None)
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        bos = _token_content(config.get("bos_token"))
+        eos = _token_content(config.get("eos_token"))
+        tok = cls(hf=hf, chat_template=template, bos_token=bos, eos_token=eos,
+                  add_bos_token=bool(config.get("add_bos_token", False)))
+        tok.eos_token_ids = _collect_eos_ids(path, hf, eos)
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # tokenizer.json's post-processor usually adds BOS itself; add it only where it did not.
+        if add_special_tokens and self.add_bos_token and self.bos_token is not None:
+            bos_id = self.hf.token_to_id(self.bos_token)
+            if bos_id is not None and (not ids or ids[0] != bos_id):
+                ids = [bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        if self._compiled_template is None:
+            # The same environment settings as HF's renderer, so templates written for it render
+            # identically; sandboxed because the template comes with the model.
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                               extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = _raise_template_exception
+            env.globals["strftime_now"] = _strftime_now
+            self._compiled_template = env.from_string(self.chat_template)
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The rendered template already carries BOS where the model wants it.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _collect_eos_ids(path: Path, hf: _HFTokenizer, eos_token: str | None) -> set[int]:
+    """EOS ids from every place a HF model directory may declare them (chat models often list
+    several, e.g. Llama 3's <|end_of_text|> and <|eot_id|> in generation_config.json)."""
+    ids: set[int] = set()
+    if eos_token is not None and hf.token_to_id(eos_token) is not None:
+        ids.add(hf.token_to_id(eos_token))
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(path / name).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    A token can end in the middle of a UTF-8 character (byte-level BPE); such text decodes to
+    U+FFFD and is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self._prefix_offset = max(self._read_offset, len(self._ids) - _DETOKENIZE_CONTEXT_TOKENS)
+        self._read_offset = len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the very end), as it decodes now."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text):]
