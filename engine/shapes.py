@@ -1,0 +1,649 @@
+"""Model shapes from a Hugging Face config.json: the data contract the planner, operator and engine share.
+
+`derive_shapes(config)` reads fields with defaults, so it copes with any `model_type` (including
+ones no installed library knows) and with multimodal configs that nest the language model under
+`text_config`. A missing essential field or an unknown dtype raises `ConfigError` naming the field.
+
+The one width everything else hangs on is `spec_hidden_size`: the width of the hidden state the
+target hands to its draft. It is `hidden_size * hc_mult` for models with manifold-constrained
+hyper-connections (DeepSeek-V4: hc_mult 4, so its residual stream is `[T, 4, H]` and MTP consumes
+`[T, 4 * H]`), else `hidden_size`. The draft's *input* width differs again for EAGLE-3, which
+concatenates auxiliary hidden states of three target layers: see `draft_input_hidden_size`.
+
+KV cache bytes per token, by attention kind (b = dtype bytes, L = layers):
+  gqa         2 * L * num_kv_heads * head_dim * b               (K and V per KV head)
+  mla         L * (kv_lora_rank + qk_rope_head_dim) * b         (one latent, shared by all heads)
+  compressed  sum over layers of (head_dim [+ index_head_dim if the layer has an indexer]) / ratio * b
+              plus, per running request, L * sliding_window * head_dim * b
+The `compressed` kind is DeepSeek-V4's: one shared K=V head of `head_dim` per layer, a sliding
+window of the last `sliding_window` tokens in every layer (a fixed per-request cost, not per token),
+and per-layer compression `compress_ratios[i]`: 0 = window only; 4 = compressed sparse attention
+(CSA: one `head_dim` entry per 4 tokens plus one `index_head_dim` indexer key per 4 tokens);
+128 = heavily compressed attention (HCA: one `head_dim` entry per 128 tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+# Bytes per element of every dtype a config may name. Anything else is refused: a wrong guess
+# here halves or doubles every memory figure downstream.
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+}
+
+ROLES = ("target", "EAGLE", "EAGLE3", "MTP")
+ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
+
+# EAGLE-3 feeds the draft the concatenated hidden states of three target layers (low, middle,
+# high), so its fc layer and its input buffers are this many target hidden sizes wide.
+EAGLE3_AUX_LAYERS = 3
+
+# DeepSeek-V4 names its attention schedule either per layer as compression ratios (the published
+# checkpoint's `compress_ratios`) or as layer types with a ratio table (`layer_types` +
+# `compress_rates`). Ratio 0 means "sliding window only".
+V4_LAYER_TYPE_DEFAULT_RATIO = {
+    "sliding_attention": 0,
+    "compressed_sparse_attention": 4,
+    "heavily_compressed_attention": 128,
+}
+# Compressed-sparse-attention layers carry the Lightning Indexer (its own compressed keys in the
+# cache); V4 marks them by this ratio.
+V4_CSA_RATIO = 4
+
+# Model types whose attention q/k/v projections carry a bias though the config has no flag for it.
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text"})
+# Model types with per-head RMSNorm on q and k (one head_dim-wide weight each).
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe"})
+
+
+class ConfigError(ValueError):
+    """A config.json (or model directory) that cannot be planned; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the planner and the engine need to know about one model (see module docstring)."""
+
+    model_type: str
+    architecture: str
+    role: str  # one of ROLES: what this config is used as; decides which parameters it owns
+    dtype: str
+    dtype_bytes: int
+    hidden_size: int
+    hc_mult: int
+    spec_hidden_size: int
+    num_layers: int  # layers this model runs: the decoder stack, or the MTP/EAGLE layers of a draft
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (0 when every layer is MoE)
+    vocab_size: int
+    draft_vocab_size: int  # EAGLE-3 heads may predict over a smaller vocabulary; else vocab_size
+    tie_word_embeddings: bool
+    max_position_embeddings: int  # 0 when the config does not say
+    attention: str  # "gqa" (incl. MHA/MQA), "mla" (DeepSeek-V2/V3 latent), "compressed" (DeepSeek-V4)
+    # MLA / low-rank attention dims (0 when not used)
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    # DeepSeek-V4 compressed attention (empty / 0 when not used)
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_head_dim: int
+    # MoE (0 when dense)
+    num_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    shared_expert_intermediate_size: int  # total width of the always-on shared expert MLP
+    num_moe_layers: int
+    num_dense_layers: int
+    num_nextn_predict_layers: int
+    # parameter counts (elements); num_params counts only what this role loads itself
+    embedding_params: int
+    lm_head_params: int
+    num_params: int
+    kv_cache_bytes_per_token: int  # whole model, before tensor parallelism
+    kv_cache_bytes_per_request: int  # fixed per running request (sliding windows), before TP
+    quantization: str  # quant_method of the checkpoint, "" when unquantized
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights counted from the shapes at `dtype` (quantized checkpoints: see `quantization`)."""
+        return self.num_params * self.dtype_bytes
+
+
+def draft_input_hidden_size(algorithm: str, target: ModelShapes) -> int:
+    """Width of the hidden state the draft consumes from the target, per token.
+
+    EAGLE-3 concatenates three target layers' hidden states (3 * hidden_size); EAGLE and MTP take
+    the target's full residual stream, which is `spec_hidden_size` wide (hc_mult streams for V4).
+    """
+    if algorithm == "EAGLE3":
+        return EAGLE3_AUX_LAYERS * target.hidden_size
+    if algorithm in ("EAGLE", "MTP"):
+        return target.spec_hidden_size
+    if algorithm == "NONE":
+        return 0
+    raise ConfigError(f"algorithm: unknown {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+
+
+def kv_heads_per_gpu(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one GPU holds: split across TP ranks, replicated when there are fewer than ranks."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
+def kv_cache_bytes_per_token_per_gpu(shapes: ModelShapes, tensor_parallel_size: int) -> int:
+    """KV bytes one GPU stores per token slot. Only GQA divides by TP; latent (MLA) and V4's single
+    shared K=V head are replicated on every rank."""
+    if shapes.attention != "gqa":
+        return shapes.kv_cache_bytes_per_token
+    heads = kv_heads_per_gpu(shapes.num_kv_heads, tensor_parallel_size)
+    return 2 * shapes.num_layers * heads * shapes.head_dim * shapes.dtype_bytes
+
+
+def kv_cache_bytes_per_request_per_gpu(shapes: ModelShapes, tensor_parallel_size: int) -> int:
+    """Fixed per-request KV state on one GPU (V4 sliding windows: one shared head, replicated)."""
+    return shapes.kv_cache_bytes_per_request
+
+
+# --------------------------------------------------------------------------------------------
+# reading fields
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: `text_config` wins where nested, the top level fills gaps
+    (multimodal checkpoints often keep torch_dtype or tie_word_embeddings at the top)."""
+    if not isinstance(config, dict):
+        raise ConfigError("config.json: expected a JSON object at the top level")
+    text = config.get("text_config")
+    if text is None:
+        return dict(config)
+    if not isinstance(text, dict):
+        raise ConfigError("text_config: expected a JSON object")
+    merged = {k: v for k, v in config.items() if k not in ("text_config", "vision_config", "audio_config")}
+    merged.update(text)
+    if "architectures" in config:
+        merged["architectures"] = config["architectures"]
+    return merged
+
+
+def _first(c: dict[str, Any], names: tuple[str, ...]) -> tuple[str, Any]:
+    for name in names:
+        if c.get(name) is not None:
+            return name, c[name]
+    return names[0], None
+
+
+def _int(c: dict[str, Any], names: str | tuple[str, ...], default: int | None = None, *, minimum: int = 0) -> int:
+    """An integer field (first of several aliases that is present); missing with no default is an error."""
+    names = (names,) if isinstance(names, str) else names
+    name, value = _first(c, names)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"{name}: missing from config.json (model_type {c.get('model_type', '?')!r})")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _dtype(c: dict[str, Any], override: str | None) -> str:
+    raw = override if override is not None else c.get("torch_dtype", c.get("dtype"))
+    if raw is None:
+        raise ConfigError("torch_dtype: missing from config.json (no dtype given either)")
+    name = str(raw).removeprefix("torch.").lower()
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"torch_dtype: unknown dtype {raw!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    return name
+
+
+def _architecture(c: dict[str, Any]) -> str:
+    archs = c.get("architectures") or []
+    return str(archs[0]) if isinstance(archs, list) and archs else ""
+
+
+def _compress_ratios(c: dict[str, Any], total_layers: int) -> tuple[int, ...]:
+    """DeepSeek-V4's per-layer compression ratio, for the decoder layers and then the MTP layers."""
+    ratios = c.get("compress_ratios")
+    if ratios is None and isinstance(c.get("layer_types"), list):
+        rates = {**V4_LAYER_TYPE_DEFAULT_RATIO, **(c.get("compress_rates") or {})}
+        try:
+            ratios = [rates[t] for t in c["layer_types"]]
+        except KeyError as missing:
+            raise ConfigError(f"layer_types: unknown layer type {missing.args[0]!r}") from None
+    if ratios is None:
+        return (0,) * total_layers
+    if not isinstance(ratios, list) or not all(isinstance(r, int) and r >= 0 for r in ratios):
+        raise ConfigError("compress_ratios: expected a list of non-negative integers")
+    if len(ratios) < c["num_hidden_layers"]:
+        raise ConfigError(
+            f"compress_ratios: has {len(ratios)} entries for {c['num_hidden_layers']} layers"
+        )
+    # The published list may be longer than decoder + MTP layers (padding); layers past its end
+    # are window-only.
+    ratios = list(ratios[:total_layers]) + [0] * max(0, total_layers - len(ratios))
+    return tuple(ratios)
+
+
+def _is_moe_layer(c: dict[str, Any], layer: int, num_experts: int) -> bool:
+    """Whether decoder layer `layer` has a routed-expert MLP, DeepSeek and Qwen conventions."""
+    if num_experts == 0:
+        return False
+    if layer < _int(c, "first_k_dense_replace", 0):
+        return False
+    if layer % _int(c, "moe_layer_freq", 1, minimum=1) != 0:
+        return False
+    if layer in (c.get("mlp_only_layers") or []):
+        return False
+    return (layer + 1) % _int(c, "decoder_sparse_step", 1, minimum=1) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# the derivation
+
+
+def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str | None = None) -> ModelShapes:
+    """Shapes of the model a config.json describes, used as `role`.
+
+    role: "target" (a whole causal LM); "EAGLE" (EAGLE-1/2 head: fc over [embed; hidden] and its
+    decoder layer(s), sharing the target's embedding and lm_head); "EAGLE3" (fc over three target
+    hidden states, one decoder layer whose attention reads [embed; hidden] (2 * H wide), its own
+    lm_head over draft_vocab_size, sharing the target's embedding); "MTP" (the config's own
+    `num_nextn_predict_layers`, each a decoder layer plus its input projection, sharing embedding
+    and lm_head). None: "EAGLE3" when the architecture names Eagle3, else "target".
+    dtype: overrides the config's torch_dtype (a draft runs in its target's dtype).
+    """
+    c = _text_config(config)
+    arch = _architecture(c)
+    if role is None:
+        role = "EAGLE3" if "eagle3" in arch.lower() else "target"
+    if role not in ROLES:
+        raise ConfigError(f"role: unknown {role!r}; expected one of {', '.join(ROLES)}")
+    model_type = str(c.get("model_type") or "")
+    dtype_name = _dtype(c, dtype)
+    b = DTYPE_BYTES[dtype_name]
+
+    hidden = _int(c, ("hidden_size", "d_model", "n_embd", "dim"), minimum=1)
+    c["hidden_size"] = hidden
+    num_hidden_layers = _int(c, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"), minimum=1)
+    c["num_hidden_layers"] = num_hidden_layers
+    heads = _int(c, ("num_attention_heads", "n_head", "n_heads"), minimum=1)
+    kv_heads = _int(c, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), heads, minimum=1)
+    if heads % kv_heads:
+        raise ConfigError(f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}")
+    if c.get("head_dim") is not None:
+        head_dim = _int(c, "head_dim", minimum=1)
+    elif hidden % heads:
+        raise ConfigError(f"head_dim: missing and hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    else:
+        head_dim = hidden // heads
+    vocab = _int(c, ("vocab_size", "n_vocab"), minimum=1)
+    draft_vocab = _int(c, "draft_vocab_size", vocab, minimum=1)
+    hc_mult = _int(c, "hc_mult", 1, minimum=1)
+    nextn = _int(c, "num_nextn_predict_layers", 0)
+    tie = bool(c.get("tie_word_embeddings", False))
+
+    num_experts = _int(c, ("n_routed_experts", "num_experts", "num_local_experts"), 0)
+    if num_experts and c.get("moe_intermediate_size") is None:
+        # Mixtral-style configs name the per-expert width intermediate_size; no layer is dense.
+        moe_inter = _int(c, ("intermediate_size", "ffn_dim"), minimum=1)
+        intermediate = 0
+    else:
+        moe_inter = _int(c, "moe_intermediate_size", 0)
+        # All-MoE models (DeepSeek-V4) may ship no dense width; checked below against dense layers.
+        intermediate = _int(c, ("intermediate_size", "ffn_dim", "n_inner"), 0 if num_experts else None, minimum=1)
+    experts_per_tok = _int(c, ("num_experts_per_tok", "num_experts_per_token", "moe_topk"), 0)
+    if num_experts and not experts_per_tok:
+        raise ConfigError("num_experts_per_tok: missing for a mixture-of-experts model")
+    n_shared = _int(c, "n_shared_experts", 0)
+    shared_inter = n_shared * moe_inter if n_shared else _int(c, "shared_expert_intermediate_size", 0)
+
+    # attention kind and its dims
+    kv_lora = _int(c, "kv_lora_rank", 0)
+    q_lora = _int(c, "q_lora_rank", 0)
+    compressed = model_type.startswith("deepseek_v4") or "compress_ratios" in c or "compress_rates" in c
+    if compressed:
+        attention = "compressed"
+        rope_dim = _int(c, "qk_rope_head_dim", head_dim // 8)
+        nope_dim, v_dim = head_dim - rope_dim, head_dim
+    elif kv_lora:
+        attention = "mla"
+        rope_dim = _int(c, "qk_rope_head_dim", minimum=1)
+        nope_dim = _int(c, "qk_nope_head_dim", minimum=1)
+        v_dim = _int(c, "v_head_dim", nope_dim)
+    else:
+        attention = "gqa"
+        rope_dim = nope_dim = v_dim = 0
+    sliding_window = _int(c, "sliding_window", 0) if compressed else 0
+    index_head_dim = _int(c, "index_head_dim", 0) if compressed else 0
+
+    # Which layers this role runs: the decoder stack, a draft head's own layers, or the MTP layers
+    # that follow the decoder stack (indices num_hidden_layers .. +nextn).
+    if role == "MTP":
+        if nextn == 0:
+            raise ConfigError("num_nextn_predict_layers: 0, the model has no MTP layers to draft with")
+        layer_ids = range(num_hidden_layers, num_hidden_layers + nextn)
+    else:
+        layer_ids = range(num_hidden_layers)
+    ratios = _compress_ratios(c, num_hidden_layers + nextn) if compressed else ()
+
+    dims = _Dims(
+        c=c, model_type=model_type, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=intermediate, attention=attention, q_lora=q_lora, kv_lora=kv_lora,
+        rope_dim=rope_dim, nope_dim=nope_dim, v_dim=v_dim, index_head_dim=index_head_dim,
+        num_experts=num_experts, moe_inter=moe_inter, shared_inter=shared_inter, hc_mult=hc_mult,
+        ratios=ratios,
+    )
+    attn_input = 2 * hidden if role == "EAGLE3" else hidden
+    layers_params = sum(_decoder_layer_params(dims, i, attn_input) for i in layer_ids)
+    moe_layers = sum(_is_moe_layer(c, i, num_experts) for i in layer_ids)
+    if moe_layers < len(layer_ids) and not intermediate:
+        raise ConfigError("intermediate_size: missing, and the model has dense MLP layers")
+
+    embedding = vocab * hidden
+    lm_head = (draft_vocab if role == "EAGLE3" else vocab) * hidden
+    hc_head = hc_mult * hc_mult * hidden + hc_mult + 1 if hc_mult > 1 else 0
+    if role == "target":
+        params = embedding + (0 if tie else lm_head) + layers_params + hidden + hc_head
+    elif role == "EAGLE":
+        fc_bias = hidden if c.get("bias", False) else 0
+        params = 2 * hidden * hidden + fc_bias + layers_params
+        embedding = lm_head = 0
+    elif role == "EAGLE3":
+        params = EAGLE3_AUX_LAYERS * hidden * hidden + layers_params + hidden + lm_head
+        embedding = 0
+    else:  # MTP: per layer enorm + hnorm + projection of [embed; hidden] + its head norm
+        params = layers_params + len(layer_ids) * (3 * hidden + 2 * hidden * hidden + hc_head)
+        embedding = lm_head = 0
+
+    kv_per_token, kv_per_request = _kv_cache_bytes(dims, layer_ids, b, sliding_window)
+    return ModelShapes(
+        model_type=model_type,
+        architecture=arch,
+        role=role,
+        dtype=dtype_name,
+        dtype_bytes=b,
+        hidden_size=hidden,
+        hc_mult=hc_mult,
+        spec_hidden_size=hidden * hc_mult,
+        num_layers=len(layer_ids),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        tie_word_embeddings=tie,
+        max_position_embeddings=_int(c, ("max_position_embeddings", "n_positions", "seq_length"), 0),
+        attention=attention,
+        q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora,
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=nope_dim,
+        v_head_dim=v_dim,
+        sliding_window=sliding_window,
+        compress_ratios=tuple(ratios[i] for i in layer_ids) if compressed else (),
+        index_head_dim=index_head_dim,
+        num_routed_experts=num_experts,
+        num_experts_per_tok=experts_per_tok,
+        moe_intermediate_size=moe_inter,
+        num_shared_experts=n_shared,
+        shared_expert_intermediate_size=shared_inter,
+        num_moe_layers=moe_layers,
+        num_dense_layers=len(layer_ids) - moe_layers,
+        num_nextn_predict_layers=nextn,
+        embedding_params=embedding,
+        lm_head_params=0 if (role == "target" and tie) else lm_head,
+        num_params=params,
+        kv_cache_bytes_per_token=kv_per_token,
+        kv_cache_bytes_per_request=kv_per_request,
+        quantization=str((c.get("quantization_config") or {}).get("quant_method", "")),
+    )
+
+
+def derive_draft_shapes(
+    algorithm: str, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *, dtype: str
+) -> ModelShapes | None:
+    """The draft's shapes for `algorithm`, run in the target's `dtype`.
+
+    EAGLE / EAGLE3 need the head's own config; MTP uses the draft config when one is given (a
+    separate NextN checkpoint) and otherwise the target's own `num_nextn_predict_layers`.
+    """
+    if algorithm == "NONE":
+        return None
+    if algorithm in ("EAGLE", "EAGLE3"):
+        if draft_config is None:
+            raise ConfigError(f"draft: {algorithm} needs the draft head's config.json")
+        return derive_shapes(draft_config, role=algorithm, dtype=dtype)
+    if algorithm == "MTP":
+        return derive_shapes(draft_config if draft_config is not None else target_config, role="MTP", dtype=dtype)
+    raise ConfigError(f"algorithm: unknown {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+
+
+@dataclass(frozen=True)
+class _Dims:
+    c: dict[str, Any]
+    model_type: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    attention: str
+    q_lora: int
+    kv_lora: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+    index_head_dim: int
+    num_experts: int
+    moe_inter: int
+    shared_inter: int
+    hc_mult: int
+    ratios: tuple[int, ...]
+
+
+def _attention_params(d: _Dims, layer: int, attn_input: int) -> int:
+    """Attention weights of one layer; `attn_input` is the width q/k/v read (2H for EAGLE-3)."""
+    h, nh = d.hidden, d.heads
+    if d.attention == "gqa":
+        params = attn_input * nh * d.head_dim + 2 * attn_input * d.kv_heads * d.head_dim + nh * d.head_dim * h
+        if d.model_type in QKV_BIAS_MODEL_TYPES or d.c.get("attention_bias"):
+            params += nh * d.head_dim + 2 * d.kv_heads * d.head_dim
+        if d.model_type in QK_NORM_MODEL_TYPES:
+            params += 2 * d.head_dim
+        return params
+    if d.attention == "mla":
+        qk_dim = d.nope_dim + d.rope_dim
+        q = h * d.q_lora + d.q_lora + d.q_lora * nh * qk_dim if d.q_lora else h * nh * qk_dim
+        kv = h * (d.kv_lora + d.rope_dim) + d.kv_lora + d.kv_lora * nh * (d.nope_dim + d.v_dim)
+        return q + kv + nh * d.v_dim * h
+    # compressed (DeepSeek-V4): low-rank q, one shared K=V head, grouped low-rank output, sinks
+    hd = d.head_dim
+    o_groups = _int(d.c, "o_groups", 1, minimum=1)
+    o_lora = _int(d.c, "o_lora_rank", 1, minimum=1)
+    params = h * d.q_lora + d.q_lora + d.q_lora * nh * hd + h * hd + hd
+    params += nh * hd * o_lora + o_groups * o_lora * h + nh
+    ratio = d.ratios[layer] if layer < len(d.ratios) else 0
+    if ratio == V4_CSA_RATIO:
+        # CSA compressor: overlapping windows, so kv/gate project to 2 * head_dim; plus the indexer
+        ihd = d.index_head_dim
+        index_heads = _int(d.c, "index_n_heads", 1, minimum=1)
+        params += 2 * h * 2 * hd + ratio * 2 * hd + hd
+        params += 2 * h * 2 * ihd + ratio * 2 * ihd + ihd + d.q_lora * index_heads * ihd + h * index_heads
+    elif ratio > 0:
+        params += 2 * h * hd + ratio * hd + hd  # HCA compressor: kv, gate, position bias, norm
+    return params
+
+
+def _mlp_params(d: _Dims, layer: int) -> int:
+    h = d.hidden
+    if not _is_moe_layer(d.c, layer, d.num_experts):
+        return 3 * h * d.intermediate  # gated MLP: gate, up, down
+    params = d.num_experts * 3 * h * d.moe_inter + d.num_experts * h  # experts + router
+    if d.shared_inter:
+        params += 3 * h * d.shared_inter
+        if d.c.get("shared_expert_intermediate_size"):
+            params += h  # Qwen2-MoE's sigmoid gate on the shared expert
+    return params
+
+
+def _decoder_layer_params(d: _Dims, layer: int, attn_input: int) -> int:
+    params = _attention_params(d, layer, attn_input) + _mlp_params(d, layer)
+    params += 2 * d.hidden if attn_input == d.hidden else 3 * d.hidden  # norms (EAGLE-3 adds hidden_norm)
+    if d.hc_mult > 1:
+        # two hyper-connections (attention, MLP): pre (n) + post (n) + comb (n*n) mixing weights
+        # projected from the n * H stream, with their bias and three scales
+        mix = (2 + d.hc_mult) * d.hc_mult
+        params += 2 * (mix * d.hc_mult * d.hidden + mix + 3)
+    return params
+
+
+def _kv_cache_bytes(d: _Dims, layer_ids: range, dtype_bytes: int, sliding_window: int) -> tuple[int, int]:
+    """(bytes per token, fixed bytes per request) of the KV cache of `layer_ids`, before TP."""
+    n = len(layer_ids)
+    if d.attention == "gqa":
+        return 2 * n * d.kv_heads * d.head_dim * dtype_bytes, 0
+    if d.attention == "mla":
+        return n * (d.kv_lora + d.rope_dim) * dtype_bytes, 0
+    per_token = Fraction(0)
+    for layer in layer_ids:
+        ratio = d.ratios[layer]
+        if ratio:
+            width = d.head_dim + (d.index_head_dim if ratio == V4_CSA_RATIO else 0)
+            per_token += Fraction(width, ratio)
+    return math.ceil(per_token * dtype_bytes), n * sliding_window * d.head_dim * dtype_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# model paths: config.json and safetensors headers
+
+# A safetensors header larger than this is not a header: refuse it rather than read gigabytes.
+MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_weight_bytes(path: str | Path) -> int:
+    """Tensor payload bytes of one .safetensors file, from its header alone.
+
+    Format: 8-byte little-endian header length N, then N bytes of JSON mapping each tensor name to
+    {dtype, shape, data_offsets: [begin, end]} (plus an optional "__metadata__" entry).
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ConfigError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_SAFETENSORS_HEADER_BYTES:
+                raise ConfigError(f"{path}: safetensors header length {length} is implausible")
+            raw = f.read(length)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    if len(raw) < length:
+        raise ConfigError(f"{path}: safetensors header is truncated")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: safetensors header is not a JSON object")
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ConfigError(f"{path}: tensor {name!r} has no data_offsets") from None
+        total += int(end) - int(begin)
+    return total
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected {what}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read {what} ({err.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: {what} is not valid JSON ({err})") from None
+
+
+def load_model_path(path: str | Path) -> tuple[dict[str, Any], int | None]:
+    """(config dict, weight bytes or None) for a config.json file or a model directory.
+
+    A directory's weights come from safetensors headers: the shards a
+    `model.safetensors.index.json` lists (its `metadata.total_size` when the shards are not at
+    hand), else every `*.safetensors` file. None when the directory has no weights.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory")
+    if path.is_file():
+        config = _read_json(path, "config.json")
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return config, None
+    config = _read_json(path / "config.json", "config.json")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path / 'config.json'}: expected a JSON object")
+    index_path = path / SAFETENSORS_INDEX
+    if index_path.exists():
+        index = _read_json(index_path, SAFETENSORS_INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index_path}: has no weight_map")
+        shards = sorted(set(weight_map.values()))
+        if all((path / shard).is_file() for shard in shards):
+            return config, sum(safetensors_weight_bytes(path / shard) for shard in shards)
+        total = (index.get("metadata") or {}).get("total_size")
+        if isinstance(total, int) and total > 0:
+            return config, total
+        missing = next(shard for shard in shards if not (path / shard).is_file())
+        raise ConfigError(f"{path / missing}: shard listed in {SAFETENSORS_INDEX} is missing")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return config, None
+    return config, sum(safetensors_weight_bytes(f) for f in files)
+
+
+def shapes_to_dict(shapes: ModelShapes) -> dict[str, Any]:
+    """JSON-ready dict of every field (tuples as lists)."""
+    out = dataclasses.asdict(shapes)
+    out["compress_ratios"] = list(shapes.compress_ratios)
+    return out
