@@ -1,0 +1,82 @@
+"""KV memory: one preallocated pool per model and a slot table shared by target and draft.
+
+A *slot* is one token's worth of K/V in every layer of a pool. The target pool and the draft
+pool have the same number of slots and a committed token owns the same slot in both, so one
+allocator and one request->slots table serve both models. Slot 0 is never handed out: padded
+query rows write their K/V there, which keeps every batch a dense rectangle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_SLOT = 0
+
+
+class KVPool:
+    """K and V, each [num_layers, num_slots, num_kv_heads / tp_size, head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, tp_rank: int = 0, tp_size: int = 1):
+        if num_kv_heads % tp_size:
+            raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by tp_size={tp_size}")
+        local_heads = num_kv_heads // tp_size
+        # Zeros, not empty: padded rows read slot 0 and masked-out keys are multiplied by zero
+        # weights, so every slot must hold finite numbers from the start.
+        self.k = torch.zeros(num_layers, num_slots, local_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class SlotTable:
+    """Free-slot stack plus `req_to_slot` [max_running_requests, max_context_len]: row r holds the
+    committed slots of the request in row r, position by position."""
+
+    def __init__(self, num_slots: int, max_running_requests: int, max_context_len: int,
+                 device: torch.device | str):
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: need at least one slot beyond the padding slot")
+        self.num_slots = num_slots
+        self.max_context_len = max_context_len
+        # The stack holds every usable slot; the top `num_free` entries are free.
+        self._stack = torch.arange(num_slots - 1, 0, -1, dtype=torch.int64, device=device)
+        self.num_free = num_slots - 1
+        self.req_to_slot = torch.zeros(max_running_requests, max_context_len, dtype=torch.int64,
+                                       device=device)
+        self._free_rows = list(range(max_running_requests - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """n free slots [n] (a fresh tensor: later frees overwrite the stack region)."""
+        if n > self.num_free:
+            raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
+        self.num_free -= n
+        return self._stack[self.num_free:self.num_free + n].clone()
+
+    def free(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        if self.num_free + n > self.capacity:
+            raise RuntimeError("freeing more slots than were allocated")
+        self._stack[self.num_free:self.num_free + n] = slots.reshape(-1)
+        self.num_free += n
+
+    def alloc_row(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free request row: max_running_requests reached")
+        return self._free_rows.pop()
+
+    def free_row(self, row: int, length: int) -> None:
+        """Return a request's committed slots and its row."""
+        if length:
+            self.free(self.req_to_slot[row, :length])
+        self._free_rows.append(row)

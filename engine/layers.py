@@ -1,0 +1,209 @@
+"""Building blocks shared by the target and draft models.
+
+Linear layers and embeddings are tensor-parallel ready: each rank holds a slice of the full
+weight (column-parallel: a slice of output features; row-parallel: a slice of input features;
+vocab-parallel: a slice of vocabulary rows) and `load` cuts that slice out of the full
+checkpoint tensor. With tp_size = 1 (the only size wired today) no collective is needed; the
+places where a later issue adds all-reduce / all-gather are marked `TP:`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _shard_range(full: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
+    if full % tp_size:
+        raise ValueError(f"{what}={full} is not divisible by tp_size={tp_size}")
+    part = full // tp_size
+    return tp_rank * part, (tp_rank + 1) * part
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W [out_features / tp, in_features] on each rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.rows = _shard_range(out_features, tp_rank, tp_size, "out_features")
+        part = self.rows[1] - self.rows[0]
+        self.weight = nn.Parameter(torch.empty(part, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(part), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        _copy(getattr(self, name), full[self.rows[0]:self.rows[1]], name)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W [out_features, in_features / tp]; x arrives already sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.cols = _shard_range(in_features, tp_rank, tp_size, "in_features")
+        self.tp_rank = tp_rank
+        self.weight = nn.Parameter(torch.empty(out_features, self.cols[1] - self.cols[0]),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        # TP: all-reduce y across ranks here.
+        if self.bias is not None and self.tp_rank == 0:
+            y = y + self.bias
+        return y
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        _copy(getattr(self, name), full[:, self.cols[0]:self.cols[1]] if name == "weight" else full, name)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows [vocab / tp, H] are split across ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.rows = _shard_range(vocab_size, tp_rank, tp_size, "vocab_size")
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(torch.empty(self.rows[1] - self.rows[0], hidden_size),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows[0]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        # TP: all-reduce out across ranks here.
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        _copy(self.weight, full[self.rows[0]:self.rows[1]], "embedding")
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """lm_head split over vocabulary rows; each rank computes its logits slice.
+    TP: all-gather logits along the vocabulary."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(hidden_size, vocab_size, False, tp_rank, tp_size)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        _copy(self.weight, full, "norm weight")
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP; gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp_rank, tp_size)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2]; supports the llama3 frequency-dependent scaling and
+    linear scaling. Other rope types are refused rather than silently ignored."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_ff = float(scaling["low_freq_factor"])
+        high_ff = float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (beyond the original context) are slowed by `factor`, short ones kept,
+        # and the band in between is interpolated smoothly.
+        scaled = torch.where(wavelen > old_ctx / low_ff, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high_ff) & (wavelen <= old_ctx / low_ff)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in float32 (the two halves repeat)."""
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D]; cos/sin [..., D] broadcast over heads (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None:
+    """Load (name, full tensor) pairs into `module`. A layer with `load_param` cuts its
+    tensor-parallel shard itself; other parameters/buffers are copied whole. Every parameter must
+    be provided and every checkpoint name must be known (except names matching `ignore`
+    prefixes/suffixes); either mismatch is an error naming the tensors."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    params.update(dict(module.named_buffers()))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        if name not in params:
+            if not any(name.startswith(p) or name.endswith(p) for p in ignore):
+                unexpected.append(name)
+            continue
+        owner_path, _, pname = name.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        if hasattr(owner, "load_param"):
+            owner.load_param(pname, tensor)
+        else:
+            _copy(params[name], tensor, name)
+        loaded.add(name)
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors the model does not know: {sorted(unexpected)[:8]}")
+    shared = {id(p) for n, p in module.named_parameters() if n in loaded}
+    missing = [n for n, p in module.named_parameters(remove_duplicate=False)
+               if n not in loaded and id(p) not in shared]
+    persistent = module.state_dict().keys()
+    missing += [n for n, _ in module.named_buffers() if n not in loaded and n in persistent]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match "
+                         f"the model's {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))
