@@ -198,7 +198,7 @@ class ModelTerms:
     attention: str
     num_params: int
     weight_bytes: int
-    weight_source: str  # "safetensors" (headers of the checkpoint) or "shapes" (counted parameters)
+    weight_source: str  # "safetensors" (checkpoint headers), "shapes" (counted), "target checkpoint" (MTP)
     weight_bytes_per_gpu: int
     kv_cache_bytes_per_token: int  # whole model
     kv_cache_bytes_per_token_per_gpu: int
@@ -374,6 +374,14 @@ def _tp_refusal(shapes: ModelShapes, tp: int) -> str | None:
     return None
 
 
+def _weight_source(shapes: ModelShapes, weight_bytes: int | None) -> str:
+    if weight_bytes is None:
+        return "shapes"
+    if shapes.role == "MTP" and weight_bytes == 0:
+        return "target checkpoint"
+    return "safetensors"
+
+
 def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int) -> ModelTerms:
     weights = shapes.weight_bytes if weight_bytes is None else weight_bytes
     return ModelTerms(
@@ -391,7 +399,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int) -> Mode
         attention=shapes.attention,
         num_params=shapes.num_params,
         weight_bytes=weights,
-        weight_source="shapes" if weight_bytes is None else "safetensors",
+        weight_source=_weight_source(shapes, weight_bytes),
         weight_bytes_per_gpu=math.ceil(weights / tp),
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
@@ -440,9 +448,12 @@ def _memory_terms(
     )
 
 
-def _notes(target: ModelShapes, draft: ModelShapes | None, target_weight_bytes: int | None, limits: Limits) -> tuple[str, ...]:
+def _notes(
+    target: ModelShapes, draft: ModelShapes | None, target_weight_bytes: int | None,
+    draft_weight_bytes: int | None, limits: Limits,
+) -> tuple[str, ...]:
     notes = []
-    for shapes, weights in ((target, target_weight_bytes), (draft, None)):
+    for shapes, weights in ((target, target_weight_bytes), (draft, draft_weight_bytes)):
         if shapes is None:
             continue
         if shapes.quantization and weights is None:
@@ -450,6 +461,10 @@ def _notes(target: ModelShapes, draft: ModelShapes | None, target_weight_bytes: 
                 f"{shapes.role} checkpoint is quantized ({shapes.quantization}); weights counted at "
                 f"{shapes.dtype}, give the model directory for its real size"
             )
+    if draft is not None and draft.role == "MTP" and draft_weight_bytes == 0:
+        notes.append("MTP layers' weights are in the target checkpoint and counted there")
+    if target.has_vision_tower and target_weight_bytes is None:
+        notes.append("vision tower weights are not counted from shapes; give the model directory for them")
     if target.max_position_embeddings and limits.context_length > target.max_position_embeddings:
         notes.append(
             f"context_length {limits.context_length} exceeds the target's max_position_embeddings "
@@ -521,19 +536,25 @@ def plan(
                 buffers=buffers,
                 memory_per_gpu=memory,
                 cuda_graph_batch_sizes=cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
-                notes=_notes(target, draft, target_weight_bytes, limits),
+                notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits),
             )
     if last is None:
         raise PlanError("InvalidTensorParallel", "no tensor-parallel size fits the heads: " + "; ".join(refusals))
     tp, memory = last
     fixed = memory.gpu_memory_bytes - memory.kv_cache_budget_bytes
     needed = fixed + required * memory.kv_cache_bytes_per_token
+    hint = ""
+    if target.quantization and target_weight_bytes is None:
+        hint = (
+            f"; weights were counted at {target.dtype} but the checkpoint is {target.quantization}: "
+            "give the model directory to read its real size"
+        )
     raise PlanError(
         "InsufficientGPUMemory",
-        f"does not fit on {min(gpus_per_node, tp)} x {gpu.name}: at TP {tp} each GPU needs "
+        f"does not fit on {tp} x {gpu.name}: at TP {tp} each GPU needs "
         f"{needed / GIB:.1f} GiB (weights {memory.weight_bytes / GIB:.1f} GiB + other fixed "
         f"{(fixed - memory.weight_bytes) / GIB:.1f} GiB + KV {required} tokens x "
-        f"{memory.kv_cache_bytes_per_token} B) but has {memory.gpu_memory_bytes / GIB:.1f} GiB",
+        f"{memory.kv_cache_bytes_per_token} B) but has {memory.gpu_memory_bytes / GIB:.1f} GiB{hint}",
     )
 
 
@@ -552,7 +573,9 @@ def plan_from_configs(
     target = derive_shapes(target_config, role="target")
     draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype)
     if spec.algorithm == "MTP" and draft_config is None:
-        draft_weight_bytes = None  # the target's checkpoint holds the MTP layers, not a draft file
+        # The MTP layers ship inside the target checkpoint: with its headers read they are already
+        # in target_weight_bytes; without them they are counted from the shapes.
+        draft_weight_bytes = 0 if target_weight_bytes is not None else None
     return plan(
         target, draft, spec, gpu, limits,
         target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,

@@ -129,6 +129,7 @@ class ModelShapes:
     kv_cache_bytes_per_token: int  # whole model, before tensor parallelism
     kv_cache_bytes_per_request: int  # fixed per running request (sliding windows), before TP
     quantization: str  # quant_method of the checkpoint, "" when unquantized
+    has_vision_tower: bool  # a multimodal checkpoint; its vision encoder is not in num_params
 
     @property
     def weight_bytes(self) -> int:
@@ -428,6 +429,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         kv_cache_bytes_per_token=kv_per_token,
         kv_cache_bytes_per_request=kv_per_request,
         quantization=str((c.get("quantization_config") or {}).get("quant_method", "")),
+        has_vision_tower=isinstance(config.get("vision_config"), dict),
     )
 
 
