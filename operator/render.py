@@ -1,0 +1,350 @@
+"""SpecDecodeDeployment + memory plan -> the engine's ConfigMap, Deployment and Service (pure).
+
+Nothing here talks to the cluster: `render_children` returns plain dicts ready for server-side
+apply, so every rendering rule is a unit test away.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+GROUP = "specdeploy.dev"
+VERSION = "v1alpha1"
+PLURAL = "specdecodedeployments"
+KIND = "SpecDecodeDeployment"
+
+PAUSED_ANNOTATION = f"{GROUP}/paused"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+
+MANAGED_BY = "specdeploy-operator"
+ENGINE_APP_NAME = "specdeploy-engine"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+
+ENGINE_CONTAINER = "engine"
+ENGINE_PORT = 8000
+ENGINE_PORT_NAME = "http"
+CONFIG_MOUNT_PATH = "/etc/specdeploy"
+PLAN_PATH = f"{CONFIG_MOUNT_PATH}/plan.json"
+MODEL_CACHE_PATH = "/var/cache/huggingface"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+# Loading weights from a hub and capturing CUDA graphs can take many minutes before /health
+# answers; liveness must not kill the pod meanwhile. 10 s x 180 = 30 minutes of grace.
+STARTUP_PROBE_PERIOD_S = 10
+STARTUP_PROBE_FAILURES = 180
+# Give the Service's endpoints time to drop a terminating pod before the engine stops accepting.
+PRE_STOP_SLEEP_S = 5
+DEFAULT_TERMINATION_GRACE_S = 120
+CONFIG_HASH_CHARS = 16
+
+
+@dataclass(frozen=True)
+class PlannedEngine:
+    """Everything the planning step decided, which the manifests are rendered from."""
+
+    plan: dict[str, Any]  # Plan.to_dict(): the same JSON as `specdeploy plan --json`
+    tensor_parallel_size: int
+    gpu_product_label: str  # value of the nodes' nvidia.com/gpu.product label
+    target_config: dict[str, Any]
+    draft_config: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """Operator-wide settings a resource may leave unset."""
+
+    image: str
+    hub_endpoint: str
+
+
+@dataclass(frozen=True)
+class Children:
+    config_map: dict[str, Any]
+    deployment: dict[str, Any]
+    service: dict[str, Any]
+    config_hash: str
+
+    def all(self) -> list[dict[str, Any]]:
+        # ConfigMap first: the Deployment's pods mount it.
+        return [self.config_map, self.deployment, self.service]
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The engine pods of one resource; immutable in a Deployment, so it never changes."""
+    return {LABEL_NAME: ENGINE_APP_NAME, LABEL_INSTANCE: name}
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        LABEL_COMPONENT: "engine",
+        LABEL_PART_OF: "specdeploy",
+        LABEL_MANAGED_BY: MANAGED_BY,
+    }
+
+
+def deployment_name(name: str) -> str:
+    return name
+
+
+def service_name(name: str) -> str:
+    return name
+
+
+def config_map_name(name: str) -> str:
+    # Suffixed so that it cannot collide with a user's ConfigMap named after the resource
+    # (e.g. the one a configMapRef points at).
+    return f"{name}-engine"
+
+
+def is_paused(meta: dict[str, Any]) -> bool:
+    return (meta.get("annotations") or {}).get(PAUSED_ANNOTATION, "").lower() == "true"
+
+
+def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec's engine settings with the CRD defaults filled in (objects created before a
+    default existed, or rendered in tests, may lack them)."""
+    engine = spec.get("engine") or {}
+    speculative = spec["speculative"]
+    algorithm = speculative["algorithm"]
+    num_steps = speculative.get("numSteps", 3)
+    topk = speculative.get("topk", 1)
+    settings: dict[str, Any] = {
+        "target": spec["target"]["model"],
+        "target_revision": spec["target"].get("revision", "main"),
+        "algorithm": algorithm,
+        "max_running_requests": engine.get("maxRunningRequests", 32),
+        "cuda_graph_max_batch_size": engine.get(
+            "cudaGraphMaxBatchSize", engine.get("maxRunningRequests", 32)
+        ),
+        "context_length": engine.get("contextLength", 8192),
+    }
+    if algorithm != "NONE":
+        settings.update(
+            num_steps=num_steps,
+            topk=topk,
+            num_draft_tokens=speculative.get("numDraftTokens", num_steps + 1),
+        )
+    if engine.get("dtype"):
+        settings["dtype"] = engine["dtype"]
+    if spec.get("draft"):
+        settings["draft"] = spec["draft"]["model"]
+        settings["draft_revision"] = spec["draft"].get("revision", "main")
+    return settings
+
+
+def engine_args(settings: dict[str, Any]) -> list[str]:
+    """Arguments of `specdeploy engine serve` (the server's command-line contract)."""
+    args = ["--target", settings["target"]]
+    if "draft" in settings:
+        args += ["--draft", settings["draft"]]
+    args += ["--algorithm", settings["algorithm"]]
+    if settings["algorithm"] != "NONE":
+        args += [
+            "--num-steps", str(settings["num_steps"]),
+            "--topk", str(settings["topk"]),
+            "--num-draft-tokens", str(settings["num_draft_tokens"]),
+        ]
+    args += ["--plan", PLAN_PATH]
+    if "dtype" in settings:
+        args += ["--dtype", settings["dtype"]]
+    args += [
+        "--max-running-requests", str(settings["max_running_requests"]),
+        "--context-length", str(settings["context_length"]),
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+    ]
+    return args
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def config_hash(config_map_data: dict[str, str], pod_inputs: dict[str, Any]) -> str:
+    """Hash of everything the engine reads at start-up. Stamped on the pod template so that a
+    changed plan or config rolls the pods even when the container spec itself is unchanged."""
+    digest = hashlib.sha256(_canonical_json([config_map_data, pod_inputs]).encode())
+    return digest.hexdigest()[:CONFIG_HASH_CHARS]
+
+
+def _engine_env(spec: dict[str, Any], hub_endpoint: str) -> list[dict[str, Any]]:
+    env: dict[str, dict[str, Any]] = {
+        "HF_ENDPOINT": {"name": "HF_ENDPOINT", "value": hub_endpoint},
+        "HF_HOME": {"name": "HF_HOME", "value": MODEL_CACHE_PATH},
+    }
+    token_ref = (spec.get("hub") or {}).get("tokenSecretRef")
+    if token_ref:
+        env["HF_TOKEN"] = {
+            "name": "HF_TOKEN",
+            "valueFrom": {
+                "secretKeyRef": {"name": token_ref["name"], "key": token_ref.get("key", "token")}
+            },
+        }
+    # The user's variables win by name: server-side apply rejects duplicate names.
+    for var in (spec.get("engine") or {}).get("env") or []:
+        env[var["name"]] = copy.deepcopy(var)
+    return list(env.values())
+
+
+def _engine_resources(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
+    user = (spec.get("engine") or {}).get("resources") or {}
+    requests = {k: v for k, v in (user.get("requests") or {}).items() if k != GPU_RESOURCE}
+    limits = {k: v for k, v in (user.get("limits") or {}).items() if k != GPU_RESOURCE}
+    # Extended resources must have requests == limits; the plan, not the user, decides the count.
+    requests[GPU_RESOURCE] = gpus
+    limits[GPU_RESOURCE] = gpus
+    return {"requests": requests, "limits": limits}
+
+
+def _http_probe(path: str, period_s: int, failures: int, timeout_s: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": ENGINE_PORT_NAME},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout_s,
+    }
+
+
+def render_children(
+    sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDefaults
+) -> Children:
+    """The engine's ConfigMap, Deployment and Service for one SpecDecodeDeployment."""
+    meta, spec = sdd["metadata"], sdd["spec"]
+    name, namespace = meta["name"], meta["namespace"]
+    engine = spec.get("engine") or {}
+    hub_endpoint = (spec.get("hub") or {}).get("endpoint") or defaults.hub_endpoint
+    image = engine.get("image") or defaults.image
+    settings = engine_settings(spec)
+    labels = common_labels(name)
+
+    config_map_data = {
+        "plan.json": json.dumps(planned.plan, indent=2, sort_keys=True) + "\n",
+        "engine.json": json.dumps(
+            {**settings, "tensor_parallel_size": planned.tensor_parallel_size, "image": image},
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n",
+    }
+    container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": image,
+        "command": ["specdeploy", "engine", "serve"],
+        "args": engine_args(settings),
+        "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _engine_env(spec, hub_endpoint),
+        "resources": _engine_resources(spec, planned.tensor_parallel_size),
+        "startupProbe": _http_probe("/health", STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
+        "livenessProbe": _http_probe("/health", 10, 3),
+        "readinessProbe": _http_probe("/ready", 5, 3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_S}}},
+        "volumeMounts": [
+            {"name": "engine-config", "mountPath": CONFIG_MOUNT_PATH, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": MODEL_CACHE_PATH},
+        ],
+    }
+    if engine.get("imagePullPolicy"):
+        container["imagePullPolicy"] = engine["imagePullPolicy"]
+    hash_value = config_hash(config_map_data, {"image": image, "args": container["args"]})
+
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": config_map_name(name), "labels": dict(labels)},
+        "data": config_map_data,
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(name),
+            "labels": dict(labels),
+            "annotations": {CONFIG_HASH_ANNOTATION: hash_value},
+        },
+        "spec": {
+            "replicas": spec.get("replicas", 1),
+            "selector": {"matchLabels": selector_labels(name)},
+            # One replica holds whole GPUs; surge would need spare ones. Replace in place instead.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "template": {
+                "metadata": {
+                    "labels": dict(labels),
+                    "annotations": {CONFIG_HASH_ANNOTATION: hash_value},
+                },
+                "spec": {
+                    "containers": [container],
+                    "terminationGracePeriodSeconds": engine.get(
+                        "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S
+                    ),
+                    "enableServiceLinks": False,
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": GPU_PRODUCT_LABEL,
+                                                "operator": "In",
+                                                "values": [planned.gpu_product_label],
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                    "tolerations": [
+                        {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+                    ],
+                    "volumes": [
+                        {"name": "engine-config", "configMap": {"name": config_map_name(name)}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                        {"name": "model-cache", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service_name(name), "labels": dict(labels)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {
+                    "name": ENGINE_PORT_NAME,
+                    "port": ENGINE_PORT,
+                    "targetPort": ENGINE_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+    children = [config_map, deployment, service]
+    # Owner references (controller=true) make the garbage collector delete the children with the
+    # resource, and let a restarted operator recognise them as its own.
+    kopf.adopt(children, owner=sdd)
+    for child in children:
+        # adopt() copies the owner's labels without overwriting; ours must win.
+        child["metadata"]["labels"].update(labels)
+        child["metadata"]["namespace"] = namespace
+    return Children(config_map, deployment, service, hash_value)

@@ -1,0 +1,288 @@
+"""Status of a SpecDecodeDeployment as pure functions of (current status, what just happened).
+
+Conditions (each with reason, message, lastTransitionTime, observedGeneration):
+  PlanReady    the configs were read and the plan fits (False: the reason says why not)
+  Progressing  the engine Deployment is rolling out the current spec
+  Ready        every replica of the current spec is ready to serve
+  Degraded     something that served or should serve is not well (failed rollout, lost replicas,
+               or a transient failure while the previous spec keeps serving)
+
+Phase, one word for humans: Pending (waiting to retry a transient failure), Planning, Deploying,
+Ready, Failed (the spec cannot be served as written), Paused.
+
+lastTransitionTime moves only when a condition's status flips, as Kubernetes API conventions ask.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timezone
+from typing import Any
+
+from specdeploy.operator.render import CONFIG_HASH_ANNOTATION
+
+PLAN_READY = "PlanReady"
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (PLAN_READY, READY, PROGRESSING, DEGRADED)
+
+PHASE_PENDING = "Pending"
+PHASE_PLANNING = "Planning"
+PHASE_DEPLOYING = "Deploying"
+PHASE_READY = "Ready"
+PHASE_FAILED = "Failed"
+PHASE_PAUSED = "Paused"
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def camel_case(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def camelize(value: Any) -> Any:
+    """snake_case keys of the plan JSON -> camelCase, as Kubernetes status fields are spelled."""
+    if isinstance(value, dict):
+        return {camel_case(str(k)): camelize(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [camelize(v) for v in value]
+    return value
+
+
+
+
+def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """`status.plan`: the plan JSON in camelCase, plus two headline totals per replica.
+
+    weightBytes and kvBytesPerToken sum target and draft over the whole model (before tensor
+    parallelism); the per-model and per-GPU terms stay under target, draft and memoryPerGpu.
+    """
+    result = camelize(plan)
+    models = [m for m in (result.get("target"), result.get("draft")) if m]
+    result["weightBytes"] = sum(int(m.get("weightBytes") or 0) for m in models)
+    result["kvBytesPerToken"] = sum(int(m.get("kvCacheBytesPerToken") or 0) for m in models)
+    return result
+
+
+def get_condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == type_:
+            return condition
+    return None
+
+
+def set_condition(
+    status: dict[str, Any],
+    type_: str,
+    value: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+) -> None:
+    """Insert or update one condition in `status` (in place), keeping the others' order."""
+    conditions = status.setdefault("conditions", [])
+    new_status = "True" if value else "False"
+    old = get_condition(status, type_)
+    entry = {
+        "type": type_,
+        "status": new_status,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": (
+            old["lastTransitionTime"]
+            if old and old.get("status") == new_status and old.get("lastTransitionTime")
+            else now
+        ),
+    }
+    if old is None:
+        conditions.append(entry)
+    else:
+        conditions[conditions.index(old)] = entry
+    conditions.sort(key=lambda c: CONDITION_TYPES.index(c["type"]) if c["type"] in CONDITION_TYPES else 99)
+
+
+def _base(current: dict[str, Any] | None) -> dict[str, Any]:
+    status = copy.deepcopy(current or {})
+    status.pop("kopf", None)  # kopf's own bookkeeping is not ours to rewrite
+    return status
+
+
+def planning(current: dict[str, Any] | None, *, generation: int, now: str) -> dict[str, Any]:
+    """Reconciling a new generation has begun."""
+    status = _base(current)
+    if status.get("phase") != PHASE_READY or status.get("observedGeneration") != generation:
+        status["phase"] = PHASE_PLANNING
+    return status
+
+
+def plan_ready(
+    current: dict[str, Any] | None,
+    *,
+    generation: int,
+    plan: dict[str, Any],
+    config_hash: str,
+    message: str,
+    now: str,
+) -> dict[str, Any]:
+    status = _base(current)
+    status["observedGeneration"] = generation
+    status["plan"] = status_plan(plan)
+    status["configHash"] = config_hash
+    status.pop("message", None)
+    set_condition(status, PLAN_READY, True, "Planned", message, generation=generation, now=now)
+    return status
+
+
+def plan_failed(
+    current: dict[str, Any] | None,
+    *,
+    generation: int,
+    reason: str,
+    message: str,
+    transient: bool,
+    engine_kept: bool,
+    now: str,
+) -> dict[str, Any]:
+    """The configs could not be read or the plan does not fit.
+
+    Permanent failures (the spec must change) leave no engine: the status drops the old plan and
+    serving figures. Transient ones keep whatever serves the previous spec and retry.
+    """
+    status = _base(current)
+    status["observedGeneration"] = generation
+    status["message"] = message
+    set_condition(status, PLAN_READY, False, reason, message, generation=generation, now=now)
+    if transient and engine_kept:
+        status["phase"] = PHASE_PENDING
+        set_condition(
+            status, DEGRADED, True, reason,
+            f"serving the previous spec until this is resolved: {message}",
+            generation=generation, now=now,
+        )
+        return status
+    status["phase"] = PHASE_PENDING if transient else PHASE_FAILED
+    if not transient:
+        status.pop("plan", None)
+        status.pop("configHash", None)
+        status["serving"] = {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+    no_engine = "no engine is deployed: " + message
+    set_condition(status, READY, False, reason, no_engine, generation=generation, now=now)
+    set_condition(status, PROGRESSING, False, reason, no_engine, generation=generation, now=now)
+    set_condition(status, DEGRADED, False, reason, no_engine, generation=generation, now=now)
+    return status
+
+
+def paused(current: dict[str, Any] | None, *, generation: int, now: str) -> dict[str, Any]:
+    status = _base(current)
+    status["phase"] = PHASE_PAUSED
+    status["message"] = "reconciliation paused by the specdeploy.dev/paused annotation"
+    return status
+
+
+def rollout(deployment: dict[str, Any]) -> dict[str, Any]:
+    """Where a Deployment's rollout stands, read as `kubectl rollout status` does."""
+    spec, st = deployment.get("spec") or {}, deployment.get("status") or {}
+    wanted = spec.get("replicas", 1)
+    observed = st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+    updated = st.get("updatedReplicas", 0)
+    total = st.get("replicas", 0)
+    available = st.get("availableReplicas", 0)
+    ready = st.get("readyReplicas", 0)
+    deadline_exceeded = any(
+        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in st.get("conditions") or []
+    )
+    replica_failure = next(
+        (c for c in st.get("conditions") or []
+         if c.get("type") == "ReplicaFailure" and c.get("status") == "True"),
+        None,
+    )
+    complete = observed and updated >= wanted and total == updated and available >= updated
+    return {
+        "wanted": wanted,
+        "replicas": total,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "availableReplicas": available,
+        "complete": complete,
+        "deadlineExceeded": deadline_exceeded,
+        "replicaFailure": (replica_failure or {}).get("message"),
+        "configHash": (deployment["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION),
+    }
+
+
+def serving(
+    current: dict[str, Any] | None,
+    deployment: dict[str, Any] | None,
+    *,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    """Fold the engine Deployment's state into the status.
+
+    Counts are always refreshed. Ready/Progressing/Degraded and the phase follow the Deployment
+    only while the current spec has a plan (PlanReady=True) and the resource is not paused: a
+    failed plan's conditions stay as plan_failed wrote them.
+    """
+    status = _base(current)
+    serving_status = {
+        k: v for k, v in (status.get("serving") or {}).items()
+        if k in ("meanAcceptLength", "tokensPerSecond")
+    }
+    plan_condition = get_condition(status, PLAN_READY)
+    planned = (
+        plan_condition is not None
+        and plan_condition["status"] == "True"
+        and status.get("observedGeneration") == generation
+    )
+    if deployment is None:
+        status["serving"] = {**serving_status, "replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+        if planned and status.get("phase") != PHASE_PAUSED:
+            set_condition(status, READY, False, "DeploymentMissing", "the engine Deployment does not exist yet", generation=generation, now=now)
+            set_condition(status, PROGRESSING, True, "DeploymentMissing", "waiting for the engine Deployment", generation=generation, now=now)
+            status["phase"] = PHASE_DEPLOYING
+        return status
+
+    r = rollout(deployment)
+    status["serving"] = {
+        **serving_status,
+        "deployment": deployment["metadata"]["name"],
+        "replicas": r["replicas"],
+        "readyReplicas": r["readyReplicas"],
+        "updatedReplicas": r["updatedReplicas"],
+    }
+    if not planned or status.get("phase") == PHASE_PAUSED:
+        return status
+
+    current_spec = r["configHash"] is not None and r["configHash"] == status.get("configHash")
+    counts = f"{r['readyReplicas']}/{r['wanted']} replicas ready, {r['updatedReplicas']} updated"
+    if not current_spec:
+        set_condition(status, READY, False, "RolloutPending", "the Deployment does not carry the current spec yet", generation=generation, now=now)
+        set_condition(status, PROGRESSING, True, "RolloutPending", "applying the current spec", generation=generation, now=now)
+        status["phase"] = PHASE_DEPLOYING
+        return status
+
+    ready = r["complete"] and r["readyReplicas"] >= r["wanted"]
+    if ready:
+        set_condition(status, READY, True, "AllReplicasReady", counts, generation=generation, now=now)
+        set_condition(status, PROGRESSING, False, "RolloutComplete", counts, generation=generation, now=now)
+    else:
+        set_condition(status, READY, False, "ReplicasNotReady", counts, generation=generation, now=now)
+        set_condition(status, PROGRESSING, not r["deadlineExceeded"], "RollingOut" if not r["deadlineExceeded"] else "ProgressDeadlineExceeded", counts, generation=generation, now=now)
+
+    if r["deadlineExceeded"]:
+        set_condition(status, DEGRADED, True, "ProgressDeadlineExceeded", f"rollout stalled: {counts}", generation=generation, now=now)
+    elif r["replicaFailure"]:
+        set_condition(status, DEGRADED, True, "ReplicaFailure", r["replicaFailure"], generation=generation, now=now)
+    elif r["complete"] and r["readyReplicas"] < r["wanted"]:
+        set_condition(status, DEGRADED, True, "ReplicasUnavailable", counts, generation=generation, now=now)
+    else:
+        set_condition(status, DEGRADED, False, "AsExpected", counts, generation=generation, now=now)
+    status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
+    return status

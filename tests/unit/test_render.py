@@ -1,0 +1,232 @@
+"""Rendering the engine's children from a SpecDecodeDeployment and its plan (pure, no cluster)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdeploy.operator import render
+from specdeploy.operator.planning import PlanningError, plan_engine, plan_summary
+
+CONFIGS = Path(__file__).parent / "configs"
+DEFAULTS = render.EngineDefaults(image="registry.local/specdeploy-engine:test", hub_endpoint="https://hub.local")
+
+
+def config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def make_sdd(**spec_overrides) -> dict:
+    spec = {
+        "target": {"model": "meta-llama/Llama-3.3-70B-Instruct", "revision": "main"},
+        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "revision": "main"},
+        "speculative": {"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
+        "engine": {"maxRunningRequests": 32, "contextLength": 8192},
+        "gpu": {"product": "h200", "perNode": 8},
+        "replicas": 2,
+    }
+    spec.update(spec_overrides)
+    return {
+        "apiVersion": "specdeploy.dev/v1alpha1",
+        "kind": "SpecDecodeDeployment",
+        "metadata": {"name": "llama70b", "namespace": "serving", "uid": "0000-uid", "generation": 1},
+        "spec": spec,
+    }
+
+
+def planned_for(sdd: dict, target="llama-3.3-70b-instruct", draft="eagle3-llama3.1-instruct-8b"):
+    return plan_engine(sdd["spec"], config(target), config(draft) if draft else None)
+
+
+@pytest.fixture
+def sdd():
+    return make_sdd()
+
+
+@pytest.fixture
+def children(sdd):
+    return render.render_children(sdd, planned_for(sdd), DEFAULTS)
+
+
+def engine_container(children):
+    return children.deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_gpu_request_equals_tensor_parallel_size(sdd, children):
+    planned = planned_for(sdd)
+    assert planned.tensor_parallel_size == 2  # 70B bf16 + EAGLE-3 head does not fit one H200
+    resources = engine_container(children)["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == 2
+    assert resources["limits"]["nvidia.com/gpu"] == 2
+
+
+def test_user_cannot_override_gpu_count_but_keeps_cpu_and_memory():
+    sdd = make_sdd(engine={"resources": {"requests": {"cpu": "8", "nvidia.com/gpu": 1}, "limits": {"memory": "200Gi"}}})
+    container = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "nvidia.com/gpu": 2},
+        "limits": {"memory": "200Gi", "nvidia.com/gpu": 2},
+    }
+
+
+def test_engine_command_line(children):
+    container = engine_container(children)
+    assert container["command"] == ["specdeploy", "engine", "serve"]
+    assert container["args"] == [
+        "--target", "meta-llama/Llama-3.3-70B-Instruct",
+        "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "--algorithm", "EAGLE3",
+        "--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4",
+        "--plan", "/etc/specdeploy/plan.json",
+        "--max-running-requests", "32",
+        "--context-length", "8192",
+        "--host", "0.0.0.0", "--port", "8000",
+    ]
+    assert container["image"] == DEFAULTS.image
+
+
+def test_none_algorithm_has_no_draft_arguments():
+    sdd = make_sdd(speculative={"algorithm": "NONE"}, engine={"dtype": "bfloat16"})
+    del sdd["spec"]["draft"]
+    args = engine_container(render.render_children(sdd, planned_for(sdd, draft=None), DEFAULTS))["args"]
+    assert "--draft" not in args and "--num-steps" not in args
+    assert args[args.index("--algorithm") + 1] == "NONE"
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+
+
+def test_probes_and_port(children):
+    container = engine_container(children)
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    # Model load + CUDA-graph capture: at least 20 minutes before liveness may kill the pod.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    service_port = children.service["spec"]["ports"][0]
+    assert (service_port["name"], service_port["port"], service_port["targetPort"]) == ("http", 8000, "http")
+
+
+def test_scheduling_on_the_planned_gpu_product(children):
+    pod = children.deployment["spec"]["template"]["spec"]
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"] == [
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}
+    ]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["terminationGracePeriodSeconds"] == 120
+
+
+def test_config_map_holds_plan_and_engine_settings_and_is_mounted(sdd, children):
+    data = children.config_map["data"]
+    assert json.loads(data["plan.json"]) == planned_for(sdd).plan
+    engine = json.loads(data["engine.json"])
+    assert engine["tensor_parallel_size"] == 2 and engine["target_revision"] == "main"
+    pod = children.deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["engine-config"]["configMap"]["name"] == children.config_map["metadata"]["name"] == "llama70b-engine"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["engine-config"] == "/etc/specdeploy" and mounts["dshm"] == "/dev/shm"
+
+
+def test_owner_references_labels_and_namespace(children):
+    for child in children.all():
+        meta = child["metadata"]
+        assert meta["namespace"] == "serving"
+        (owner,) = meta["ownerReferences"]
+        assert owner["uid"] == "0000-uid" and owner["kind"] == "SpecDecodeDeployment"
+        assert owner["controller"] is True and owner["blockOwnerDeletion"] is True
+        assert meta["labels"]["app.kubernetes.io/instance"] == "llama70b"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "specdeploy-operator"
+    selector = children.deployment["spec"]["selector"]["matchLabels"]
+    template_labels = children.deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= template_labels.items()
+    assert children.service["spec"]["selector"] == selector
+    assert children.deployment["spec"]["replicas"] == 2
+
+
+def test_owner_labels_do_not_override_ours():
+    sdd = make_sdd()
+    sdd["metadata"]["labels"] = {"app.kubernetes.io/name": "mine", "team": "a"}
+    children = render.render_children(sdd, planned_for(sdd), DEFAULTS)
+    labels = children.deployment["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "specdeploy-engine" and labels["team"] == "a"
+
+
+def test_hash_annotation_changes_with_the_spec_and_only_then(sdd, children):
+    template_hash = children.deployment["spec"]["template"]["metadata"]["annotations"]["specdeploy.dev/config-hash"]
+    assert template_hash == children.config_hash
+    again = render.render_children(copy.deepcopy(sdd), planned_for(sdd), DEFAULTS)
+    assert again.config_hash == children.config_hash
+
+    more_requests = make_sdd(engine={"maxRunningRequests": 64, "contextLength": 8192})
+    assert render.render_children(more_requests, planned_for(more_requests), DEFAULTS).config_hash != children.config_hash
+    new_image = make_sdd(engine={"maxRunningRequests": 32, "contextLength": 8192, "image": "other:1"})
+    assert render.render_children(new_image, planned_for(new_image), DEFAULTS).config_hash != children.config_hash
+    # Replicas scale the same pods; they must not roll them.
+    scaled = make_sdd(replicas=5)
+    assert render.render_children(scaled, planned_for(scaled), DEFAULTS).config_hash == children.config_hash
+
+
+def test_hub_token_and_user_env():
+    sdd = make_sdd(
+        hub={"endpoint": "https://mirror.local", "tokenSecretRef": {"name": "hf", "key": "t"}},
+        engine={"env": [{"name": "HF_HOME", "value": "/models"}, {"name": "LOG_LEVEL", "value": "debug"}]},
+    )
+    env = {e["name"]: e for e in engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["env"]}
+    assert env["HF_ENDPOINT"]["value"] == "https://mirror.local"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "t"}
+    assert env["HF_HOME"]["value"] == "/models"  # the user's value wins, once
+    assert env["LOG_LEVEL"]["value"] == "debug"
+
+
+def test_paused_annotation():
+    assert render.is_paused({"annotations": {"specdeploy.dev/paused": "true"}})
+    assert render.is_paused({"annotations": {"specdeploy.dev/paused": "True"}})
+    assert not render.is_paused({"annotations": {"specdeploy.dev/paused": "false"}})
+    assert not render.is_paused({})
+
+
+def test_unfittable_plan_is_refused_with_the_numbers():
+    sdd = make_sdd(gpu={"product": "h100", "perNode": 1})
+    with pytest.raises(PlanningError) as err:
+        planned_for(sdd)
+    assert err.value.reason == "InsufficientGPUMemory"
+    assert "GiB" in err.value.message and "h100" in err.value.message
+
+
+def test_invalid_config_names_the_model_and_field():
+    sdd = make_sdd()
+    broken = config("eagle3-llama3.1-instruct-8b")
+    del broken["hidden_size"]
+    with pytest.raises(PlanningError) as err:
+        plan_engine(sdd["spec"], config("llama-3.3-70b-instruct"), broken)
+    assert err.value.reason == "ConfigInvalid"
+    assert err.value.message.startswith("spec.draft config.json:")
+    assert "hidden_size" in err.value.message
+
+
+def test_memory_override_keeps_the_product_label():
+    sdd = make_sdd(gpu={"product": "h200", "memoryGiB": 40, "perNode": 8})
+    planned = planned_for(sdd)
+    assert planned.gpu_product_label == "NVIDIA-H200"
+    assert planned.tensor_parallel_size == 8  # 40 GiB each: 70B bf16 needs eight of them
+    assert "TP 8" in plan_summary(planned)
+
+
+def test_operator_modules_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import specdeploy.operator.render, specdeploy.operator.status, specdeploy.operator.planning\n"
+        "import specdeploy.operator.config_source\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -1,0 +1,136 @@
+"""Status and conditions as pure functions (no cluster)."""
+
+from __future__ import annotations
+
+from specdeploy.operator import status as st
+
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
+PLAN = {
+    "tensor_parallel_size": 2,
+    "max_total_tokens": 458231,
+    "spec_hidden_size": 8192,
+    "draft_input_hidden_size": 24576,
+    "target": {"weight_bytes": 100, "kv_cache_bytes_per_token": 10},
+    "draft": {"weight_bytes": 7, "kv_cache_bytes_per_token": 3},
+    "memory_per_gpu": {"kv_cache_budget_bytes": 5},
+}
+
+
+def deployment(*, replicas=2, ready=2, updated=2, available=2, total=2, generation=3, observed=3, hash_="h1", conditions=()):
+    return {
+        "metadata": {"name": "llama", "generation": generation, "annotations": {"specdeploy.dev/config-hash": hash_}},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed, "replicas": total, "readyReplicas": ready,
+            "updatedReplicas": updated, "availableReplicas": available, "conditions": list(conditions),
+        },
+    }
+
+
+def conditions(status):
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def planned_status(generation=1, now=T0):
+    return st.plan_ready({}, generation=generation, plan=PLAN, config_hash="h1", message="TP 2", now=now)
+
+
+def test_status_plan_is_camel_case_with_totals():
+    plan = planned_status()["plan"]
+    assert plan["tensorParallelSize"] == 2 and plan["maxTotalTokens"] == 458231
+    assert plan["specHiddenSize"] == 8192 and plan["draftInputHiddenSize"] == 24576
+    assert plan["memoryPerGpu"] == {"kvCacheBudgetBytes": 5}
+    assert plan["weightBytes"] == 107 and plan["kvBytesPerToken"] == 13
+
+
+def test_rollout_in_progress_then_ready():
+    status = st.serving(planned_status(), deployment(ready=0, available=0), generation=1, now=T1)
+    assert conditions(status) == {
+        "PlanReady": ("True", "Planned"),
+        "Ready": ("False", "ReplicasNotReady"),
+        "Progressing": ("True", "RollingOut"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert status["phase"] == "Deploying"
+    assert status["serving"]["readyReplicas"] == 0
+    status = st.serving(status, deployment(), generation=1, now=T2)
+    assert conditions(status)["Ready"] == ("True", "AllReplicasReady")
+    assert conditions(status)["Progressing"] == ("False", "RolloutComplete")
+    assert status["phase"] == "Ready"
+    assert status["serving"] == {"deployment": "llama", "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    ready = st.get_condition(status, "Ready")
+    assert ready["lastTransitionTime"] == T2 and ready["observedGeneration"] == 1 and ready["message"].startswith("2/2")
+
+
+def test_transition_time_moves_only_on_flips():
+    status = st.serving(planned_status(), deployment(), generation=1, now=T1)
+    again = st.serving(status, deployment(), generation=1, now=T2)
+    assert st.get_condition(again, "Ready")["lastTransitionTime"] == T1
+    assert st.get_condition(again, "PlanReady")["lastTransitionTime"] == T0
+
+
+def test_deployment_of_an_older_spec_is_not_ready():
+    status = st.serving(planned_status(), deployment(hash_="old"), generation=1, now=T1)
+    assert conditions(status)["Ready"] == ("False", "RolloutPending")
+    assert status["phase"] == "Deploying"
+
+
+def test_new_generation_not_yet_planned_leaves_conditions_alone():
+    status = st.serving(planned_status(generation=1), deployment(), generation=1, now=T1)
+    later = st.serving(status, deployment(ready=1), generation=2, now=T2)
+    assert conditions(later)["Ready"] == ("True", "AllReplicasReady")  # judged by the reconciler next
+    assert later["serving"]["readyReplicas"] == 1
+
+
+def test_stalled_rollout_and_lost_replicas_are_degraded():
+    stalled = deployment(ready=0, available=0, conditions=[{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}])
+    status = st.serving(planned_status(), stalled, generation=1, now=T1)
+    assert conditions(status)["Degraded"] == ("True", "ProgressDeadlineExceeded")
+    assert conditions(status)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    lost = deployment(ready=1, available=1, updated=2, total=2)
+    status = st.serving(planned_status(), lost, generation=1, now=T1)
+    assert conditions(status)["Ready"][0] == "False"
+
+
+def test_permanent_failure_drops_plan_and_engine():
+    status = st.serving(planned_status(), deployment(), generation=1, now=T1)
+    failed = st.plan_failed(status, generation=2, reason="InsufficientGPUMemory", message="needs 217.2 GiB but has 140.4 GiB", transient=False, engine_kept=False, now=T2)
+    assert failed["phase"] == "Failed"
+    assert "plan" not in failed and "configHash" not in failed
+    assert failed["observedGeneration"] == 2
+    assert conditions(failed) == {
+        "PlanReady": ("False", "InsufficientGPUMemory"),
+        "Ready": ("False", "InsufficientGPUMemory"),
+        "Progressing": ("False", "InsufficientGPUMemory"),
+        "Degraded": ("False", "InsufficientGPUMemory"),
+    }
+    assert "217.2 GiB" in st.get_condition(failed, "PlanReady")["message"]
+    # A Deployment event arriving afterwards does not resurrect Ready.
+    after = st.serving(failed, None, generation=2, now=T2)
+    assert conditions(after)["Ready"] == ("False", "InsufficientGPUMemory") and after["phase"] == "Failed"
+
+
+def test_transient_failure_keeps_serving_and_is_degraded():
+    status = st.serving(planned_status(), deployment(), generation=1, now=T1)
+    pending = st.plan_failed(status, generation=2, reason="HubUnreachable", message="GET http://hub/x: 503", transient=True, engine_kept=True, now=T2)
+    assert pending["phase"] == "Pending"
+    assert conditions(pending)["Degraded"] == ("True", "HubUnreachable")
+    assert conditions(pending)["Ready"] == ("True", "AllReplicasReady")
+    assert pending["plan"]["tensorParallelSize"] == 2
+
+
+def test_paused_keeps_conditions_and_phase_sticks():
+    status = st.serving(planned_status(), deployment(), generation=1, now=T1)
+    paused = st.paused(status, generation=1, now=T2)
+    assert paused["phase"] == "Paused"
+    after = st.serving(paused, deployment(ready=0, available=0), generation=1, now=T2)
+    assert after["phase"] == "Paused" and after["serving"]["readyReplicas"] == 0
+
+
+def test_kopf_bookkeeping_is_never_written_back():
+    assert "kopf" not in st.planning({"kopf": {"progress": {}}}, generation=1, now=T0)
+
+
+def test_camel_case():
+    assert st.camel_case("kv_cache_bytes_per_token") == "kvCacheBytesPerToken"
+    assert st.camel_case("gpu") == "gpu"
