@@ -490,8 +490,8 @@ def plan(
 
     Weight bytes come from the checkpoints' safetensors headers when given, else from the shapes.
     Raises PlanError: reason "DraftRequired" (EAGLE/EAGLE3/MTP without a draft),
-    "InvalidTensorParallel" (no TP size divides the heads), "InsufficientGPUMemory" (with the
-    bytes needed and available per GPU at the largest TP tried).
+    "InsufficientGPUMemory" (with the bytes needed and available per GPU at the largest TP tried,
+    and the TP sizes refused because they do not divide the heads).
     """
     if spec.algorithm != "NONE" and draft is None:
         raise PlanError("DraftRequired", f"draft: algorithm {spec.algorithm} needs a draft model")
@@ -501,7 +501,7 @@ def plan(
         raise PlanError("InvalidGPU", f"gpus_per_node must be >= 1, got {gpus_per_node}")
     buffers = buffer_plan(target, spec, limits)
     required = limits.context_length * limits.max_running_requests
-    refusals: list[str] = []
+    refusals: list[str] = []  # TP sizes that cannot split the heads, and why
     last: tuple[int, MemoryTerms] | None = None
     for tp in TENSOR_PARALLEL_SIZES:
         if tp > gpus_per_node:
@@ -538,8 +538,7 @@ def plan(
                 cuda_graph_batch_sizes=cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits),
             )
-    if last is None:
-        raise PlanError("InvalidTensorParallel", "no tensor-parallel size fits the heads: " + "; ".join(refusals))
+    assert last is not None  # TP 1 divides every head count and gpus_per_node >= 1
     tp, memory = last
     fixed = memory.gpu_memory_bytes - memory.kv_cache_budget_bytes
     needed = fixed + required * memory.kv_cache_bytes_per_token
@@ -554,7 +553,8 @@ def plan(
         f"does not fit on {tp} x {gpu.name}: at TP {tp} each GPU needs "
         f"{needed / GIB:.1f} GiB (weights {memory.weight_bytes / GIB:.1f} GiB + other fixed "
         f"{(fixed - memory.weight_bytes) / GIB:.1f} GiB + KV {required} tokens x "
-        f"{memory.kv_cache_bytes_per_token} B) but has {memory.gpu_memory_bytes / GIB:.1f} GiB{hint}",
+        f"{memory.kv_cache_bytes_per_token} B) but has {memory.gpu_memory_bytes / GIB:.1f} GiB{hint}"
+        + "".join(f"; {refusal}" for refusal in refusals),
     )
 
 

@@ -1,0 +1,262 @@
+"""plan(): every term recomputed here from the formula, TP choice, refusals, buffers, JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from specdeploy.engine import plan as planmod
+from specdeploy.engine.plan import (
+    GIB,
+    GPUS,
+    Limits,
+    Plan,
+    PlanError,
+    SpecSettings,
+    cuda_graph_batch_sizes,
+    custom_gpu,
+    plan,
+    plan_from_configs,
+)
+from specdeploy.engine.shapes import derive_draft_shapes, derive_shapes
+
+CONFIGS = Path(__file__).parent / "configs"
+MIB = 1024**2
+
+
+def load(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def llama8b_eagle3(gpu="h200", **limits) -> Plan:
+    return plan_from_configs(
+        load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"), SpecSettings("EAGLE3", 3, 1, 4),
+        GPUS[gpu], Limits(**limits),
+    )
+
+
+def test_gpu_catalog_matches_nvidia_smi_totals():
+    assert GPUS["h200"].memory_bytes == 143771 * MIB
+    assert GPUS["h100"].memory_bytes == 81559 * MIB
+    assert GPUS["a100-80g"].memory_bytes == 81920 * MIB
+    assert GPUS["l40s"].memory_bytes == 46068 * MIB
+    assert GPUS["h200"].product_label == "NVIDIA-H200"
+    assert GPUS["h100"].product_label == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_llama8b_eagle3_every_term():
+    p = llama8b_eagle3()
+    target = derive_shapes(load("llama-3.1-8b-instruct"))
+    draft = derive_shapes(load("eagle3-llama3.1-instruct-8b"), dtype="bfloat16")
+    m = p.memory_per_gpu
+    assert p.tensor_parallel_size == 1
+    assert p.spec_hidden_size == 4096 and p.draft_input_hidden_size == 3 * 4096
+    assert p.target.kv_cache_bytes_per_token == 131072
+    assert p.draft.kv_cache_bytes_per_token == 2 * 1 * 8 * 128 * 2
+    assert m.weight_bytes == (target.num_params + draft.num_params) * 2
+    assert m.kv_cache_bytes_per_token == 131072 + 4096
+    assert m.reserve_bytes == planmod.RESERVE_BYTES
+    # budget is memory minus every listed term; max_total_tokens is what the budget holds
+    assert m.kv_cache_budget_bytes == (
+        m.gpu_memory_bytes - m.weight_bytes - m.cuda_graph_pool_bytes - m.activation_workspace_bytes
+        - m.static_buffer_bytes - m.per_request_state_bytes - m.reserve_bytes
+    )
+    assert p.max_total_tokens == m.kv_cache_budget_bytes // m.kv_cache_bytes_per_token
+    assert m.kv_cache_bytes == p.max_total_tokens * m.kv_cache_bytes_per_token
+    assert p.required_tokens == 8192 * 32 <= p.max_total_tokens
+    # CUDA-graph pool: the verify graph, 32 requests x 4 draft tokens through the target
+    rows = 32 * 4
+    per_row = planmod.LIVE_HIDDEN_WIDTHS * 4096 + 2 * 14336
+    assert m.cuda_graph_pool_bytes == (
+        planmod.CUDA_GRAPH_POOL_BASE_BYTES + rows * per_row * 2 + rows * 128256 * planmod.LOGITS_DTYPE_BYTES
+    )
+
+
+def test_buffer_shapes_follow_the_seed():
+    p = llama8b_eagle3(max_running_requests=48, cuda_graph_max_bs=16)
+    b = p.buffers
+    hs, hin, bs = 4096, 3 * 4096, 16
+    assert b.draft_hidden_states_shape == (bs * 1, hs)
+    assert b.draft_extend_hidden_states_shape == (bs * (3 + 1), hin)
+    assert b.verify_hidden_states_shape == (bs * 4, hin)
+    assert b.cuda_graph_hidden_states_bytes == (bs * hs + bs * 4 * hin + bs * 4 * hin) * 2
+    assert b.metadata_hidden_states_shape == (48, hs)
+    assert b.metadata_hidden_states_bytes_per_request == hs * 2
+    fixed = 8 + 8 + 4 + 4 * 1 + 8 * 1
+    assert b.metadata_fixed_fields_bytes_per_request == fixed
+    assert b.metadata_bytes == 48 * (hs * 2 + fixed)
+    assert p.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
+
+
+def test_hc_mult_buffers_use_spec_hidden_size():
+    """DeepSeek-V4 (hc_mult 4): every hidden-state buffer is 4 * hidden_size wide.
+
+    With hidden_size in place of spec_hidden_size each of these would be 4x too small."""
+    target = derive_shapes(load("deepseek-v4-flash"))
+    draft = derive_draft_shapes("MTP", load("deepseek-v4-flash"), None, dtype="bfloat16")
+    spec = SpecSettings("MTP", 3, 2, 5)
+    b = planmod.buffer_plan(target, spec, Limits(max_running_requests=8, cuda_graph_max_bs=8))
+    hidden, hs = 4096, 16384
+    assert hs == hidden * 4 and draft.spec_hidden_size == hs
+    assert b.draft_hidden_states_shape == (8 * 2, hs)
+    assert b.draft_extend_hidden_states_shape == (8 * 4, hs)
+    assert b.verify_hidden_states_shape == (8 * 5, hs)
+    assert b.metadata_hidden_states_shape == (8, hs)
+    assert b.metadata_hidden_states_bytes_per_request == hs * 2 != hidden * 2
+    assert b.cuda_graph_hidden_states_bytes == (16 + 32 + 40) * hs * 2
+
+
+def test_eagle3_on_hc_mult_target_consumes_three_plain_hidden_states():
+    target = derive_shapes(load("deepseek-v4-flash"))
+    b = planmod.buffer_plan(target, SpecSettings("EAGLE3", 2, 1, 3), Limits(cuda_graph_max_bs=4))
+    assert b.draft_hidden_states_shape == (4, 16384)
+    assert b.verify_hidden_states_shape == (4 * 3, 3 * 4096)
+
+
+def test_deepseek_v4_flash_mtp_plan():
+    p = plan_from_configs(load("deepseek-v4-flash"), None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], Limits())
+    assert p.spec_hidden_size == p.draft_input_hidden_size == 16384
+    assert p.target.hc_mult == 4 and p.draft.spec_hidden_size == 16384
+    tp = p.tensor_parallel_size
+    weights = (p.target.num_params + p.draft.num_params) * 2
+    assert p.memory_per_gpu.weight_bytes == pytest.approx(weights / tp, abs=2)
+    # sliding windows: every running request holds 43 + 1 layers x 128 tokens x 512 x 2 bytes
+    assert p.memory_per_gpu.per_request_state_bytes == 32 * (43 + 1) * 128 * 512 * 2
+    assert p.memory_per_gpu.kv_cache_bytes_per_token == 6880  # the MTP layer is window-only
+    assert any("replicated" in note for note in p.notes)
+
+
+def test_smallest_tp_that_fits_is_chosen():
+    target = derive_shapes(load("llama-3.3-70b-instruct"))
+    chosen = plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits())
+    assert chosen.tensor_parallel_size == 4
+    assert chosen.target.kv_cache_bytes_per_token_per_gpu == 2 * 80 * (8 // 4) * 128 * 2
+    assert chosen.target.weight_bytes_per_gpu == -(-target.num_params * 2 // 4)
+    with pytest.raises(PlanError) as refused:
+        plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits(), gpus_per_node=2)
+    assert refused.value.reason == "InsufficientGPUMemory"
+    assert "TP 2" in str(refused.value)
+
+
+def test_does_not_fit_names_the_numbers():
+    with pytest.raises(PlanError) as err:
+        plan_from_configs(load("deepseek-v3"), None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], Limits())
+    message = str(err.value)
+    assert err.value.reason == "InsufficientGPUMemory"
+    assert "TP 8" in message and "GiB" in message and "262144 tokens" in message
+    assert "fp8" in message  # counted at bf16: the hint to give the checkpoint's real size
+
+
+def test_safetensors_weights_replace_counted_ones():
+    target = derive_shapes(load("deepseek-v3"))
+    fp8_bytes = 688_586_727_753  # the published checkpoint's index total_size
+    draft = derive_draft_shapes("MTP", load("deepseek-v3"), None, dtype="bfloat16")
+    p = plan(target, draft, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], Limits(), target_weight_bytes=fp8_bytes, draft_weight_bytes=0)
+    assert p.tensor_parallel_size == 8
+    assert p.target.weight_source == "safetensors" and p.draft.weight_source == "target checkpoint"
+    assert p.memory_per_gpu.weight_bytes == -(-fp8_bytes // 8)
+
+
+def test_tp_must_divide_the_heads():
+    config = {**load("llama-3.1-8b-instruct"), "num_attention_heads": 7, "num_key_value_heads": 7, "head_dim": 128}
+    target = derive_shapes(config)
+    # needs more than one GPU, but 7 heads cannot be split over 2, 4 or 8: refused at TP 1
+    with pytest.raises(PlanError) as err:
+        plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["l40s"], Limits(context_length=131072))
+    message = str(err.value)
+    assert err.value.reason == "InsufficientGPUMemory" and "at TP 1" in message
+    assert "TP 2: target num_attention_heads 7 is not divisible by 2" in message
+    assert "TP 8" in message
+    with pytest.raises(PlanError) as err:
+        plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["l40s"], Limits(), gpus_per_node=0)
+    assert err.value.reason == "InvalidGPU"
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks():
+    target = derive_shapes(load("qwen2.5-vl-7b-instruct"))  # 28 heads, 4 KV heads
+    assert planmod._tp_refusal(target, 8) is not None  # 28 heads do not split 8 ways
+    assert planmod._tp_refusal(target, 4) is None
+    kv8 = derive_shapes({**load("llama-3.1-8b-instruct"), "num_key_value_heads": 2})
+    assert planmod._tp_refusal(kv8, 8) is None  # 8 % 2 == 0: each KV head on 4 ranks
+
+
+def test_draft_required():
+    target = derive_shapes(load("llama-3.1-8b-instruct"))
+    with pytest.raises(PlanError) as err:
+        plan(target, None, SpecSettings("EAGLE3"), GPUS["h200"], Limits())
+    assert err.value.reason == "DraftRequired"
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("MEDUSA", 3, 1, 4), "algorithm"),
+        (("EAGLE", 0, 1, 1), "num_steps"),
+        (("EAGLE", 3, 1, 5), "num_steps \\+ 1"),
+        (("EAGLE", 3, 4, 14), "num_steps \\* topk"),
+    ],
+)
+def test_bad_spec_settings(args, match):
+    with pytest.raises(PlanError, match=match):
+        SpecSettings(*args)
+
+
+def test_bad_limits_and_gpu():
+    with pytest.raises(PlanError, match="context_length"):
+        Limits(context_length=0)
+    with pytest.raises(PlanError, match="positive"):
+        custom_gpu(0)
+    assert custom_gpu(24).memory_bytes == 24 * GIB
+
+
+@pytest.mark.parametrize(
+    "max_bs,expected",
+    [
+        (1, (1,)),
+        (5, (1, 2, 4, 5)),
+        (8, (1, 2, 4, 8)),
+        (32, (1, 2, 4, 8, 16, 24, 32)),
+        (44, (1, 2, 4, 8, 16, 24, 32, 40, 44)),
+    ],
+)
+def test_cuda_graph_batch_sizes(max_bs, expected):
+    assert cuda_graph_batch_sizes(max_bs) == expected
+
+
+def test_none_has_no_draft_buffers():
+    target = derive_shapes(load("qwen3-8b"))
+    p = plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits())
+    assert p.draft is None and p.draft_input_hidden_size == 0
+    assert p.buffers.cuda_graph_hidden_states_bytes == 0
+    assert p.memory_per_gpu.kv_cache_bytes_per_token == 147456
+
+
+def test_to_dict_from_dict_round_trip():
+    for p in (llama8b_eagle3(), plan(derive_shapes(load("qwen3-8b")), None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits())):
+        data = json.loads(json.dumps(p.to_dict()))
+        assert Plan.from_dict(data) == p
+        assert Plan.from_dict(data).to_dict() == data
+
+
+def test_to_dict_has_the_contract_keys():
+    d = llama8b_eagle3().to_dict()
+    for key in ("spec_hidden_size", "draft_input_hidden_size", "tensor_parallel_size", "max_total_tokens", "max_running_requests", "cuda_graph_batch_sizes"):
+        assert key in d
+    for side in ("target", "draft"):
+        for key in ("hidden_size", "hc_mult", "num_layers", "kv_cache_bytes_per_token", "weight_bytes"):
+            assert key in d[side]
+    for key in ("cuda_graph_hidden_states_bytes", "metadata_hidden_states_bytes_per_request", "draft_hidden_states_shape", "verify_hidden_states_shape"):
+        assert key in d["buffers"]
+    assert d["buffers"]["verify_hidden_states_shape"] == [32 * 4, 12288]
+
+
+def test_from_dict_refuses_missing_and_unknown_keys():
+    d = llama8b_eagle3().to_dict()
+    broken = {k: v for k, v in d.items() if k != "max_total_tokens"}
+    with pytest.raises(PlanError, match="max_total_tokens"):
+        Plan.from_dict(broken)
+    with pytest.raises(PlanError, match="surprise"):
+        Plan.from_dict({**d, "target": {**d["target"], "surprise": 1}})

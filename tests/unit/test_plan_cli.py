@@ -1,0 +1,139 @@
+"""`specdeploy plan`: through main() and through the installed console script, good and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from specdeploy.cli import main
+
+CONFIGS = Path(__file__).parent / "configs"
+REPO = Path(__file__).resolve().parents[2]
+LLAMA = str(CONFIGS / "llama-3.1-8b-instruct.json")
+EAGLE3 = str(CONFIGS / "eagle3-llama3.1-instruct-8b.json")
+V4 = str(CONFIGS / "deepseek-v4-flash.json")
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_llama_eagle3_json(capsys):
+    d = run_json(capsys, "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3")
+    assert d["spec_hidden_size"] == 4096
+    assert d["draft_input_hidden_size"] == 12288
+    assert d["target"]["kv_cache_bytes_per_token"] == 131072
+    assert d["target"]["hidden_size"] == 4096 and d["target"]["hc_mult"] == 1
+    assert d["draft"]["num_layers"] == 1
+    assert d["tensor_parallel_size"] == 1
+    assert d["buffers"]["metadata_hidden_states_bytes_per_request"] == 4096 * 2
+    assert d["buffers"]["verify_hidden_states_shape"] == [32 * 4, 12288]
+
+
+def test_deepseek_v4_mtp_json(capsys):
+    d = run_json(capsys, "--target", V4, "--algorithm", "MTP", "--steps", "1", "--gpu", "h100")
+    assert d["spec_hidden_size"] == 16384 and d["draft_input_hidden_size"] == 16384
+    assert d["target"]["hc_mult"] == 4 and d["draft"]["hc_mult"] == 4
+    assert d["buffers"]["metadata_hidden_states_bytes_per_request"] == 16384 * 2
+    assert d["num_draft_tokens"] == 2
+
+
+def test_options_reach_the_plan(capsys):
+    d = run_json(
+        capsys, "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3", "--gpu-memory-gib", "40",
+        "--gpus-per-node", "4", "--steps", "2", "--topk", "4", "--draft-tokens", "6",
+        "--max-running-requests", "8", "--context-length", "4096",
+    )
+    assert d["gpu"] == "custom" and d["memory_per_gpu"]["gpu_memory_bytes"] == 40 * 1024**3
+    assert (d["num_steps"], d["topk"], d["num_draft_tokens"]) == (2, 4, 6)
+    assert d["buffers"]["draft_hidden_states_shape"] == [8 * 4, 4096]
+    assert d["required_tokens"] == 8 * 4096
+    assert d["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
+
+
+def test_human_table_lists_every_term(capsys):
+    assert main(["plan", "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3"]) == 0
+    out = capsys.readouterr().out
+    for term in ("spec_hidden_size", "draft_input_hidden_size", "tensor_parallel_size", "max_total_tokens",
+                 "weights", "CUDA-graph pool", "activation workspace", "static buffers", "reserve",
+                 "KV budget", "KV bytes per token", "verify hidden_states", "[128, 12288]", "cuda_graph_batch_sizes"):
+        assert term in out, term
+
+
+def test_model_directory_weights_from_safetensors(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    shutil.copy(LLAMA, model / "config.json")
+    save_file({"w": np.zeros((1024, 1024), dtype=np.float16)}, str(model / "model.safetensors"))
+    d = run_json(capsys, "--target", str(model), "--algorithm", "NONE")
+    assert d["target"]["weight_source"] == "safetensors"
+    assert d["target"]["weight_bytes"] == 1024 * 1024 * 2
+    assert d["draft"] is None
+
+
+def write(tmp_path: Path, name: str, content: str) -> str:
+    path = tmp_path / name
+    path.write_text(content)
+    return str(path)
+
+
+def llama_without(field: str) -> str:
+    config = json.loads(Path(LLAMA).read_text())
+    del config[field]
+    return json.dumps(config)
+
+
+BAD = [
+    (lambda t: ["--target", str(t / "missing.json"), "--algorithm", "NONE"], "no such file"),
+    (lambda t: ["--target", write(t, "bad.json", "{oops"), "--algorithm", "NONE"], "not valid JSON"),
+    (lambda t: ["--target", write(t, "nohidden.json", llama_without("hidden_size")), "--algorithm", "NONE"], "hidden_size"),
+    (lambda t: ["--target", write(t, "dtype.json", Path(LLAMA).read_text().replace("bfloat16", "int3")), "--algorithm", "NONE"], "torch_dtype"),
+    (lambda t: ["--target", LLAMA, "--algorithm", "EAGLE3"], "--draft"),
+    (lambda t: ["--target", LLAMA, "--algorithm", "EAGLE"], "--draft"),
+    (lambda t: ["--target", LLAMA, "--algorithm", "MTP"], "num_nextn_predict_layers"),
+    (lambda t: ["--target", str(CONFIGS / "deepseek-v3.json"), "--algorithm", "MTP"], "does not fit"),
+    (lambda t: ["--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3", "--draft-tokens", "9"], "num_draft_tokens"),
+    (lambda t: ["--target", LLAMA, "--algorithm", "NONE", "--gpu-memory-gib", "-1"], "positive"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
+    assert main(["plan", *argv(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("specdeploy plan: ")
+
+
+def console_script() -> str:
+    path = shutil.which("specdeploy")
+    if path is None:
+        pytest.fail("the specdeploy console script is not installed (pip install -e '.[dev]')")
+    return path
+
+
+def test_console_script_prints_the_plan():
+    result = subprocess.run(
+        [console_script(), "plan", "--target", V4, "--algorithm", "MTP", "--steps", "1", "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["spec_hidden_size"] == 16384
+
+
+def test_console_script_bad_input_has_no_traceback(tmp_path):
+    result = subprocess.run(
+        [console_script(), "plan", "--target", str(tmp_path / "nope"), "--algorithm", "EAGLE3", "--draft", EAGLE3],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "no such file" in result.stderr
