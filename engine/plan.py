@@ -450,9 +450,15 @@ def _memory_terms(
 
 def _notes(
     target: ModelShapes, draft: ModelShapes | None, target_weight_bytes: int | None,
-    draft_weight_bytes: int | None, limits: Limits,
+    draft_weight_bytes: int | None, limits: Limits, tp: int,
 ) -> tuple[str, ...]:
     notes = []
+    for shapes in (target, draft):
+        if shapes is not None and shapes.attention == "gqa" and shapes.num_kv_heads < tp:
+            notes.append(
+                f"{shapes.role} has {shapes.num_kv_heads} KV heads for TP {tp}: its k/v projections "
+                "and KV heads are replicated, so weights / TP slightly undercounts"
+            )
     for shapes, weights in ((target, target_weight_bytes), (draft, draft_weight_bytes)):
         if shapes is None:
             continue
@@ -536,7 +542,7 @@ def plan(
                 buffers=buffers,
                 memory_per_gpu=memory,
                 cuda_graph_batch_sizes=cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
-                notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits),
+                notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
             )
     assert last is not None  # TP 1 divides every head count and gpus_per_node >= 1
     tp, memory = last

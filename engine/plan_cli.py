@@ -40,8 +40,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--steps", type=int, default=DEFAULTS.num_steps, metavar="S", help=f"draft steps (default {DEFAULTS.num_steps})")
     parser.add_argument("--topk", type=int, default=DEFAULTS.topk, metavar="K", help=f"branches per draft step (default {DEFAULTS.topk})")
     parser.add_argument("--draft-tokens", type=int, metavar="N", help="tokens verified per request (default steps + 1)")
-    parser.add_argument("--max-running-requests", type=int, default=DEFAULT_LIMITS.max_running_requests, metavar="R")
-    parser.add_argument("--context-length", type=int, default=DEFAULT_LIMITS.context_length, metavar="L")
+    parser.add_argument(
+        "--max-running-requests", type=int, default=DEFAULT_LIMITS.max_running_requests, metavar="R",
+        help=f"concurrent requests, also the largest CUDA-graph batch (default {DEFAULT_LIMITS.max_running_requests})",
+    )
+    parser.add_argument(
+        "--context-length", type=int, default=DEFAULT_LIMITS.context_length, metavar="L",
+        help=f"tokens per request the KV pool must hold for all R at once (default {DEFAULT_LIMITS.context_length})",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the operator's plan.json)")
     parser.set_defaults(func=run)
     return parser

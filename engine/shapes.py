@@ -335,7 +335,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     compressed = model_type.startswith("deepseek_v4") or "compress_ratios" in c or "compress_rates" in c
     if compressed:
         attention = "compressed"
-        rope_dim = _int(c, "qk_rope_head_dim", head_dim // 8)
+        rope_dim = _int(c, "qk_rope_head_dim", 0)  # informational: RoPE is inside head_dim here
         nope_dim, v_dim = head_dim - rope_dim, head_dim
     elif kv_lora:
         attention = "mla"

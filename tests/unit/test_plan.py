@@ -260,3 +260,14 @@ def test_from_dict_refuses_missing_and_unknown_keys():
         Plan.from_dict(broken)
     with pytest.raises(PlanError, match="surprise"):
         Plan.from_dict({**d, "target": {**d["target"], "surprise": 1}})
+
+
+def test_replicated_kv_heads_are_noted():
+    target = derive_shapes(load("qwen2.5-vl-7b-instruct"))  # 4 KV heads
+    p = plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["l40s"], Limits(context_length=32768))
+    assert p.tensor_parallel_size in (2, 4)
+    assert not any("KV heads for TP" in note for note in p.notes)
+    kv2 = derive_shapes({**load("llama-3.3-70b-instruct"), "num_key_value_heads": 2})
+    p = plan(kv2, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits(max_running_requests=64, cuda_graph_max_bs=64))
+    assert p.tensor_parallel_size == 4
+    assert any("2 KV heads for TP 4" in note for note in p.notes)
