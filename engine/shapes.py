@@ -233,7 +233,7 @@ def _architecture(c: dict[str, Any]) -> str:
     return str(archs[0]) if isinstance(archs, list) and archs else ""
 
 
-def _compress_ratios(c: dict[str, Any], total_layers: int) -> tuple[int, ...]:
+def _compress_ratios(c: dict[str, Any], num_hidden_layers: int, total_layers: int) -> tuple[int, ...]:
     """DeepSeek-V4's per-layer compression ratio, for the decoder layers and then the MTP layers."""
     ratios = c.get("compress_ratios")
     if ratios is None and isinstance(c.get("layer_types"), list):
@@ -246,10 +246,8 @@ def _compress_ratios(c: dict[str, Any], total_layers: int) -> tuple[int, ...]:
         return (0,) * total_layers
     if not isinstance(ratios, list) or not all(isinstance(r, int) and r >= 0 for r in ratios):
         raise ConfigError("compress_ratios: expected a list of non-negative integers")
-    if len(ratios) < c["num_hidden_layers"]:
-        raise ConfigError(
-            f"compress_ratios: has {len(ratios)} entries for {c['num_hidden_layers']} layers"
-        )
+    if len(ratios) < num_hidden_layers:
+        raise ConfigError(f"compress_ratios: has {len(ratios)} entries for {num_hidden_layers} layers")
     # The published list may be longer than decoder + MTP layers (padding); layers past its end
     # are window-only.
     ratios = list(ratios[:total_layers]) + [0] * max(0, total_layers - len(ratios))
@@ -283,6 +281,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     `num_nextn_predict_layers`, each a decoder layer plus its input projection, sharing embedding
     and lm_head). None: "EAGLE3" when the architecture names Eagle3, else "target".
     dtype: overrides the config's torch_dtype (a draft runs in its target's dtype).
+    `config` is only read, never modified.
     """
     c = _text_config(config)
     arch = _architecture(c)
@@ -295,9 +294,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     b = DTYPE_BYTES[dtype_name]
 
     hidden = _int(c, ("hidden_size", "d_model", "n_embd", "dim"), minimum=1)
-    c["hidden_size"] = hidden
     num_hidden_layers = _int(c, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"), minimum=1)
-    c["num_hidden_layers"] = num_hidden_layers
     heads = _int(c, ("num_attention_heads", "n_head", "n_heads"), minimum=1)
     kv_heads = _int(c, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), heads, minimum=1)
     if heads % kv_heads:
@@ -356,7 +353,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         layer_ids = range(num_hidden_layers, num_hidden_layers + nextn)
     else:
         layer_ids = range(num_hidden_layers)
-    ratios = _compress_ratios(c, num_hidden_layers + nextn) if compressed else ()
+    ratios = _compress_ratios(c, num_hidden_layers, num_hidden_layers + nextn) if compressed else ()
 
     dims = _Dims(
         c=c, model_type=model_type, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

@@ -80,6 +80,25 @@ def test_qwen3_moe_counts_every_expert():
     assert s.num_params == expected
 
 
+def test_mixtral_intermediate_size_is_the_expert_width():
+    s = derive_shapes(load("mixtral-8x7b-instruct-v0.1"))
+    h, e, inter = 4096, 8, 14336
+    assert (s.num_routed_experts, s.moe_intermediate_size, s.intermediate_size) == (e, inter, 0)
+    assert (s.num_moe_layers, s.num_dense_layers) == (32, 0)
+    layer = h * 4096 + 2 * h * 1024 + 4096 * h + e * 3 * h * inter + e * h + 2 * h
+    assert s.num_params == 2 * 32000 * h + 32 * layer + h
+    assert s.num_params == pytest.approx(46.7e9, rel=PARAMS_TOLERANCE)
+
+
+def test_config_is_not_modified():
+    for name in ("deepseek-v4-flash", "qwen2.5-vl-7b-instruct", "eagle3-llama3.1-instruct-8b"):
+        config = load(name)
+        nested = {"text_config": load(name), "vision_config": {}}
+        derive_shapes(config)
+        derive_shapes(nested)
+        assert config == load(name) and nested == {"text_config": load(name), "vision_config": {}}
+
+
 def test_qwen2_5_vl_flat_and_nested_text_config_agree():
     flat = load("qwen2.5-vl-7b-instruct")
     text_keys = {
