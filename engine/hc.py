@@ -172,7 +172,7 @@ class _Float32Params(nn.Module):
     float32 for the same reason).
     """
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's own signature
+    def _apply(self, fn, recurse=True):
         def keep_float32(t: torch.Tensor) -> torch.Tensor:
             # Learn only the target device from `fn`, on an empty probe (no copy of the data).
             probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
