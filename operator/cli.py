@@ -1,0 +1,98 @@
+"""`specdeploy operator`: run the SpecDecodeDeployment operator (kopf underneath).
+
+Peering is off (kopf's standalone mode): run exactly one replica (the chart's Deployment uses the
+Recreate strategy). Peering would need kopf's own peering CRDs in every cluster for no gain here:
+server-side apply and the status writes' version checks already make a second, briefly overlapping
+operator harmless rather than destructive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+from typing import Any
+
+from specdeploy.operator import config_source
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/specdeploy/engine:latest"
+DEFAULT_LIVENESS_PORT = 8080
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "operator", help="run the SpecDecodeDeployment operator",
+        description="Run the SpecDecodeDeployment operator (kopf underneath, peering off: one replica)."
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", "-n", action="append", dest="namespaces", metavar="NS",
+        help="watch this namespace (repeatable); default: all namespaces",
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces (the default)")
+    parser.add_argument(
+        "--liveness-port", type=int, default=DEFAULT_LIVENESS_PORT,
+        help="serve GET /healthz on this port (0: off; default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-image", default=os.environ.get("SPECDEPLOY_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
+        help="engine image for resources that name none (env SPECDEPLOY_ENGINE_IMAGE; default %(default)s)",
+    )
+    parser.add_argument(
+        "--hub-endpoint",
+        default=os.environ.get("SPECDEPLOY_HUB_ENDPOINT", config_source.DEFAULT_HUB_ENDPOINT),
+        help="Hugging Face-compatible hub for resources that name none (env SPECDEPLOY_HUB_ENDPOINT; default %(default)s)",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging (kopf's too)")
+    parser.set_defaults(func=main)
+    return parser
+
+
+def run(
+    *,
+    engine_image: str = DEFAULT_ENGINE_IMAGE,
+    hub_endpoint: str = config_source.DEFAULT_HUB_ENDPOINT,
+    namespaces: list[str] | None = None,
+    liveness_port: int = 0,
+    stop_flag: threading.Event | None = None,
+    ready_flag: threading.Event | None = None,
+    **option_overrides: Any,
+) -> None:
+    """Run the operator until `stop_flag` is set (or forever). Tests call this in a thread."""
+    import kopf
+
+    from specdeploy.operator.handlers import OperatorOptions, build_registry
+
+    options = OperatorOptions(engine_image=engine_image, hub_endpoint=hub_endpoint, **option_overrides)
+    asyncio.run(
+        kopf.operator(
+            registry=build_registry(options),
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces or (),
+            liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import kopf
+
+    # One line per decision for `kubectl logs`: "[namespace/name] message", no colour, no JSON.
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN, log_prefix=True)
+    logging.getLogger("specdeploy").info(
+        "starting: %s, engine image %s, hub %s",
+        f"namespaces {', '.join(args.namespaces)}" if args.namespaces else "all namespaces",
+        args.engine_image, args.hub_endpoint,
+    )
+    run(
+        engine_image=args.engine_image,
+        hub_endpoint=args.hub_endpoint,
+        namespaces=args.namespaces,
+        liveness_port=args.liveness_port,
+    )
+    return 0

@@ -1,0 +1,216 @@
+"""kopf handlers: thin shells that call the pure decision path
+
+    spec -> config_source (configs) -> planning (shapes, plan) -> render (children) -> status
+
+and carry out its verdict through kube.KubeClient. Handlers are registered on an explicit
+registry by `build_registry`, so importing this module changes nothing.
+
+Decisions worth knowing:
+- Status is written by KubeClient.update_status (read, compute, replace with resourceVersion), not
+  by returning values: the Deployment watcher writes status too, and neither may clobber the other.
+- A spec that no longer plans (does not fit, bad config) removes the engine Deployment: pods of an
+  old spec must not keep serving under a resource that says something else. Transient failures
+  (hub down, ConfigMap not there yet) keep what serves and retry.
+- Paused resources: nothing is applied or deleted; status says Paused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from specdeploy.operator import config_source, status
+from specdeploy.operator.kube import ChildConflict, KubeClient, controller_owner, new_api_client, plain
+from specdeploy.operator.planning import PlanningError, plan_engine, plan_summary
+from specdeploy.operator.render import (
+    GROUP,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+    EngineDefaults,
+    PlannedEngine,
+    is_paused,
+    render_children,
+)
+
+# Retry delays for failures that can resolve without the resource changing.
+TRANSIENT_RETRY_DELAY_S = 30
+CONFLICT_RETRY_DELAY_S = 15
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    engine_image: str = "ghcr.io/specdeploy/engine:latest"
+    hub_endpoint: str = config_source.DEFAULT_HUB_ENDPOINT
+    # kopf's per-handler settings, shortened by tests for quick retries.
+    transient_retry_delay_s: float = TRANSIENT_RETRY_DELAY_S
+    extra_settings: dict[str, Any] = field(default_factory=dict)
+
+
+def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
+    (kopf.warn if warning else kopf.info)(body, reason=reason, message=message[:1024])
+
+
+def resolve_configs(
+    sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions
+) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
+    """Both models' config.json and where each came from."""
+    spec, namespace = sdd["spec"], sdd["metadata"]["namespace"]
+    hub_spec = spec.get("hub") or {}
+    endpoint = hub_spec.get("endpoint") or options.hub_endpoint
+    needs_hub = any(
+        m and "config" not in m and "configMapRef" not in m for m in (spec["target"], spec.get("draft"))
+    )
+    token = config_source.resolve_hub_token(hub_spec, namespace, kube) if needs_hub else None
+    target = config_source.resolve_model_config(
+        spec["target"], "spec.target", namespace, kube, hub_endpoint=endpoint, hub_token=token
+    )
+    draft = None
+    if spec.get("draft"):
+        draft = config_source.resolve_model_config(
+            spec["draft"], "spec.draft", namespace, kube, hub_endpoint=endpoint, hub_token=token
+        )
+    origins = [target.origin] + ([draft.origin] if draft else [])
+    return target.config, draft.config if draft else None, origins
+
+
+def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+    """create / update / resume: bring the children in line with the spec, or say why not."""
+    kube: KubeClient = memo.kube
+    options: OperatorOptions = memo.options
+    sdd = plain(body)
+    meta = sdd["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+    now = status.now_rfc3339
+
+    if is_paused(meta):
+        kube.update_status(namespace, name, lambda cur, _o: status.paused(cur, generation=generation, now=now()))
+        logger.info("paused by annotation: children left untouched")
+        _event(body, warning=False, reason="Paused", message="reconciliation paused; children left untouched")
+        return
+
+    kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
+    try:
+        target_config, draft_config, origins = resolve_configs(sdd, kube, options)
+        planned: PlannedEngine = plan_engine(sdd["spec"], target_config, draft_config)
+    except (config_source.ConfigSourceError, PlanningError) as err:
+        transient = getattr(err, "transient", False)
+        _refuse(kube, body, sdd, err.reason, err.message, transient=transient, logger=logger)
+        if transient:
+            raise kopf.TemporaryError(f"{err.reason}: {err.message}", delay=options.transient_retry_delay_s)
+        raise kopf.PermanentError(f"{err.reason}: {err.message}")
+
+    summary = plan_summary(planned)
+    logger.info(f"planned from {', '.join(origins)}: {summary}")
+    _event(body, warning=False, reason="Planned", message=summary)
+
+    children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
+    try:
+        deployment = kube.apply_children(children)
+    except ChildConflict as err:
+        logger.warning(f"not applied: {err}")
+        _event(body, warning=True, reason="ChildConflict", message=str(err))
+        raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S)
+    gpus = planned.tensor_parallel_size
+    logger.info(
+        f"applied ConfigMap, Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
+        f" {children.config_hash}) and Service {name}"
+    )
+    _event(body, warning=False, reason="Applied", message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
+
+    def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
+        new = status.plan_ready(
+            current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
+            message=summary, now=now(),
+        )
+        return status.serving(new, deployment, generation=generation, now=now())
+
+    kube.update_status(namespace, name, planned_status)
+
+
+def _refuse(
+    kube: KubeClient, body: kopf.Body, sdd: dict[str, Any], reason: str, message: str,
+    *, transient: bool, logger: logging.Logger,
+) -> None:
+    meta = sdd["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+    if transient:
+        engine_kept = kube.get_deployment(namespace, name) is not None
+        logger.warning(f"{reason} (will retry{', previous engine keeps serving' if engine_kept else ''}): {message}")
+    else:
+        engine_kept = False
+        deleted = kube.delete_engine(namespace, name)
+        logger.warning(f"{reason}: {message}" + (f"; deleted {', '.join(deleted)}" if deleted else "; nothing deployed"))
+    _event(body, warning=True, reason=reason, message=message)
+    kube.update_status(
+        namespace, name,
+        lambda cur, _o: status.plan_failed(
+            cur, generation=generation, reason=reason, message=message,
+            transient=transient, engine_kept=engine_kept, now=status.now_rfc3339(),
+        ),
+    )
+
+
+def deployment_event(
+    event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    """An engine Deployment changed: fold its replica counts into the owner's status."""
+    owner = controller_owner(body)
+    if owner is None:
+        return
+    kube: KubeClient = memo.kube
+    namespace = body["metadata"]["namespace"]
+    deployment = None if event.get("type") == "DELETED" else plain(body)
+
+    def compute(current: dict[str, Any], sdd: dict[str, Any]) -> dict[str, Any]:
+        if sdd["metadata"].get("uid") != owner.get("uid"):
+            return current  # a new resource with the old name; its own reconcile decides
+        return status.serving(current, deployment, generation=sdd["metadata"].get("generation", 1), now=status.now_rfc3339())
+
+    result = kube.update_status(namespace, owner["name"], compute)
+    if result is None:
+        return
+    old, new = result
+    if old.get("phase") != new.get("phase"):
+        ready = (status.get_condition(new, status.READY) or {}).get("message", "")
+        logger.info(f"{namespace}/{owner['name']}: phase {old.get('phase')} -> {new.get('phase')} ({ready})")
+        sdd = kube.get_sdd(namespace, owner["name"])
+        if sdd is not None and new.get("phase") == status.PHASE_READY:
+            _event(sdd, warning=False, reason="Ready", message=ready)
+
+
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: OperatorOptions, **_: Any) -> None:
+    # Events for every decision, info level included.
+    settings.posting.level = logging.INFO
+    # kopf keeps its handler bookkeeping in annotations only, so that it never competes with
+    # update_status for the status subresource.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
+    settings.watching.server_timeout = 300
+    for path, value in options.extra_settings.items():
+        section, attribute = path.split(".")
+        setattr(getattr(settings, section), attribute, value)
+    memo.options = options
+    memo.kube = KubeClient(new_api_client())
+
+
+def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+
+    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+        configure(settings, memo, options, **kwargs)
+
+    kopf.on.startup(registry=registry)(startup)
+    for cause, on in (("create", kopf.on.create), ("update", kopf.on.update), ("resume", kopf.on.resume)):
+        # No deletion handler, hence no finalizer: children go by garbage collection, and a
+        # resource deleted while the operator is down is not stuck waiting for it.
+        on(GROUP, VERSION, PLURAL, registry=registry, id=f"reconcile-{cause}")(reconcile)
+    kopf.on.event(
+        "apps", "v1", "deployments", registry=registry, id="engine-deployment",
+        labels={LABEL_MANAGED_BY: MANAGED_BY},
+    )(deployment_event)
+    return registry
