@@ -41,7 +41,6 @@ from specdeploy.engine.shapes import (
     derive_draft_shapes,
     derive_shapes,
     draft_input_hidden_size,
-    kv_cache_bytes_per_request_per_gpu,
     kv_cache_bytes_per_token_per_gpu,
     load_model_path,
 )
@@ -403,7 +402,8 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int) -> Mode
         weight_bytes_per_gpu=math.ceil(weights / tp),
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
-        kv_cache_bytes_per_request_per_gpu=kv_cache_bytes_per_request_per_gpu(shapes, tp),
+        # V4's sliding windows live in its single shared K=V head, replicated on every rank
+        kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request,
     )
 
 

@@ -106,7 +106,7 @@ def format_plan(p: Plan) -> str:
         if t is None:
             continue
         rows += [
-            (label, f"{t.architecture or t.model_type} as {t.role}, {t.dtype}, {t.num_layers} layers, {t.attention} attention"),
+            (label, f"{t.architecture or t.model_type} as {t.role}, {t.dtype}, {t.num_layers} layer{'s' if t.num_layers != 1 else ''}, {t.attention} attention"),
             (f"  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}), {_gib(t.weight_bytes_per_gpu)} per GPU"),
             (f"  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"),
         ]

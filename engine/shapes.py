@@ -166,11 +166,6 @@ def kv_cache_bytes_per_token_per_gpu(shapes: ModelShapes, tensor_parallel_size: 
     return 2 * shapes.num_layers * heads * shapes.head_dim * shapes.dtype_bytes
 
 
-def kv_cache_bytes_per_request_per_gpu(shapes: ModelShapes, tensor_parallel_size: int) -> int:
-    """Fixed per-request KV state on one GPU (V4 sliding windows: one shared head, replicated)."""
-    return shapes.kv_cache_bytes_per_request
-
-
 # --------------------------------------------------------------------------------------------
 # reading fields
 
