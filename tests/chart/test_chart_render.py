@@ -38,6 +38,7 @@ def test_lint_is_clean(helm, variant):
     ("podSecurityContext.runAsNonRoot=false", "/podSecurityContext/runAsNonRoot"),
     ("securityContext.allowPrivilegeEscalation=true", "/securityContext/allowPrivilegeEscalation"),
     ("resources.requests.memory=lots", "/resources/requests/memory"),
+    ("hub.endpoint=hub.local", "/hub/endpoint"),
 ])
 def test_schema_refuses_bad_values(helm, value, complaint):
     result = helm.run("template", "x", str(CHART), "--kube-version", helm.kube_version, "--set", value, check=False)
@@ -80,8 +81,18 @@ def test_operator_deployment_is_single_recreated_and_locked_down(helm):
 
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert container["resources"]["limits"]["memory"]
-    assert container["image"] == "specdeploy/operator:0.1.0"
+    assert container["image"] == "ghcr.io/specdeploy/operator:0.1.0"
+    assert "--engine-image=ghcr.io/specdeploy/engine:0.1.0" in container["args"]
+    assert not [a for a in container["args"] if a.startswith("--hub-endpoint")]
     assert container["args"][0] == "operator"
+
+
+def test_engine_image_and_hub_endpoint_reach_the_operator(helm):
+    args = _operator_args(parse(helm.template(
+        "engine.image.repository=registry.local/engine", "engine.image.tag=dev", "hub.endpoint=http://hub.local:8080",
+    )))
+    assert "--engine-image=registry.local/engine:dev" in args
+    assert "--hub-endpoint=http://hub.local:8080" in args
 
 
 def test_health_port_moves_the_probes(helm):
@@ -136,11 +147,11 @@ def test_rbac_off_renders_no_rbac(helm):
 # must still pass with the new set). (apiGroup, resource) -> verbs.
 EXPECTED_OPERATOR_RULES = {
     ("specdeploy.dev", "specdecodedeployments"): {"get", "list", "watch", "patch"},
-    ("specdeploy.dev", "specdecodedeployments/status"): {"get", "patch"},
+    ("specdeploy.dev", "specdecodedeployments/status"): {"update"},
     ("specdeploy.dev", "specdecodedeployments/finalizers"): {"update"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
-    ("", "services"): {"get", "list", "watch", "create", "patch"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "patch", "delete"},
+    ("", "configmaps"): {"get", "patch", "delete"},
+    ("", "services"): {"get", "patch"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},
 }
@@ -166,8 +177,12 @@ def test_operator_rules_are_exactly_the_contract(helm, variant):
     every_verb = set().union(*grants.values())
     every_word = every_verb | {g for g, _ in grants} | {r for _, r in grants}
     assert "*" not in every_word
-    assert not every_verb & {"delete", "deletecollection", "escalate", "bind", "impersonate"}
-    assert [k for k, verbs in grants.items() if "update" in verbs] == [("specdeploy.dev", "specdecodedeployments/finalizers")]
+    assert not every_verb & {"deletecollection", "escalate", "bind", "impersonate"}
+    # Writes to the main resources go through server-side apply (patch); update only on subresources.
+    assert {k for k, verbs in grants.items() if "update" in verbs} == {
+        ("specdeploy.dev", "specdecodedeployments/status"), ("specdeploy.dev", "specdecodedeployments/finalizers"),
+    }
+    assert {k for k, verbs in grants.items() if "delete" in verbs} == {("apps", "deployments"), ("", "configmaps")}
 
 
 def test_install_yaml_is_the_fresh_default_render(helm):

@@ -58,3 +58,7 @@ app.kubernetes.io/part-of: specdeploy
 {{- define "specdeploy.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{- define "specdeploy.engineImage" -}}
+{{- printf "%s:%s" .Values.engine.image.repository (default .Chart.AppVersion .Values.engine.image.tag) }}
+{{- end }}
