@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -60,3 +62,71 @@ def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(objs, kind)
     assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
     return found[0]
+
+
+# ---- the example SpecDecodeDeployments and their plan comments ------------------------------
+
+# "#   <key>: <value>" lines of an example's plan comment. Keys are the plan's JSON keys
+# (`specdeploy plan --json`), dotted for nested ones.
+PLAN_LINE = re.compile(r"^#\s+([a-z_]+(?:\.[a-z_]+)*):(\s+)(-?\d+)\s*$", re.MULTILINE)
+CONFIG_LINE = re.compile(r"^#\s+(target|draft) config\.json:\s+(\S+)\s*$", re.MULTILINE)
+PLAN_KEYS = {
+    "tensor_parallel_size",
+    "spec_hidden_size",
+    "draft_input_hidden_size",
+    "max_total_tokens",
+    "required_tokens",
+    "memory_per_gpu.weight_bytes",
+    "memory_per_gpu.kv_cache_bytes_per_token",
+}
+
+
+def example_files() -> list[Path]:
+    return sorted(EXAMPLES.glob("*.yaml"))
+
+
+def load_sdd(path: Path) -> dict[str, Any]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    (sdd,) = [d for d in docs if d["kind"] == "SpecDecodeDeployment"]
+    return sdd
+
+
+def config_sources(path: Path) -> dict[str, Path]:
+    """role -> config.json file named in the comment (for configs the operator reads from the hub)."""
+    return {role: ROOT / rel for role, rel in CONFIG_LINE.findall(path.read_text())}
+
+
+def model_configs(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The target and draft config.json the operator will see: inline, else the named copy."""
+    spec = load_sdd(path)["spec"]
+    files = config_sources(path)
+
+    def resolve(role: str) -> dict[str, Any] | None:
+        part = spec.get(role)
+        if part is None:
+            return None
+        if "config" in part:
+            assert role not in files, f"{path.name}: {role} config is inline; drop its config.json line"
+            return part["config"]
+        assert role in files, f"{path.name}: name the {role} config.json the hub serves in the comment"
+        return json.loads(files[role].read_text())
+
+    return resolve("target"), resolve("draft")
+
+
+def operator_plan(path: Path) -> dict[str, Any]:
+    from specdeploy.operator.planning import plan_engine
+
+    target, draft = model_configs(path)
+    return plan_engine(load_sdd(path)["spec"], target, draft).plan
+
+
+def plan_value(plan: dict[str, Any], dotted: str) -> Any:
+    value: Any = plan
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+def commented_plan(path: Path) -> dict[str, int]:
+    return {key: int(value) for key, _, value in PLAN_LINE.findall(path.read_text())}

@@ -1,88 +1,29 @@
 """The example SpecDecodeDeployments in manifests/examples: each one's comment says what the
 operator plans for it; these tests recompute that with the operator's own planner.
 
-After a planner change, `python3 -P tests/chart/test_examples.py --update` rewrites the numbers.
+After a planner change, `python3 tests/chart/test_examples.py --update` rewrites the numbers.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "manifests" / "examples"
-
-# "#   <key>: <value>" lines of an example's plan comment. Keys are the plan's JSON keys
-# (`specdeploy plan --json`), dotted for nested ones.
-PLAN_LINE = re.compile(r"^#\s+([a-z_]+(?:\.[a-z_]+)*):(\s+)(-?\d+)\s*$", re.MULTILINE)
-CONFIG_LINE = re.compile(r"^#\s+(target|draft) config\.json:\s+(\S+)\s*$", re.MULTILINE)
-PLAN_KEYS = {
-    "tensor_parallel_size",
-    "spec_hidden_size",
-    "draft_input_hidden_size",
-    "max_total_tokens",
-    "required_tokens",
-    "memory_per_gpu.weight_bytes",
-    "memory_per_gpu.kv_cache_bytes_per_token",
-}
-
-
-def example_files() -> list[Path]:
-    return sorted(EXAMPLES.glob("*.yaml"))
-
-
-def load_sdd(path: Path) -> dict[str, Any]:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    (sdd,) = [d for d in docs if d["kind"] == "SpecDecodeDeployment"]
-    return sdd
-
-
-def config_sources(path: Path) -> dict[str, Path]:
-    """role -> config.json file named in the comment (for configs the operator reads from the hub)."""
-    return {role: ROOT / rel for role, rel in CONFIG_LINE.findall(path.read_text())}
-
-
-def model_configs(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The target and draft config.json the operator will see: inline, else the named copy."""
-    spec = load_sdd(path)["spec"]
-    files = config_sources(path)
-
-    def resolve(role: str) -> dict[str, Any] | None:
-        part = spec.get(role)
-        if part is None:
-            return None
-        if "config" in part:
-            assert role not in files, f"{path.name}: {role} config is inline; drop its config.json line"
-            return part["config"]
-        assert role in files, f"{path.name}: name the {role} config.json the hub serves in the comment"
-        return json.loads(files[role].read_text())
-
-    return resolve("target"), resolve("draft")
-
-
-def operator_plan(path: Path) -> dict[str, Any]:
-    from specdeploy.operator.planning import plan_engine
-
-    target, draft = model_configs(path)
-    return plan_engine(load_sdd(path)["spec"], target, draft).plan
-
-
-def plan_value(plan: dict[str, Any], dotted: str) -> Any:
-    value: Any = plan
-    for part in dotted.split("."):
-        value = value[part]
-    return value
-
-
-def commented_plan(path: Path) -> dict[str, int]:
-    return {key: int(value) for key, _, value in PLAN_LINE.findall(path.read_text())}
-
+from chartkit import (
+    EXAMPLES,
+    PLAN_KEYS,
+    ROOT,
+    commented_plan,
+    config_sources,
+    example_files,
+    load_sdd,
+    model_configs,
+    operator_plan,
+    plan_value,
+)
 
 @pytest.mark.parametrize("path", example_files(), ids=lambda p: p.name)
 def test_example_is_one_namespaceless_sdd(path):
@@ -107,7 +48,7 @@ def test_plan_comment_is_what_the_operator_plans(path):
     plan = operator_plan(path)
     actual = {key: plan_value(plan, key) for key in PLAN_KEYS}
     assert commented == actual, (
-        f"{path.name}: the plan comment is stale; run `python3 -P tests/chart/test_examples.py --update`"
+        f"{path.name}: the plan comment is stale; run `python3 tests/chart/test_examples.py --update`"
     )
 
 
