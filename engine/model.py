@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from specdeploy.engine.attention import AttnBatch, attend
+from specdeploy.engine.hc import (HCConfig, HyperHead, canonical_hc_key, expand_embeddings,
+                                  flatten_streams, make_residual, unflatten_streams)
 from specdeploy.engine.kv import KVPool
 from specdeploy.engine.layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, RMSNorm,
                                       RowParallelLinear, VocabParallelEmbedding, apply_rope,
@@ -55,6 +57,11 @@ class ModelConfig:
     @property
     def spec_hidden_size(self) -> int:
         return self.hidden_size * self.hc_mult
+
+    @property
+    def hc(self) -> HCConfig:
+        return HCConfig(self.hidden_size, self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps,
+                        self.rms_norm_eps)
 
     @classmethod
     def from_hf(cls, config: dict, allow_any_type: bool = False) -> "ModelConfig":
@@ -157,25 +164,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, None, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp_rank, tp_size)
-        self.hc_mult = cfg.hc_mult
-        if cfg.hc_mult > 1:
-            from specdeploy.engine import hc
-            self.attn_hc = hc.HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters,
-                                              cfg.hc_eps, cfg.rms_norm_eps)
-            self.ffn_hc = hc.HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters,
-                                             cfg.hc_eps, cfg.rms_norm_eps)
+        # hc_mult = 1: PlainResidual (x + F(x)); hc_mult > 1: HyperConnection over the streams.
+        self.attn_hc = make_residual(cfg.hc)
+        self.ffn_hc = make_residual(cfg.hc)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-        if self.hc_mult == 1:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        from specdeploy.engine import hc
-        sub_in, mix = hc.collapse(self.attn_hc, x)
-        out = self.self_attn(self.input_layernorm(sub_in), cos, sin, k_cache, v_cache, batch)
-        x = hc.expand(x, out, mix)
-        sub_in, mix = hc.collapse(self.ffn_hc, x)
-        return hc.expand(x, self.mlp(self.post_attention_layernorm(sub_in)), mix)
+        x = self.attn_hc(x, lambda h: self.self_attn(self.input_layernorm(h), cos, sin,
+                                                     k_cache, v_cache, batch))
+        return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h)))
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +200,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp_rank, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.hc_mult > 1:
-            from specdeploy.engine import hc
-            self.hc_head = hc.HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+            self.hc_head = HyperHead(cfg.hc)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp_rank, tp_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -226,7 +222,7 @@ class LlamaModel(nn.Module):
     def feature_size(self) -> int:
         """Width of `TargetOutput.feature`: the draft input hidden size."""
         if self.feature_kind == "eagle3":
-            return 3 * self.cfg.spec_hidden_size
+            return 3 * self.cfg.hidden_size
         return self.cfg.spec_hidden_size
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
@@ -235,13 +231,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)                                  # [B, Q, H]
         hc_mult = self.cfg.hc_mult
         if hc_mult > 1:
-            x = x.unsqueeze(2).expand(-1, -1, hc_mult, -1).contiguous()   # [B, Q, hc, H]
+            x = expand_embeddings(x, hc_mult)                             # [B, Q, hc, H]
         cos, sin = rope_tables(self.inv_freq, positions)
         aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
             if i in self.aux_layers:
-                aux.append(x.flatten(2) if hc_mult > 1 else x)
+                # EAGLE-3 consumes 3 x hidden_size; with streams, their mean stands for the layer.
+                aux.append(x.mean(dim=2) if hc_mult > 1 else x)
         prenorm = x
         if hc_mult > 1:
             x = self.hc_head(x)                                           # [B, Q, H]
@@ -251,7 +248,7 @@ class LlamaModel(nn.Module):
         elif self.feature_kind == "eagle3":
             feature = torch.cat(aux, dim=-1)
         elif hc_mult > 1:
-            feature = prenorm.flatten(2)                                  # [B, Q, hc * H]
+            feature = flatten_streams(prenorm)                            # [B, Q, hc * H]
         else:
             feature = hidden if self.feature_kind == "eagle" else prenorm
         return TargetOutput(hidden, feature)
@@ -264,7 +261,7 @@ class LlamaModel(nn.Module):
         """Logits from a spec_hidden_size-wide pre-norm state (flattened streams when hc_mult > 1):
         how MTP and hc-target EAGLE heads reach the shared lm_head."""
         if self.cfg.hc_mult > 1:
-            feature = self.hc_head(feature.unflatten(-1, (self.cfg.hc_mult, self.cfg.hidden_size)))
+            feature = self.hc_head(unflatten_streams(feature, self.cfg.hc_mult))
         return self.logits(self.norm(feature))
 
 
@@ -294,15 +291,7 @@ def build_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
                  tp_rank: int = 0, tp_size: int = 1) -> LlamaModel:
     with torch.device(device):
         model = LlamaModel(cfg, feature_kind, aux_layers, tp_rank, tp_size)
-    if cfg.hc_mult > 1:
-        # The hyper-connection mixers run in float32 whatever the weight dtype (as the reference does).
-        model.to(dtype)
-        for name, module in model.named_modules():
-            if name.endswith("_hc") or name == "hc_head":
-                module.float()
-        model.inv_freq = model.inv_freq.float()
-        return model.eval()
-    model.to(dtype)
+    model.to(dtype)  # hyper-connection mixers keep float32 (engine/hc.py)
     model.inv_freq = model.inv_freq.float()
     return model.eval()
 
@@ -313,6 +302,6 @@ def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device: torch.de
     """Build the target from an HF directory (config.json + safetensors, HF weight names)."""
     cfg = ModelConfig.from_hf(read_config(path))
     model = build_target(cfg, dtype, device, feature_kind, aux_layers, tp_rank, tp_size)
-    tensors = ((name.removeprefix("model."), t) for name, t in iter_safetensors(path))
+    tensors = ((canonical_hc_key(name.removeprefix("model.")), t) for name, t in iter_safetensors(path))
     load_state(model, tensors, ignore=("rotary_emb.inv_freq", "mtp."))
     return model
