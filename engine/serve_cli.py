@@ -1,0 +1,265 @@
+"""`specdeploy engine serve`: what the operator's Deployment runs.
+
+Start-up, as `kubectl logs` shows it: the plan (read from --plan, i.e. the operator's ConfigMap,
+or computed here from the same function), weight loading with timings, KV-pool allocation checked
+against the plan, a warm-up step, then ready. Loading happens after the HTTP server is up, so
+/health answers at once and /ready turns 200 only when the engine can serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("specdeploy.engine")
+
+ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Requests waiting for admission, per running-request slot, before new ones get 429.
+QUEUE_PER_RUNNING_REQUEST = 4
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    engine = subparsers.add_parser("engine", help="the inference engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    p = engine_sub.add_parser(
+        "serve", help="serve a target (+ draft) model over an OpenAI-compatible API",
+        description="Load a target and draft model, allocate the memory plan, and serve "
+                    "/v1/completions, /v1/chat/completions, /health, /ready and /metrics.")
+    p.add_argument("--target", required=True, help="target model: a local HF-style directory or an HF id in the local HF cache")
+    p.add_argument("--draft", help="draft head: a local directory or an HF id (required for EAGLE and EAGLE3)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="NONE")
+    p.add_argument("--num-steps", type=int, default=3, help="draft depth per iteration")
+    p.add_argument("--topk", type=int, default=1, help="branches per draft step")
+    p.add_argument("--num-draft-tokens", type=int, help="tokens verified per request per iteration (default: num_steps + 1)")
+    p.add_argument("--plan", help="plan.json from the operator; without it the plan is computed here")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--context-length", type=int, help="default: the target's max_position_embeddings")
+    p.add_argument("--max-total-tokens", type=int, help="cap the KV pool at this many token slots (default: the plan's)")
+    p.add_argument("--max-queued-requests", type=int, help=f"waiting requests before 429 (default: {QUEUE_PER_RUNNING_REQUEST} x max running)")
+    p.add_argument("--served-model-name", help="the `model` clients send (default: --target as given)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: how long in-flight requests may take to finish")
+    p.add_argument("--log-interval-s", type=float, default=5.0, help="seconds between throughput log lines")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+    return p
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdeploy.engine.metrics import EngineMetrics
+    from specdeploy.engine.server import DrainingServer, EngineState, create_app
+
+    configure_logging()
+    try:
+        check_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    model_name = args.served_model_name or args.target
+    state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name))
+    config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None,
+                            access_log=args.access_log, timeout_keep_alive=30)
+    server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
+    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics), on_load_failure=server.fail)
+    server.run()
+    return server.exit_code
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.algorithm in ("EAGLE", "EAGLE3") and not args.draft:
+        raise ValueError(f"--draft is required for --algorithm {args.algorithm}")
+    if args.algorithm == "NONE" and args.draft:
+        raise ValueError("--draft given with --algorithm NONE; pick EAGLE, EAGLE3 or MTP")
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = args.num_steps + 1
+
+
+def resolve_model_path(name: str) -> Path:
+    """A local directory, or an HF id already in the local HF cache. The engine never downloads:
+    in a cluster the weights come from a volume (or an init container)."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
+    repo = hub / ("models--" + name.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    snapshots = sorted((repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
+    if snapshots:
+        return snapshots[-1]
+    raise FileNotFoundError(f"{name}: not a directory and not in the HF cache at {hub}; the engine does not "
+                            f"download weights, mount them and pass the directory")
+
+
+def _torch_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _host_gpu(device: str):
+    """The device the plan is made for: the GPU as torch sees it; on CPU, the machine's RAM."""
+    import torch
+
+    from specdeploy.engine.plan import GIB, custom_gpu
+
+    if device == "cuda":
+        return custom_gpu(torch.cuda.get_device_properties(0).total_memory / GIB)
+    return custom_gpu(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
+
+
+def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
+    from specdeploy.engine.plan import Limits, Plan, SpecSettings, plan_from_configs
+    from specdeploy.engine.plan_cli import format_plan
+    from specdeploy.engine.shapes import load_model_path
+
+    if args.plan:
+        plan = Plan.from_dict(json.loads(Path(args.plan).read_text()))
+        log.info("plan: read from %s", args.plan)
+        asked = {"algorithm": args.algorithm, "max_running_requests": args.max_running_requests,
+                 "context_length": args.context_length}
+        for key, value in asked.items():
+            if value is not None and getattr(plan, key) != value:
+                log.warning("plan: %s is %s in the plan and %s on the command line; using the plan's",
+                            key, getattr(plan, key), value)
+    else:
+        target_config, target_weight_bytes = load_model_path(target_dir)
+        draft_config, draft_weight_bytes = load_model_path(draft_dir) if draft_dir else (None, None)
+        spec = (SpecSettings("NONE", 0, 0, 0) if args.algorithm == "NONE" else
+                SpecSettings(args.algorithm, args.num_steps, args.topk, args.num_draft_tokens))
+        context_length = args.context_length or int(
+            target_config.get("text_config", target_config).get("max_position_embeddings", 4096))
+        limits = Limits(args.max_running_requests, context_length, args.max_running_requests)
+        plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
+                                 target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
+                                 gpus_per_node=1)
+        log.info("plan: computed for this %s (no --plan given)", "GPU" if device == "cuda" else "CPU host")
+    for line in format_plan(plan).splitlines():
+        log.info("plan | %s", line)
+    return plan
+
+
+def _param_bytes(module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _compare(what: str, measured: int, planned: int) -> None:
+    diff = (measured - planned) / planned * 100 if planned else float("inf")
+    level = logging.WARNING if abs(diff) > 10 else logging.INFO
+    log.log(level, "plan check: %s %s measured vs %s planned (%+.1f%%)",
+            what, human_bytes(measured), human_bytes(planned), diff)
+
+
+def load_engine(args: argparse.Namespace, metrics):
+    """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread."""
+    import torch
+
+    from specdeploy.engine.draft import load_draft
+    from specdeploy.engine.model import load_target
+    from specdeploy.engine.runner import Request, Runner, SpecConfig
+    from specdeploy.engine.scheduler import Scheduler
+    from specdeploy.engine.tokenizer import Tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    target_dir = resolve_model_path(args.target)
+    draft_dir = resolve_model_path(args.draft) if args.draft else None
+    if args.algorithm == "MTP" and draft_dir is None:
+        draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
+    plan = make_plan(args, target_dir, draft_dir if args.draft else None, device)
+    if plan.tensor_parallel_size != 1:
+        raise RuntimeError(f"the plan needs tensor_parallel_size {plan.tensor_parallel_size}; this engine "
+                           f"runs on one GPU (TP 1) per pod")
+    dtype = _torch_dtype(args.dtype, device)
+
+    t0 = time.monotonic()
+    log.info("loading target from %s (%s, %s)", target_dir, str(dtype).removeprefix("torch."), device)
+    target = load_target(str(target_dir), dtype, device)
+    weight_bytes = _param_bytes(target)
+    log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
+             time.monotonic() - t0)
+    draft = None
+    if plan.algorithm != "NONE":
+        t1 = time.monotonic()
+        log.info("loading %s draft from %s", plan.algorithm, draft_dir)
+        draft = load_draft(str(draft_dir), plan.algorithm, target, dtype, device)
+        weight_bytes += _param_bytes(draft)
+        log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
+                 human_bytes(_param_bytes(draft)), time.monotonic() - t1)
+    planned_weights = plan.target.weight_bytes_per_gpu + (plan.draft.weight_bytes_per_gpu if plan.draft else 0)
+    _compare("weights", weight_bytes, planned_weights)
+
+    max_total_tokens = plan.max_total_tokens
+    if args.max_total_tokens is not None and args.max_total_tokens < max_total_tokens:
+        max_total_tokens = args.max_total_tokens
+        log.info("KV pool: capped at %d token slots by --max-total-tokens (plan: %d)", max_total_tokens,
+                 plan.max_total_tokens)
+    elif device == "cpu" and plan.required_tokens < max_total_tokens:
+        # On CPU the "GPU memory" is the host's RAM: the pool gets what the limits need, not all of it.
+        max_total_tokens = plan.required_tokens
+        log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
+                 max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
+    t2 = time.monotonic()
+    spec = SpecConfig(plan.algorithm, plan.num_steps, plan.topk, plan.num_draft_tokens)
+    runner = Runner(target, draft, spec, max_total_tokens=max_total_tokens,
+                    max_running_requests=plan.max_running_requests, context_length=plan.context_length,
+                    device=device, seed=args.seed)
+    kv_bytes = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
+    log.info("KV pools allocated: %d token slots, %s (target + draft) in %.1f s", max_total_tokens,
+             human_bytes(kv_bytes), time.monotonic() - t2)
+    _compare("KV cache", kv_bytes, max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
+    if device == "cuda":
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+        log.info("GPU memory after allocation: %.2f GiB used, %.2f GiB free of %.2f GiB",
+                 (total_bytes - free_bytes) / 2**30, free_bytes / 2**30, total_bytes / 2**30)
+    log.info("CUDA graphs: none captured; the runner decodes eagerly")
+
+    tokenizer = Tokenizer.from_dir(target_dir)
+    t3 = time.monotonic()
+    # One short request through every code path (prefill, draft, verify) before taking traffic:
+    # a broken checkpoint fails here, in the log, not on a user's request.
+    runner.add(Request(id="warmup", prompt_ids=[0, 1, 2, 3], max_tokens=4))
+    while runner.num_running:
+        runner.step()
+    log.info("warm-up step done in %.2f s", time.monotonic() - t3)
+
+    queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
+    scheduler = Scheduler(runner, tokenizer, metrics, max_queued_requests=queued,
+                          log_interval_s=args.log_interval_s)
+    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots",
+             plan.max_running_requests, queued, plan.context_length, max_total_tokens)
+    return scheduler, tokenizer
