@@ -65,7 +65,9 @@ def run(
 
     from specdeploy.operator.handlers import OperatorOptions, build_registry
 
-    options = OperatorOptions(engine_image=engine_image, hub_endpoint=hub_endpoint, **option_overrides)
+    options = OperatorOptions(
+        engine_image=engine_image, hub_endpoint=hub_endpoint, namespaces=namespaces, **option_overrides
+    )
     asyncio.run(
         kopf.operator(
             registry=build_registry(options),

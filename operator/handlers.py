@@ -16,13 +16,14 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
-from specdeploy.operator import config_source, status
+from specdeploy.operator import config_source, serving_metrics, status
 from specdeploy.operator.kube import ChildConflict, KubeClient, controller_owner, new_api_client, plain
 from specdeploy.operator.planning import PlanningError, plan_engine, plan_summary
 from specdeploy.operator.render import (
@@ -35,20 +36,25 @@ from specdeploy.operator.render import (
     PlannedEngine,
     is_paused,
     render_children,
+    selector_labels,
 )
+
+log = logging.getLogger("specdeploy.operator")
 
 # Retry delays for failures that can resolve without the resource changing.
 TRANSIENT_RETRY_DELAY_S = 30
 CONFLICT_RETRY_DELAY_S = 15
+# How often engine pods' /metrics are read for the Accept length column.
+METRICS_INTERVAL_S = 30
 
 
 @dataclass(frozen=True)
 class OperatorOptions:
     engine_image: str = "ghcr.io/specdeploy/engine:latest"
     hub_endpoint: str = config_source.DEFAULT_HUB_ENDPOINT
-    # kopf's per-handler settings, shortened by tests for quick retries.
     transient_retry_delay_s: float = TRANSIENT_RETRY_DELAY_S
-    extra_settings: dict[str, Any] = field(default_factory=dict)
+    metrics_interval_s: float = METRICS_INTERVAL_S  # 0: off
+    namespaces: list[str] | None = None  # None: all
 
 
 def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
@@ -183,6 +189,33 @@ def deployment_event(
             _event(sdd, warning=False, reason="Ready", message=ready)
 
 
+def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None) -> None:
+    """Scrape the ready engine pods' /metrics of every serving resource into status.serving
+    (the Accept length column). An operator-wide loop rather than a kopf timer: timers need a
+    finalizer on each resource, and deleting a resource must never wait for the operator."""
+    for sdd in kube.list_sdds(namespaces):
+        meta = sdd["metadata"]
+        if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (status.PHASE_READY, status.PHASE_DEPLOYING):
+            continue
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(meta["name"]).items())
+        urls = serving_metrics.ready_pod_metrics_urls(kube.list_pods(meta["namespace"], selector))
+        samples, errors = serving_metrics.scrape(urls)
+        for error in errors:
+            log.debug(f"[{meta['namespace']}/{meta['name']}] metrics not scraped: {error}")
+        figures = serving_metrics.summarize(samples)
+        if figures:
+            kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
+
+
+async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:
+    while True:
+        await asyncio.sleep(options.metrics_interval_s)
+        try:
+            await asyncio.to_thread(collect_engine_metrics, kube, options.namespaces)
+        except Exception as err:  # noqa: BLE001 - one failed round must not end the loop
+            log.warning(f"engine metrics round failed: {type(err).__name__}: {err}")
+
+
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: OperatorOptions, **_: Any) -> None:
     # Events for every decision, info level included.
     settings.posting.level = logging.INFO
@@ -190,9 +223,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: Operato
     # update_status for the status subresource.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
     settings.watching.server_timeout = 300
-    for path, value in options.extra_settings.items():
-        section, attribute = path.split(".")
-        setattr(getattr(settings, section), attribute, value)
     memo.options = options
     memo.kube = KubeClient(new_api_client())
 
@@ -201,10 +231,19 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(kopf.login_via_client)
 
-    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
         configure(settings, memo, options, **kwargs)
+        if options.metrics_interval_s > 0:
+            memo.metrics_task = asyncio.create_task(_metrics_loop(memo.kube, options))
+
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        task = getattr(memo, "metrics_task", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     kopf.on.startup(registry=registry)(startup)
+    kopf.on.cleanup(registry=registry)(cleanup)
     for cause, on in (("create", kopf.on.create), ("update", kopf.on.update), ("resume", kopf.on.resume)):
         # No deletion handler, hence no finalizer: children go by garbage collection, and a
         # resource deleted while the operator is down is not stuck waiting for it.

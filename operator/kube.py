@@ -95,6 +95,18 @@ class KubeClient:
                 return None
             raise
 
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return self._dict(self.core.list_namespaced_pod(namespace, label_selector=label_selector))["items"]
+
+    def list_sdds(self, namespaces: list[str] | None) -> list[dict[str, Any]]:
+        if not namespaces:
+            return self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return [
+            item
+            for ns in namespaces
+            for item in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+        ]
+
     def get_sdd(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)

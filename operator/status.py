@@ -286,3 +286,14 @@ def serving(
         set_condition(status, DEGRADED, False, "AsExpected", counts, generation=generation, now=now)
     status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
     return status
+
+
+def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) -> dict[str, Any]:
+    """Record the engines' own figures (meanAcceptLength, tokensPerSecond) under serving."""
+    status = _base(current)
+    serving_status = dict(status.get("serving") or {})
+    for key in ("meanAcceptLength", "tokensPerSecond"):
+        if key in figures:
+            serving_status[key] = figures[key]
+    status["serving"] = serving_status
+    return status

@@ -223,7 +223,7 @@ def test_operator_modules_do_not_import_torch():
     code = (
         "import sys\n"
         "import specdeploy.operator.render, specdeploy.operator.status, specdeploy.operator.planning\n"
-        "import specdeploy.operator.config_source, specdeploy.operator.kube\n"
+        "import specdeploy.operator.config_source, specdeploy.operator.kube, specdeploy.operator.serving_metrics\n"
         "import specdeploy.operator.handlers, specdeploy.operator.cli, specdeploy.cli\n"
         "specdeploy.operator.handlers.build_registry(specdeploy.operator.handlers.OperatorOptions())\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -1,0 +1,85 @@
+"""Engine /metrics -> status.serving figures, scraped from real local HTTP servers that serve the
+engine's own Prometheus registry."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specdeploy.engine.metrics import EngineMetrics
+from specdeploy.operator import serving_metrics as sm
+from specdeploy.operator import status
+
+
+def serve(metrics: EngineMetrics):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = metrics.render()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def two_engines():
+    a, b = EngineMetrics("llama"), EngineMetrics("llama")
+    # engine a: 100 verify steps, 180 drafts accepted; engine b: 50 steps, 120 accepted
+    a.spec_decode_num_steps.inc(100)
+    a.spec_decode_num_accepted_tokens.inc(180)
+    a.generation_throughput.set(900.0)
+    b.spec_decode_num_steps.inc(50)
+    b.spec_decode_num_accepted_tokens.inc(120)
+    b.generation_throughput.set(450.5)
+    servers = [serve(a), serve(b)]
+    yield [f"http://127.0.0.1:{s.server_address[1]}/metrics" for s in servers]
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/metrics"
+
+
+def test_scrape_and_summarize(two_engines):
+    samples, errors = sm.scrape(two_engines + [closed_port_url()], timeout_s=1)
+    assert len(samples) == 2 and len(errors) == 1 and "ConnectError" in errors[0]
+    figures = sm.summarize(samples)
+    # 1 + (180 + 120) / (100 + 50)
+    assert figures == {"meanAcceptLength": 3.0, "tokensPerSecond": 1350.5}
+
+
+def test_no_steps_yet_gives_throughput_only():
+    fresh = sm.parse_engine_metrics(EngineMetrics("x").render().decode())
+    assert sm.summarize([fresh]) == {"tokensPerSecond": 0.0}
+    assert sm.summarize([]) == {}
+
+
+def test_only_ready_pods_with_an_ip_are_scraped():
+    def pod(ip, ready, deleting=False):
+        meta = {"name": ip or "x", **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+        return {"metadata": meta, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    pods = [pod("10.0.0.1", True), pod("10.0.0.2", False), pod(None, True), pod("10.0.0.3", True, deleting=True)]
+    assert sm.ready_pod_metrics_urls(pods) == ["http://10.0.0.1:8000/metrics"]
+
+
+def test_figures_land_in_status_and_survive_replica_updates():
+    st = status.engine_metrics({"serving": {"readyReplicas": 2}}, {"meanAcceptLength": 3.0, "tokensPerSecond": 10.0})
+    assert st["serving"] == {"readyReplicas": 2, "meanAcceptLength": 3.0, "tokensPerSecond": 10.0}
+    dep = {"metadata": {"name": "d", "generation": 1, "annotations": {}}, "spec": {"replicas": 2}, "status": {"readyReplicas": 1}}
+    after = status.serving(st, dep, generation=1, now="2026-01-01T00:00:00Z")
+    assert after["serving"]["meanAcceptLength"] == 3.0 and after["serving"]["readyReplicas"] == 1
