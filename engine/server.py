@@ -33,6 +33,8 @@ log = logging.getLogger("specdeploy.server")
 _DISCONNECT_POLL_S = 0.25
 # OpenAI's default for /v1/completions.
 _DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Names pydantic puts into an error's location for the member of a union it tried.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 class APIError(Exception):
@@ -167,9 +169,15 @@ def create_app(state: EngineState, loader: Loader | None = None,
         if first.get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                             code="invalid_json").response()
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param,
+        # loc is ("body", field, index | nested field | union member tag, ...): the top-level field
+        # is the param; the path without pydantic's union tags ("str", "list[int]") goes in the message.
+        loc = [str(x) for x in first.get("loc", ())[1:]
+               if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))]
+        param = loc[0] if loc else None
+        message = first.get("msg", "invalid value")
+        if len(loc) < len(first.get("loc", ())) - 1:  # a union: say what it got, not one member's complaint
+            message = f"has the wrong type ({type(first.get('input')).__name__})"
+        return APIError(400, f"{'.'.join(loc) or 'body'}: {message}", param=param,
                         code="invalid_value").response()
 
     @app.get("/health")

@@ -1,0 +1,106 @@
+"""Bad requests get a 4xx in OpenAI's error format, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+def post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else None
+    return httpx.post(f"{server.url}{path}", content=content, json=None if content is not None else body,
+                      headers={"content-type": "application/json"}, timeout=30)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def assert_still_serving(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+    ok = post(server, "/v1/completions", {"model": server.model, "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_malformed_json(server):
+    err = assert_error(post(server, "/v1/completions", '{"model": "x", "prompt": '), 400)
+    assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
+    assert_still_serving(server)
+
+
+def test_unknown_model(client, server):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert "no-such-model" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert_still_serving(server)
+
+
+def test_prompt_longer_than_the_context(client, server):
+    long_prompt = list(range(10, 10 + server.context_length + 5))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, prompt=long_prompt, max_tokens=1)
+    assert "context length" in info.value.message
+    with pytest.raises(openai.BadRequestError):  # prompt fits, prompt + max_tokens does not
+        client.completions.create(model=server.model, prompt="hi", max_tokens=server.context_length)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", -1),
+    ("max_tokens", 0),
+    ("max_tokens", "ten"),
+    ("max_tokens", 3.5),
+    ("temperature", "hot"),
+    ("temperature", -0.5),
+    ("top_p", 0),
+    ("top_k", -5),
+    ("prompt", 123),
+    ("prompt", None),
+    ("stop", 5),
+    ("stream", "yes"),
+    ("n", 2),
+    ("seed", "abc"),
+])
+def test_bad_completion_fields(server, field, value):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 4, field: value}
+    assert_error(post(server, "/v1/completions", body), 400, param=field)
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": []},
+    {"messages": "hello"},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": [{"content": "hi"}]},
+    {"messages": [{"role": "user", "content": 42}]},
+])
+def test_bad_chat_bodies(server, body):
+    assert_error(post(server, "/v1/chat/completions", {"model": server.model, **body}), 400)
+
+
+def test_token_ids_outside_the_vocabulary(server):
+    assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": [1, 10**6], "max_tokens": 2}),
+                 400, param="prompt")
+    assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2,
+                                                  "stop_token_ids": [-3]}), 400, param="stop_token_ids")
+
+
+def test_missing_fields_and_empty_prompt(server):
+    assert_error(post(server, "/v1/completions", {"prompt": "hi"}), 400, param="model")
+    assert_error(post(server, "/v1/completions", {"model": server.model}), 400, param="prompt")
+    assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": []}), 400)
+    assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": ["a", "b"]}), 400,
+                 param="prompt")
+
+
+def test_server_survives_all_of_the_above(server):
+    assert_still_serving(server)

@@ -1,0 +1,135 @@
+"""Back-pressure, client disconnects, metrics and SIGTERM draining."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def wait_until(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def idle(server) -> bool:
+    m = server.metrics()
+    return (m["specdeploy_num_requests_running{}"] == 0 and m["specdeploy_num_requests_waiting{}"] == 0
+            and m["specdeploy_kv_slot_usage_ratio{}"] == 0)
+
+
+def test_client_disconnect_aborts_and_frees_slots(server):
+    wait_until(lambda: idle(server), what="an idle server")
+    aborted_before = server.metrics().get("specdeploy_requests_total{endpoint=completions,finish_reason=abort}", 0)
+    body = {"model": server.model, "prompt": "x", "max_tokens": server.context_length - 16, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        events = r.iter_lines()
+        data = [line for line in (next(events) for _ in range(6)) if line.startswith("data: ")]
+        assert data, "the stream should have started"
+        running = server.metrics()
+        assert running["specdeploy_num_requests_running{}"] == 1
+        assert running["specdeploy_kv_slot_usage_ratio{}"] > 0
+    # The client hung up: the server must notice, abort the request and give its KV slots back.
+    wait_until(lambda: idle(server), what="the aborted request's slots to be freed")
+    after = server.metrics()["specdeploy_requests_total{endpoint=completions,finish_reason=abort}"]
+    assert after == aborted_before + 1
+
+
+async def test_overload_gets_429_and_the_rest_complete(server, async_client):
+    wait_until(lambda: idle(server), what="an idle server")
+    n = 4 * (server.max_running_requests + server.max_queued_requests)
+
+    async def one(i):
+        try:
+            out = await async_client.completions.create(
+                model=server.model, prompt=f"item {i}", max_tokens=server.context_length - 16,
+                temperature=0, extra_body={"ignore_eos": True})
+            return out.choices[0].finish_reason
+        except openai.RateLimitError as e:
+            assert e.status_code == 429
+            assert e.body["code"] == "queue_full" and "capacity" in e.body["message"]
+            return 429
+
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    assert results.count(429) >= n - (server.max_running_requests + server.max_queued_requests) - 2
+    assert results.count("length") >= server.max_running_requests, results
+    assert set(results) <= {429, "length"}
+    wait_until(lambda: idle(server), what="all slots to be free again")
+    assert server.metrics()["specdeploy_requests_rejected_total{reason=queue_full}"] >= results.count(429)
+    ok = await async_client.completions.create(model=server.model, prompt="still here", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_metrics_parse_and_count_speculation(server, client):
+    before = server.metrics()
+    out = client.completions.create(model=server.model, prompt="def speculate(", max_tokens=40, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ["specdeploy_requests", "specdeploy_request_latency_seconds",
+                 "specdeploy_time_to_first_token_seconds", "specdeploy_generation_tokens",
+                 "specdeploy_prompt_tokens", "specdeploy_generation_tokens_per_second",
+                 "specdeploy_spec_decode_num_draft_tokens", "specdeploy_spec_decode_num_accepted_tokens",
+                 "specdeploy_spec_decode_acceptance_length", "specdeploy_num_requests_waiting",
+                 "specdeploy_num_requests_running", "specdeploy_kv_slot_usage_ratio"]:
+        assert name in families, f"{name} missing from /metrics"
+    after = server.metrics()
+
+    def grew(key):
+        return after[key] - before.get(key, 0)
+
+    assert grew("specdeploy_generation_tokens_total{}") == out.usage.completion_tokens == 40
+    assert grew("specdeploy_prompt_tokens_total{}") == out.usage.prompt_tokens
+    assert grew("specdeploy_requests_total{endpoint=completions,finish_reason=length}") == 1
+    assert grew("specdeploy_time_to_first_token_seconds_count{}") == 1
+    proposed = grew("specdeploy_spec_decode_num_draft_tokens_total{}")
+    accepted = grew("specdeploy_spec_decode_num_accepted_tokens_total{}")
+    steps = grew("specdeploy_spec_decode_acceptance_length_count{}")
+    assert proposed > 0 and 0 < accepted <= proposed, "the toy draft is built to be accepted often"
+    # 40 tokens = 1 from prefill + the decode steps' accepted drafts + one bonus token per step
+    assert 1 + accepted + steps == 40
+    assert grew("specdeploy_spec_decode_acceptance_length_sum{}") == accepted + steps
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_process):
+    proc, url = engine_process("--context-length", "1024", "--max-total-tokens", "4096")
+    body = {"model": "tiny-target", "prompt": "drain me", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60), "the long request never started streaming"
+    proc.send_signal(signal.SIGTERM)
+    # While draining: not ready, new work refused with 503, the old request still streaming.
+    ready = wait_until(lambda: (r := httpx.get(f"{url}/ready")).status_code == 503 and r, what="/ready 503")
+    assert ready.json()["reason"] == "draining"
+    refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny-target", "prompt": "late", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    assert reader.is_alive(), "the in-flight request should still be running during the drain"
+    reader.join(timeout=120)
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2].removeprefix("data: "))
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0
+    logs = proc.stdout.read()
+    assert "draining" in logs and "drained in" in logs
