@@ -155,3 +155,27 @@ def test_admission_errors():
         runner.add(Request("b", [1] * 20, 20))
     with pytest.raises(ValueError, match="already in use"):
         runner.add(Request("a", [1], 1))
+
+
+@pytest.mark.parametrize("topk,num_draft_tokens", [(1, 4), (2, 5)])
+def test_sampling_requests_run_and_greedy_rows_stay_exact(topk, num_draft_tokens):
+    """Sampling (chain: drafts drawn from the warped draft distribution; tree: top-k drafts)
+    in a batch mixed with a greedy request: the greedy request is unchanged, seeded requests
+    are reproducible, slots come back."""
+    target, perm = target_for(1)
+    draft = copy_draft("EAGLE", target, perm)
+    spec = SpecConfig("EAGLE", 3, topk, num_draft_tokens)
+
+    def batch():
+        reqs = requests(lens=(5, 8, 3))
+        reqs[1].temperature, reqs[1].top_p, reqs[1].seed = 0.8, 0.9, 11
+        reqs[2].temperature, reqs[2].top_k, reqs[2].seed = 1.2, 5, 12
+        return reqs
+
+    plain = generate(Runner(target, max_total_tokens=400, max_running_requests=4), requests(lens=(5,)))
+    runner = Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4)
+    first = generate(runner, batch())
+    assert first["r0"] == plain["r0"]
+    assert first == generate(Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4), batch())
+    assert runner.num_draft_tokens_accepted > 0
+    assert all(0 <= t < 64 for toks in first.values() for t in toks)
