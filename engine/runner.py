@@ -22,16 +22,16 @@ HTTP, tokenization, stop strings and queueing live elsewhere.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from specdeploy.engine.attention import AttnBatch, causal_batch
+from specdeploy.engine.attention import causal_batch
+from specdeploy.engine.calls import ModelCalls
 from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import PAD_SLOT, KVPool, SlotTable
 from specdeploy.engine.model import LlamaModel
-from specdeploy.engine.tree import DraftTree, build_tree, expand_step
+from specdeploy.engine.tree import build_tree
 from specdeploy.engine.verify import sample_from, verify_greedy, verify_sampling, warp_probs
 
 _FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
@@ -122,6 +122,7 @@ class Runner:
         tc = target.cfg
         dtype = target.embed_tokens.weight.dtype
         self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, dtype, self.device)
+        self.max_running_requests = max_running_requests
         self.table = SlotTable(num_slots, max_running_requests, self.context_length, self.device)
         self.draft_kv = None
         if draft is not None:
@@ -131,7 +132,7 @@ class Runner:
             # [max_running_requests, carried width]: the draft state after each request's root.
             self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
                                             device=self.device)
-        self.max_running_requests = max_running_requests
+        self.calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, self.num_steps, self.topk)
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
         self._reserved = 0
@@ -237,116 +238,76 @@ class Runner:
         empty = torch.zeros(b, 0, dtype=torch.int64, device=dev)
         batch = causal_batch(slots, lens, empty, torch.zeros(b, dtype=torch.int64, device=dev))
         out = self.target(tokens, positions, batch, self.target_kv)
-        last = (lens - 1)
+        last = lens - 1
         rows = torch.arange(b, device=dev)
-        logits = self.target.logits(out.hidden[rows, last])                 # [B, V]
-        first = self._sample(seqs, logits)                                  # [B]
+        first = self._sample(seqs, self.target.logits(out.hidden[rows, last]))   # [B]
         if self.draft is not None:
             # Draft extend over the prompt: entry j = (token j + 1, target feature j).
             shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
             shifted[rows, last] = first
-            d_out = self.draft(shifted, out.feature, positions, batch, self.draft_kv)
-            self.draft_hidden[[s.row for s in seqs]] = d_out[rows, last]
+            self.draft_hidden[[s.row for s in seqs]] = self.calls.draft_extend(
+                shifted, out.feature, positions, slots, empty, torch.zeros_like(lens), lens)
         return self._emit(seqs, [[t] for t in first.tolist()], [0] * b)
 
     # ---- speculative decoding ------------------------------------------------------------------
 
     def _spec_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
-        dev, draft = self.device, self.draft
-        steps, k, n = self.num_steps, self.topk, self.num_draft_tokens
+        dev, calls = self.device, self.calls
+        steps, n = self.num_steps, self.num_draft_tokens
         b = len(seqs)
         rows = torch.tensor([s.row for s in seqs], device=dev)
         lens = torch.tensor([s.length for s in seqs], device=dev)
         roots = torch.tensor([s.root for s in seqs], device=dev)
         prefix = self.table.req_to_slot[rows, :int(lens.max())]
         sampling = any(s.req.temperature > 0 for s in seqs)
-        chain_sampling = sampling and k == 1
+        chain_sampling = sampling and self.topk == 1
         uniforms = self._uniforms(seqs, n + 1 + steps)                      # [B, N + 1 + S]
         params = self._sampling_params(seqs)
 
-        # -- draft: step 0 from the stored hidden, then steps 1..S-1 through the draft model.
-        scratch = self.table.alloc(b * (steps - 1) * k).view(b, (steps - 1) * k)
-        hidden = self.draft_hidden[rows][:, None, :]                        # [B, 1, Hc]
-        logits = draft.logits(hidden)                                       # [B, 1, Vd]
-        cand_tokens, cand_scores, cand_parents, draft_q = [], [], [], []
-        tokens, scores = self._draft_choose(logits, k, chain_sampling, params, uniforms[:, n + 1],
-                                            draft_q)
-        cand_tokens.append(tokens)
-        cand_scores.append(scores)
-        cand_parents.append(torch.full((b, k), -1, dtype=torch.int64, device=dev))
-        list_index = torch.arange(k, device=dev).expand(b, k)               # inputs' list indices
-        hidden = hidden.expand(b, k, hidden.shape[-1])
-        anc = torch.zeros(b, k, (steps - 1) * k, dtype=torch.bool, device=dev)
-        for i in range(1, steps):
-            own = torch.arange((i - 1) * k, i * k, device=dev)
-            anc[:, torch.arange(k, device=dev), own] = True
-            batch = AttnBatch(scratch[:, (i - 1) * k:i * k], prefix, lens, scratch, anc)
-            positions = (lens + i - 1)[:, None].expand(b, k)
-            out = draft(tokens, hidden, positions, batch, self.draft_kv)     # [B, K, Hc]
-            logits = draft.logits(out)                                      # [B, K, Vd]
-            if chain_sampling:
-                tokens, _ = self._draft_choose(logits, 1, True, params, uniforms[:, n + 1 + i], draft_q)
-                cand_tokens.append(tokens)
-                cand_scores.append(torch.ones(b, 1, device=dev))
-                cand_parents.append(list_index)
-                list_index = torch.full((b, 1), i, dtype=torch.int64, device=dev)
-                hidden = out
-                continue
-            child_p, child_i = torch.softmax(logits, -1).topk(k, dim=-1)    # [B, K, K]
-            c_scores, c_tokens, c_parent, keep = expand_step(scores, child_p,
-                                                             draft.to_target_ids(child_i), k)
-            base = k + (i - 1) * k * k                                      # list index of c[0]
-            cand_tokens.append(c_tokens)
-            cand_scores.append(c_scores)
-            cand_parents.append(torch.gather(list_index, 1, c_parent))
-            parent = torch.gather(c_parent, 1, keep)                        # [B, K] in 0..K-1
-            tokens = torch.gather(c_tokens, 1, keep)
-            scores = torch.gather(c_scores, 1, keep)
-            hidden = torch.gather(out, 1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
-            anc = torch.gather(anc, 1, parent[:, :, None].expand(-1, -1, anc.shape[-1]))
-            list_index = base + keep
-        tree = build_tree(roots, torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1),
-                          torch.cat(cand_parents, 1), n)
+        # -- draft: num_steps x topk candidates (scratch slots in the draft pool).
+        scratch = self.table.alloc(b * (steps - 1) * self.topk).view(b, -1)
+        hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
+        cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
+            hidden, prefix, lens, scratch, *params, uniforms[:, n + 1:], chain_sampling)
+        tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n)
 
-        # -- verify: one target forward over the tree.
+        # -- verify: one target forward over the tree (tree slots in the target pool).
         tree_slots = self.table.alloc(b * n).view(b, n)
-        batch = AttnBatch(tree_slots, prefix, lens, tree_slots, tree.mask)
-        out = self.target(tree.tokens, lens[:, None] + tree.depth, batch, self.target_kv)
-        logits = self.target.logits(out.hidden)                             # [B, N, V]
+        logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
+                                              prefix, lens, tree.mask)     # [B, N, V], [B, N, Hin]
         if not sampling:
             path, num_acc, bonus = verify_greedy(tree, logits)
         else:
             v = logits.shape[-1]
             p = warp_probs(logits.reshape(b * n, v), *(x.repeat_interleave(n) for x in params))
             q = None
-            if chain_sampling:  # node d was drawn from the step d - 1 proposal
-                q = torch.cat([torch.zeros(b, 1, v, device=dev), torch.stack(draft_q, 1)], 1)
+            if chain_sampling:  # node d was drawn from the step d - 1 proposal; the root from none
+                q = torch.cat([torch.zeros(b, 1, v, device=dev), draft_q], 1)
             path, num_acc, bonus = verify_sampling(tree, p.view(b, n, v), q, uniforms[:, :n],
                                                    uniforms[:, n])
+        # A fixed width (num_steps + 1) keeps the draft-extend shapes static.
+        path = torch.cat([path, path.new_full((b, steps + 1 - path.shape[1]), -1)], 1)
 
-        # -- commit accepted slots, free the rest.
+        # -- commit the accepted nodes' slots (root first), free every other slot.
         valid = path >= 0                                                   # [B, S + 1]
         path_slots = torch.where(valid, torch.gather(tree_slots, 1, path.clamp(min=0)), PAD_SLOT)
-        cols = lens[:, None] + torch.arange(path.shape[1], device=dev)
+        cols = lens[:, None] + torch.arange(steps + 1, device=dev)
         self.table.req_to_slot[rows[:, None].expand_as(cols)[valid], cols[valid]] = path_slots[valid]
         in_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
         in_path.scatter_(1, path.clamp(min=0), True)                        # padding -> root, kept anyway
         self.table.free(tree_slots[~in_path])
         self.table.free(scratch)
 
-        # -- draft extend over the accepted tokens [root, d1..dk] with the target's features.
+        # -- draft extend: entries (token after node j, target feature at node j) along the path.
         path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))       # [B, S + 1]
         ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
-        rows_b = torch.arange(b, device=dev)
-        ext_tokens[rows_b, num_acc] = bonus
-        feature = torch.gather(out.feature, 1,
-                               path.clamp(min=0)[:, :, None].expand(-1, -1, out.feature.shape[-1]))
-        batch = causal_batch(path_slots, num_acc + 1, prefix, lens)
-        positions = lens[:, None] + torch.arange(path.shape[1], device=dev)
-        d_out = draft(ext_tokens, feature, positions, batch, self.draft_kv)
-        self.draft_hidden[rows] = d_out[rows_b, num_acc]
+        ext_tokens[torch.arange(b, device=dev), num_acc] = bonus
+        ext_hidden = torch.gather(feature, 1, path.clamp(min=0)[:, :, None].expand(-1, -1, feature.shape[-1]))
+        positions = lens[:, None] + torch.arange(steps + 1, device=dev)
+        self.draft_hidden[rows] = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots,
+                                                     prefix, lens, num_acc + 1)
 
-        self.num_draft_tokens_proposed += b * (path.shape[1] - 1)
+        self.num_draft_tokens_proposed += b * steps
         accepted = num_acc.tolist()
         self.num_draft_tokens_accepted += sum(accepted)
         emitted = [row[1:a + 1] + [bt] for row, a, bt in
@@ -354,25 +315,6 @@ class Runner:
         for s, a in zip(seqs, accepted):
             s.length += a + 1
         return self._emit(seqs, emitted, accepted)
-
-    def _draft_choose(self, logits, k, chain_sampling, params, uniform, draft_q):
-        """logits [B, 1 or K, Vd] of the draft -> tokens [B, K] (target ids), scores [B, K].
-        Chain sampling draws one token per row from the warped draft distribution and records
-        that distribution (over the target vocabulary) for verification."""
-        if chain_sampling:
-            q = warp_probs(logits[:, -1], *params)                          # [B, Vd]
-            token = sample_from(q, uniform)
-            draft_q.append(self._to_target_vocab(q))
-            return self.draft.to_target_ids(token)[:, None], torch.ones_like(uniform)[:, None]
-        probs, ids = torch.softmax(logits[:, -1], -1).topk(k, dim=-1)
-        return self.draft.to_target_ids(ids), probs
-
-    def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        v = self.target.cfg.vocab_size
-        if q.shape[-1] == v and self.draft.algorithm != "EAGLE3":
-            return q
-        ids = self.draft.to_target_ids(torch.arange(q.shape[-1], device=q.device))
-        return torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device).index_add_(1, ids, q)
 
     # ---- plain decoding --------------------------------------------------------------------------
 
@@ -384,10 +326,9 @@ class Runner:
         slots = self.table.alloc(b).view(b, 1)
         prefix = self.table.req_to_slot[rows, :int(lens.max())]
         self.table.req_to_slot[rows, lens] = slots[:, 0]
-        batch = AttnBatch(slots, prefix, lens, slots, torch.ones(b, 1, 1, dtype=torch.bool, device=dev))
         roots = torch.tensor([[s.root] for s in seqs], device=dev)
-        out = self.target(roots, lens[:, None], batch, self.target_kv)
-        tokens = self._sample(seqs, self.target.logits(out.hidden[:, 0]))
+        logits = self.calls.target_decode(roots, lens[:, None], slots, prefix, lens)   # [B, V]
+        tokens = self._sample(seqs, logits)
         for s in seqs:
             s.length += 1
         return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)

@@ -1,0 +1,121 @@
+"""The model invocations of the decode loop, each a function of fixed-shape tensors.
+
+These are the units CUDA graphs capture (graphs.py wraps an instance with the same methods);
+the runner calls them identically whether they replay a graph or run eagerly.
+
+    target_decode     ids [B, 1]                      -> logits [B, V]
+    target_verify     tree tokens [B, N], tree mask   -> logits [B, N, V], feature [B, N, Hin]
+    draft_multi_step  root hidden [B * topk, Hc]      -> candidate list [B, M] (+ proposals)
+    draft_extend      tokens [B, Q], feature [B, Q, Hin] -> draft hidden after the last valid
+                      entry [B, Hc]
+
+The committed prefix of each request is passed as `prefix_slots [B, Kp]` with `prefix_lens [B]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdeploy.engine.attention import AttnBatch, causal_batch
+from specdeploy.engine.draft import DraftHead
+from specdeploy.engine.kv import KVPool
+from specdeploy.engine.model import LlamaModel
+from specdeploy.engine.tree import expand_step
+from specdeploy.engine.verify import sample_from, warp_probs
+
+
+class ModelCalls:
+    def __init__(self, target: LlamaModel, draft: DraftHead | None, target_kv: KVPool,
+                 draft_kv: KVPool | None, num_steps: int, topk: int):
+        self.target, self.draft = target, draft
+        self.target_kv, self.draft_kv = target_kv, draft_kv
+        self.num_steps, self.topk = num_steps, topk
+
+    def target_decode(self, ids, positions, out_slots, prefix_slots, prefix_lens) -> torch.Tensor:
+        b = ids.shape[0]
+        mask = torch.ones(b, 1, 1, dtype=torch.bool, device=ids.device)
+        batch = AttnBatch(out_slots, prefix_slots, prefix_lens, out_slots, mask)
+        out = self.target(ids, positions, batch, self.target_kv)
+        return self.target.logits(out.hidden[:, 0])
+
+    def target_verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
+        batch = AttnBatch(out_slots, prefix_slots, prefix_lens, out_slots, tree_mask)
+        out = self.target(ids, positions, batch, self.target_kv)
+        return self.target.logits(out.hidden), out.feature
+
+    def draft_extend(self, ids, hidden, positions, out_slots, prefix_slots, prefix_lens,
+                     num_valid) -> torch.Tensor:
+        batch = causal_batch(out_slots, num_valid, prefix_slots, prefix_lens)
+        out = self.draft(ids, hidden, positions, batch, self.draft_kv)       # [B, Q, Hc]
+        return out[torch.arange(out.shape[0], device=out.device), num_valid - 1]
+
+    def draft_multi_step(self, hidden, prefix_slots, prefix_lens, scratch, temperature, top_k,
+                         top_p, uniforms, chain_sampling: bool):
+        """hidden [B * topk, Hc]: the draft state after each root, repeated topk times (the
+        layout of the draft graph's static buffer). scratch [B, (S - 1) * topk] slots for the
+        draft K/V of steps 1..S-1. uniforms [B, S] (chain sampling draws).
+        -> cand_tokens, cand_scores, cand_parents [B, M] (target ids; parents are list indices,
+           -1 = root) and draft_q [B, S, V] (chain sampling: the distribution each draft token
+           was drawn from, over the target vocabulary) or None."""
+        draft, k, steps = self.draft, self.topk, self.num_steps
+        b = hidden.shape[0] // k
+        dev = hidden.device
+        hidden = hidden.view(b, k, -1)
+        logits = draft.logits(hidden[:, :1])[:, 0]                            # [B, Vd]
+        tokens, scores, qs = self._choose(logits, k, chain_sampling,
+                                          (temperature, top_k, top_p), uniforms[:, 0])
+        cand_tokens, cand_scores = [tokens], [scores]
+        cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=dev)]
+        draft_q = [qs] if chain_sampling else []
+        list_index = torch.arange(k, device=dev).expand(b, k)                 # inputs' list indices
+        anc = torch.zeros(b, k, (steps - 1) * k, dtype=torch.bool, device=dev)
+        node = torch.arange(k, device=dev)
+        for i in range(1, steps):
+            anc[:, node, (i - 1) * k + node] = True
+            batch = AttnBatch(scratch[:, (i - 1) * k:i * k], prefix_slots, prefix_lens, scratch, anc)
+            positions = (prefix_lens + i - 1)[:, None].expand(b, k)
+            out = draft(tokens, hidden, positions, batch, self.draft_kv)      # [B, K, Hc]
+            logits = draft.logits(out)                                        # [B, K, Vd]
+            if chain_sampling:
+                tokens, scores, q = self._choose(logits[:, 0], 1, True, (temperature, top_k, top_p),
+                                                 uniforms[:, i])
+                cand_tokens.append(tokens)
+                cand_scores.append(scores)
+                cand_parents.append(list_index)
+                draft_q.append(q)
+                list_index = torch.full((b, 1), i, dtype=torch.int64, device=dev)
+                hidden = out
+                continue
+            child_p, child_i = torch.softmax(logits, -1).topk(k, dim=-1)      # [B, K, K]
+            c_scores, c_tokens, c_parent, keep = expand_step(scores, child_p,
+                                                             draft.to_target_ids(child_i), k)
+            cand_tokens.append(c_tokens)
+            cand_scores.append(c_scores)
+            cand_parents.append(torch.gather(list_index, 1, c_parent))
+            parent = torch.gather(c_parent, 1, keep)                          # [B, K] in 0..K-1
+            tokens = torch.gather(c_tokens, 1, keep)
+            scores = torch.gather(c_scores, 1, keep)
+            hidden = torch.gather(out, 1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
+            anc = torch.gather(anc, 1, parent[:, :, None].expand(-1, -1, anc.shape[-1]))
+            list_index = k + (i - 1) * k * k + keep
+        return (torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
+                torch.stack(draft_q, 1) if chain_sampling else None)
+
+    def _choose(self, logits, k, chain_sampling, params, uniform):
+        """logits [B, Vd] -> tokens [B, K] (target ids), scores [B, K], proposal q [B, V] | None.
+        Chain sampling draws one token from the warped draft distribution (the same temperature
+        / top-k / top-p as the target's); otherwise the top-k tokens, scored by probability."""
+        if chain_sampling:
+            q = warp_probs(logits, *params)                                   # [B, Vd]
+            token = sample_from(q, uniform)
+            return (self.draft.to_target_ids(token)[:, None], torch.ones_like(uniform)[:, None],
+                    self._to_target_vocab(q))
+        probs, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+        return self.draft.to_target_ids(ids), probs, None
+
+    def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        v = self.target.cfg.vocab_size
+        if q.shape[-1] == v and self.draft.algorithm != "EAGLE3":
+            return q
+        ids = self.draft.to_target_ids(torch.arange(q.shape[-1], device=q.device))
+        return torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device).index_add_(1, ids, q)
