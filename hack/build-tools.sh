@@ -100,14 +100,16 @@ build_kubernetes() {
     cd "${mod}"
     local targets=()
     for b in "${bins[@]}"; do targets+=("k8s.io/kubernetes/cmd/${b}"); done
-    log "kubernetes: compiling; full log in ${mod}/build.log"
+    local total
+    total="$(go list -mod=mod -deps "${targets[@]}" 2>/dev/null | grep -c . || true)"
+    log "kubernetes: compiling ${total:-?} packages; full log in ${mod}/build.log"
     # -mod=mod lets go fill in go.sum for exactly the packages built; -v names each finished package.
     gobuild -mod=mod -v -ldflags "${ld}" -o "${tmp}/" "${targets[@]}" >"${mod}/build.log" 2>&1 &
     local pid=$!
     trap 'kill "${pid}" 2>/dev/null || true' EXIT INT TERM
     while kill -0 "${pid}" 2>/dev/null; do
       sleep 30
-      log "kubernetes: $(grep -c . "${mod}/build.log" || true) packages done so far"
+      log "kubernetes: $(grep -vc '^go: ' "${mod}/build.log" || true)/${total:-?} packages compiled"
     done
     trap - EXIT INT TERM
     if ! wait "${pid}"; then
@@ -153,8 +155,9 @@ GO
   local tmp="${ETCD_DIR}.tmp"; rm -rf "${tmp}"; mkdir -p "${tmp}"
   (
     cd "${mod}"
+    # No `go mod tidy`: it would drop the etcdctl requirement (nothing imports a main package),
+    # and the build would then resolve etcdctl at its latest version instead of ETCD_VERSION.
     go get "go.etcd.io/etcd/server/v3@${ETCD_VERSION}" "go.etcd.io/etcd/etcdctl/v3@${ETCD_VERSION}"
-    go mod tidy >/dev/null 2>&1 || true
     local ld="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=${ETCD_VERSION}"
     gobuild -mod=mod -ldflags "${ld}" -o "${tmp}/etcd" ./etcd
     gobuild -mod=mod -ldflags "${ld}" -o "${tmp}/etcdctl" go.etcd.io/etcd/etcdctl/v3

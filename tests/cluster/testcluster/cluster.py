@@ -32,6 +32,7 @@ log = logging.getLogger("specdeploy.tests.cluster")
 
 T = TypeVar("T")
 
+LOOPBACK = "127.0.0.1"
 # kwok's CRDs that tests may create at run time (per-pod `Logs` wins over the cluster-wide default).
 KWOK_CRDS = ("Logs", "ClusterLogs")
 DEFAULT_LOG_LINE = "fake container started by the kwok test cluster"
@@ -104,6 +105,71 @@ DEFAULT_NODES: tuple[FakeNode, ...] = (
 )
 
 
+WORKDIR_PREFIX = "specdeploy-kube-"
+OWNER_FILE = "owner.pid"
+
+
+def _pids_mentioning(path: Path) -> list[int]:
+    """PIDs of live (non-zombie) processes whose command line contains `path`."""
+    marker = str(path).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Zombies (state Z) have already exited; they hold no port.
+        if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _terminate(pids_of: Callable[[], list[int]], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL, the processes `pids_of()` names until none is left; returns those signalled."""
+    signalled: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = pids_of()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                signalled.append(pid)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids_of() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return sorted(set(signalled))
+
+
+def reap_orphans(base_dir: Path | None = None) -> None:
+    """Stop clusters left behind by test sessions that were killed before their teardown ran."""
+    base = Path(base_dir or tempfile.gettempdir())
+    for workdir in base.glob(WORKDIR_PREFIX + "*"):
+        try:
+            owner = int((workdir / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if Path(f"/proc/{owner}").exists():
+            continue  # its session is still running
+        killed = _terminate(lambda: _pids_mentioning(workdir))
+        log.warning("removed orphaned test cluster %s (owner pid %d gone; stopped %s)", workdir, owner, killed)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 class KubectlError(RuntimeError):
     """kubectl (or helm) exited non-zero; the message carries its command line and stderr."""
 
@@ -143,16 +209,34 @@ def wait_for(
         time.sleep(interval_s)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that are free right now (the kernel picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
-def _port_is_bound(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def listening_ports() -> dict[int, str]:
+    """TCP ports in LISTEN state on this host (IPv4 and IPv6), mapped to their local address in hex."""
+    ports: dict[int, str] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                addr, port = fields[1].rsplit(":", 1)
+                ports[int(port, 16)] = addr
+    return ports
 
 
 def _cri_log(lines: Iterable[str]) -> str:
@@ -188,8 +272,10 @@ class KubeCluster:
         timeout_s: float = 120.0,
     ) -> "KubeCluster":
         t0 = time.monotonic()
+        reap_orphans(base_dir)
         name = f"sd-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        workdir = Path(tempfile.mkdtemp(prefix="specdeploy-kube-", dir=base_dir))
+        workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base_dir))
+        (workdir / OWNER_FILE).write_text(str(os.getpid()))
         cluster = cls(name=name, tools=tools, workdir=workdir, nodes=tuple(nodes))
         try:
             cluster._create(timeout_s)
@@ -240,51 +326,79 @@ class KubeCluster:
             stdin=subprocess.DEVNULL,
         )
 
-    def _create(self, timeout_s: float) -> None:
-        port = _free_port()
-        result = self._kwokctl(
-            "create",
-            "cluster",
-            "--runtime", "binary",
-            "--kube-apiserver-port", str(port),
-            "--enable-crds", ",".join(KWOK_CRDS),
-            # kwokctl would otherwise also write the context into ~/.kube/config.
-            "--kubeconfig", str(self.workdir / "merged-kubeconfig.yaml"),
-            "--wait", f"{int(timeout_s)}s",
-            "--timeout", f"{int(timeout_s)}s",
-            timeout_s=timeout_s + 30,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"kwokctl create cluster {self.name} failed (exit {result.returncode}):\n"
-                f"{result.stderr.strip()[-4000:]}"
+    def _config(self) -> dict[str, Any]:
+        """kwokctl configuration: ports picked here, and every listener bound to 127.0.0.1 only
+        (kwokctl's binary runtime would otherwise listen on all interfaces)."""
+        names = ["kube-apiserver", "etcd", "etcd-peer", "kube-controller-manager", "kube-scheduler", "kwok-controller"]
+        port = dict(zip(names, _free_ports(len(names))))
+        self.ports = sorted(port.values())
+        etcd = f"http://{LOOPBACK}:{port['etcd']}"
+        peer = f"http://{LOOPBACK}:{port['etcd-peer']}"
+
+        def patch(component: str, **args: str) -> dict[str, Any]:
+            return {"name": component, "extraArgs": [{"key": k.replace("_", "-"), "value": v} for k, v in args.items()]}
+
+        return {
+            "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+            "kind": "KwokctlConfiguration",
+            "options": {
+                "kubeApiserverPort": port["kube-apiserver"],
+                "etcdPort": port["etcd"],
+                "etcdPeerPort": port["etcd-peer"],
+                "kubeControllerManagerPort": port["kube-controller-manager"],
+                "kubeSchedulerPort": port["kube-scheduler"],
+                "kwokControllerPort": port["kwok-controller"],
+                "enableCRDs": list(KWOK_CRDS),
+            },
+            "componentsPatches": [
+                patch(
+                    "etcd",
+                    listen_client_urls=etcd,
+                    advertise_client_urls=etcd,
+                    listen_peer_urls=peer,
+                    initial_advertise_peer_urls=peer,
+                    initial_cluster=f"node0={peer}",
+                ),
+                patch("kube-apiserver", bind_address=LOOPBACK),
+                patch("kube-controller-manager", bind_address=LOOPBACK),
+                patch("kube-scheduler", bind_address=LOOPBACK),
+                patch("kwok-controller", server_address=f"{LOOPBACK}:{port['kwok-controller']}"),
+            ],
+        }
+
+    def _create(self, timeout_s: float, attempts: int = 3) -> None:
+        config_file = self.workdir / "kwokctl-config.yaml"
+        for attempt in range(1, attempts + 1):
+            config_file.write_text(yaml.safe_dump(self._config(), sort_keys=False))
+            result = self._kwokctl(
+                "--config", str(config_file),
+                "create", "cluster",
+                "--runtime", "binary",
+                # kwokctl would otherwise also write the context into ~/.kube/config.
+                "--kubeconfig", str(self.workdir / "merged-kubeconfig.yaml"),
+                "--wait", f"{int(timeout_s)}s",
+                "--timeout", f"{int(timeout_s)}s",
+                timeout_s=timeout_s + 30,
             )
+            if result.returncode == 0:
+                break
+            error = result.stderr.strip()[-4000:]
+            # Another process may have taken one of the picked ports between picking and binding.
+            retry = attempt < attempts and "address already in use" in (error + self.component_logs_tail())
+            log.warning("kwokctl create cluster %s failed (attempt %d)%s", self.name, attempt, "; retrying" if retry else "")
+            if not retry:
+                raise RuntimeError(f"kwokctl create cluster {self.name} failed (exit {result.returncode}):\n{error}")
+            self._kwokctl("delete", "cluster", "--kubeconfig", str(self.workdir / "merged-kubeconfig.yaml"), timeout_s=60)
+            self._kill_leftovers()
         if not self.kubeconfig.exists():
             raise RuntimeError(f"kwokctl did not write {self.kubeconfig}")
         kubeconfig = yaml.safe_load(self.kubeconfig.read_text())
         self.server = kubeconfig["clusters"][0]["cluster"]["server"]
-        self.ports = sorted(set(self._component_ports()) | {port})
         wait_for(
             lambda: self.kubectl("get", "--raw", "/readyz", check=False).stdout.strip() == "ok",
             timeout_s=60,
             what=f"kube-apiserver {self.server}/readyz",
         )
-
-    def _component_ports(self) -> list[int]:
-        """Loopback ports the components listen on, read from kwokctl's saved configuration."""
-        ports: list[int] = []
-        conf = self.cluster_dir / "kwok.yaml"
-        if not conf.exists():
-            return ports
-        for doc in yaml.safe_load_all(conf.read_text()):
-            if not isinstance(doc, dict) or doc.get("kind") != "KwokctlConfiguration":
-                continue
-            for comp in doc.get("components") or []:
-                for p in comp.get("ports") or []:
-                    for key in ("hostPort", "port"):
-                        if p.get(key):
-                            ports.append(int(p[key]))
-        return ports
 
     def _add_nodes(self) -> None:
         self.apply([n.manifest() for n in self.nodes])
@@ -318,6 +432,7 @@ class KubeCluster:
         if self._stopped:
             return
         self._stopped = True
+        started = self.processes()
         try:
             result = self._kwokctl("delete", "cluster", "--kubeconfig", str(self.workdir / "merged-kubeconfig.yaml"), timeout_s=60)
             if result.returncode != 0:
@@ -327,6 +442,13 @@ class KubeCluster:
         leftovers = self._kill_leftovers()
         if leftovers:
             log.warning("cluster %s: killed leftover processes %s", self.name, leftovers)
+        # A process that is exiting may already show an empty command line while it still holds its
+        # sockets: wait for the PIDs seen before the delete to be gone, then for the ports to close.
+        try:
+            wait_for(lambda: not [p for p in started if _alive(p)], timeout_s=10, interval_s=0.05, what="cluster processes to exit")
+            wait_for(lambda: not self.bound_ports(), timeout_s=5, interval_s=0.05, what="cluster ports to close")
+        except TimeoutError as exc:
+            log.warning("cluster %s: %s", self.name, exc)
         if os.environ.get("SPECDEPLOY_KEEP_CLUSTER") == "1":
             log.warning("cluster %s: keeping %s (SPECDEPLOY_KEEP_CLUSTER=1)", self.name, self.workdir)
         else:
@@ -334,39 +456,15 @@ class KubeCluster:
 
     def processes(self) -> list[int]:
         """PIDs of live processes whose command line mentions this cluster's directory."""
-        marker = str(self.workdir).encode()
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Zombies (state Z) have already exited; they hold no port.
-            if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
-                pids.append(int(entry.name))
-        return pids
+        return _pids_mentioning(self.workdir)
 
-    def _kill_leftovers(self, grace_s: float = 5.0) -> list[int]:
-        pids = self.processes()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + grace_s
-            while self.processes() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not self.processes():
-                break
-        return pids
+    def _kill_leftovers(self) -> list[int]:
+        return _terminate(self.processes)
 
     def bound_ports(self) -> list[int]:
-        """Those of the cluster's ports on which something still accepts connections."""
-        return [p for p in self.ports if _port_is_bound(p)]
+        """Those of the cluster's ports on which some process still listens."""
+        listening = listening_ports()
+        return [p for p in self.ports if p in listening]
 
     def component_logs_tail(self, lines: int = 30) -> str:
         logs_dir = self.cluster_dir / "logs"

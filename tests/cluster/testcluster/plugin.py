@@ -29,7 +29,8 @@ def kube_tools() -> Tools:
     try:
         return Tools.find()
     except ToolsMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
+        missing = str(exc)
+    pytest.fail(missing, pytrace=False)
 
 
 @pytest.fixture(scope="session")
