@@ -26,10 +26,10 @@ from specdeploy.engine.verify import sample_from, warp_probs
 
 class ModelCalls:
     def __init__(self, target: LlamaModel, draft: DraftHead | None, target_kv: KVPool,
-                 draft_kv: KVPool | None, num_steps: int, topk: int):
+                 draft_kv: KVPool | None, num_steps: int, topk: int, num_draft_tokens: int):
         self.target, self.draft = target, draft
         self.target_kv, self.draft_kv = target_kv, draft_kv
-        self.num_steps, self.topk = num_steps, topk
+        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
 
     def target_decode(self, ids, positions, out_slots, prefix_slots, prefix_lens) -> torch.Tensor:
         b = ids.shape[0]

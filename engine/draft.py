@@ -126,6 +126,9 @@ class Eagle3Head(DraftHead):
         m = self.midlayer
         if hidden.shape[-1] == self.input_size:                             # target aux states
             hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        elif hidden.shape[-1] != self.carried_size:
+            raise ValueError(f"EAGLE-3 hidden width {hidden.shape[-1]}: expected the target's "
+                             f"{self.input_size} or the head's own {self.carried_size}")
         cos, sin = rope_tables(target.inv_freq, positions)
         x = torch.cat([m.input_layernorm(target.embed_tokens(input_ids)), m.hidden_norm(hidden)], -1)
         h = hidden + m.self_attn(x, cos, sin, kv.k[0], kv.v[0], batch)
@@ -205,13 +208,17 @@ _SHARED_NAMES = ("embed_tokens.weight",)
 
 def load_draft(path: str, algorithm: str, target: LlamaModel, dtype: torch.dtype = torch.bfloat16,
                device="cpu") -> DraftHead:
-    """Load a published head layout from an HF-style directory:
+    """Load a published head layout from an HF-style directory (for MTP also the target's own
+    directory, whose `mtp.0.*` tensors are the head):
     EAGLE: fc.{weight,bias}, layers.{i}.*; EAGLE-3: fc.weight, midlayer.*, norm.weight,
     lm_head.weight, d2t, t2d; MTP: enorm, hnorm, eh_proj | e_proj/h_proj, layers.0.*, hc_head.*,
     norm. A leading `model.` is dropped; the target's embedding/lm_head are shared, not loaded."""
     raw = read_config(path)
     cfg = ModelConfig.from_hf(raw, allow_any_type=True)
     tensors = [(canonical_hc_key(n.removeprefix("model.")), t) for n, t in iter_safetensors(path)]
+    if algorithm == "MTP" and any(n.startswith("mtp.") for n, _ in tensors):
+        # The MTP layer shipped inside the target checkpoint (mtp.0.*): take only that layer.
+        tensors = [(n.removeprefix("mtp.0."), t) for n, t in tensors if n.startswith("mtp.0.")]
     names = {n for n, _ in tensors}
     kwargs = {}
     if algorithm == "EAGLE":

@@ -233,12 +233,12 @@ class LlamaModel(nn.Module):
         if hc_mult > 1:
             x = expand_embeddings(x, hc_mult)                             # [B, Q, hc, H]
         cos, sin = rope_tables(self.inv_freq, positions)
-        aux = []
+        aux = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
             if i in self.aux_layers:
                 # EAGLE-3 consumes 3 x hidden_size; with streams, their mean stands for the layer.
-                aux.append(x.mean(dim=2) if hc_mult > 1 else x)
+                aux[i] = x.mean(dim=2) if hc_mult > 1 else x
         prenorm = x
         if hc_mult > 1:
             x = self.hc_head(x)                                           # [B, Q, H]
@@ -246,7 +246,7 @@ class LlamaModel(nn.Module):
         if self.feature_kind is None:
             feature = None
         elif self.feature_kind == "eagle3":
-            feature = torch.cat(aux, dim=-1)
+            feature = torch.cat([aux[i] for i in self.aux_layers], dim=-1)  # [B, Q, 3H]
         elif hc_mult > 1:
             feature = flatten_streams(prenorm)                            # [B, Q, hc * H]
         else:

@@ -86,11 +86,16 @@ class Runner:
     def __init__(self, target: LlamaModel, draft: DraftHead | None = None, spec=None, *,
                  plan=None, max_total_tokens: int | None = None,
                  max_running_requests: int | None = None, context_length: int | None = None,
-                 device: torch.device | str = "cpu", seed: int = 0):
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None):
+        """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
+        "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
+        "off" (plain eager calls; the default on CPU)."""
         if plan is not None:
             max_total_tokens = plan.max_total_tokens
             max_running_requests = plan.max_running_requests
             context_length = plan.context_length
+            cuda_graph_batch_sizes = cuda_graph_batch_sizes or tuple(plan.cuda_graph_batch_sizes)
             if spec is None:
                 spec = SpecConfig(plan.algorithm, plan.num_steps, plan.topk, plan.num_draft_tokens)
         if max_total_tokens is None or max_running_requests is None:
@@ -132,7 +137,20 @@ class Runner:
             # [max_running_requests, carried width]: the draft state after each request's root.
             self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
                                             device=self.device)
-        self.calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, self.num_steps, self.topk)
+        self.calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, self.num_steps,
+                                self.topk, self.num_draft_tokens)
+        if graph_mode is None:
+            graph_mode = "capture" if self.device.type == "cuda" and cuda_graph_batch_sizes else "off"
+        if graph_mode not in ("capture", "padded", "off"):
+            raise ValueError(f"graph_mode {graph_mode!r}: use 'capture', 'padded' or 'off'")
+        if graph_mode != "off":
+            if not cuda_graph_batch_sizes:
+                raise ValueError(f"graph_mode {graph_mode!r} needs cuda_graph_batch_sizes (or a plan)")
+            from specdeploy.engine.graphs import GraphedCalls
+            self.calls = GraphedCalls(self.calls, cuda_graph_batch_sizes, self.context_length,
+                                      capture=graph_mode == "capture")
+            if plan is not None and draft is not None:
+                _check_buffers_against_plan(self.calls.buffer_shapes(), plan.buffers)
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
         self._reserved = 0
@@ -370,3 +388,13 @@ class Runner:
                 self._release(s)
             outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason))
         return outputs
+
+
+def _check_buffers_against_plan(allocated: dict, planned) -> None:
+    """The engine allocates the plan's static buffers exactly; any difference is a bug in one of
+    them (e.g. a buffer sized with hidden_size where spec_hidden_size is meant)."""
+    for name, shape in allocated.items():
+        want = tuple(getattr(planned, name))
+        if shape != want:
+            raise ValueError(f"{name}: allocated {shape}, the plan says {want}")
+

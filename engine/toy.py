@@ -17,7 +17,7 @@ from specdeploy.engine.model import LlamaModel, ModelConfig, build_target
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_layers=5,
+    fields = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_layers=6,
                   num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=64,
                   max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0)
     fields.update(overrides)
@@ -112,3 +112,22 @@ def copy_draft(algorithm: str, target: LlamaModel, perm: torch.Tensor, seed: int
     else:
         raise ValueError(f"unknown algorithm {algorithm!r}")
     return head
+
+
+def random_requests(prompt_lens, max_tokens: int, vocab_size: int, **sampling):
+    """Requests r0, r1, ... with reproducible random prompts of the given lengths."""
+    from specdeploy.engine.runner import Request
+    return [Request(f"r{i}", torch.randint(0, vocab_size, (n,),
+                                           generator=torch.Generator().manual_seed(i)).tolist(),
+                    max_tokens, **sampling) for i, n in enumerate(prompt_lens)]
+
+
+def run_to_completion(runner, reqs) -> dict[str, list[int]]:
+    """Add every request, step until none is running; -> generated tokens per request id."""
+    for r in reqs:
+        runner.add(r)
+    out = {r.id: [] for r in reqs}
+    while runner.num_running:
+        for o in runner.step():
+            out[o.req_id] += o.token_ids
+    return out

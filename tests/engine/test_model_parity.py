@@ -105,3 +105,11 @@ def test_bad_config_is_refused(tmp_path):
         ModelConfig.from_hf(dict(BASE, model_type="gpt2", num_hidden_layers=1))
     with pytest.raises(ValueError, match="lacks 'hidden_size'"):
         ModelConfig.from_hf({"model_type": "llama"})
+
+
+def test_default_eagle3_aux_layers():
+    from specdeploy.engine.model import default_aux_layers
+    assert default_aux_layers(32) == (1, 15, 28)   # Llama-3.1-8B
+    assert default_aux_layers(8) == (1, 3, 4)
+    with pytest.raises(ValueError, match="at least 5"):
+        default_aux_layers(4)

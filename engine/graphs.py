@@ -1,0 +1,187 @@
+"""CUDA graphs for the decode loop: target decode, target verify, draft multi-step, draft extend.
+
+`GraphedCalls` has the methods of `ModelCalls`. Every input lives in a static buffer allocated
+once for the largest batch (`max_bs` rows; the prefix is `context_length` slots wide); a call
+with b rows copies its inputs into the first b rows, pads rows b..bs of the smallest captured
+bucket bs >= b with harmless values (pad slot, zero lengths, a self-only mask) and replays that
+bucket's graph. Batches above the largest bucket run eagerly.
+
+The hidden-state buffers are exactly the plan's (H_s = spec_hidden_size, H_in = draft input):
+    draft multi-step input     [max_bs * topk,            H_s]   (`draft_hidden_states`)
+    draft-extend input         [max_bs * (num_steps + 1), H_in]  (`draft_extend_hidden_states`)
+    verify feature output      [max_bs * num_draft_tokens, H_in] (`verify_hidden_states`)
+
+With `capture=False` nothing is captured and each call runs the eager function on the padded
+static buffers: the same code path on CPU, which is how the padding is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdeploy.engine.calls import ModelCalls
+from specdeploy.engine.kv import PAD_SLOT
+
+
+@dataclass
+class _Input:
+    buf: torch.Tensor                 # [max_bs, ...] static
+    pad: torch.Tensor | float | int   # value for rows b..bs (and prefix columns beyond the data)
+
+
+class _Graphed:
+    """One call kind: static inputs, one graph per bucket, padded replay."""
+
+    def __init__(self, fn, inputs: dict[str, _Input], buckets, capture: bool, pool, stream,
+                 eager=None):
+        # `eager` serves batches above the largest bucket (fn may write static outputs sized
+        # for max_bs); it defaults to fn.
+        self.fn, self.inputs, self.buckets = fn, inputs, sorted(buckets)
+        self.eager = eager or fn
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        if capture:
+            for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool
+                self._fill_padding(0, bs)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up (lazy inits, autotuning) outside the graph
+                        self.fn(**self._views(bs))
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self.fn(**self._views(bs))
+                self.graphs[bs] = (graph, out)
+                pool = graph.pool()
+
+    def _views(self, bs: int) -> dict[str, torch.Tensor]:
+        return {name: inp.buf[:bs] for name, inp in self.inputs.items()}
+
+    def _fill_padding(self, b: int, bs: int) -> None:
+        for inp in self.inputs.values():
+            if b < bs:
+                rows = inp.buf[b:bs]
+                rows.copy_(inp.pad.expand_as(rows)) if torch.is_tensor(inp.pad) else rows.fill_(inp.pad)
+
+    def __call__(self, b: int, values: dict[str, torch.Tensor]):
+        bs = next((s for s in self.buckets if s >= b), None)
+        if bs is None:
+            return self.eager(**values)
+        for name, value in values.items():
+            buf = self.inputs[name].buf
+            if value.shape[1:] == buf.shape[1:]:
+                buf[:b].copy_(value)
+            else:  # narrower prefix table: copy the data, pad the remaining columns
+                buf[:b, :value.shape[1]].copy_(value)
+                buf[:b, value.shape[1]:].fill_(PAD_SLOT)
+        self._fill_padding(b, bs)
+        if bs in self.graphs:
+            graph, out = self.graphs[bs]
+            graph.replay()
+        else:
+            out = self.fn(**self._views(bs))
+        return tuple(None if o is None else o[:b] for o in out)
+
+
+class GraphedCalls:
+    def __init__(self, calls: ModelCalls, batch_sizes, context_length: int, capture: bool = True):
+        self.calls = calls
+        target, draft = calls.target, calls.draft
+        dev = target.embed_tokens.weight.device
+        dtype = target.embed_tokens.weight.dtype
+        self.max_bs = max_bs = max(batch_sizes)
+        steps, k = calls.num_steps, calls.topk
+        i64 = dict(dtype=torch.int64, device=dev)
+
+        def ints(*shape, pad=0):
+            return _Input(torch.full((max_bs, *shape), pad, **i64), pad)
+
+        def prefix():
+            return {"prefix_slots": ints(context_length, pad=PAD_SLOT), "prefix_lens": ints()}
+
+        stream = torch.cuda.Stream() if capture else None
+        pool = None
+        self.target_decode_graph = _Graphed(
+            self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
+                           **prefix()}, batch_sizes, capture, pool, stream)
+        if draft is None:
+            return
+        n = calls.num_draft_tokens
+        hin, hc = target.feature_size, draft.carried_size
+        eye = torch.eye(n, dtype=torch.bool, device=dev)
+        # The plan's three hidden-state buffers, flat as the plan states them.
+        self.draft_hidden_states = torch.zeros(max_bs * k, hc, dtype=dtype, device=dev)
+        self.draft_extend_hidden_states = torch.zeros(max_bs * (steps + 1), hin, dtype=dtype, device=dev)
+        self.verify_hidden_states = torch.zeros(max_bs * n, hin, dtype=dtype, device=dev)
+        self.target_verify_graph = _Graphed(
+            self._verify, {"ids": ints(n), "positions": ints(n), "out_slots": ints(n, pad=PAD_SLOT),
+                           **prefix(),
+                           "tree_mask": _Input(torch.zeros(max_bs, n, n, dtype=torch.bool, device=dev), eye)},
+            batch_sizes, capture, pool, stream, eager=calls.target_verify)
+        extend_hidden = self.draft_extend_hidden_states.view(max_bs, steps + 1, hin)
+        self.draft_extend_graph = _Graphed(
+            lambda **kw: (calls.draft_extend(**kw),),
+            {"ids": ints(steps + 1), "hidden": _Input(extend_hidden, 0.0), "positions": ints(steps + 1),
+             "out_slots": ints(steps + 1, pad=PAD_SLOT), **prefix(), "num_valid": ints(pad=1)},
+            batch_sizes, capture, pool, stream)
+        f32 = dict(dtype=torch.float32, device=dev)
+        multi_inputs = lambda: {  # noqa: E731
+            "hidden": _Input(self.draft_hidden_states.view(max_bs, k, hc), 0.0), **prefix(),
+            "scratch": ints((steps - 1) * k, pad=PAD_SLOT),
+            "temperature": _Input(torch.zeros(max_bs, **f32), 0.0), "top_k": ints(),
+            "top_p": _Input(torch.ones(max_bs, **f32), 1.0),
+            "uniforms": _Input(torch.full((max_bs, steps), 0.5, **f32), 0.5)}
+        shared = multi_inputs()
+        self.draft_multi_step_graphs = {
+            chain: _Graphed(lambda chain=chain, **kw: calls.draft_multi_step(
+                                kw.pop("hidden").reshape(-1, hc), **kw, chain_sampling=chain),
+                            shared, batch_sizes, capture, pool, stream)
+            for chain in ((False, True) if k == 1 else (False,))}
+
+    # Graph bodies: fixed-shape functions returning tuples of tensors.
+
+    def _decode(self, **kw):
+        return (self.calls.target_decode(**kw),)
+
+    def _verify(self, **kw):
+        logits, feature = self.calls.target_verify(**kw)
+        b, n, hin = feature.shape
+        out = self.verify_hidden_states[:b * n].view(b, n, hin)
+        out.copy_(feature)
+        return logits, out
+
+    # The ModelCalls interface.
+
+    def target_decode(self, ids, positions, out_slots, prefix_slots, prefix_lens):
+        return self.target_decode_graph(ids.shape[0], dict(
+            ids=ids, positions=positions, out_slots=out_slots, prefix_slots=prefix_slots,
+            prefix_lens=prefix_lens))[0]
+
+    def target_verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
+        return self.target_verify_graph(ids.shape[0], dict(
+            ids=ids, positions=positions, out_slots=out_slots, prefix_slots=prefix_slots,
+            prefix_lens=prefix_lens, tree_mask=tree_mask))
+
+    def draft_extend(self, ids, hidden, positions, out_slots, prefix_slots, prefix_lens, num_valid):
+        if ids.shape[1] != self.calls.num_steps + 1:  # prefill-sized extends run eagerly
+            return self.calls.draft_extend(ids, hidden, positions, out_slots, prefix_slots,
+                                           prefix_lens, num_valid)
+        return self.draft_extend_graph(ids.shape[0], dict(
+            ids=ids, hidden=hidden, positions=positions, out_slots=out_slots,
+            prefix_slots=prefix_slots, prefix_lens=prefix_lens, num_valid=num_valid))[0]
+
+    def draft_multi_step(self, hidden, prefix_slots, prefix_lens, scratch, temperature, top_k,
+                         top_p, uniforms, chain_sampling: bool):
+        k = self.calls.topk
+        b = hidden.shape[0] // k
+        return self.draft_multi_step_graphs[chain_sampling](b, dict(
+            hidden=hidden.view(b, k, -1), prefix_slots=prefix_slots, prefix_lens=prefix_lens,
+            scratch=scratch, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms))
+
+    def buffer_shapes(self) -> dict[str, tuple[int, int]]:
+        """The hidden-state buffers as allocated, named like the plan's BufferPlan fields."""
+        if self.calls.draft is None:
+            return {}
+        return {"draft_hidden_states_shape": tuple(self.draft_hidden_states.shape),
+                "draft_extend_hidden_states_shape": tuple(self.draft_extend_hidden_states.shape),
+                "verify_hidden_states_shape": tuple(self.verify_hidden_states.shape)}
