@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
+import threading
 import time
 import uuid
 from typing import Iterator
@@ -23,6 +25,19 @@ def _report(config: pytest.Config, message: str) -> None:
     log.info(message)
 
 
+def _sigterm_as_interrupt():
+    """Make SIGTERM (CI timeouts, `kill`) interrupt pytest like Ctrl-C, so fixture teardown still
+    runs and the cluster is deleted; by default SIGTERM ends Python without any cleanup."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="session")
 def kube_tools() -> Tools:
     """Paths of the cached binaries; fails (never skips) with a `make tools` hint when missing."""
@@ -37,9 +52,11 @@ def kube_tools() -> Tools:
 def kube_cluster(request: pytest.FixtureRequest, kube_tools: Tools) -> Iterator[KubeCluster]:
     """One throwaway cluster for the whole test session, torn down at its end (also on failure)."""
     _report(request.config, f"starting a kwok cluster from {kube_tools.kube_apiserver.parent.parent}")
+    restore_sigterm = _sigterm_as_interrupt()
     t0 = time.monotonic()
     cluster = KubeCluster.start(kube_tools)
     # Belt and braces: if the session dies before fixture teardown runs, stop at interpreter exit.
+    # (A SIGKILLed session leaves its cluster running; the next KubeCluster.start reaps it.)
     atexit.register(cluster.stop)
     _report(
         request.config,
@@ -52,6 +69,7 @@ def kube_cluster(request: pytest.FixtureRequest, kube_tools: Tools) -> Iterator[
         t1 = time.monotonic()
         cluster.stop()
         atexit.unregister(cluster.stop)
+        restore_sigterm()
         _report(request.config, f"cluster {cluster.name} deleted in {time.monotonic() - t1:.1f}s")
 
 
