@@ -1,0 +1,269 @@
+"""Fixtures for the operator's end-to-end tests on the real control plane (tests/cluster):
+the CRD installed, a local HTTP server as the model hub, and the operator itself, either
+in-process (a thread running `specdeploy.operator.cli.run`, as `specdeploy operator` does) or as a
+`specdeploy operator` subprocess that a test can kill outright."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+from testcluster import KubeCluster, wait_for
+
+from specdeploy.operator import cli as operator_cli
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "manifests" / "crd" / "specdeploy.dev_specdecodedeployments.yaml"
+CONFIGS = REPO / "tests" / "unit" / "configs"
+HUB_TOKEN = "hf_test_token"
+
+# model id -> config file served at {hub}/{model}/resolve/main/config.json
+HUB_MODELS = {
+    "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b-instruct.json",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b-instruct.json",
+    "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": "eagle3-llama3.1-instruct-8b.json",
+}
+
+
+def model_config(model: str) -> dict[str, Any]:
+    return json.loads((CONFIGS / HUB_MODELS[model]).read_text())
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    """A Hugging Face-compatible hub: every model needs the bearer token (as gated models do)."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = urllib.parse.unquote(self.path)
+        code, body = 404, b"not found"
+        if self.headers.get("Authorization") != f"Bearer {HUB_TOKEN}":
+            code, body = 401, b"unauthorized"
+        else:
+            for model, filename in HUB_MODELS.items():
+                if path == f"/{model}/resolve/main/config.json":
+                    code, body = 200, (CONFIGS / filename).read_bytes()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def hub_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HubHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="session")
+def crd(kube_cluster: KubeCluster) -> str:
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
+    name = yaml.safe_load(CRD_PATH.read_text())["metadata"]["name"]
+    kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    # Established comes a moment before the storage serves lists; operators started earlier retry.
+    wait_for(lambda: kube_cluster.kubectl("get", "sdd", "-A", check=False).returncode == 0, timeout_s=30, what="sdd storage")
+    return name
+
+
+class OperatorThread:
+    """The operator in-process, watching one namespace; start() returns once kopf is ready."""
+
+    def __init__(self, namespace: str, hub_endpoint: str) -> None:
+        self.namespace = namespace
+        self.hub_endpoint = hub_endpoint
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            operator_cli.run(
+                engine_image="registry.local/specdeploy-engine:test",
+                hub_endpoint=self.hub_endpoint,
+                namespaces=[self.namespace],
+                stop_flag=self.stop_flag,
+                ready_flag=self.ready_flag,
+                # Retry transient failures quickly so tests need not wait 30 s.
+                transient_retry_delay_s=2,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    def start(self) -> "OperatorThread":
+        self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="specdeploy-operator", daemon=True)
+        self.thread.start()
+        assert self.ready_flag.wait(60), f"operator did not become ready: {self.error!r}"
+        return self
+
+    def stop(self) -> None:
+        if self.thread is None:
+            return
+        self.stop_flag.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "operator did not stop within 60 s"
+        self.thread = None
+        assert self.error is None, f"operator crashed: {self.error!r}"
+
+
+@pytest.fixture
+def operator(kube_cluster: KubeCluster, kube_namespace: str, crd: str, hub_url: str, monkeypatch) -> Iterator[OperatorThread]:
+    monkeypatch.setenv("KUBECONFIG", str(kube_cluster.kubeconfig))
+    runner = OperatorThread(kube_namespace, hub_url).start()
+    yield runner
+    runner.stop()
+
+
+class OperatorProcess:
+    """`specdeploy operator` as a child process, so that a test can SIGKILL it mid-way."""
+
+    def __init__(self, cluster: KubeCluster, namespace: str, hub_endpoint: str, log_path: Path) -> None:
+        self.cmd = [
+            sys.executable, "-P", "-m", "specdeploy.cli", "operator", "--namespace", namespace,
+            "--hub-endpoint", hub_endpoint, "--engine-image", "registry.local/specdeploy-engine:test",
+            "--liveness-port", "0",
+        ]
+        self.env = {**cluster.env, "PYTHONUNBUFFERED": "1"}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "OperatorProcess":
+        self.log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None and self.proc.poll() is None, self.logs()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self.log.close()
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def sdd_manifest(name: str, **spec_overrides: Any) -> dict[str, Any]:
+    """A 70B Llama with an EAGLE-3 head, configs from the hub (with a token), on H200s."""
+    spec: dict[str, Any] = {
+        "target": {"model": "meta-llama/Llama-3.3-70B-Instruct"},
+        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
+        "speculative": {"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
+        "engine": {"maxRunningRequests": 32, "contextLength": 8192},
+        "gpu": {"product": "h200"},
+        "hub": {"tokenSecretRef": {"name": "hub-token"}},
+        "replicas": 2,
+    }
+    spec.update(spec_overrides)
+    return {
+        "apiVersion": "specdeploy.dev/v1alpha1",
+        "kind": "SpecDecodeDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def token_secret() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "hub-token"},
+        "stringData": {"token": HUB_TOKEN},
+    }
+
+
+class Sdd:
+    """Reads one SpecDecodeDeployment and its children through kubectl."""
+
+    def __init__(self, cluster: KubeCluster, namespace: str, name: str) -> None:
+        self.cluster, self.namespace, self.name = cluster, namespace, name
+
+    def get(self) -> dict[str, Any]:
+        return self.cluster.kubectl_json("get", "sdd", self.name, "-n", self.namespace)
+
+    def status(self) -> dict[str, Any]:
+        return self.get().get("status") or {}
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        for c in self.status().get("conditions") or []:
+            if c["type"] == type_:
+                return c
+        return {}
+
+    def items(self, kind: str, *selector: str) -> list[dict[str, Any]]:
+        args = ["get", kind, "-n", self.namespace, *selector]
+        return self.cluster.kubectl_json(*args)["items"]
+
+    def owned(self, kind: str) -> list[dict[str, Any]]:
+        return self.items(kind, "-l", f"app.kubernetes.io/instance={self.name}")
+
+    def deployment(self) -> dict[str, Any] | None:
+        found = self.items("deployments", "--field-selector", f"metadata.name={self.name}")
+        return found[0] if found else None
+
+    def wait_ready(self, timeout_s: float = 60) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            st = self.status()
+            ok = (
+                st.get("phase") == "Ready"
+                and st.get("observedGeneration") == self.get()["metadata"]["generation"]
+                and self.condition("Ready").get("status") == "True"
+            )
+            return st if ok else None
+
+        return wait_for(ready, timeout_s=timeout_s, what=f"sdd {self.name} Ready")
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.items("events", "--field-selector", f"involvedObject.name={self.name},involvedObject.kind=SpecDecodeDeployment")
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self.owned("pods")
+
+
+def running_pods(sdd: Sdd) -> list[dict[str, Any]]:
+    return [p for p in sdd.pods() if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+
+
+@pytest.fixture
+def operator_process(kube_cluster: KubeCluster, kube_namespace: str, crd: str, hub_url: str, tmp_path: Path):
+    """operator_process() -> a started `specdeploy operator` child process (killed at teardown)."""
+    started: list[OperatorProcess] = []
+
+    def start() -> OperatorProcess:
+        proc = OperatorProcess(kube_cluster, kube_namespace, hub_url, tmp_path / f"operator-{len(started)}.log").start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture
+def sdd_of(kube_cluster: KubeCluster, kube_namespace: str):
+    """sdd_of(name) -> Sdd reader in the test's namespace."""
+    return lambda name: Sdd(kube_cluster, kube_namespace, name)
+
+
+@pytest.fixture
+def manifest():
+    """manifest(name, **spec_overrides) -> a SpecDecodeDeployment dict."""
+    return sdd_manifest
+
+
+@pytest.fixture
+def hub_secret(kube_cluster: KubeCluster, kube_namespace: str) -> None:
+    kube_cluster.apply(token_secret(), namespace=kube_namespace)

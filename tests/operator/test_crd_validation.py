@@ -1,0 +1,106 @@
+"""`kubectl apply` refuses what the CRD's schema and CEL rules can judge (no operator running)."""
+
+from __future__ import annotations
+
+import pytest
+from testcluster import KubeCluster, KubectlError
+
+LLAMA = {"model": "meta-llama/Llama-3.1-8B-Instruct"}
+EAGLE3 = {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}
+
+
+def spec(**overrides):
+    base = {
+        "target": dict(LLAMA),
+        "draft": dict(EAGLE3),
+        "speculative": {"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
+        "gpu": {"product": "h200"},
+    }
+    base.update(overrides)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+INVALID = {
+    "eagle3-without-draft": (spec(draft=None), "spec.draft is required when speculative.algorithm is EAGLE or EAGLE3"),
+    "eagle-without-draft": (spec(draft=None, speculative={"algorithm": "EAGLE"}), "spec.draft is required"),
+    "none-with-draft": (spec(speculative={"algorithm": "NONE"}), "spec.draft must be absent"),
+    "unknown-algorithm": (spec(speculative={"algorithm": "MEDUSA"}), "Unsupported value: \"MEDUSA\""),
+    "chain-draft-tokens": (
+        spec(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 8}),
+        "numDraftTokens must equal numSteps + 1",
+    ),
+    "tree-without-draft-tokens": (
+        spec(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 4}),
+        "numDraftTokens is required when topk > 1",
+    ),
+    "tree-beyond-candidate-pool": (
+        # pool = topk + (steps - 1) * topk^2 = 2 + 1 * 4 = 6, so at most 7 draft tokens
+        spec(speculative={"algorithm": "EAGLE3", "numSteps": 2, "topk": 2, "numDraftTokens": 8}),
+        "must not exceed the candidate pool",
+    ),
+    "zero-steps": (spec(speculative={"algorithm": "EAGLE3", "numSteps": 0, "topk": 1}), "spec.speculative.numSteps"),
+    "two-config-sources": (
+        spec(target={**LLAMA, "config": {"hidden_size": 1}, "configMapRef": {"name": "c"}}),
+        "set at most one of config and configMapRef",
+    ),
+    "local-path-from-hub": (spec(target={"model": "/models/llama"}), "a local model path cannot be read from the hub"),
+    "dot-dot-model": (spec(target={"model": "org/../etc"}), "must not contain '.' or '..'"),
+    "unknown-gpu": (spec(gpu={"product": "b200"}), "spec.gpu.product"),
+    "graph-batch-over-running": (
+        spec(engine={"maxRunningRequests": 8, "cudaGraphMaxBatchSize": 16}),
+        "cudaGraphMaxBatchSize must not exceed maxRunningRequests",
+    ),
+    "negative-replicas": (spec(replicas=-1), "spec.replicas"),
+    "hub-endpoint-not-http": (spec(hub={"endpoint": "ftp://hub"}), "spec.hub.endpoint"),
+}
+
+
+def apply(cluster: KubeCluster, namespace: str, name: str, spec_: dict) -> None:
+    cluster.apply(
+        {"apiVersion": "specdeploy.dev/v1alpha1", "kind": "SpecDecodeDeployment", "metadata": {"name": name}, "spec": spec_},
+        namespace=namespace,
+    )
+
+
+@pytest.fixture(scope="module")
+def validation_namespace(kube_cluster: KubeCluster, crd: str):
+    name = "crd-validation"
+    kube_cluster.kubectl("create", "namespace", name, check=False)
+    yield name
+    kube_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_resource_is_rejected(kube_cluster, validation_namespace, case):
+    bad_spec, expected = INVALID[case]
+    with pytest.raises(KubectlError) as err:
+        apply(kube_cluster, validation_namespace, f"bad-{case}", bad_spec)
+    assert expected in str(err.value)
+
+
+def test_bad_name_is_rejected(kube_cluster, validation_namespace):
+    with pytest.raises(KubectlError) as err:
+        apply(kube_cluster, validation_namespace, "9lives", spec())
+    assert "must be a DNS-1035 label" in str(err.value)
+
+
+VALID = {
+    "eagle3-chain": spec(),
+    "eagle-tree": spec(draft=dict(EAGLE3), speculative={"algorithm": "EAGLE", "numSteps": 3, "topk": 4, "numDraftTokens": 16}),
+    "mtp-without-draft": spec(draft=None, speculative={"algorithm": "MTP", "numSteps": 1, "topk": 1}),
+    "none": spec(draft=None, speculative={"algorithm": "NONE"}),
+    "inline-config": spec(target={"model": "/models/llama", "config": {"hidden_size": 8}}),
+    "config-map": spec(draft={"model": "/models/eagle", "configMapRef": {"name": "eagle-config"}}),
+}
+
+
+@pytest.mark.parametrize("case", list(VALID))
+def test_valid_resource_is_accepted_with_defaults(kube_cluster, validation_namespace, case):
+    apply(kube_cluster, validation_namespace, case, VALID[case])
+    stored = kube_cluster.kubectl_json("get", "sdd", case, "-n", validation_namespace)["spec"]
+    assert stored["replicas"] == 1
+    assert stored["target"]["revision"] == "main"
+    assert stored["engine"]["maxRunningRequests"] == 32 and stored["engine"]["contextLength"] == 8192
+    assert stored["gpu"]["perNode"] == 8
+    if "configMapRef" in stored.get("draft", {}):
+        assert stored["draft"]["configMapRef"]["key"] == "config.json"

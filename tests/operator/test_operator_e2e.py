@@ -1,0 +1,217 @@
+"""The operator end to end on the real control plane: kube-apiserver, controller-manager (garbage
+collection, Deployments -> ReplicaSets -> Pods), scheduler, and kwok playing the kubelet on fake
+H200/H100 nodes. The operator runs in-process, or as a `specdeploy operator` process that gets
+SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from testcluster import wait_for
+
+EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "unit" / "configs" / "eagle3-llama3.1-instruct-8b.json"
+
+HASH = "specdeploy.dev/config-hash"
+
+
+def gpu_request(deployment: dict) -> int:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
+    return int(container["resources"]["requests"]["nvidia.com/gpu"])
+
+
+def template_hash(deployment: dict) -> str:
+    return deployment["spec"]["template"]["metadata"]["annotations"][HASH]
+
+
+def reasons(sdd) -> set[str]:
+    return {e["reason"] for e in sdd.events()}
+
+
+def test_apply_to_ready(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of, capsys):
+    kube_cluster.apply(manifest("llama70b"), namespace=kube_namespace)
+    sdd = sdd_of("llama70b")
+
+    deployment = wait_for(sdd.deployment, timeout_s=30, what="engine Deployment")
+    # 70B in bf16 with an EAGLE-3 head does not fit one H200: the plan picks TP 2.
+    assert gpu_request(deployment) == 2
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:6] == ["--target", "meta-llama/Llama-3.3-70B-Instruct", "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "--algorithm", "EAGLE3"]
+    pods = wait_for(lambda: len(running := [p for p in sdd.pods() if p["status"].get("phase") == "Running"]) == 2 and running,
+                    timeout_s=60, what="2 engine pods Running")
+    h200_nodes = {n.name for n in kube_cluster.gpu_nodes if n.gpu_product == "NVIDIA-H200"}
+    assert {p["spec"]["nodeName"] for p in pods} <= h200_nodes
+
+    status = sdd.wait_ready()
+    assert status["serving"]["readyReplicas"] == 2
+    assert status["plan"]["tensorParallelSize"] == 2
+    assert status["plan"]["specHiddenSize"] == 8192 and status["plan"]["draftInputHiddenSize"] == 3 * 8192
+    assert status["plan"]["maxTotalTokens"] >= 32 * 8192
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "PlanReady": "True", "Ready": "True", "Progressing": "False", "Degraded": "False",
+    }
+    # The ConfigMap's plan.json is the plan the status reports.
+    (config_map,) = [c for c in sdd.owned("configmaps") if c["metadata"]["name"] == "llama70b-engine"]
+    plan = json.loads(config_map["data"]["plan.json"])
+    assert plan["max_total_tokens"] == status["plan"]["maxTotalTokens"]
+    (service,) = sdd.owned("services")
+    assert service["spec"]["ports"][0]["port"] == 8000 and service["spec"]["ports"][0]["name"] == "http"
+    assert {"Planned", "Applied"} <= reasons(sdd)
+
+    table = kube_cluster.kubectl("get", "sdd", "-n", kube_namespace).stdout
+    with capsys.disabled():
+        print("\n" + table)
+    header, row = table.strip().splitlines()
+    assert header.split()[:5] == ["NAME", "READY", "PHASE", "GPUS", "MAX"]
+    assert row.split()[:5] == ["llama70b", "True", "Ready", "2", str(status["plan"]["maxTotalTokens"])]
+
+
+def test_spec_update_rolls_out(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
+    kube_cluster.apply(manifest("roll", replicas=1), namespace=kube_namespace)
+    sdd = sdd_of("roll")
+    before = sdd.wait_ready()
+    old_hash = template_hash(sdd.deployment())
+
+    kube_cluster.kubectl(
+        "patch", "sdd", "roll", "-n", kube_namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"engine": {"maxRunningRequests": 64}, "replicas": 2}}),
+    )
+    after = sdd.wait_ready()
+    deployment = sdd.deployment()
+    assert template_hash(deployment) != old_hash
+    assert after["configHash"] == template_hash(deployment)
+    assert after["observedGeneration"] == before["observedGeneration"] + 1
+    assert after["plan"]["maxRunningRequests"] == 64
+    assert "--max-running-requests" in (args := deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args[args.index("--max-running-requests") + 1] == "64"
+    assert after["serving"]["readyReplicas"] == 2
+    # Every running pod runs the new spec.
+    wait_for(lambda: {p["metadata"]["annotations"][HASH] for p in sdd.pods() if not p["metadata"].get("deletionTimestamp")} == {after["configHash"]},
+             timeout_s=30, what="only new pods")
+
+
+def test_unfittable_spec_gets_a_reason_and_no_deployment(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
+    kube_cluster.apply(manifest("toobig", gpu={"product": "h100", "perNode": 1}), namespace=kube_namespace)
+    sdd = sdd_of("toobig")
+    plan_ready = wait_for(lambda: sdd.condition("PlanReady").get("reason") == "InsufficientGPUMemory" and sdd.condition("PlanReady"),
+                          timeout_s=30, what="PlanReady=False InsufficientGPUMemory")
+    assert plan_ready["status"] == "False"
+    assert "GiB" in plan_ready["message"] and "h100" in plan_ready["message"]
+    assert sdd.status()["phase"] == "Failed"
+    assert sdd.deployment() is None
+    wait_for(lambda: "InsufficientGPUMemory" in reasons(sdd), timeout_s=10, what="warning event")
+
+    # Made to fit: served.
+    kube_cluster.kubectl("patch", "sdd", "toobig", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"gpu":{"perNode":8}}}')
+    status = sdd.wait_ready()
+    assert status["plan"]["tensorParallelSize"] == 4  # 70B + head on 80 GB parts
+    assert gpu_request(sdd.deployment()) == 4
+
+    # An update that no longer fits takes the engine down rather than leave the old spec serving.
+    kube_cluster.kubectl("patch", "sdd", "toobig", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"gpu":{"perNode":2}}}')
+    wait_for(lambda: sdd.deployment() is None, timeout_s=30, what="Deployment removed")
+    wait_for(lambda: sdd.status().get("phase") == "Failed", timeout_s=10, what="phase Failed")
+    assert sdd.condition("Ready")["status"] == "False"
+    assert "plan" not in sdd.status()
+
+
+def test_config_problems_name_the_url_or_field(kube_cluster, kube_namespace, operator, hub_url, hub_secret, manifest, sdd_of):
+    kube_cluster.apply(manifest("nohub", target={"model": "meta-llama/Nope", "revision": "v9"}), namespace=kube_namespace)
+    sdd = sdd_of("nohub")
+    cond = wait_for(lambda: sdd.condition("PlanReady").get("reason") == "ConfigNotFound" and sdd.condition("PlanReady"),
+                    timeout_s=30, what="ConfigNotFound")
+    assert f"{hub_url}/meta-llama/Nope/resolve/v9/config.json" in cond["message"]
+    assert sdd.deployment() is None
+
+    # A missing ConfigMap is retried: creating it later is enough.
+    draft = {"model": "/models/eagle3", "configMapRef": {"name": "eagle3-config"}}
+    kube_cluster.apply(manifest("later", draft=draft, replicas=1), namespace=kube_namespace)
+    later = sdd_of("later")
+    cond = wait_for(lambda: later.condition("PlanReady").get("reason") == "ConfigNotFound" and later.condition("PlanReady"),
+                    timeout_s=30, what="ConfigNotFound for the ConfigMap")
+    assert "spec.draft.configMapRef" in cond["message"] and later.status()["phase"] == "Pending"
+    kube_cluster.apply(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "eagle3-config"},
+         "data": {"config.json": EAGLE3_CONFIG.read_text()}},
+        namespace=kube_namespace,
+    )
+    later.wait_ready()
+
+    # Unparsable config: the reason names the field.
+    kube_cluster.apply(manifest("badcfg", draft={"model": "/models/x", "config": {"model_type": "llama"}}), namespace=kube_namespace)
+    bad = sdd_of("badcfg")
+    cond = wait_for(lambda: bad.condition("PlanReady").get("reason") == "ConfigInvalid" and bad.condition("PlanReady"),
+                    timeout_s=30, what="ConfigInvalid")
+    assert cond["message"].startswith("spec.draft config.json:")
+
+
+def test_paused_resource_is_left_alone(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
+    paused_new = manifest("frozen")
+    paused_new["metadata"]["annotations"] = {"specdeploy.dev/paused": "true"}
+    kube_cluster.apply(paused_new, namespace=kube_namespace)
+    frozen = sdd_of("frozen")
+    wait_for(lambda: frozen.status().get("phase") == "Paused", timeout_s=30, what="phase Paused")
+    assert frozen.deployment() is None and frozen.owned("configmaps") == []
+
+    kube_cluster.apply(manifest("live", replicas=1), namespace=kube_namespace)
+    live = sdd_of("live")
+    live.wait_ready()
+    old = live.deployment()
+    kube_cluster.kubectl("annotate", "sdd", "live", "-n", kube_namespace, "specdeploy.dev/paused=true")
+    wait_for(lambda: live.status().get("phase") == "Paused", timeout_s=30, what="phase Paused")
+    kube_cluster.kubectl("patch", "sdd", "live", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"replicas":3,"engine":{"contextLength":4096}}}')
+    kube_cluster.kubectl("wait", "sdd/live", "-n", kube_namespace, "--for=jsonpath={.status.phase}=Paused", "--timeout=10s")
+    unchanged = live.deployment()
+    assert unchanged["metadata"]["generation"] == old["metadata"]["generation"]
+    assert unchanged["spec"]["replicas"] == 1 and template_hash(unchanged) == template_hash(old)
+
+    kube_cluster.kubectl("annotate", "sdd", "live", "-n", kube_namespace, "specdeploy.dev/paused-")
+    status = live.wait_ready()
+    assert status["serving"]["readyReplicas"] == 3
+    assert template_hash(live.deployment()) != template_hash(old)
+
+
+def test_delete_collects_the_children(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
+    kube_cluster.apply(manifest("gone", replicas=1), namespace=kube_namespace)
+    sdd = sdd_of("gone")
+    sdd.wait_ready()
+    kube_cluster.kubectl("delete", "sdd", "gone", "-n", kube_namespace)
+    wait_for(
+        lambda: not any(sdd.owned(kind) for kind in ("deployments", "services", "configmaps", "pods")),
+        timeout_s=60, what="children garbage-collected",
+    )
+
+
+def test_operator_killed_mid_way_leaves_no_duplicates_or_orphans(kube_cluster, kube_namespace, operator_process, hub_secret, manifest, sdd_of):
+    first = operator_process()
+    kube_cluster.apply(manifest("phoenix", replicas=2), namespace=kube_namespace)
+    sdd = sdd_of("phoenix")
+    # Kill as soon as the Deployment exists: the rollout and status are unfinished.
+    wait_for(sdd.deployment, timeout_s=60, what="Deployment from the first operator")
+    first.kill()
+
+    # While no operator runs, the spec changes.
+    kube_cluster.kubectl("patch", "sdd", "phoenix", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"engine":{"contextLength":4096}}}')
+
+    second = operator_process()
+    try:
+        status = sdd.wait_ready(timeout_s=90)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\nfirst operator:\n{first.logs()}\nsecond operator:\n{second.logs()}") from None
+    assert status["plan"]["contextLength"] == 4096
+    assert [d["metadata"]["name"] for d in sdd.owned("deployments")] == ["phoenix"]
+    assert [s["metadata"]["name"] for s in sdd.owned("services")] == ["phoenix"]
+    assert [c["metadata"]["name"] for c in sdd.owned("configmaps")] == ["phoenix-engine"]
+    uid = sdd.get()["metadata"]["uid"]
+    for kind in ("deployments", "services", "configmaps"):
+        for obj in sdd.owned(kind):
+            assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
+    # Two pods, both of the new spec; none orphaned from the killed operator's rollout.
+    wait_for(
+        lambda: sorted(p["metadata"]["annotations"][HASH] for p in sdd.pods() if not p["metadata"].get("deletionTimestamp"))
+        == [status["configHash"]] * 2,
+        timeout_s=30, what="exactly 2 pods of the new spec",
+    )
+    logs = second.logs()
+    assert "planned from" in logs and "applied ConfigMap" in logs
