@@ -71,7 +71,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            batch: AttnBatch, scale: float) -> torch.Tensor:
     if _BACKEND == "fast" and q.is_cuda:
         from specdeploy.engine import attention_triton
-        return attention_triton.attend(q, k_cache, v_cache, batch, scale)
+        if attention_triton.supported(q):
+            return attention_triton.attend(q, k_cache, v_cache, batch, scale)
     return reference(q, k_cache, v_cache, batch, scale)
 
 

@@ -1,0 +1,117 @@
+"""GPU checks of the engine (run on the device): CUDA-graph replay equals eager execution for
+every captured batch size, padded batches included; the Triton slot-pool attention equals the
+reference attention; speculative decoding under graphs + fast attention stays lossless."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from specdeploy.engine import attention  # noqa: E402
+from specdeploy.engine.attention import AttnBatch, reference  # noqa: E402
+from specdeploy.engine.runner import Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.toy import (copy_draft, predictable_target, random_requests,  # noqa: E402
+                                   run_to_completion, tiny_config)
+
+DEV = "cuda"
+BUCKETS = (1, 2, 4, 8)
+
+
+def gpu_config(hc_mult=1):
+    return tiny_config(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=64,
+                       intermediate_size=128, hc_mult=hc_mult)
+
+
+@pytest.fixture(params=["reference", "fast"])
+def backend(request):
+    attention.set_backend(request.param)
+    yield request.param
+    attention.set_backend("reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q,prefix_max", [(1, 300), (6, 200), (37, 0), (5, 1)])
+def test_fast_attention_matches_reference(dtype, num_q, prefix_max):
+    from specdeploy.engine import attention_triton
+    g = torch.Generator(device=DEV).manual_seed(0)
+    b, hq, hkv, d, slots = 5, 8, 2, 64, 2048
+    k = torch.randn(slots, hkv, d, device=DEV, generator=g).to(dtype)
+    v = torch.randn(slots, hkv, d, device=DEV, generator=g).to(dtype)
+    q = torch.randn(b, num_q, hq, d, device=DEV, generator=g).to(dtype)
+    lens = torch.randint(0, prefix_max + 1, (b,), device=DEV, generator=g)
+    prefix = torch.randint(1, slots, (b, max(prefix_max, 1)), device=DEV, generator=g)
+    new = torch.randint(1, slots, (b, num_q), device=DEV, generator=g)
+    mask = (torch.rand(b, num_q, num_q, device=DEV, generator=g) < 0.5).tril() | torch.eye(num_q, dtype=torch.bool, device=DEV)
+    batch = AttnBatch(new, prefix, lens, new, mask)
+    ref = reference(q.float(), k.float(), v.float(), batch, d ** -0.5)
+    fast = attention_triton.attend(q, k, v, batch, d ** -0.5).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3  # tf32 dot products for float32
+    assert (fast - ref).abs().max().item() < tol
+
+
+CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4, 3, 6)]
+
+
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
+def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend):
+    """Every bucket, at full size and one row short (padding), for all four graphed calls."""
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.5, device=DEV)
+    draft = copy_draft(algorithm, target, perm)
+    spec = SpecConfig(algorithm, 3, topk, n)
+    graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                         context_length=256, device=DEV, graph_mode="off").calls
+    # Point the eager calls at the graphed runner's pools so both read the same K/V.
+    eager_calls.target_kv, eager_calls.draft_kv = graphed.target_kv, graphed.draft_kv
+    g = torch.Generator(device=DEV).manual_seed(1)
+    steps, hc = 3, draft.carried_size
+    for bs in BUCKETS:
+        for b in sorted({bs, max(bs - 1, 1)}):
+            lens = torch.randint(1, 60, (b,), device=DEV, generator=g)
+            prefix = torch.randint(1, 3000, (b, int(lens.max())), device=DEV, generator=g)
+            fresh = lambda w: torch.arange(3000, 3000 + b * w, device=DEV).view(b, w)  # noqa: E731
+            ids = torch.randint(0, 64, (b, n), device=DEV, generator=g)
+            mask = torch.ones(b, n, n, dtype=torch.bool, device=DEV).tril()
+            pos = lens[:, None] + torch.arange(n, device=DEV)
+            for calls in (graphed.calls, eager_calls):  # the second call rewrites identical K/V
+                out = calls.target_verify(ids, pos, fresh(n), prefix, lens, mask)
+                if calls is graphed.calls:
+                    got = [t.clone() for t in out]
+            assert all(torch.allclose(x, y, atol=1e-4, rtol=1e-4) for x, y in zip(got, out)), (bs, b)
+
+            dec = [c.target_decode(ids[:, :1], lens[:, None], fresh(1), prefix, lens).clone()
+                   for c in (graphed.calls, eager_calls)]
+            assert torch.allclose(dec[0], dec[1], atol=1e-4, rtol=1e-4), (bs, b)
+
+            hidden = torch.randn(b, steps + 1, target.feature_size, device=DEV, generator=g)
+            valid = torch.randint(1, steps + 2, (b,), device=DEV, generator=g)
+            ext = [c.draft_extend(ids[:, :steps + 1] if n >= steps + 1 else ids, hidden,
+                                  lens[:, None] + torch.arange(steps + 1, device=DEV), fresh(steps + 1),
+                                  prefix, lens, valid).clone() for c in (graphed.calls, eager_calls)]
+            assert torch.allclose(ext[0], ext[1], atol=1e-4, rtol=1e-4), (bs, b)
+
+            root = torch.randn(b, hc, device=DEV, generator=g)[:, None].expand(-1, topk, -1).reshape(b * topk, hc)
+            params = (torch.zeros(b, device=DEV), torch.zeros(b, dtype=torch.int64, device=DEV),
+                      torch.ones(b, device=DEV))
+            uni = torch.rand(b, steps, device=DEV, generator=g)
+            ms = [c.draft_multi_step(root, prefix, lens, fresh((steps - 1) * topk), *params, uni, False)
+                  for c in (graphed.calls, eager_calls)]
+            assert torch.equal(ms[0][0], ms[1][0]) and torch.equal(ms[0][2], ms[1][2]), (bs, b)
+            assert torch.allclose(ms[0][1], ms[1][1], atol=1e-5), (bs, b)
+
+
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
+def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, backend):
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.5, device=DEV)
+    draft = copy_draft(algorithm, target, perm)
+    reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
+    plain = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
+                   device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    spec = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=4000,
+                  max_running_requests=8, context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    free = spec.num_free_slots
+    assert run_to_completion(spec, reqs()) == run_to_completion(plain, reqs())
+    assert spec.num_free_slots == free
+    assert spec.num_draft_tokens_accepted > 0.1 * spec.num_draft_tokens_proposed
