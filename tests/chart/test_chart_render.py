@@ -111,13 +111,12 @@ def test_default_serves_the_release_namespace_with_a_role(helm):
     assert [b["metadata"]["namespace"] for b in by_kind(objs, "RoleBinding")] == ["ops"]
     assert "--namespace=ops" in _operator_args(objs)
     assert "--all-namespaces" not in _operator_args(objs)
-    # The only cluster-scoped grant is kopf's read-only CRD watch.
+    # The only cluster-scoped grant is kopf's read-only watch of CRDs and namespaces.
     (cluster_role,) = by_kind(objs, "ClusterRole")
-    assert cluster_role["rules"] == [{
-        "apiGroups": ["apiextensions.k8s.io"],
-        "resources": ["customresourcedefinitions"],
-        "verbs": ["list", "watch"],
-    }]
+    assert _flatten(cluster_role["rules"]) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("", "namespaces"): {"list", "watch"},
+    }
 
 
 def test_listed_namespaces_each_get_a_role(helm):
@@ -134,6 +133,9 @@ def test_cluster_wide_uses_a_cluster_role(helm):
     assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
     names = sorted(r["metadata"]["name"] for r in by_kind(objs, "ClusterRole"))
     assert names == ["sd-specdeploy", "sd-specdeploy-kopf"]
+    kopf_role = [r for r in by_kind(objs, "ClusterRole") if r["metadata"]["name"] == "sd-specdeploy-kopf"][0]
+    # kopf lists namespaces only to match a list of them; cluster-wide it needs none.
+    assert _flatten(kopf_role["rules"]) == {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
     assert "--all-namespaces" in _operator_args(objs)
     assert not [a for a in _operator_args(objs) if a.startswith("--namespace")]
 
@@ -149,9 +151,9 @@ EXPECTED_OPERATOR_RULES = {
     ("specdeploy.dev", "specdecodedeployments"): {"get", "list", "watch", "patch"},
     ("specdeploy.dev", "specdecodedeployments/status"): {"update"},
     ("specdeploy.dev", "specdecodedeployments/finalizers"): {"update"},
-    ("apps", "deployments"): {"get", "list", "watch", "patch", "delete"},
-    ("", "configmaps"): {"get", "patch", "delete"},
-    ("", "services"): {"get", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
+    ("", "services"): {"get", "create", "patch"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},
 }
