@@ -4,6 +4,7 @@ nothing more, `helm upgrade` rolls it, `helm uninstall` leaves nothing behind.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -185,66 +186,70 @@ def test_every_example_passes_server_dry_run(kube_cluster, kube_namespace, crd):
 # ---- install: the chart's identity runs the operator ----------------------------------------
 
 
+@contextlib.contextmanager
+def operator_as_chart_deploys_it(cluster: KubeCluster, release: str, ns: str, workdir: Path) -> Iterator[Path]:
+    """Run `specdeploy` with the args of the chart's operator Deployment, authenticated with a
+    token of the chart's ServiceAccount; yields the log file. On exit, stops the operator and
+    checks that it was never refused anything (the RBAC is sufficient)."""
+    deploy = operator_deployment(cluster, release, ns)
+    cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{deploy['metadata']['name']}", "--timeout=60s")
+    pod_spec = deploy["spec"]["template"]["spec"]
+    (container,) = pod_spec["containers"]
+    kubeconfig = service_account_kubeconfig(cluster, ns, pod_spec["serviceAccountName"], workdir / "sa-kubeconfig")
+    health_port = next(a for a in container["args"] if a.startswith("--liveness-port=")).split("=")[1]
+    log_path = workdir / "operator.log"
+    with open(log_path, "w") as log:
+        operator = subprocess.Popen(
+            [sys.executable, "-P", "-m", "specdeploy.cli", *container["args"]],
+            env=dict(cluster.env, KUBECONFIG=str(kubeconfig)), cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        # The endpoint both probes call answers.
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz", timeout=2) as r:
+                return r.status == 200
+
+        wait_for(healthy, timeout_s=60, what="the operator's /healthz")
+        yield log_path
+    finally:
+        operator.terminate()
+        try:
+            operator.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+            operator.wait()
+        # Shown by pytest when the test fails.
+        print(f"---- operator log ({' '.join(container['args'])}) ----\n{log_path.read_text()}")
+    log_text = log_path.read_text()
+    for needle in ("Forbidden", "forbidden", " 403"):
+        assert needle not in log_text, f"the operator was refused something:\n{log_text[-4000:]}"
+    assert "Traceback" not in log_text, log_text[-4000:]
+
+
 def test_install_serves_examples_with_the_charts_service_account(kube_cluster, kube_namespace, helm, crd, hub, tmp_path):
     ns = kube_namespace
     release = _release("sd")
-    health_port = _free_port()
     helm_install(
         kube_cluster, release, ns,
-        f"operator.healthPort={health_port}", f"hub.endpoint={hub}", "engine.image.tag=test",
+        f"operator.healthPort={_free_port()}", f"hub.endpoint={hub}", "engine.image.tag=test",
     )
     try:
         notes = kube_cluster.helm("get", "notes", release, "-n", ns).stdout
         assert f"kubectl -n {ns} get sdd" in notes
         assert "kubectl apply --server-side --force-conflicts" in notes
 
-        deploy = operator_deployment(kube_cluster, release, ns)
-        kube_cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{deploy['metadata']['name']}", "--timeout=60s")
-        pod_spec = deploy["spec"]["template"]["spec"]
-        sa = pod_spec["serviceAccountName"]
-        subject = f"system:serviceaccount:{ns}:{sa}"
-
-        # The operator exactly as the chart starts it, authenticated as the chart's ServiceAccount.
-        (container,) = pod_spec["containers"]
-        kubeconfig = service_account_kubeconfig(kube_cluster, ns, sa, tmp_path / "sa-kubeconfig")
-        log_path = tmp_path / "operator.log"
-        env = dict(kube_cluster.env, KUBECONFIG=str(kubeconfig))
-        with open(log_path, "w") as log:
-            operator = subprocess.Popen(
-                [sys.executable, "-P", "-m", "specdeploy.cli", *container["args"]],
-                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-            )
-        try:
-            # The probes' endpoint answers.
-            def healthy() -> bool:
-                with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz", timeout=2) as r:
-                    return r.status == 200
-            wait_for(healthy, timeout_s=60, what="the operator's /healthz")
-
+        with operator_as_chart_deploys_it(kube_cluster, release, ns, tmp_path):
             kube_cluster.kubectl("-n", ns, "create", "secret", "generic", "hf-token", f"--from-literal=token={HUB_TOKEN}")
             for name in GPU_EXAMPLES:
                 kube_cluster.kubectl("-n", ns, "apply", "-f", str(EXAMPLES / name))
-
             for name in GPU_EXAMPLES:
                 # The fake cluster has two 8-GPU H200 nodes: enough for all three (1 + 4 + 8 GPUs)
                 # only if nothing else holds GPUs, so only the one-GPU example must reach Ready.
                 _check_served(kube_cluster, ns, EXAMPLES / name, engine_image="ghcr.io/specdeploy/engine:test",
                               must_be_ready=name == GPU_EXAMPLES[0])
-        finally:
-            operator.terminate()
-            try:
-                operator.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-                operator.wait()
-            # Shown by pytest when the test fails.
-            print(f"---- operator log ({' '.join(container['args'])}) ----\n{log_path.read_text()}")
-        log_text = log_path.read_text()
-        # Sufficient: nothing the operator tried was refused.
-        for needle in ("Forbidden", "forbidden", " 403"):
-            assert needle not in log_text, f"the operator was refused something:\n{log_text[-4000:]}"
-        assert "Traceback" not in log_text, log_text[-4000:]
 
+        sa = operator_deployment(kube_cluster, release, ns)["spec"]["template"]["spec"]["serviceAccountName"]
+        subject = f"system:serviceaccount:{ns}:{sa}"
         # Minimal: what it has no business doing is denied.
         other = "default"
         for args in [
@@ -285,6 +290,33 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
         for name in GPU_EXAMPLES:
             kube_cluster.kubectl("-n", ns, "delete", "-f", str(EXAMPLES / name), "--ignore-not-found", "--wait=false", check=False)
         kube_cluster.helm("uninstall", release, "-n", ns, check=False)
+
+
+def test_cluster_wide_install_serves_any_namespace(kube_cluster, kube_namespace, crd, hub, tmp_path):
+    ns, release = kube_namespace, _release("cw")
+    elsewhere = f"{ns}-users"
+    kube_cluster.kubectl("create", "namespace", elsewhere)
+    example = EXAMPLES / GPU_EXAMPLES[0]
+    helm_install(
+        kube_cluster, release, ns,
+        "watch.clusterWide=true", f"operator.healthPort={_free_port()}", f"hub.endpoint={hub}", "engine.image.tag=test",
+    )
+    try:
+        with operator_as_chart_deploys_it(kube_cluster, release, ns, tmp_path):
+            kube_cluster.kubectl("-n", elsewhere, "create", "secret", "generic", "hf-token", f"--from-literal=token={HUB_TOKEN}")
+            kube_cluster.kubectl("-n", elsewhere, "apply", "-f", str(example))
+            _check_served(kube_cluster, elsewhere, example, engine_image="ghcr.io/specdeploy/engine:test", must_be_ready=False)
+        sa = operator_deployment(kube_cluster, release, ns)["spec"]["template"]["spec"]["serviceAccountName"]
+        subject = f"system:serviceaccount:{ns}:{sa}"
+        # Cluster-wide still means the operator's resources only.
+        assert can_i(kube_cluster, subject, "list", "specdecodedeployments.specdeploy.dev", "--all-namespaces")
+        for args in [("list", "secrets", "--all-namespaces"), ("list", "pods", "--all-namespaces"),
+                     ("delete", "services", "-n", elsewhere), ("create", "clusterroles")]:
+            assert not can_i(kube_cluster, subject, *args), f"{subject} may {' '.join(args)}"
+    finally:
+        kube_cluster.kubectl("-n", elsewhere, "delete", "-f", str(example), "--ignore-not-found", "--wait=false", check=False)
+        kube_cluster.helm("uninstall", release, "-n", ns, check=False)
+        kube_cluster.kubectl("delete", "namespace", elsewhere, "--wait=false", "--ignore-not-found", check=False)
 
 
 def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, must_be_ready: bool) -> None:
