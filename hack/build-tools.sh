@@ -66,7 +66,7 @@ build_kubernetes() {
   local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
   if have "${K8S_DIR}" "${bins[@]}"; then log "kubernetes ${K8S_VERSION}: cached"; return; fi
   local t0=$SECONDS
-  log "kubernetes ${K8S_VERSION}: building ${bins[*]} (the long one: 15-35 min cold on 2 cores)"
+  log "kubernetes ${K8S_VERSION}: building ${bins[*]} (the long one: about 8 minutes cold on 2 cores)"
   local mod="${SRC_DIR}/kubernetes-${K8S_VERSION}"
   rm -rf "${mod}"; mkdir -p "${mod}"
   # k8s.io/kubernetes replaces its staging modules (k8s.io/api, ...) with local paths, which a

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +98,6 @@ def test_a_killed_sessions_cluster_is_reaped_by_the_next_start(tmp_path: Path):
     proc.kill()  # SIGKILL: no teardown can run
     proc.communicate(timeout=30)
     workdir = Path(cluster["workdir"])
-    time.sleep(0.5)
     assert _pids_mentioning(workdir), "expected the killed session's cluster to outlive it"
     reap_orphans(workdir.parent)
     _assert_gone(cluster)

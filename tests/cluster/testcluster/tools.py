@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 VERSIONS_FILE = REPO_ROOT / "hack" / "tools-versions.env"
-BUILD_HINT = "run `make tools` (hack/build-tools.sh) to build them; the first build takes 20-40 minutes"
+BUILD_HINT = "run `make tools` (hack/build-tools.sh) to build them; the first build takes about 12 minutes on 2 cores"
 
 
 class ToolsMissing(RuntimeError):
