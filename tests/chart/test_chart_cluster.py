@@ -26,7 +26,7 @@ from chartkit import CHART, CRD_SOURCE, EXAMPLES, INSTALL_YAML, parse
 
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 HUB_TOKEN = "hf_chart_test_token"
-GPU_EXAMPLES = ["llama-3.1-8b-eagle3-h200.yaml", "llama-3.3-70b-eagle3-tp.yaml", "deepseek-v4-mtp.yaml"]
+ONE_GPU_EXAMPLE = "llama-3.1-8b-eagle3-h200.yaml"
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -240,13 +240,13 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
 
         with operator_as_chart_deploys_it(kube_cluster, release, ns, tmp_path):
             kube_cluster.kubectl("-n", ns, "create", "secret", "generic", "hf-token", f"--from-literal=token={HUB_TOKEN}")
-            for name in GPU_EXAMPLES:
-                kube_cluster.kubectl("-n", ns, "apply", "-f", str(EXAMPLES / name))
-            for name in GPU_EXAMPLES:
-                # The fake cluster has two 8-GPU H200 nodes: enough for all three (1 + 4 + 8 GPUs)
-                # only if nothing else holds GPUs, so only the one-GPU example must reach Ready.
-                _check_served(kube_cluster, ns, EXAMPLES / name, engine_image="ghcr.io/specdeploy/engine:test",
-                              must_be_ready=name == GPU_EXAMPLES[0])
+            for path in examples.example_files():
+                kube_cluster.kubectl("-n", ns, "apply", "-f", str(path))
+            for path in examples.example_files():
+                # The fake cluster has two 8-GPU H200 nodes and one H100 node: room for every
+                # example only if nothing else holds GPUs, so only the one-GPU ones must reach Ready.
+                _check_served(kube_cluster, ns, path, engine_image="ghcr.io/specdeploy/engine:test",
+                              must_be_ready=examples.commented_plan(path)["tensor_parallel_size"] == 1)
 
         sa = operator_deployment(kube_cluster, release, ns)["spec"]["template"]["spec"]["serviceAccountName"]
         subject = f"system:serviceaccount:{ns}:{sa}"
@@ -287,8 +287,8 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
         ]:
             assert can_i(kube_cluster, subject, *args), f"{subject} may not {' '.join(args)}"
     finally:
-        for name in GPU_EXAMPLES:
-            kube_cluster.kubectl("-n", ns, "delete", "-f", str(EXAMPLES / name), "--ignore-not-found", "--wait=false", check=False)
+        for path in examples.example_files():
+            kube_cluster.kubectl("-n", ns, "delete", "-f", str(path), "--ignore-not-found", "--wait=false", check=False)
         kube_cluster.helm("uninstall", release, "-n", ns, check=False)
 
 
@@ -296,7 +296,7 @@ def test_cluster_wide_install_serves_any_namespace(kube_cluster, kube_namespace,
     ns, release = kube_namespace, _release("cw")
     elsewhere = f"{ns}-users"
     kube_cluster.kubectl("create", "namespace", elsewhere)
-    example = EXAMPLES / GPU_EXAMPLES[0]
+    example = EXAMPLES / ONE_GPU_EXAMPLE
     helm_install(
         kube_cluster, release, ns,
         "watch.clusterWide=true", f"operator.healthPort={_free_port()}", f"hub.endpoint={hub}", "engine.image.tag=test",

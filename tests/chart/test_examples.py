@@ -77,6 +77,34 @@ def test_tensor_parallel_example_needs_more_than_two_gpus():
     assert operator_plan(path)["tensor_parallel_size"] == 4
 
 
+def test_demo_example_serves_the_pair_the_engine_image_bakes():
+    """tiny-cpu-demo.yaml: its inline configs are what the demo recipe writes, at the paths
+    Dockerfile.engine trains the pair into."""
+    from specdeploy.engine import train
+    from specdeploy.engine.demo import Recipe
+
+    spec = load_sdd(EXAMPLES / "tiny-cpu-demo.yaml")["spec"]
+    recipe = Recipe()
+    # The demo's tokenizer puts its special tokens first: <|bos|> is 0, <|end|> is 1.
+    target = train.llama_config(
+        recipe.vocab_size, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
+        num_heads=recipe.num_heads, num_kv_heads=recipe.num_kv_heads,
+        intermediate_size=recipe.intermediate_size, max_position_embeddings=recipe.context_length,
+        bos_token_id=train.SPECIAL_TOKENS.index(train.BOS_TOKEN),
+        eos_token_id=train.SPECIAL_TOKENS.index(train.EOS_TOKEN),
+    )
+    assert spec["target"]["config"] == target
+    assert spec["draft"]["config"] == train.eagle_config(target)
+    assert spec["speculative"]["algorithm"] == "EAGLE"
+    assert spec["engine"]["contextLength"] == recipe.context_length
+
+    demo_dir = "/opt/specdeploy/demo"
+    assert spec["target"]["model"] == f"{demo_dir}/target" and spec["draft"]["model"] == f"{demo_dir}/draft"
+    assert f"ensure_models(Path('{demo_dir}'), Recipe())" in (ROOT / "Dockerfile.engine").read_text()
+    # The engine runs on the pod's CPUs.
+    assert {"name": "CUDA_VISIBLE_DEVICES", "value": ""} in spec["engine"]["env"]
+
+
 def update() -> None:
     for path in example_files():
         plan = operator_plan(path)
