@@ -1,0 +1,326 @@
+"""Section 5: real acceptance without downloads.
+
+On the device, within the run and against a stated time budget:
+  1. corpus: the Python sources of the installed torch package (real text every such machine has);
+     every tenth file is held out for evaluation prompts;
+  2. a byte-level BPE tokenizer trained on it (engine/train.py, `tokenizers`);
+  3. a small Llama target trained from scratch with the engine's own model code (train_target);
+  4. an EAGLE head trained on that target's own hidden states (train_eagle);
+  5. a 2-layer Llama trained the same way, as the draft model of transformers' assisted generation.
+Then, at batch 1 on held-out prompts, greedy: the engine target-only, the engine with the EAGLE
+head (chain and trees), transformers generate() on the same target (converted through its state
+dict), and transformers assisted generation with the small draft. Reported: acceptance length
+(tokens per target forward), end-to-end tok/s (prefill + decode, per request), speedups, and
+whether the speculative output equals the target-only output token for token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+
+import torch
+
+import hf_baseline
+from common import free_device_memory, log, sync
+from specdeploy.engine import train
+from specdeploy.engine.layers import rope_inv_freq
+from specdeploy.engine.runner import Request, Runner, SpecConfig
+
+SIZES = {
+    "device": {
+        "corpus_bytes": 24 << 20, "tokenizer_bytes": 6 << 20, "vocab_size": 8192,
+        "target": dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4,
+                       intermediate_size=2048, max_position_embeddings=2048),
+        "assistant": dict(hidden_size=384, num_layers=2, num_heads=6, num_kv_heads=2,
+                          intermediate_size=1024, max_position_embeddings=2048),
+        "batch_size": 32, "seq_len": 512,
+        "target_budget_s": 180.0, "head_budget_s": 90.0, "assistant_budget_s": 45.0,
+        "target_lr": 1.5e-3, "head_lr": 2e-3, "assistant_lr": 3e-3,
+        "generations": 256, "generation_len": 384,
+        "prompts": 8, "prompt_len": 128, "new_tokens": 128, "eval_windows": 16,
+    },
+    "smoke": {
+        "corpus_bytes": 1 << 20, "tokenizer_bytes": 100 << 10, "vocab_size": 320,
+        "target": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=128, max_position_embeddings=512),
+        "assistant": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                          intermediate_size=64, max_position_embeddings=512),
+        "batch_size": 4, "seq_len": 32,
+        "target_budget_s": 2.0, "head_budget_s": 1.5, "assistant_budget_s": 1.0,
+        "target_lr": 3e-3, "head_lr": 3e-3, "assistant_lr": 3e-3,
+        "generations": 4, "generation_len": 16,
+        "prompts": 2, "prompt_len": 16, "new_tokens": 8, "eval_windows": 2,
+    },
+}
+
+SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
+
+
+def corpus(max_bytes: int) -> tuple[list[str], list[str], dict]:
+    """torch's own Python sources, sorted (every machine with this torch picks the same files);
+    test folders skipped; every tenth file held out."""
+    root = Path(torch.__file__).resolve().parent
+    train_texts, held_out, total, files = [], [], 0, 0
+    for i, path in enumerate(sorted(root.rglob("*.py"))):
+        if any("test" in part for part in path.relative_to(root).parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if total + len(text) > max_bytes:
+            break
+        (held_out if files % 10 == 9 else train_texts).append(text)
+        total += len(text)
+        files += 1
+    return train_texts, held_out, {"root": str(root), "files": files, "bytes": total,
+                                   "held_out_files": len(held_out)}
+
+
+class _Progress:
+    def __init__(self):
+        self.last = ""
+
+    def __call__(self, line: str) -> None:
+        self.last = line.strip()
+        log(line)
+
+
+def _call(fn, **kwargs):
+    """Call a training function of engine/train.py with the keywords it takes: the time budget
+    governs (a step cap, where the function has one, is set out of reach)."""
+    params = inspect.signature(fn).parameters
+    if "max_steps" in params:
+        kwargs.setdefault("max_steps", 10 ** 9)
+    return fn(**{k: v for k, v in kwargs.items() if k in params or k in ("config", "target")})
+
+
+def _autocast(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    import contextlib
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def held_out_loss(model, stream: torch.Tensor, windows: int, seq_len: int) -> float:
+    dev = model.embed_tokens.weight.device
+    if stream.numel() < seq_len + 2:
+        raise ValueError(f"held-out stream has {stream.numel()} tokens, fewer than one window of {seq_len}")
+    starts = torch.linspace(0, stream.numel() - seq_len - 2, windows).long().tolist()
+    ids = torch.stack([stream[s:s + seq_len + 1] for s in starts]).to(dev)
+    logits = hf_baseline.engine_logits(model, ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).item()
+
+
+def to_inference(model, dtype) -> None:
+    """Cast a trained float32 model for serving, keeping the rotary frequencies exact."""
+    exact = model.inv_freq.detach().float().clone()
+    model.to(dtype)
+    model.inv_freq = exact
+
+
+def engine_generate(runner: Runner, prompts, new_tokens: int, device, tag: str) -> dict:
+    outputs, seconds, steps, decode_steps, tokens = [], 0.0, 0, 0, 0
+    for i, prompt in enumerate(prompts):
+        runner.add(Request(f"{tag}{i}", prompt, max_tokens=new_tokens))
+        out = []
+        sync(device)
+        t0 = time.perf_counter()
+        n = 0
+        while True:
+            res = runner.step()
+            n += 1
+            done = False
+            for r in res:
+                out.extend(r.token_ids)
+                done |= r.finished
+            if done:
+                break
+        sync(device)
+        seconds += time.perf_counter() - t0
+        outputs.append(out)
+        tokens += len(out)
+        steps += n
+        decode_steps += n - 1  # the first step is the prefill, which emits one token
+    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "steps": steps,
+            "tok_s": tokens / seconds,
+            "accept_length": (tokens - len(prompts)) / max(decode_steps, 1)}
+
+
+def hf_generate(model, prompts, new_tokens: int, device, assistant=None) -> dict:
+    outputs, seconds, tokens = [], 0.0, 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        kwargs = {"assistant_model": assistant} if assistant is not None else {}
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, **kwargs)
+        sync(device)
+        seconds += time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        outputs.append(new)
+        tokens += len(new)
+    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Exact equality per prompt, and the mean length of the common prefix."""
+    equal = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k)
+    return {"equal_outputs": equal, "of": len(a), "mean_common_prefix": sum(prefix) / len(prefix)}
+
+
+def run(ctx) -> dict:
+    s = dict(SIZES["smoke" if ctx.smoke else "device"])
+    for key in ("target_budget_s", "head_budget_s", "assistant_budget_s"):
+        if key in ctx.profile:
+            s[key] = ctx.profile[key]
+    dev = ctx.device
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    result = {"budget": {k: s[k] for k in ("target_budget_s", "head_budget_s", "assistant_budget_s")},
+              "sizes": {k: v for k, v in s.items() if not k.endswith("_budget_s")}}
+
+    t0 = time.perf_counter()
+    train_texts, held_texts, corpus_info = corpus(s["corpus_bytes"])
+    tok_texts, n = [], 0
+    for text in train_texts:
+        if n > s["tokenizer_bytes"]:
+            break
+        tok_texts.append(text)
+        n += len(text)
+    tok = train.train_tokenizer(tok_texts, s["vocab_size"])
+    stream = train.tokenize_corpus(tok, train_texts)
+    held = train.tokenize_corpus(tok, held_texts)
+    corpus_info.update(train_tokens=stream.numel(), held_out_tokens=held.numel(),
+                       vocab_size=tok.get_vocab_size(), prep_s=time.perf_counter() - t0)
+    result["corpus"] = corpus_info
+    log(f"corpus: {corpus_info['files']} files, {corpus_info['bytes'] / 1e6:.1f} MB, "
+        f"{stream.numel() / 1e6:.2f} M train tokens, {held.numel() / 1e6:.2f} M held-out, "
+        f"{corpus_info['prep_s']:.0f} s")
+
+    bos = tok.token_to_id(train.BOS_TOKEN)
+    eos = tok.token_to_id(train.EOS_TOKEN)
+    vocab = tok.get_vocab_size()
+    target_cfg = train.llama_config(vocab, bos_token_id=bos, eos_token_id=eos, **s["target"])
+    assistant_cfg = train.llama_config(vocab, bos_token_id=bos, eos_token_id=eos, **s["assistant"])
+    common_kw = dict(batch_size=s["batch_size"], seq_len=s["seq_len"], device=str(dev))
+
+    prog = _Progress()
+    t0 = time.perf_counter()
+    with _autocast(dev):
+        target = _call(train.train_target, config=target_cfg, stream=stream, budget_s=s["target_budget_s"],
+                       peak_lr=s["target_lr"], progress=prog, **common_kw)
+    result["target_training"] = {"seconds": time.perf_counter() - t0, "last_progress": prog.last,
+                                 "params": sum(p.numel() for p in target.parameters()),
+                                 "held_out_loss": held_out_loss(target, held, s["eval_windows"], s["seq_len"])}
+    log(f"target held-out loss {result['target_training']['held_out_loss']:.3f} nats/token")
+
+    # The head learns what the target says: where engine/train.py offers it, half its batches
+    # are the target's own greedy continuations of corpus prompts (made here, timed apart).
+    t0 = time.perf_counter()
+    generations = None
+    if hasattr(train, "target_generations") and \
+            "target_sequences" in inspect.signature(train.train_eagle).parameters:
+        generations = train.target_generations(target, stream, num_sequences=s["generations"],
+                                               prompt_len=s["seq_len"] + 1 - s["generation_len"],
+                                               gen_len=s["generation_len"], device=str(dev))
+    gen_s = time.perf_counter() - t0
+    prog = _Progress()
+    t0 = time.perf_counter()
+    with _autocast(dev):
+        head = _call(train.train_eagle, target=target, draft_config=train.eagle_config(target_cfg), stream=stream,
+                     budget_s=s["head_budget_s"], peak_lr=s["head_lr"], target_sequences=generations,
+                     progress=prog, **common_kw)
+    result["head_training"] = {"seconds": time.perf_counter() - t0, "last_progress": prog.last,
+                               "params": sum(p.numel() for p in head.parameters()),
+                               "target_generations": None if generations is None else list(generations.shape),
+                               "target_generations_s": gen_s}
+
+    prog = _Progress()
+    t0 = time.perf_counter()
+    with _autocast(dev):
+        assistant = _call(train.train_target, config=assistant_cfg, stream=stream,
+                          budget_s=s["assistant_budget_s"], peak_lr=s["assistant_lr"], progress=prog, **common_kw)
+    result["assistant_training"] = {"seconds": time.perf_counter() - t0, "last_progress": prog.last,
+                                    "params": sum(p.numel() for p in assistant.parameters()),
+                                    "held_out_loss": held_out_loss(assistant, held, s["eval_windows"], s["seq_len"])}
+
+    dtype = ctx.dtype
+    to_inference(target, dtype)
+    head.to(dtype)
+    to_inference(assistant, dtype)
+
+    starts = torch.linspace(0, held.numel() - s["prompt_len"] - 1, s["prompts"] + 1).long().tolist()
+    prompts = [held[st:st + s["prompt_len"]].tolist() for st in starts]
+    warm, prompts = prompts[0], prompts[1:]
+    n_new = s["new_tokens"]
+    ctx_len = s["prompt_len"] + n_new + 32
+    systems = {}
+
+    def engine_runner(draft, shape):
+        if draft is None:
+            return Runner(target, max_total_tokens=4 * ctx_len, max_running_requests=1,
+                          context_length=ctx_len, device=dev)
+        steps, topk, ndt = SPEC_SHAPES[shape]
+        return Runner(target, draft, SpecConfig("EAGLE", steps, topk, ndt), max_total_tokens=4 * ctx_len,
+                      max_running_requests=1, context_length=ctx_len, device=dev)
+
+    for name, draft, shape in [("engine target-only", None, None)] + \
+            [(f"engine EAGLE {k}", head, k) for k in SPEC_SHAPES]:
+        runner = engine_runner(draft, shape)
+        engine_generate(runner, [warm], n_new, dev, "w")
+        systems[name] = engine_generate(runner, prompts, n_new, dev, "p")
+        r = systems[name]
+        log(f"{name:<24} {r['tok_s']:8.1f} tok/s  accept length {r['accept_length']:.2f}")
+        del runner
+
+    hf_target = hf_baseline.build_hf_llama(target_cfg, dev, dtype, engine_target=target)
+    hf_draft = hf_baseline.build_hf_llama(assistant_cfg, dev, dtype, engine_target=assistant)
+    for m in (hf_target, hf_draft):
+        m.generation_config.eos_token_id = None  # exactly new_tokens tokens, as the engine makes
+    result["hf_parity"] = hf_baseline.parity(target, hf_target, vocab)
+    for name, assist in (("transformers", None), ("transformers assisted", hf_draft)):
+        hf_generate(hf_target, [warm], n_new, dev, assist)
+        systems[name] = hf_generate(hf_target, prompts, n_new, dev, assist)
+        log(f"{name:<24} {systems[name]['tok_s']:8.1f} tok/s")
+
+    base = systems["engine target-only"]
+    table = []
+    for name, r in systems.items():
+        row = {"system": name, "tok_s": r["tok_s"], "tokens": r["tokens"], "seconds": r["seconds"],
+               "speedup_vs_engine_target_only": r["tok_s"] / base["tok_s"],
+               "speedup_vs_transformers": r["tok_s"] / systems["transformers"]["tok_s"],
+               "speedup_vs_transformers_assisted": r["tok_s"] / systems["transformers assisted"]["tok_s"],
+               "same_output_as_engine_target_only": _agreement(r["outputs"], base["outputs"])}
+        if "accept_length" in r and name != "engine target-only":
+            row["accept_length"] = r["accept_length"]
+        table.append(row)
+    best = max((row for row in table if row["system"].startswith("engine EAGLE")),
+               key=lambda row: row["tok_s"])
+    result.update({
+        "prompts": len(prompts), "prompt_len": s["prompt_len"], "new_tokens": n_new,
+        "rows": table,
+        "outputs_sample": {k: v["outputs"][0][:32] for k, v in systems.items()},
+        "goal": {"metric": "best engine EAGLE tok/s over engine target-only, batch 1", "target": 2.5,
+                 "value": best["speedup_vs_engine_target_only"], "system": best["system"],
+                 "met": best["speedup_vs_engine_target_only"] >= 2.5},
+        "summary": [f"{row['system'].replace('engine ', '')} {row['tok_s']:.0f} tok/s"
+                    + (f" acc {row['accept_length']:.2f}" if "accept_length" in row else "")
+                    for row in table]
+                   + [f"best {best['speedup_vs_engine_target_only']:.2f}x (goal 2.5x)"],
+    })
+    del hf_target, hf_draft, target, head, assistant
+    free_device_memory()
+    return result

@@ -1,0 +1,188 @@
+"""Section 6: planner truth. For each benchmarked configuration, the plan's per-GPU memory
+(engine/plan.py, plan_from_configs) against what the engine really holds:
+
+    weights      parameter bytes of the target and head as built      vs plan weight_bytes
+    KV pools     the Runner's target + draft pools, sized by the plan   vs plan kv_cache_bytes
+    static       what Runner(plan, graph_mode="padded") holds beyond its KV pools: the graphs'
+                 static input/hidden-state buffers, slot table, draft state rows
+                                                   vs plan static buffers + per-request state
+    graph pool   what Runner(plan) (graph_mode "capture": every bucket of target decode, verify,
+                 draft multi-step, draft extend) holds beyond the padded runner
+                                                   vs plan cuda_graph_pool_bytes
+    workspace    peak transient memory of a prefill of PREFILL_CHUNK_TOKENS tokens through the
+                 Runner (8 requests of 1K tokens)                       vs plan activation_workspace_bytes
+    outside torch  driver-used minus torch-reserved (CUDA context, library workspaces)  vs plan reserve
+    total        the driver's used memory at the end (nvidia-smi beside it) vs the plan's sum of terms
+
+Allocator figures are torch.cuda.memory_reserved() deltas. The engine allocates exactly the
+plan's KV pool (Runner(plan=...)), so an over-optimistic plan shows up as an out-of-memory error
+here, and an over-cautious one as memory left unused.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from common import (LLAMA_31_8B, device_memory, free_device_memory, log, param_bytes)
+from harness import (eagle3_head_config, eagle_head_config, mtp_head_config, random_head,
+                     random_target)
+from specdeploy.engine import plan as plan_mod
+from specdeploy.engine.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
+from specdeploy.engine.runner import Request, Runner, SpecConfig
+
+
+def configurations(ctx) -> dict:
+    t = ctx["target_config"]
+    hc4 = ctx["hc4_config"]
+    big = (64, 2048, 64) if not ctx.smoke else (4, 96, 4)
+    small = (16, 2048, 16) if not ctx.smoke else (2, 96, 2)
+    vocab3 = ctx["eagle3_draft_vocab"]
+    return {
+        "llama8b-none": (t, None, SpecSettings("NONE"), Limits(*big)),
+        "llama8b-eagle3-chain": (t, eagle3_head_config(t, vocab3), SpecSettings("EAGLE3", 3, 1, 4), Limits(*small)),
+        "llama8b-eagle-tree": (t, eagle_head_config(t), SpecSettings("EAGLE", 3, 4, 8), Limits(*small)),
+        "hc4-mtp-chain": (hc4, mtp_head_config(hc4), SpecSettings("MTP", 3, 1, 4), Limits(*small)),
+    }
+
+
+def _gpu(ctx):
+    if ctx["gpu"]:
+        return GPUS[ctx["gpu"]]
+    # CPU smoke: room for the plan's fixed terms plus a small KV pool.
+    fixed = plan_mod.RESERVE_BYTES + plan_mod.CUDA_GRAPH_POOL_BASE_BYTES
+    return custom_gpu((fixed + (96 << 20)) / plan_mod.GIB)
+
+
+def _term(predicted, measured) -> dict:
+    row = {"predicted_bytes": predicted, "measured_bytes": measured}
+    if measured is not None and predicted:
+        row["measured_over_predicted"] = measured / predicted
+    return row
+
+
+def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits, ctx) -> dict:
+    dev = ctx.device
+    cuda = dev.type == "cuda"
+    free_device_memory()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    m0 = device_memory(dev)
+    plan = plan_from_configs(config, draft_config, spec, _gpu(ctx), limits)
+    mem = plan.memory_per_gpu
+    log(f"{name}: plan TP {plan.tensor_parallel_size}, max_total_tokens {plan.max_total_tokens}, "
+        f"weights {mem.weight_bytes / 1e9:.2f} GB, KV {mem.kv_cache_bytes / 1e9:.2f} GB, "
+        f"graph pool {mem.cuda_graph_pool_bytes / 1e9:.2f} GB, workspace {mem.activation_workspace_bytes / 1e9:.2f} GB")
+    out = {"config": name, "algorithm": spec.algorithm, "limits": vars(limits) if hasattr(limits, "__dict__") else str(limits),
+           "plan": plan.to_dict(), "terms": {}, "notes": []}
+    if plan.tensor_parallel_size != 1:
+        out["notes"].append(f"plan chose TP {plan.tensor_parallel_size}; one GPU measured")
+
+    target = random_target(config, dev, ctx.dtype)
+    head = random_head(spec.algorithm, draft_config, target) if draft_config is not None else None
+    weights = param_bytes(target) + (param_bytes(head) if head is not None else 0)
+    m1 = device_memory(dev)
+    out["terms"]["weights"] = _term(mem.weight_bytes, weights)
+    if cuda:
+        out["terms"]["weights"]["allocated_delta_bytes"] = m1["allocated"] - m0["allocated"]
+
+    runner_spec = SpecConfig(spec.algorithm, spec.num_steps, spec.topk, spec.num_draft_tokens) \
+        if head is not None else SpecConfig()
+    kv = static = None
+    if cuda:
+        # Padded: the graphs' static buffers without any capture.
+        padded = Runner(target, head, runner_spec, plan=plan, device=dev, graph_mode="padded")
+        kv = padded.target_kv.nbytes + (padded.draft_kv.nbytes if padded.draft_kv is not None else 0)
+        torch.cuda.synchronize()
+        static = torch.cuda.memory_reserved() - m1["reserved"] - kv
+        del padded
+        free_device_memory()
+    t0 = time.perf_counter()
+    runner = Runner(target, head, runner_spec, plan=plan, device=dev)  # captures on CUDA
+    out["runner_build_s"] = time.perf_counter() - t0
+    kv = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
+    m2 = device_memory(dev)
+    out["terms"]["kv_pools"] = _term(mem.kv_cache_bytes, kv)
+    if cuda:
+        out["terms"]["static_buffers"] = _term(mem.static_buffer_bytes + mem.per_request_state_bytes, static)
+        graph_bytes = m2["reserved"] - m1["reserved"] - kv - static
+        out["terms"]["cuda_graph_pool"] = _term(mem.cuda_graph_pool_bytes, graph_bytes)
+        out["terms"]["cuda_graph_pool"]["buckets"] = list(plan.cuda_graph_batch_sizes)
+    else:
+        out["terms"]["static_buffers"] = _term(mem.static_buffer_bytes + mem.per_request_state_bytes, None)
+        out["terms"]["cuda_graph_pool"] = _term(mem.cuda_graph_pool_bytes, None)
+        out["notes"].append("no CUDA: static buffers and graph pool not measured")
+
+    # Workspace: one prefill chunk through the Runner.
+    prompt_len = min(1024, limits.context_length // 2)
+    n_req = max(1, min(limits.max_running_requests, plan_mod.PREFILL_CHUNK_TOKENS // prompt_len))
+    gen = torch.Generator().manual_seed(5)
+    for i in range(n_req):
+        runner.add(Request(f"p{i}", torch.randint(3, target.cfg.vocab_size, (prompt_len,), generator=gen).tolist(),
+                           max_tokens=4))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    runner.step()
+    if cuda:
+        torch.cuda.synchronize()
+        work = torch.cuda.max_memory_allocated() - base
+    else:
+        work = None
+    out["prefill"] = {"requests": n_req, "prompt_tokens": prompt_len, "seconds": time.perf_counter() - t0}
+    out["terms"]["activation_workspace"] = _term(mem.activation_workspace_bytes, work)
+
+    m_end = device_memory(dev)
+    predicted_total = (mem.weight_bytes + mem.cuda_graph_pool_bytes + mem.activation_workspace_bytes
+                       + mem.static_buffer_bytes + mem.per_request_state_bytes + mem.reserve_bytes
+                       + mem.kv_cache_bytes)
+    if cuda:
+        outside = m_end["driver_used"] - m_end["max_reserved"]
+        out["terms"]["outside_torch"] = _term(mem.reserve_bytes, outside)
+        out["terms"]["total"] = _term(predicted_total, m_end["driver_used"])
+        out["terms"]["total"]["nvidia_smi_used_bytes"] = m_end["nvidia_smi_used"]
+        out["terms"]["total_except_kv"] = _term(predicted_total - mem.kv_cache_bytes,
+                                                m_end["driver_used"] - kv)
+        out["memory_snapshots"] = {"start": m0, "weights": m1, "kv": m2, "end": m_end}
+        out["gpu_total_bytes_driver"] = m_end["driver_total"]
+        out["plan_gpu_memory_bytes"] = mem.gpu_memory_bytes
+    else:
+        out["terms"]["total"] = _term(predicted_total, None)
+        out["notes"].append(f"no CUDA: weights + KV pools {weights + kv} B, process memory not measured")
+    del runner, head, target
+    free_device_memory()
+    return out
+
+
+def run(ctx) -> dict:
+    configs = configurations(ctx)
+    rows = []
+    for name in ctx["planner_configs"]:
+        config, draft_config, spec, limits = configs[name]
+        try:
+            rows.append(measure(name, config, draft_config, spec, limits, ctx))
+        except Exception as e:  # an OOM here is itself a planner finding: record it and go on
+            rows.append({"config": name, "algorithm": spec.algorithm, "error": f"{type(e).__name__}: {e}"[:800],
+                         "traceback": traceback.format_exc()[-2000:]})
+            log(f"{name} failed: {rows[-1]['error'][:300]}")
+            free_device_memory()
+            continue
+        terms = rows[-1]["terms"]
+        parts = [f"{k} {v['measured_over_predicted']:.3f}" for k, v in terms.items()
+                 if "measured_over_predicted" in v]
+        log(f"{name}: measured / predicted: " + ", ".join(parts))
+    summary = []
+    for r in rows:
+        total = r.get("terms", {}).get("total", {})
+        if "measured_over_predicted" in total:
+            summary.append(f"{r['config']} total {total['measured_over_predicted']:.3f}")
+        else:
+            summary.append(f"{r['config']} {'error' if 'error' in r else 'total n/a'}")
+    summary.append("goal within 5%")
+    return {"rows": rows, "goal": {"metric": "total measured / predicted", "target": "0.95..1.05"},
+            "summary": summary, "gpu_catalog": ctx["gpu"] or "custom (smoke)",
+            "shape_source": "random weights, shapes of " + ("Llama-3.1-8B" if ctx["target_config"] is LLAMA_31_8B else "tiny Llama")}

@@ -1,0 +1,375 @@
+"""Turn the suite's JSON into docs/benchmarks.md (tables always; PNG figures where matplotlib is
+installed).
+
+    python3 bench/report.py RESULTS_DIR [RESULTS_DIR ...] [--out docs/benchmarks.md]
+
+Each RESULTS_DIR is one device call's $OUT (env.json + <n>_<name>.json). When a section appears
+in several folders, the later folder wins. Nothing here measures anything: every figure comes
+from the JSON, and a section that failed is shown with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+GB = 1e9
+GIB = 1024 ** 3
+
+HOW_TO_READ = """\
+**How to read these numbers.** Every time is a median over repeated runs, taken with CUDA events
+after warm-up (wall clock with a device sync for whole runner steps and whole requests). Models
+in sections 1-4 and 6 have random bf16 weights of the stated shape, made on the device: speed and
+memory depend on shapes, not on weight values, and no checkpoint is downloaded. The *roofline*
+is the fastest a memory-bound decode step can be: the bytes it must read (every weight once,
+plus each request's KV prefix) over the copy bandwidth measured in the same run; "% of roofline"
+is how close the engine gets. The *engine call* is the graphed target forward alone; the
+*Runner step* adds what serving a request costs per token (slot bookkeeping, sampling, a host
+sync) and is the number a user sees. Speculative step costs are multiples of the Runner's
+target-only decode step in the same graph mode: a step costing 1.3x that delivers 1.3x the
+tokens per step in speed-up terms only when the acceptance length exceeds 1.3. Acceptance length
+is tokens emitted per target forward (1 = no draft token accepted). Planner ratios are measured
+over predicted bytes; 1.00 is a perfect prediction, above 1 means the plan undercounts.
+"""
+
+
+def load(dirs: list[Path]) -> tuple[dict, list[dict]]:
+    sections, envs = {}, []
+    for d in dirs:
+        env = d / "env.json"
+        if env.is_file():
+            envs.append(json.loads(env.read_text()))
+        for path in sorted(d.glob("[0-9]_*.json")):
+            rec = json.loads(path.read_text())
+            sections[rec["section"]] = rec
+    return sections, envs
+
+
+def _f(x, digits=1, scale=1.0, suffix=""):
+    if x is None:
+        return "—"
+    try:
+        return f"{x / scale:.{digits}f}{suffix}"
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _pct(x):
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _met(flag) -> str:
+    return "—" if flag is None else ("met" if flag else "**missed**")
+
+
+def _header(rec: dict) -> str:
+    lines = [f"## {rec['section']}. {rec['title']}", ""]
+    lines.append(f"Reproduce: `{rec.get('command', '')}` (status **{rec['status']}**, "
+                 f"{rec.get('duration_s', 0):.0f} s)")
+    if rec["status"] != "ok":
+        lines += ["", f"> Error: `{rec.get('error', '')}`"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- sections --------------------------------------------------------------------------------
+
+def s1(r: dict) -> str:
+    lines = [
+        f"Copy bandwidth {r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + write, 4 GiB buffers); "
+        f"bf16 matrix product {r['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s ({r['matmul_n']}³). "
+        f"Weights {r['weight_bytes'] / GB:.2f} GB ({r['num_params'] / 1e9:.2f} B parameters), of which a "
+        f"decode step reads {r['weight_bytes_read_per_step'] / GB:.2f} GB (the embedding table is looked up, "
+        f"not read whole); KV {r['kv_bytes_per_token'] / 1024:.0f} KiB per token.", ""]
+    lines.append(_table(["batch", "context", "bytes / step", "memory floor", "compute floor", "bound",
+                         "roofline tok/s"],
+                        [[x["batch"], x["context"], _f(x["bytes_per_step"], 2, GB, " GB"),
+                          _f(x["memory_floor_ms"], 3, 1, " ms"), _f(x.get("compute_floor_ms"), 3, 1, " ms"),
+                          x.get("bound", "—"), _f(x["roofline_tok_s"], 0)] for x in r["rows"]]))
+    return "\n".join(lines)
+
+
+def s2(r: dict) -> str:
+    hf = r.get("transformers", {})
+    eager = {x["batch"]: x for x in hf.get("eager", [])}
+    comp = {x["batch"]: x for x in hf.get("static_compiled", [])}
+    rows = []
+    for x in r["ours"]:
+        b = x["batch"]
+        rows.append([b, _f(x["roofline_tok_s"], 0), _f(x["tok_s"], 1), _pct(x["fraction_of_roofline"]),
+                     _f(x.get("runner_tok_s"), 1), _pct(x.get("runner_fraction_of_roofline")),
+                     _f(eager.get(b, {}).get("tok_s"), 1), _f(comp.get(b, {}).get("tok_s"), 1)])
+    lines = [f"Attention backend: `{r.get('attention_backend')}`. Engine call source: "
+             f"{r['ours'][0].get('source', '—') if r['ours'] else '—'}.", ""]
+    label = "static + compile" if hf.get("static_compiled_is_compiled") else "static (not compiled)"
+    lines.append(_table(["batch", "roofline tok/s", "engine call tok/s", "% roofline", "Runner step tok/s",
+                         "% roofline", "transformers eager", f"transformers {label}"], rows))
+    par = hf.get("parity")
+    if par:
+        lines += ["", f"Same weights in both implementations: logits differ by {par['rel_l2_logits']:.2e} "
+                      f"(relative L2), argmax agrees on {100 * par['argmax_agreement']:.0f}% of "
+                      f"{par['tokens']} positions."]
+    if hf.get("error"):
+        lines += ["", f"transformers baseline failed: `{hf['error']}`"]
+    for row in comp.values():
+        if "wall_s_including_compile" in row:
+            lines += ["", f"transformers' compile + measurement at batch {row['batch']} took "
+                          f"{row['wall_s_including_compile']:.0f} s of wall time."]
+    g = r.get("goal", {})
+    lines += ["", f"Goal: engine ≥ 90% of roofline at batch 1 — measured {_pct(g.get('value'))}: {_met(g.get('met'))}."]
+    return "\n".join(lines)
+
+
+def s3(r: dict) -> str:
+    rows = []
+    for x in r["rows"]:
+        if "error" in x:
+            rows.append([x["target"], x["algorithm"], x["shape"], x["graph_mode"], "error: " + x["error"][:80],
+                         "", "", "", "", "", "", ""])
+            continue
+        rows.append([f"{x['target']} ({x['target_layers']}L×{x['target_hidden']})", x["algorithm"],
+                     f"{x['shape']} ({x['num_steps']},{x['topk']},{x['num_draft_tokens']})", x["graph_mode"],
+                     _f(x["draft_ms"], 2), _f(x["verify_ms"], 2), _f(x["extend_ms"], 2),
+                     f"{_f(x['overhead_ms'], 2)} ({_f(x['tree_ms'], 2)}, {_f(x['accept_ms'], 2)})",
+                     _f(x["whole_ms"], 2), _f(x["decode_step_ms"], 2), f"{x['x_decode_step']:.2f}×",
+                     f"≤{x['goal']}× {_met(x.get('goal_met'))}" if x.get("goal_met") is not None else "—"])
+    lines = ["Times in ms, medians per step, batch 1, 1K context; overhead in brackets: (tree build, "
+             "acceptance). hc4 is a smaller hc_mult 4 target (stated in its row) so that its eager "
+             "hyper-connection mixing fits the device call.", ""]
+    lines.append(_table(["target", "head", "shape (steps,topk,tokens)", "graphs", "draft", "verify", "extend",
+                         "overhead", "step", "decode step", "step / decode", "goal"], rows))
+    return "\n".join(lines)
+
+
+def s4(r: dict) -> str:
+    rows = [[x["batch"], _f(x["eager_call_ms"], 2), _f(x["graph_call_ms"], 2), f"{x['speedup_call']:.2f}×",
+             _f(x["runner_eager_ms"], 2), _f(x["runner_graph_ms"], 2), f"{x['speedup_runner']:.2f}×",
+             _pct(x["graph_argmax_equals_eager"])] for x in r["rows"]]
+    g = r.get("goal", {})
+    return "\n".join([
+        _table(["batch", "call eager ms", "call graph ms", "speed-up", "Runner step eager ms",
+                "Runner step graph ms", "speed-up", "graph argmax = eager"], rows), "",
+        f"Goal: graphs ≥ 3× eager at batch 1 — measured {_f(g.get('value'), 2)}×: {_met(g.get('met'))}."])
+
+
+def s5(r: dict) -> str:
+    c = r["corpus"]
+    tt, ht, at = r["target_training"], r["head_training"], r["assistant_training"]
+    lines = [
+        f"Corpus: {c['files']} Python files of the installed torch package ({c['bytes'] / 1e6:.1f} MB; every "
+        f"tenth file held out), byte-level BPE with {c['vocab_size']} tokens: {c['train_tokens'] / 1e6:.2f} M "
+        f"training tokens, {c['held_out_tokens'] / 1e6:.2f} M held out.",
+        "",
+        f"Training budget (wall clock on the device): target {r['budget']['target_budget_s']:.0f} s "
+        f"({tt['params'] / 1e6:.0f} M parameters, held-out loss {tt['held_out_loss']:.2f} nats/token), EAGLE head "
+        f"{r['budget']['head_budget_s']:.0f} s ({ht['params'] / 1e6:.0f} M), assisted-generation draft "
+        f"{r['budget']['assistant_budget_s']:.0f} s ({at['params'] / 1e6:.0f} M, held-out loss "
+        f"{at['held_out_loss']:.2f}). Last progress lines: target `{tt['last_progress']}`; head "
+        f"`{ht['last_progress']}`.",
+        "",
+        f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens each, greedy, "
+        "batch 1; tok/s counts whole requests (prefill + decode).",
+        ""]
+    rows = []
+    for x in r["rows"]:
+        same = x["same_output_as_engine_target_only"]
+        rows.append([x["system"], _f(x.get("accept_length"), 2), _f(x["tok_s"], 1),
+                     f"{x['speedup_vs_engine_target_only']:.2f}×", f"{x['speedup_vs_transformers']:.2f}×",
+                     f"{x['speedup_vs_transformers_assisted']:.2f}×",
+                     f"{same['equal_outputs']}/{same['of']} (prefix {same['mean_common_prefix']:.0f})"])
+    lines.append(_table(["system", "accept length", "tok/s", "vs engine target-only", "vs transformers",
+                         "vs transformers assisted", "same tokens as engine target-only"], rows))
+    par = r.get("hf_parity")
+    if par:
+        lines += ["", f"Engine vs transformers on the trained target: logits differ by {par['rel_l2_logits']:.2e}, "
+                      f"argmax agrees on {100 * par['argmax_agreement']:.0f}% of positions."]
+    g = r["goal"]
+    lines += ["", f"Goal: ≥ 2.5× engine target-only tok/s at batch 1 — best ({g['system']}) "
+                  f"{g['value']:.2f}×: {_met(g['met'])}."]
+    return "\n".join(lines)
+
+
+def s6(r: dict) -> str:
+    out = [f"GPU in the plan: `{r.get('gpu_catalog')}`; {r.get('shape_source')}."]
+    for x in r["rows"]:
+        out += ["", f"**{x['config']}** ({x.get('algorithm')})"]
+        if "error" in x:
+            out += ["", f"Failed: `{x['error']}`"]
+            continue
+        p = x["plan"]
+        out += ["", f"Plan: TP {p['tensor_parallel_size']}, max_total_tokens {p['max_total_tokens']}, "
+                    f"context {p['context_length']}, max running {p['max_running_requests']}, graph buckets "
+                    f"{p['cuda_graph_batch_sizes']}.", ""]
+        rows = []
+        for name, t in x["terms"].items():
+            rows.append([name, _f(t["predicted_bytes"], 3, GIB, " GiB"), _f(t["measured_bytes"], 3, GIB, " GiB"),
+                         _f(t.get("measured_over_predicted"), 3)])
+        out.append(_table(["term", "plan", "measured", "measured / plan"], rows))
+        total = x["terms"].get("total", {})
+        if total.get("nvidia_smi_used_bytes"):
+            out += ["", f"nvidia-smi used at the end: {total['nvidia_smi_used_bytes'] / GIB:.2f} GiB; the driver's "
+                        f"total {x.get('gpu_total_bytes_driver', 0) / GIB:.2f} GiB against the plan's "
+                        f"{x.get('plan_gpu_memory_bytes', 0) / GIB:.2f} GiB."]
+        for note in x.get("notes", []):
+            out += ["", f"Note: {note}"]
+    return "\n".join(out)
+
+
+RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6}
+
+
+# ---- goals and figures -------------------------------------------------------------------------
+
+def goals(sections: dict) -> str:
+    rows = []
+
+    def res(key):
+        rec = sections.get(key)
+        return rec["results"] if rec and rec["status"] == "ok" else None
+
+    r = res("2")
+    if r:
+        g = r["goal"]
+        rows.append(["decode at batch 1, % of HBM roofline", "≥ 90%", _pct(g["value"]), _met(g["met"])])
+    r = res("3")
+    if r:
+        for x in r["rows"]:
+            if x.get("goal_met") is not None:
+                rows.append([f"{x['target']} {x['algorithm']} {x['shape']} step / decode step", f"≤ {x['goal']}×",
+                             f"{x['x_decode_step']:.2f}×", _met(x["goal_met"])])
+    r = res("4")
+    if r:
+        g = r["goal"]
+        rows.append(["CUDA graphs vs eager at batch 1", "≥ 3×", f"{g['value']:.2f}×", _met(g["met"])])
+    r = res("5")
+    if r:
+        g = r["goal"]
+        rows.append(["speculative vs target-only tok/s at batch 1 (trained models)", "≥ 2.5×",
+                     f"{g['value']:.2f}×", _met(g["met"])])
+    r = res("6")
+    if r:
+        for x in r["rows"]:
+            t = x.get("terms", {}).get("total", {})
+            if "measured_over_predicted" in t:
+                v = t["measured_over_predicted"]
+                rows.append([f"planner total, {x['config']}", "within 5%", f"{v:.3f}", _met(abs(v - 1) <= 0.05)])
+            elif "error" in x:
+                rows.append([f"planner total, {x['config']}", "within 5%", "error", "**missed**"])
+    missing = [k for k in RENDER if k not in sections]
+    for k in missing:
+        rows.append([f"section {k}", "—", "not run", "—"])
+    return _table(["figure", "goal", "measured", ""], rows)
+
+
+def figures(sections: dict, fig_dir: Path) -> list[str]:
+    """PNG figures (matplotlib, when installed); returns markdown image lines."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return []
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    rec = sections.get("2")
+    if rec and rec["status"] == "ok":
+        r = rec["results"]
+        b = [x["batch"] for x in r["ours"]]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(b, [x["roofline_tok_s"] for x in r["ours"]], "k--", label="HBM roofline")
+        ax.plot(b, [x["tok_s"] for x in r["ours"]], "o-", label="engine call (graph)")
+        ax.plot(b, [x.get("runner_tok_s") for x in r["ours"]], "s-", label="engine Runner step")
+        for key, label in (("eager", "transformers eager"), ("static_compiled", "transformers static+compile")):
+            pts = [(x["batch"], x["tok_s"]) for x in r.get("transformers", {}).get(key, []) if "tok_s" in x]
+            if pts:
+                ax.plot(*zip(*pts), "^-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title("Target-only decode, Llama-3.1-8B shape, 1K context")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(fig_dir / "decode.png", dpi=120)
+        plt.close(fig)
+        made.append("![decode](benchmarks/decode.png)")
+    rec = sections.get("3")
+    if rec and rec["status"] == "ok":
+        rows = [x for x in rec["results"]["rows"] if "whole_ms" in x]
+        if rows:
+            fig, ax = plt.subplots(figsize=(8, 4))
+            labels = [f"{x['target']} {x['algorithm']}\n{x['shape']} {x['graph_mode']}" for x in rows]
+            bottom = [0.0] * len(rows)
+            for key in ("draft_ms", "verify_ms", "extend_ms", "overhead_ms"):
+                vals = [max(x[key], 0) / x["decode_step_ms"] for x in rows]
+                ax.bar(labels, vals, bottom=bottom, label=key[:-3])
+                bottom = [a + v for a, v in zip(bottom, vals)]
+            ax.axhline(1.35, color="k", ls="--", lw=0.8)
+            ax.axhline(1.6, color="k", ls=":", lw=0.8)
+            ax.set_ylabel("× target decode step")
+            ax.tick_params(axis="x", labelsize=6)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(fig_dir / "spec_step.png", dpi=120)
+            plt.close(fig)
+            made.append("![speculative step](benchmarks/spec_step.png)")
+    return made
+
+
+def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
+    smoke = any(rec.get("smoke") for rec in sections.values())
+    lines = ["# Benchmarks", ""]
+    if smoke:
+        lines += ["> **Smoke run (CPU, tiny shapes): these numbers only show that the code runs; they say "
+                  "nothing about speed.**", ""]
+    lines.append("Generated by `bench/report.py` from the JSON that `bench/run.py` wrote on the device.")
+    lines.append("")
+    for env in envs:
+        lines.append(f"- {env.get('date')}: {env.get('device')} ({_f(env.get('device_memory_bytes'), 1, GIB, ' GiB')}, "
+                     f"{env.get('sm_count')} SMs; {env.get('nvidia_smi') or 'no nvidia-smi'}), Python "
+                     f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('cuda')}), triton "
+                     f"{env.get('triton')}, transformers {env.get('transformers')}, tokenizers "
+                     f"{env.get('tokenizers')}; command `{env.get('command')}`")
+    lines += ["", HOW_TO_READ, "## Goals", "", goals(sections), ""]
+    if fig_dir is not None:
+        figs = figures(sections, fig_dir)
+        if figs:
+            lines += ["## Figures", "", *figs, ""]
+    for key in sorted(sections):
+        rec = sections[key]
+        lines.append(_header(rec))
+        if rec["status"] == "ok" and key in RENDER:
+            try:
+                lines.append(RENDER[key](rec["results"]))
+            except Exception as e:  # a malformed record shows as such; the rest of the page stands
+                lines.append(f"(could not render: {type(e).__name__}: {e})")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="results JSON -> docs/benchmarks.md")
+    parser.add_argument("dirs", nargs="+", type=Path, help="folders holding env.json and <n>_<name>.json")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument("--no-figures", action="store_true")
+    args = parser.parse_args(argv)
+    sections, envs = load(args.dirs)
+    if not sections:
+        print(f"no section JSON under {', '.join(map(str, args.dirs))}", file=sys.stderr)
+        return 1
+    fig_dir = None if args.no_figures else args.out.parent / "benchmarks"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(sections, envs, fig_dir))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The benchmark suite runs end to end before device time is spent on it: bench/run.py --smoke
+executes every section on CPU with tiny shapes, and bench/report.py renders its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("1_roofline", "2_decode", "3_spec_step", "4_graphs_vs_eager", "5_acceptance", "6_planner")
+
+
+def _missing_engine_pieces() -> list[str]:
+    needed = ["torch", "transformers", "tokenizers", "specdeploy.engine.runner", "specdeploy.engine.calls",
+              "specdeploy.engine.graphs", "specdeploy.engine.train", "specdeploy.engine.plan"]
+    missing = []
+    for name in needed:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except ModuleNotFoundError:
+            missing.append(name)
+    return missing
+
+
+def test_bench_smoke(tmp_path):
+    missing = _missing_engine_pieces()
+    if missing:
+        pytest.skip(f"engine pieces the bench needs are not importable: {missing}")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-P", "bench/run.py", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "SUMMARY" in proc.stdout
+    env = json.loads((out / "env.json").read_text())
+    assert env["device"] == "cpu"
+    for name in SECTIONS:
+        rec = json.loads((out / f"{name}.json").read_text())
+        assert rec["status"] == "ok", (name, rec.get("error"), rec.get("traceback", "")[-2000:])
+        assert rec["smoke"] is True and rec["command"].startswith("PYTHONUNBUFFERED=1 python3 bench/run.py")
+        assert rec["results"]["summary"]
+
+    decode = json.loads((out / "2_decode.json").read_text())["results"]
+    assert [r["batch"] for r in decode["ours"]] == [1, 2]
+    assert all(r["tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in decode["ours"])
+    assert decode["transformers"]["parity"]["argmax_agreement"] > 0.9  # same weights, same model
+
+    spec = json.loads((out / "3_spec_step.json").read_text())["results"]
+    ok = [r for r in spec["rows"] if "error" not in r]
+    assert {(r["algorithm"], r["shape"]) for r in ok} >= {("EAGLE", "chain"), ("EAGLE3", "tree"), ("MTP", "chain")}
+    for r in ok:
+        assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["extend_ms"] > 0
+        assert r["draft_ms"] + r["verify_ms"] + r["extend_ms"] <= r["whole_ms"] * 1.05
+
+    accept = json.loads((out / "5_acceptance.json").read_text())["results"]
+    systems = {r["system"] for r in accept["rows"]}
+    assert {"engine target-only", "engine EAGLE chain", "transformers", "transformers assisted"} <= systems
+    chain = next(r for r in accept["rows"] if r["system"] == "engine EAGLE chain")
+    assert chain["accept_length"] >= 1.0
+
+    planner = json.loads((out / "6_planner.json").read_text())["results"]
+    for row in planner["rows"]:
+        assert "error" not in row, row.get("traceback")
+        assert row["terms"]["kv_pools"]["measured_over_predicted"] == pytest.approx(1.0, rel=0.01)
+
+    md = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, "-P", "bench/report.py", str(out), "--out", str(md), "--no-figures"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = md.read_text()
+    assert "Smoke run" in text and "How to read these numbers" in text
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## Goals"):
+        assert heading in text
