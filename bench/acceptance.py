@@ -270,12 +270,13 @@ def run(ctx) -> dict:
     systems = {}
 
     def engine_runner(draft, shape):
+        # Batch-1 CUDA graphs on the device (captured here); eager on CPU.
+        kw = dict(max_total_tokens=4 * ctx_len, max_running_requests=1, context_length=ctx_len, device=dev,
+                  cuda_graph_batch_sizes=(1,), graph_mode="capture" if dev.type == "cuda" else "off")
         if draft is None:
-            return Runner(target, max_total_tokens=4 * ctx_len, max_running_requests=1,
-                          context_length=ctx_len, device=dev)
+            return Runner(target, **kw)
         steps, topk, ndt = SPEC_SHAPES[shape]
-        return Runner(target, draft, SpecConfig("EAGLE", steps, topk, ndt), max_total_tokens=4 * ctx_len,
-                      max_running_requests=1, context_length=ctx_len, device=dev)
+        return Runner(target, draft, SpecConfig("EAGLE", steps, topk, ndt), **kw)
 
     for name, draft, shape in [("engine target-only", None, None)] + \
             [(f"engine EAGLE {k}", head, k) for k in SPEC_SHAPES]:

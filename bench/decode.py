@@ -60,6 +60,8 @@ def run(ctx) -> dict:
         ours.append(row)
         free_device_memory()
 
+    ctx.partial({"attention_backend": backend, "bandwidth_bytes_per_s": bandwidth, "ours": ours,
+                 "transformers": {}, "summary": []})
     hf = {}
     try:
         model = hf_baseline.build_hf_llama(ctx["target_config"], ctx.device, ctx.dtype, engine_target=target)

@@ -2,7 +2,9 @@
 for. Eager (dynamic cache) and static cache with transformers' own torch.compile.
 
 Decode tok/s is measured as (time(N new tokens) - time(1 new token)) / (N - 1) per step, so
-prefill is excluded; batch x steps/s is the throughput.
+prefill is excluded; batch x steps/s is the throughput. Every call asks for the same
+max_new_tokens and a stopping criterion ends the short one, so the static cache has one shape
+and transformers compiles its decode step once.
 """
 
 from __future__ import annotations
@@ -86,31 +88,47 @@ def parity(target, hf_model, vocab_size: int, length: int = 32) -> dict:
     return {"tokens": length, "rel_l2_logits": rel, "argmax_agreement": agree}
 
 
-def _generate_s(model, input_ids, new_tokens: int, device, **kwargs) -> float:
+def _stop_after(start: int, n: int):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = input_ids.shape[1] - start >= n
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([StopAfter()])
+
+
+def _generate_s(model, input_ids, max_new_tokens: int, device, stop_after: int | None = None) -> float:
+    """Wall time of one generate() call making `stop_after` (default all) of `max_new_tokens`."""
+    n = stop_after or max_new_tokens
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(
+        out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
-            **kwargs,
+            eos_token_id=None,
+            stopping_criteria=_stop_after(input_ids.shape[1], n),
         )
     sync(device)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if out.shape[1] - input_ids.shape[1] != n:
+        raise RuntimeError(f"generate() made {out.shape[1] - input_ids.shape[1]} tokens, expected {n}")
+    return seconds
 
 
 def decode_tok_s(model, batch: int, context: int, new_tokens: int, repeats: int, device) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(batch)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
-    _generate_s(model, input_ids, 2, device)  # warm-up (and compile, for the static cache)
+    _generate_s(model, input_ids, new_tokens, device, stop_after=2)  # warm-up (compiles a static cache)
     _generate_s(model, input_ids, new_tokens, device)
     steps = []
     for _ in range(repeats):
-        one = _generate_s(model, input_ids, 1, device)
+        one = _generate_s(model, input_ids, new_tokens, device, stop_after=1)
         full = _generate_s(model, input_ids, new_tokens, device)
         steps.append((full - one) / (new_tokens - 1))
     steps.sort()

@@ -90,58 +90,52 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
 
     runner_spec = SpecConfig(spec.algorithm, spec.num_steps, spec.topk, spec.num_draft_tokens) \
         if head is not None else SpecConfig()
-    kv = static = None
-    if cuda:
-        # Padded: the graphs' static buffers without any capture.
-        padded = Runner(target, head, runner_spec, plan=plan, device=dev, graph_mode="padded")
-        kv = padded.target_kv.nbytes + (padded.draft_kv.nbytes if padded.draft_kv is not None else 0)
-        torch.cuda.synchronize()
-        static = torch.cuda.memory_reserved() - m1["reserved"] - kv
-        del padded
+    kv = static = runner = None
+    t0 = time.perf_counter()
+    try:
+        if cuda:
+            # Padded: the graphs' static buffers without any capture.
+            padded = Runner(target, head, runner_spec, plan=plan, device=dev, graph_mode="padded")
+            kv = padded.target_kv.nbytes + (padded.draft_kv.nbytes if padded.draft_kv is not None else 0)
+            torch.cuda.synchronize()
+            static = torch.cuda.memory_reserved() - m1["reserved"] - kv
+            del padded
+            free_device_memory()
+        runner = Runner(target, head, runner_spec, plan=plan, device=dev)  # captures on CUDA
+    except Exception as e:  # e.g. out of memory: the plan promised more than the GPU has
+        out["runner_error"] = f"{type(e).__name__}: {e}"[:800]
+        log(f"{name}: Runner(plan) failed: {out['runner_error'][:300]}")
         free_device_memory()
-    t0 = time.perf_counter()
-    runner = Runner(target, head, runner_spec, plan=plan, device=dev)  # captures on CUDA
     out["runner_build_s"] = time.perf_counter() - t0
-    kv = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
     m2 = device_memory(dev)
-    out["terms"]["kv_pools"] = _term(mem.kv_cache_bytes, kv)
-    if cuda:
-        out["terms"]["static_buffers"] = _term(mem.static_buffer_bytes + mem.per_request_state_bytes, static)
-        graph_bytes = m2["reserved"] - m1["reserved"] - kv - static
-        out["terms"]["cuda_graph_pool"] = _term(mem.cuda_graph_pool_bytes, graph_bytes)
-        out["terms"]["cuda_graph_pool"]["buckets"] = list(plan.cuda_graph_batch_sizes)
-    else:
-        out["terms"]["static_buffers"] = _term(mem.static_buffer_bytes + mem.per_request_state_bytes, None)
-        out["terms"]["cuda_graph_pool"] = _term(mem.cuda_graph_pool_bytes, None)
-        out["notes"].append("no CUDA: static buffers and graph pool not measured")
-
-    # Workspace: one prefill chunk through the Runner.
-    prompt_len = min(1024, limits.context_length // 2)
-    n_req = max(1, min(limits.max_running_requests, plan_mod.PREFILL_CHUNK_TOKENS // prompt_len))
-    gen = torch.Generator().manual_seed(5)
-    for i in range(n_req):
-        runner.add(Request(f"p{i}", torch.randint(3, target.cfg.vocab_size, (prompt_len,), generator=gen).tolist(),
-                           max_tokens=4))
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    runner.step()
-    if cuda:
-        torch.cuda.synchronize()
-        work = torch.cuda.max_memory_allocated() - base
-    else:
-        work = None
-    out["prefill"] = {"requests": n_req, "prompt_tokens": prompt_len, "seconds": time.perf_counter() - t0}
-    out["terms"]["activation_workspace"] = _term(mem.activation_workspace_bytes, work)
+    if runner is not None:
+        kv = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
+        out["terms"]["kv_pools"] = _term(mem.kv_cache_bytes, kv)
+        if cuda:
+            out["terms"]["static_buffers"] = _term(mem.static_buffer_bytes + mem.per_request_state_bytes, static)
+            graph_bytes = m2["reserved"] - m1["reserved"] - kv - static
+            out["terms"]["cuda_graph_pool"] = _term(mem.cuda_graph_pool_bytes, graph_bytes)
+            out["terms"]["cuda_graph_pool"]["buckets"] = list(plan.cuda_graph_batch_sizes)
+        else:
+            out["terms"]["static_buffers"] = _term(mem.static_buffer_bytes + mem.per_request_state_bytes, None)
+            out["terms"]["cuda_graph_pool"] = _term(mem.cuda_graph_pool_bytes, None)
+            out["notes"].append("no CUDA: static buffers and graph pool not measured")
+        # Workspace: one prefill chunk through the Runner.
+        try:
+            out["terms"]["activation_workspace"] = _term(mem.activation_workspace_bytes,
+                                                         _prefill_peak(runner, target, limits, out, cuda))
+        except Exception as e:  # out of memory in prefill: the workspace term undercounts
+            out["terms"]["activation_workspace"] = {**_term(mem.activation_workspace_bytes, None),
+                                                    "error": f"{type(e).__name__}: {e}"[:500]}
+            log(f"{name}: prefill failed: {out['terms']['activation_workspace']['error'][:300]}")
+    kv = kv or 0
 
     m_end = device_memory(dev)
     predicted_total = (mem.weight_bytes + mem.cuda_graph_pool_bytes + mem.activation_workspace_bytes
                        + mem.static_buffer_bytes + mem.per_request_state_bytes + mem.reserve_bytes
                        + mem.kv_cache_bytes)
     if cuda:
-        outside = m_end["driver_used"] - m_end["max_reserved"]
+        outside = m_end["driver_used"] - torch.cuda.memory_reserved()
         out["terms"]["outside_torch"] = _term(mem.reserve_bytes, outside)
         out["terms"]["total"] = _term(predicted_total, m_end["driver_used"])
         out["terms"]["total"]["nvidia_smi_used_bytes"] = m_end["nvidia_smi_used"]
@@ -156,6 +150,28 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
     del runner, head, target
     free_device_memory()
     return out
+
+
+def _prefill_peak(runner, target, limits, out: dict, cuda: bool):
+    """Peak transient bytes of one prefill chunk (PREFILL_CHUNK_TOKENS tokens as requests of up
+    to 1K tokens) through Runner.step()."""
+    prompt_len = min(1024, limits.context_length // 2)
+    n_req = max(1, min(limits.max_running_requests, plan_mod.PREFILL_CHUNK_TOKENS // prompt_len))
+    gen = torch.Generator().manual_seed(5)
+    for i in range(n_req):
+        runner.add(Request(f"p{i}", torch.randint(3, target.cfg.vocab_size, (prompt_len,), generator=gen).tolist(),
+                           max_tokens=4))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    runner.step()
+    out["prefill"] = {"requests": n_req, "prompt_tokens": prompt_len, "seconds": time.perf_counter() - t0}
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def run(ctx) -> dict:
