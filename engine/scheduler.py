@@ -297,7 +297,7 @@ class Scheduler:
             if state is None or state.finished:
                 continue
             state.num_runner_outputs += 1
-            if state.num_runner_outputs > 1:
+            if state.num_runner_outputs > 1 and self.runner.draft is not None:
                 # The first output of a request comes from its prefill; later ones are decode
                 # steps, where accepted drafts + 1 tokens were committed.
                 self._log_steps += 1

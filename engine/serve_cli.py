@@ -12,7 +12,9 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -263,3 +265,48 @@ def load_engine(args: argparse.Namespace, metrics):
     log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots",
              plan.max_running_requests, queued, plan.context_length, max_total_tokens)
     return scheduler, tokenizer
+
+
+class ServerThread:
+    """`specdeploy engine serve` in a background thread of this process (the demo, the tests).
+    Signals stay with the main thread; `stop()` ends it."""
+
+    def __init__(self, argv: list[str]):
+        import uvicorn
+
+        from specdeploy.cli import build_parser
+        from specdeploy.engine.metrics import EngineMetrics
+        from specdeploy.engine.server import DrainingServer, EngineState, create_app
+
+        args = build_parser().parse_args(argv)
+        check_args(args)
+        self.args = args
+        model_name = args.served_model_name or args.target
+        self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name))
+        config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None, access_log=args.access_log)
+        self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
+        config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics),
+                                on_load_failure=self.server.fail)
+        self.base_url = f"http://{args.host}:{args.port}"
+        self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
+
+    def start(self, timeout_s: float = 300.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.state.ready:
+            if self.server.exit_code or not self._thread.is_alive():
+                raise RuntimeError(f"the engine failed to start: {self.state.not_ready_reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine was not ready after {timeout_s} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=60)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

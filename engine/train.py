@@ -112,14 +112,15 @@ def tokenize_corpus(tok: Tokenizer, texts: list[str]):
     return torch.tensor(ids, dtype=torch.int64)
 
 
-class _TimeSchedule:
-    """Learning rate by elapsed share of a time budget: linear warm-up, then cosine decay to 10%.
-    Training runs against the clock, so the schedule must too."""
+class _Schedule:
+    """Training ends after `max_steps` or `budget_s`, whichever comes first (a busy machine must
+    not turn a one-minute demo into ten). The learning rate follows the larger share of the two:
+    linear warm-up, then cosine decay to 10%."""
 
-    def __init__(self, peak_lr: float, budget_s: float, warmup_share: float = 0.05):
+    def __init__(self, peak_lr: float, max_steps: int, budget_s: float, warmup_share: float = 0.05):
         import time
 
-        self.peak_lr, self.budget_s, self.warmup_share = peak_lr, budget_s, warmup_share
+        self.peak_lr, self.max_steps, self.budget_s, self.warmup_share = peak_lr, max_steps, budget_s, warmup_share
         self.start_s = time.monotonic()
 
     @property
@@ -128,14 +129,13 @@ class _TimeSchedule:
 
         return time.monotonic() - self.start_s
 
-    @property
-    def done(self) -> bool:
-        return self.elapsed_s >= self.budget_s
+    def done(self, step: int) -> bool:
+        return step >= self.max_steps or self.elapsed_s >= self.budget_s
 
-    def lr(self) -> float:
+    def lr(self, step: int) -> float:
         import math
 
-        share = min(1.0, self.elapsed_s / self.budget_s)
+        share = min(1.0, max(self.elapsed_s / self.budget_s, step / self.max_steps))
         if share < self.warmup_share:
             return self.peak_lr * max(share / self.warmup_share, 0.01)
         t = (share - self.warmup_share) / (1 - self.warmup_share)
@@ -183,11 +183,12 @@ def init_weights(model, std: float = 0.02, seed: int = 0) -> None:
                 p.zero_()
 
 
-def train_target(config: dict, stream, *, budget_s: float, batch_size: int = 16, seq_len: int = 128,
-                 peak_lr: float = 3e-3, device: str = "cpu", seed: int = 0,
+def train_target(config: dict, stream, *, max_steps: int, budget_s: float, batch_size: int = 4,
+                 seq_len: int = 128, peak_lr: float = 3e-3, device: str = "cpu", seed: int = 0,
                  progress: Progress = print):
-    """Train a Llama-family target (the engine's own model code) on `stream` [N] for `budget_s`
-    seconds of wall clock; returns the model in eval mode, float32, frozen again."""
+    """Train a Llama-family target (the engine's own model code) on `stream` [N] for `max_steps`
+    steps or `budget_s` seconds of wall clock, whichever ends first; returns the model in eval
+    mode, float32, frozen again."""
     import torch
     import torch.nn.functional as F
 
@@ -204,9 +205,9 @@ def train_target(config: dict, stream, *, budget_s: float, batch_size: int = 16,
     gen = torch.Generator().manual_seed(seed)
     batch = _dense_causal_batch(batch_size, seq_len, device)
     positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-    sched = _TimeSchedule(peak_lr, budget_s)
+    sched = _Schedule(peak_lr, max_steps, budget_s)
     step, tokens, last_report_s, loss_ema = 0, 0, 0.0, None
-    while not sched.done:
+    while not sched.done(step):
         window = _random_windows(stream, batch_size, seq_len + 1, gen).to(device)   # [B, T + 1]
         # A fresh pool each step: the forward writes K/V into it, and autograd must not see
         # last step's writes.
@@ -216,7 +217,7 @@ def train_target(config: dict, stream, *, budget_s: float, batch_size: int = 16,
         logits = model.logits(out.hidden)                                          # [B, T, V]
         loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
         for group in opt.param_groups:
-            group["lr"] = sched.lr()
+            group["lr"] = sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -224,10 +225,10 @@ def train_target(config: dict, stream, *, budget_s: float, batch_size: int = 16,
         step += 1
         tokens += batch_size * seq_len
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
-        if sched.elapsed_s - last_report_s >= 10 or sched.done:
+        if sched.elapsed_s - last_report_s >= 10 or sched.done(step):
             last_report_s = sched.elapsed_s
-            progress(f"  target: step {step}, {tokens / 1e3:.0f}k tokens, loss {loss_ema:.2f}, "
-                     f"{sched.elapsed_s:.0f}/{budget_s:.0f} s")
+            progress(f"  target: step {step}/{max_steps}, {tokens / 1e3:.0f}k tokens, loss {loss_ema:.2f}, "
+                     f"{sched.elapsed_s:.0f} s")
     for p in params:
         p.requires_grad_(False)
     return model.eval()
@@ -258,16 +259,19 @@ def eagle_config(target_config: dict, num_layers: int = 1) -> dict:
     return config
 
 
-def train_eagle(target, draft_config: dict, stream, *, budget_s: float, batch_size: int = 16,
-                seq_len: int = 128, peak_lr: float = 3e-3, regression_weight: float = 1.0,
-                token_weight: float = 0.1, feature_noise_std: float = 0.05, device: str = "cpu",
+def train_eagle(target, draft_config: dict, stream, *, max_steps: int, budget_s: float,
+                target_sequences=None, batch_size: int = 4, seq_len: int = 128, peak_lr: float = 1e-2, regression_weight: float = 1.0,
+                token_weight: float = 1.0, feature_noise_std: float = 0.05, device: str = "cpu",
                 seed: int = 0, progress: Progress = print):
     """Train an EAGLE head on `target`'s own features (self-distillation).
 
     Row j of the head sees (token j+1, target feature j) and must produce the target's feature
     j+1 (regression) and the target's next-token distribution at j+1 (soft cross-entropy), as
-    the EAGLE paper trains it. Uniform noise on the input feature stands in for the head's own,
-    imperfect, features it consumes in later draft steps.
+    the EAGLE paper trains it. `target_sequences` [N, >= seq_len + 1]: the target's own
+    generations (see `target_generations`), mixed into every batch. Uniform noise on the input feature stands in for the head's own,
+    imperfect, features it consumes in later draft steps. The paper weighs the token loss 0.1 for
+    runs of many epochs; with a budget of seconds the token loss carries most of the signal, so
+    both weigh 1 here (and the learning rate is high: a one-layer head tolerates it).
     """
     import torch
     import torch.nn.functional as F
@@ -288,10 +292,16 @@ def train_eagle(target, draft_config: dict, stream, *, budget_s: float, batch_si
     tcfg = target.cfg
     batch = _dense_causal_batch(batch_size, seq_len, device)
     positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-    sched = _TimeSchedule(peak_lr, budget_s)
+    sched = _Schedule(peak_lr, max_steps, budget_s)
     step, last_report_s, acc_ema, loss_ema = 0, 0.0, None, None
-    while not sched.done:
-        window = _random_windows(stream, batch_size, seq_len + 1, gen).to(device)    # [B, T + 1]
+    while not sched.done(step):
+        window = _random_windows(stream, batch_size, seq_len + 1, gen)               # [B, T + 1]
+        if target_sequences is not None:
+            # Half the rows from the target's own generations: the draft must predict what the
+            # target says, which is not always what the corpus says.
+            rows = torch.randint(0, target_sequences.shape[0], (batch_size // 2,), generator=gen)
+            window[: batch_size // 2] = target_sequences[rows, : seq_len + 1]
+        window = window.to(device)
         with torch.no_grad():
             kv = KVPool(tcfg.num_layers, batch_size * seq_len + 1, tcfg.num_kv_heads, tcfg.head_dim,
                         torch.float32, device)
@@ -307,7 +317,7 @@ def train_eagle(target, draft_config: dict, stream, *, budget_s: float, batch_si
         token = -(target_probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         loss = regression_weight * regression + token_weight * token
         for group in opt.param_groups:
-            group["lr"] = sched.lr()
+            group["lr"] = sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -317,10 +327,34 @@ def train_eagle(target, draft_config: dict, stream, *, budget_s: float, batch_si
             acc = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
         acc_ema = acc if acc_ema is None else 0.9 * acc_ema + 0.1 * acc
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
-        if sched.elapsed_s - last_report_s >= 10 or sched.done:
+        if sched.elapsed_s - last_report_s >= 10 or sched.done(step):
             last_report_s = sched.elapsed_s
-            progress(f"  draft: step {step}, loss {loss_ema:.3f}, agrees with the target's next token "
-                     f"{100 * acc_ema:.0f}% of the time, {sched.elapsed_s:.0f}/{budget_s:.0f} s")
+            progress(f"  draft: step {step}/{max_steps}, loss {loss_ema:.3f}, agrees with the target's next "
+                     f"token {100 * acc_ema:.0f}% of the time, {sched.elapsed_s:.0f} s")
     for p in params:
         p.requires_grad_(False)
     return head.eval()
+
+
+def target_generations(target, stream, *, num_sequences: int, prompt_len: int, gen_len: int,
+                       temperature: float = 0.0, seed: int = 0, device: str = "cpu"):
+    """[num_sequences, prompt_len + gen_len] token ids: corpus prompts continued by the target
+    through the engine's Runner (all at once, one batch)."""
+    import torch
+
+    from specdeploy.engine.runner import Request, Runner
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    prompts = _random_windows(stream, num_sequences, prompt_len, gen)
+    total = prompt_len + gen_len
+    runner = Runner(target, None, None, max_total_tokens=num_sequences * (total + 1),
+                    max_running_requests=num_sequences, context_length=total + 1, device=device, seed=seed)
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts.tolist()):
+        rid = f"gen-{i}"
+        outputs[rid] = list(prompt)
+        runner.add(Request(id=rid, prompt_ids=prompt, max_tokens=gen_len, temperature=temperature, seed=seed + i))
+    while runner.num_running:
+        for out in runner.step():
+            outputs[out.req_id].extend(out.token_ids)
+    return torch.tensor([outputs[f"gen-{i}"][:total] for i in range(num_sequences)], dtype=torch.int64)

@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdeploy.engine import serve_cli
 
     serve_cli.add_parser(sub)
+    from specdeploy.engine import demo
+
+    demo.add_parser(sub)
     from specdeploy.operator import cli as operator_cli
 
     operator_cli.add_parser(sub)

@@ -98,8 +98,9 @@ def test_metrics_parse_and_count_speculation(server, client):
     accepted = grew("specdeploy_spec_decode_num_accepted_tokens_total{}")
     steps = grew("specdeploy_spec_decode_acceptance_length_count{}")
     assert proposed > 0 and 0 < accepted <= proposed, "the toy draft is built to be accepted often"
-    # 40 tokens = 1 from prefill + the decode steps' accepted drafts + one bonus token per step
-    assert 1 + accepted + steps == 40
+    # 40 tokens = 1 from prefill + the decode steps' accepted drafts + one bonus token per step,
+    # less what the last step committed past max_tokens (at most its 3 drafts)
+    assert 40 <= 1 + accepted + steps <= 40 + 3
     assert grew("specdeploy_spec_decode_acceptance_length_sum{}") == accepted + steps
 
 
