@@ -9,6 +9,7 @@ against the plan, a warm-up step, then ready. Loading happens after the HTTP ser
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -192,7 +193,7 @@ def load_engine(args: argparse.Namespace, metrics):
 
     from specdeploy.engine.draft import load_draft
     from specdeploy.engine.model import load_target
-    from specdeploy.engine.runner import Request, Runner, SpecConfig
+    from specdeploy.engine.runner import Request, Runner
     from specdeploy.engine.scheduler import Scheduler
     from specdeploy.engine.tokenizer import Tokenizer
 
@@ -236,19 +237,25 @@ def load_engine(args: argparse.Namespace, metrics):
         log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
                  max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
     t2 = time.monotonic()
-    spec = SpecConfig(plan.algorithm, plan.num_steps, plan.topk, plan.num_draft_tokens)
-    runner = Runner(target, draft, spec, max_total_tokens=max_total_tokens,
-                    max_running_requests=plan.max_running_requests, context_length=plan.context_length,
+    if device == "cuda":
+        log.info("allocating KV pools and capturing CUDA graphs (decode, verify, draft, draft-extend) for "
+                 "batch sizes %s ...", " ".join(map(str, plan.cuda_graph_batch_sizes)))
+    # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
+    # buffers against it); only the slot count may be smaller than planned (see above).
+    runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
                     device=device, seed=args.seed)
     kv_bytes = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
-    log.info("KV pools allocated: %d token slots, %s (target + draft) in %.1f s", max_total_tokens,
-             human_bytes(kv_bytes), time.monotonic() - t2)
+    log.info("KV pools allocated: %d token slots, %s (target + draft)", max_total_tokens, human_bytes(kv_bytes))
+    if device == "cuda":
+        log.info("CUDA graphs captured for %d batch sizes in %.1f s", len(plan.cuda_graph_batch_sizes),
+                 time.monotonic() - t2)
+    else:
+        log.info("CUDA graphs: none on CPU; the same calls run eagerly")
     _compare("KV cache", kv_bytes, max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
     if device == "cuda":
         free_bytes, total_bytes = torch.cuda.mem_get_info()
-        log.info("GPU memory after allocation: %.2f GiB used, %.2f GiB free of %.2f GiB",
+        log.info("GPU memory after start-up: %.2f GiB used, %.2f GiB free of %.2f GiB",
                  (total_bytes - free_bytes) / 2**30, free_bytes / 2**30, total_bytes / 2**30)
-    log.info("CUDA graphs: none captured; the runner decodes eagerly")
 
     tokenizer = Tokenizer.from_dir(target_dir)
     t3 = time.monotonic()
