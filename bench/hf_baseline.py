@@ -81,11 +81,15 @@ def parity(target, hf_model, vocab_size: int, length: int = 32) -> dict:
     dev = target.embed_tokens.weight.device
     gen = torch.Generator(device="cpu").manual_seed(7)
     ids = torch.randint(0, vocab_size, (1, length), generator=gen).to(dev)
-    ours = engine_logits(target, ids).float()
-    theirs = hf_model(ids).logits.float()
+    ours = engine_logits(target, ids).float()[0]                             # [T, V]
+    theirs = hf_model(ids).logits.float()[0]
     rel = ((ours - theirs).norm() / theirs.norm()).item()
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    return {"tokens": length, "rel_l2_logits": rel, "argmax_agreement": agree}
+    # Relative difference per position, first and last eighth: a rotary error grows with position.
+    per_pos = (ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)
+    k = max(1, length // 8)
+    return {"tokens": length, "rel_l2_logits": rel, "argmax_agreement": agree,
+            "rel_l2_first_eighth": per_pos[:k].mean().item(), "rel_l2_last_eighth": per_pos[-k:].mean().item()}
 
 
 def _stop_after(start: int, n: int):

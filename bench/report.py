@@ -114,8 +114,9 @@ def s2(r: dict) -> str:
     par = hf.get("parity")
     if par:
         lines += ["", f"Same weights in both implementations: logits differ by {par['rel_l2_logits']:.2e} "
-                      f"(relative L2), argmax agrees on {100 * par['argmax_agreement']:.0f}% of "
-                      f"{par['tokens']} positions."]
+                      f"(relative L2; first eighth of positions {par.get('rel_l2_first_eighth', float('nan')):.2e}, "
+                      f"last eighth {par.get('rel_l2_last_eighth', float('nan')):.2e}), argmax agrees on "
+                      f"{100 * par['argmax_agreement']:.0f}% of {par['tokens']} positions."]
     if hf.get("error"):
         lines += ["", f"transformers baseline failed: `{hf['error']}`"]
     for row in comp.values():
