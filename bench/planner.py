@@ -107,6 +107,13 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
         log(f"{name}: Runner(plan) failed: {out['runner_error'][:300]}")
         free_device_memory()
     out["runner_build_s"] = time.perf_counter() - t0
+    if cuda:
+        # Blocks the capture warm-ups left cached are reusable by any later work; the graphs'
+        # private pools are not, and stay reserved through empty_cache.
+        torch.cuda.synchronize()
+        out["cached_after_capture_bytes"] = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        out["cached_after_capture_bytes"] -= torch.cuda.memory_reserved()
     m2 = device_memory(dev)
     if runner is not None:
         kv = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)

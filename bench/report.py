@@ -313,18 +313,19 @@ def figures(sections: dict, fig_dir: Path) -> list[str]:
     if rec and rec["status"] == "ok":
         rows = [x for x in rec["results"]["rows"] if "whole_ms" in x]
         if rows:
-            fig, ax = plt.subplots(figsize=(8, 4))
-            labels = [f"{x['target']} {x['algorithm']}\n{x['shape']} {x['graph_mode']}" for x in rows]
-            bottom = [0.0] * len(rows)
+            fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
+            labels = [f"{x['target']} {x['algorithm']} {x['shape']} ({x['graph_mode']})" for x in rows]
+            left = [0.0] * len(rows)
             for key in ("draft_ms", "verify_ms", "extend_ms", "overhead_ms"):
                 vals = [max(x[key], 0) / x["decode_step_ms"] for x in rows]
-                ax.bar(labels, vals, bottom=bottom, label=key[:-3])
-                bottom = [a + v for a, v in zip(bottom, vals)]
-            ax.axhline(1.35, color="k", ls="--", lw=0.8)
-            ax.axhline(1.6, color="k", ls=":", lw=0.8)
-            ax.set_ylabel("× target decode step")
-            ax.tick_params(axis="x", labelsize=6)
-            ax.legend(fontsize=8)
+                ax.barh(labels, vals, left=left, label=key[:-3])
+                left = [a + v for a, v in zip(left, vals)]
+            ax.axvline(1.35, color="k", ls="--", lw=0.8, label="chain goal")
+            ax.axvline(1.6, color="k", ls=":", lw=0.8, label="tree goal")
+            ax.invert_yaxis()
+            ax.set_xlabel("speculative step / target decode step (same graph mode)")
+            ax.tick_params(axis="y", labelsize=7)
+            ax.legend(fontsize=7, loc="lower right")
             fig.tight_layout()
             fig.savefig(fig_dir / "spec_step.png", dpi=120)
             plt.close(fig)
