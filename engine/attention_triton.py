@@ -23,7 +23,7 @@ def _slot_attention_kernel(
     stride_ks, stride_kh,
     stride_ob, stride_oq, stride_oh,
     num_queries, prefix_width, num_new, group,
-    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -46,14 +46,14 @@ def _slot_attention_kernel(
         slots = tl.load(prefix_slots_ptr + b * prefix_width + offs_k, mask=k_valid, other=0)
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -65,7 +65,7 @@ def _slot_attention_kernel(
                           + offs_k[None, :], mask=q_valid[:, None] & k_valid[None, :], other=0) != 0
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; shift by 0 there to avoid inf - inf.
@@ -74,7 +74,7 @@ def _slot_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -107,5 +107,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         out.stride(0), out.stride(1), out.stride(2),
         num_q, prefix_slots.shape[1], new_slots.shape[1], hq // hkv,
         HEAD_DIM=d, BLOCK_Q=block_q, BLOCK_K=32,
+        # float32 models get float32 products (TF32 would round away the reference's precision).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

@@ -69,9 +69,9 @@ class ModelCalls:
         draft_q = [qs] if chain_sampling else []
         list_index = torch.arange(k, device=dev).expand(b, k)                 # inputs' list indices
         anc = torch.zeros(b, k, (steps - 1) * k, dtype=torch.bool, device=dev)
-        node = torch.arange(k, device=dev)
+        self_only = torch.eye(k, dtype=torch.bool, device=dev)
         for i in range(1, steps):
-            anc[:, node, (i - 1) * k + node] = True
+            anc[:, :, (i - 1) * k:i * k] |= self_only                         # each node sees itself
             batch = AttnBatch(scratch[:, (i - 1) * k:i * k], prefix_slots, prefix_lens, scratch, anc)
             positions = (prefix_lens + i - 1)[:, None].expand(b, k)
             out = draft(tokens, hidden, positions, batch, self.draft_kv)      # [B, K, Hc]

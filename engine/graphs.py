@@ -17,6 +17,7 @@ static buffers: the same code path on CPU, which is how the padding is tested wi
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,21 @@ class _Graphed:
         if capture:
             for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool
                 self._fill_padding(0, bs)
+                stream.wait_stream(torch.cuda.current_stream())  # the padding writes above
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm-up (lazy inits, autotuning) outside the graph
                         self.fn(**self._views(bs))
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self.fn(**self._views(bs))
+                # A garbage collection inside the capture could destroy an unreachable older
+                # graph, whose cudaFree would invalidate this capture; collect before, not during.
+                gc.collect()
+                gc.disable()
+                try:
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = self.fn(**self._views(bs))
+                finally:
+                    gc.enable()
                 self.graphs[bs] = (graph, out)
                 pool = graph.pool()
 

@@ -42,7 +42,7 @@ def expand_step(scores: torch.Tensor, child_probs: torch.Tensor, child_tokens: t
     """
     b, k, c = child_probs.shape
     cand_scores = (scores[:, :, None] * child_probs).reshape(b, k * c)
-    cand_parent = torch.arange(k, device=scores.device).repeat_interleave(c).expand(b, k * c)
+    cand_parent = (torch.arange(k * c, device=scores.device) // c).expand(b, k * c)
     keep = torch.topk(cand_scores, topk, dim=-1).indices
     return cand_scores, child_tokens.reshape(b, k * c), cand_parent, keep
 

@@ -122,5 +122,5 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     sorted_probs = torch.where(keep, sorted_probs, 0.0)
     probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
     probs = probs / probs.sum(-1, keepdim=True)
-    onehot = torch.nn.functional.one_hot(logits.argmax(-1), v).to(probs.dtype)
+    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)

@@ -46,7 +46,7 @@ def test_fast_attention_matches_reference(dtype, num_q, prefix_max):
     batch = AttnBatch(new, prefix, lens, new, mask)
     ref = reference(q.float(), k.float(), v.float(), batch, d ** -0.5)
     fast = attention_triton.attend(q, k, v, batch, d ** -0.5).float()
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3  # tf32 dot products for float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert (fast - ref).abs().max().item() < tol
 
 
@@ -56,7 +56,7 @@ CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4,
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
 def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend):
     """Every bucket, at full size and one row short (padding), for all four graphed calls."""
-    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.5, device=DEV)
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
     spec = SpecConfig(algorithm, 3, topk, n)
     graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
@@ -104,7 +104,7 @@ def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend
 
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
 def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, backend):
-    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.5, device=DEV)
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
     reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
     plain = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
@@ -114,4 +114,5 @@ def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, b
     free = spec.num_free_slots
     assert run_to_completion(spec, reqs()) == run_to_completion(plain, reqs())
     assert spec.num_free_slots == free
-    assert spec.num_draft_tokens_accepted > 0.1 * spec.num_draft_tokens_proposed
+    rate = spec.num_draft_tokens_accepted / spec.num_draft_tokens_proposed
+    assert 0.1 < rate < 0.95, rate  # both accepted and rejected drafts were exercised
