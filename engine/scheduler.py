@@ -138,6 +138,8 @@ class Scheduler:
         self._draft_counts = (runner.num_draft_tokens_proposed, runner.num_draft_tokens_accepted)
         self._num_running_published = 0  # read by the event loop (an int store is atomic)
         self.draining = False
+        self._rejection_logged_s = 0.0  # event loop only
+        self._rejected_since_log = 0
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -204,6 +206,7 @@ class Scheduler:
         with self._cv:
             if len(self._waiting) >= self.max_queued_requests:
                 self.metrics.request_rejected("queue_full")
+                self._log_rejection()
                 raise QueueFullError(
                     f"the server is at capacity ({self._num_running_published} running, "
                     f"{len(self._waiting)} queued); retry later")
@@ -211,6 +214,16 @@ class Scheduler:
             self.metrics.num_requests_waiting.set(len(self._waiting))
             self._cv.notify()
         return RequestHandle(self, state)
+
+    def _log_rejection(self) -> None:
+        # Under overload every request is a rejection: one line per interval, with the count.
+        self._rejected_since_log += 1
+        now = time.monotonic()
+        if now - self._rejection_logged_s >= self.log_interval_s:
+            log.warning("overloaded: refused %d request(s) with 429 (%d running, %d queued, queue limit %d)",
+                        self._rejected_since_log, self._num_running_published, len(self._waiting),
+                        self.max_queued_requests)
+            self._rejection_logged_s, self._rejected_since_log = now, 0
 
     def abort(self, req_id: str) -> None:
         with self._cv:

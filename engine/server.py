@@ -79,12 +79,16 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    # Accepted so that clients sending the defaults work; anything else is refused, not ignored.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class CompletionBody(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
+    logprobs: int | None = None
 
 
 class ContentPart(_Body):
@@ -102,6 +106,7 @@ class ChatBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -225,7 +230,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
         check_model(body.model)
         scheduler, tokenizer = serving()
         if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+            raise APIError(400, "echo is not supported by this server", param="echo")
         prompt_ids = completion_prompt_ids(body.prompt, tokenizer)
         max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
         handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions")
@@ -353,6 +358,10 @@ async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
+    unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(body, name)]
+    unsupported += ["logprobs"] if getattr(body, "logprobs", None) else []
+    if unsupported:
+        raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(s == "" for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")

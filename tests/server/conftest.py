@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 
 from specdeploy.engine import train
 from specdeploy.engine.toy import copy_draft, predictable_target, tiny_config
@@ -87,6 +85,7 @@ def wait_ready(base_url: str, timeout_s: float = 120.0) -> None:
 class Server:
     url: str
     model: str
+    vocab_size: int
     context_length: int
     max_running_requests: int
     max_queued_requests: int
@@ -97,30 +96,15 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(model_dirs) -> Server:
-    """The engine server in this process (uvicorn in a thread), as `specdeploy engine serve` builds it."""
-    import uvicorn
+    """The engine server in this process (uvicorn in a thread), built as `specdeploy engine serve` builds it."""
+    from specdeploy.engine.serve_cli import ServerThread
+    from specdeploy.engine.tokenizer import Tokenizer
 
-    from specdeploy.cli import build_parser
-    from specdeploy.engine import serve_cli
-    from specdeploy.engine.metrics import EngineMetrics
-    from specdeploy.engine.server import DrainingServer, EngineState, create_app
-
-    port = free_port()
-    args = build_parser().parse_args(serve_argv(*model_dirs, port))
-    serve_cli.check_args(args)
-    state = EngineState(model_name=MODEL_NAME, metrics=EngineMetrics(MODEL_NAME))
-    config = uvicorn.Config(None, host="127.0.0.1", port=port, log_config=None, access_log=False)
-    srv = DrainingServer(config, state)
-    config.app = create_app(state, loader=lambda metrics: serve_cli.load_engine(args, metrics),
-                            on_load_failure=srv.fail)
-    thread = threading.Thread(target=srv.run, name="test-server", daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    wait_ready(base_url)
-    yield Server(url=base_url, model=MODEL_NAME, context_length=CONTEXT_LENGTH,
+    running = ServerThread(serve_argv(*model_dirs, free_port())).start(timeout_s=120)
+    yield Server(url=running.base_url, model=MODEL_NAME,
+                 vocab_size=Tokenizer.from_dir(model_dirs[0]).vocab_size, context_length=CONTEXT_LENGTH,
                  max_running_requests=MAX_RUNNING_REQUESTS, max_queued_requests=MAX_QUEUED_REQUESTS)
-    srv.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 @pytest.fixture

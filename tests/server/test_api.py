@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
 
 # Greedy generations long enough to span several speculative steps; EOS is ignored so that
 # every request runs to max_tokens and the outputs are comparable.
@@ -135,3 +134,12 @@ def test_chat_default_max_tokens_fits_the_context(client, server):
                                          temperature=0)
     assert out.usage.prompt_tokens + out.usage.completion_tokens <= server.context_length
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_token_ids_end_generation_and_stay_out_of_the_text(client, server):
+    # Every id is a stop id, so the very first token stops: counted in usage, absent from the text.
+    out = client.completions.create(model=server.model, prompt="x", max_tokens=10, temperature=0,
+                                    extra_body={"stop_token_ids": list(range(server.vocab_size)), "ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == ""
+    assert out.usage.completion_tokens == 1

@@ -104,3 +104,11 @@ def test_missing_fields_and_empty_prompt(server):
 
 def test_server_survives_all_of_the_above(server):
     assert_still_serving(server)
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", 2), ("echo", True), ("presence_penalty", 0.5),
+                                         ("frequency_penalty", -1.0)])
+def test_unsupported_options_are_refused_not_ignored(server, field, value):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2, field: value}
+    err = assert_error(post(server, "/v1/completions", body), 400, param=field)
+    assert "not supported" in err["message"]
