@@ -24,8 +24,9 @@ import torch
 
 import hf_baseline
 from common import free_device_memory, log, sync
+from harness import use_fast_attention
+from specdeploy.engine import attention as attention_mod
 from specdeploy.engine import train
-from specdeploy.engine.layers import rope_inv_freq
 from specdeploy.engine.runner import Request, Runner, SpecConfig
 
 SIZES = {
@@ -122,6 +123,17 @@ def to_inference(model, dtype) -> None:
     model.inv_freq = exact
 
 
+def _batch1_runner(target, draft, shape: str | None, context_length: int, device) -> Runner:
+    """The engine at batch 1 with its CUDA graphs (captured here; eager on CPU)."""
+    kw = dict(max_total_tokens=4 * context_length, max_running_requests=1, context_length=context_length,
+              device=device, cuda_graph_batch_sizes=(1,),
+              graph_mode="capture" if device.type == "cuda" else "off")
+    if draft is None:
+        return Runner(target, **kw)
+    steps, topk, ndt = SPEC_SHAPES[shape]
+    return Runner(target, draft, SpecConfig("EAGLE", steps, topk, ndt), **kw)
+
+
 def engine_generate(runner: Runner, prompts, new_tokens: int, device, tag: str) -> dict:
     outputs, seconds, steps, decode_steps, tokens = [], 0.0, 0, 0, 0
     for i, prompt in enumerate(prompts):
@@ -186,6 +198,7 @@ def run(ctx) -> dict:
         if key in ctx.profile:
             s[key] = ctx.profile[key]
     dev = ctx.device
+    attention_mod.set_backend("reference")  # training needs autograd through attention
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -262,6 +275,7 @@ def run(ctx) -> dict:
     head.to(dtype)
     to_inference(assistant, dtype)
 
+    result["attention_backend"] = use_fast_attention() if dev.type == "cuda" else "reference"
     starts = torch.linspace(0, held.numel() - s["prompt_len"] - 1, s["prompts"] + 1).long().tolist()
     prompts = [held[st:st + s["prompt_len"]].tolist() for st in starts]
     warm, prompts = prompts[0], prompts[1:]
@@ -269,18 +283,9 @@ def run(ctx) -> dict:
     ctx_len = s["prompt_len"] + n_new + 32
     systems = {}
 
-    def engine_runner(draft, shape):
-        # Batch-1 CUDA graphs on the device (captured here); eager on CPU.
-        kw = dict(max_total_tokens=4 * ctx_len, max_running_requests=1, context_length=ctx_len, device=dev,
-                  cuda_graph_batch_sizes=(1,), graph_mode="capture" if dev.type == "cuda" else "off")
-        if draft is None:
-            return Runner(target, **kw)
-        steps, topk, ndt = SPEC_SHAPES[shape]
-        return Runner(target, draft, SpecConfig("EAGLE", steps, topk, ndt), **kw)
-
     for name, draft, shape in [("engine target-only", None, None)] + \
             [(f"engine EAGLE {k}", head, k) for k in SPEC_SHAPES]:
-        runner = engine_runner(draft, shape)
+        runner = _batch1_runner(target, draft, shape, ctx_len, dev)
         engine_generate(runner, [warm], n_new, dev, "w")
         systems[name] = engine_generate(runner, prompts, n_new, dev, "p")
         r = systems[name]

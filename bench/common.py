@@ -157,7 +157,6 @@ def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30, device="cuda") -> floa
     src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device, warmup=3, reps=20)["median_ms"]
-    del src, dst
     return 2 * size_bytes / (ms / 1e3)
 
 

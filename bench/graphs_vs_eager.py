@@ -9,8 +9,6 @@ compared with eager's on the same inputs.
 
 from __future__ import annotations
 
-import torch
-
 from common import free_device_memory, log, time_ms
 from harness import EngineDecode, runner_decode_ms, use_fast_attention
 

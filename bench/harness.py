@@ -1,6 +1,6 @@
-"""The engine pieces the benchmarks drive: random-weight models built on the device, a static
-target forward that can be captured in a CUDA graph, and phase timing of the runner's
-speculative step.
+"""The engine pieces the benchmarks drive: random-weight models built on the device, the
+engine's decode call eager or graphed (ModelCalls / GraphedCalls), phase timing of the Runner's
+steps, and a bench-captured target forward used only should the engine's graphs fail.
 
 Everything here calls the engine's own code (model, draft heads, KV pool, attention, runner);
 the only thing written here is the harness around it.
