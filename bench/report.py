@@ -5,7 +5,8 @@ installed).
 
 Each RESULTS_DIR is one device call's $OUT (env.json + <n>_<name>.json). When a section appears
 in several folders, the later folder wins. Nothing here measures anything: every figure comes
-from the JSON, and a section that failed is shown with its error.
+from the JSON, and a section that failed is shown with its error. The merged records are kept
+beside the page (docs/benchmarks/results.json), the figures too (docs/benchmarks/*.png).
 """
 
 from __future__ import annotations
@@ -374,10 +375,15 @@ def main(argv=None) -> int:
     if not sections:
         print(f"no section JSON under {', '.join(map(str, args.dirs))}", file=sys.stderr)
         return 1
-    fig_dir = None if args.no_figures else args.out.parent / "benchmarks"
+    data_dir = args.out.parent / "benchmarks"
+    fig_dir = None if args.no_figures else data_dir
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(sections, envs, fig_dir))
-    print(f"wrote {args.out}")
+    # The raw records next to the page, so every figure in it can be traced to its measurement.
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "results.json").write_text(json.dumps({"environments": envs, "sections": sections},
+                                                      indent=1, default=str))
+    print(f"wrote {args.out} and {data_dir / 'results.json'}")
     return 0
 
 
