@@ -1,8 +1,12 @@
 """The benchmark suite's one entry point.
 
-    python3 bench/run.py --sections 1,2,3,4,6 --out $OUT     # device call 1
-    python3 bench/run.py --sections 5 --out $OUT             # device call 2
+    python3 bench/run.py --sections 1,2,3,4,6 --out $OUT     # device call 1 (~6 min on an H200)
+    python3 bench/run.py --sections 5 --out $OUT             # device call 2 (~7.5 min)
     python3 bench/run.py --smoke                             # every section, CPU, tiny shapes
+    python3 bench/report.py CALL1_OUT CALL2_OUT              # -> docs/benchmarks.md
+
+The package need not be installed: common.bootstrap_specdeploy() imports specdeploy.engine from
+this checkout.
 
 Sections (issue 8): 1 roofline, 2 target-only decode, 3 speculative step costs, 4 CUDA graphs vs
 eager, 5 real acceptance (trained target + EAGLE head), 6 planner truth. Each writes
