@@ -21,18 +21,17 @@ GIB = 1024 ** 3
 
 HOW_TO_READ = """\
 **How to read these numbers.** Every time is a median over repeated runs, taken with CUDA events
-after warm-up (wall clock with a device sync for whole runner steps and whole requests). Models
-in sections 1-4 and 6 have random bf16 weights of the stated shape, made on the device: speed and
-memory depend on shapes, not on weight values, and no checkpoint is downloaded. The *roofline*
-is the fastest a memory-bound decode step can be: the bytes it must read (every weight once,
-plus each request's KV prefix) over the copy bandwidth measured in the same run; "% of roofline"
-is how close the engine gets. The *engine call* is the graphed target forward alone; the
-*Runner step* adds what serving a request costs per token (slot bookkeeping, sampling, a host
-sync) and is the number a user sees. Speculative step costs are multiples of the Runner's
-target-only decode step in the same graph mode: a step costing 1.3x that delivers 1.3x the
-tokens per step in speed-up terms only when the acceptance length exceeds 1.3. Acceptance length
-is tokens emitted per target forward (1 = no draft token accepted). Planner ratios are measured
-over predicted bytes; 1.00 is a perfect prediction, above 1 means the plan undercounts.
+after warm-up (wall clock around a device sync for whole Runner steps and whole requests).
+Sections 1-4 and 6 use random bf16 weights of the stated shapes, made on the device: speed and
+memory depend on shapes, not on weight values, and nothing is downloaded. The *roofline* is the
+fastest a memory-bound decode step can be: the bytes it must read (every weight once, plus each
+request's KV prefix) over the copy bandwidth measured in the same run. The *engine call* is the
+graphed target forward alone; the *Runner step* adds what serving costs per step (slot
+bookkeeping, sampling, a host sync) and is what a request sees. A speculative step is given as a
+multiple of the Runner's target-only decode step in the same graph mode; speculation gains
+roughly acceptance length / that multiple, so the multiple is the price and the acceptance
+length (tokens emitted per target forward, 1 = no draft token accepted) is what buys it back.
+Planner ratios are measured over predicted bytes: 1.00 is exact, above 1 the plan undercounts.
 """
 
 
