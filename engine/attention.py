@@ -11,11 +11,13 @@ valid prefix of each request:
 
 Two implementations share this contract: `reference` (gather K/V by slot, one SDPA call; used
 on CPU and as the oracle in tests) and `fast` (GPU: a Triton kernel over the slot pool that
-skips the padded prefix). Select with `set_backend`.
+skips the padded prefix). Select with `set_backend`; the default, `auto`, takes the fast path
+for CUDA tensors when Triton is installed and the head size suits the kernel.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,17 +52,28 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.transpose(1, 2)
 
 
-_BACKEND = "reference"
+_BACKEND = "auto"
+_BACKENDS = ("auto", "reference", "fast")
 
 
 def set_backend(name: str) -> None:
-    """'reference' (any device) or 'fast' (CUDA + Triton)."""
+    """'auto' (fast on CUDA where possible), 'reference' (any device, differentiable) or
+    'fast' (CUDA + Triton)."""
     global _BACKEND
-    if name not in ("reference", "fast"):
-        raise ValueError(f"unknown attention backend {name!r}; use 'reference' or 'fast'")
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; use one of {_BACKENDS}")
     if name == "fast":
         from specdeploy.engine import attention_triton  # noqa: F401  (fails early without Triton)
     _BACKEND = name
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        from specdeploy.engine import attention_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def get_backend() -> str:
@@ -69,7 +82,7 @@ def get_backend() -> str:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            batch: AttnBatch, scale: float) -> torch.Tensor:
-    if _BACKEND == "fast" and q.is_cuda:
+    if _BACKEND != "reference" and q.is_cuda and (_BACKEND == "fast" or _triton_available()):
         from specdeploy.engine import attention_triton
         if attention_triton.supported(q):
             return attention_triton.attend(q, k_cache, v_cache, batch, scale)

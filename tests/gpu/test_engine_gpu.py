@@ -27,7 +27,7 @@ def gpu_config(hc_mult=1):
 def backend(request):
     attention.set_backend(request.param)
     yield request.param
-    attention.set_backend("reference")
+    attention.set_backend("auto")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
