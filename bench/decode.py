@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hf_baseline
 from common import free_device_memory, log, time_ms
-from harness import EngineDecode, TargetStep, runner_decode_ms, use_fast_attention
+from harness import EngineDecode, TargetStep, profile_top, runner_decode_ms, use_fast_attention
 from roofline import roofline_rows
 
 
@@ -60,6 +60,11 @@ def run(ctx) -> dict:
         ours.append(row)
         free_device_memory()
 
+    # Which kernels the batch-1 decode step spends its time in (eager, so each launch is named).
+    eager_b1 = EngineDecode(target, ctx["batches"][0], ctx["context"], graph=False)
+    profile = profile_top(eager_b1, ctx.device)
+    del eager_b1
+    free_device_memory()
     ctx.partial({"attention_backend": backend, "bandwidth_bytes_per_s": bandwidth, "ours": ours,
                  "transformers": {}, "summary": []})
     hf = {}
@@ -90,6 +95,7 @@ def run(ctx) -> dict:
         "attention_backend": backend,
         "bandwidth_bytes_per_s": bandwidth,
         "ours": ours,
+        "profile_bs1_eager_call": profile,
         "transformers": hf,
         "goal": {"metric": "engine decode call tok/s over the HBM roofline at batch 1", "target": 0.9,
                  "value": b1["fraction_of_roofline"], "met": b1["fraction_of_roofline"] >= 0.9},

@@ -358,3 +358,36 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
     recs = timed_steps(runner, steps, warmup, device, instrumented=False)
     times = sorted(r["whole_ms"] for r in recs)
     return times[len(times) // 2]
+
+
+def profile_top(fn, device, reps: int = 5, top: int = 12) -> dict:
+    """Where the time of `fn()` goes, from torch.profiler (CPU + CUDA activities): the ops and
+    kernels with the most device time, summed over `reps` calls. Best effort: a machine without
+    a working CUPTI returns the error instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda(device) else [])
+    try:
+        fn()
+        sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                fn()
+            sync(device)
+        events = prof.key_averages()
+    except Exception as e:  # profiling is evidence, not a result: never fail a section over it
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+    def dev_us(ev):
+        return getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0) or 0
+
+    total_dev = sum(dev_us(ev) for ev in events)
+    rows = sorted(events, key=lambda ev: (dev_us(ev), ev.self_cpu_time_total), reverse=True)[:top]
+    return {
+        "reps": reps,
+        "device_time_us_per_call": total_dev / reps,
+        "top": [{"name": ev.key[:90], "calls_per_rep": ev.count / reps,
+                 "self_device_us_per_rep": dev_us(ev) / reps,
+                 "self_cpu_us_per_rep": ev.self_cpu_time_total / reps,
+                 "share_of_device_time": dev_us(ev) / total_dev if total_dev else None} for ev in rows],
+    }

@@ -223,6 +223,32 @@ def s6(r: dict) -> str:
     return "\n".join(out)
 
 
+def _profile_table(title: str, prof: dict) -> str:
+    if not prof:
+        return ""
+    if "error" in prof:
+        return f"**{title}**: profiler unavailable (`{prof['error']}`)\n"
+    rows = [[f"`{x['name']}`", _f(x["calls_per_rep"], 0), _f(x["self_device_us_per_rep"], 1),
+             _f(x["self_cpu_us_per_rep"], 1), _pct(x["share_of_device_time"])] for x in prof["top"]]
+    return "\n".join([f"**{title}** (device time {prof['device_time_us_per_call']:.0f} µs per call, "
+                      f"{prof['reps']} calls profiled)", "",
+                      _table(["op / kernel", "calls", "device µs", "host µs", "share of device"], rows), ""])
+
+
+def profiles(sections: dict) -> str:
+    parts = []
+    rec = sections.get("2")
+    if rec and rec.get("results"):
+        parts.append(_profile_table("Decode call, batch 1, eager", rec["results"].get("profile_bs1_eager_call")))
+    rec = sections.get("3")
+    if rec and rec.get("results"):
+        for x in rec["results"]["rows"]:
+            if x.get("profile"):
+                parts.append(_profile_table(f"Speculative step, {x['target']} {x['algorithm']} {x['shape']} "
+                                            f"({x['graph_mode']})", x["profile"]))
+    return "\n".join(p for p in parts if p)
+
+
 RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6}
 
 
@@ -361,6 +387,9 @@ def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
             except Exception as e:  # a malformed record shows as such; the rest of the page stands
                 lines.append(f"(could not render: {type(e).__name__}: {e})")
         lines.append("")
+    prof = profiles(sections)
+    if prof:
+        lines += ["## Profiles", "", "Where the time goes (torch.profiler, top entries by device time).", "", prof]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -25,8 +25,8 @@ import statistics
 import torch
 
 from common import free_device_memory, log, time_ms
-from harness import (EngineDecode, eagle3_head_config, eagle_head_config, mtp_head_config, random_head,
-                     random_target, runner_decode_ms, timed_steps, use_fast_attention)
+from harness import (EngineDecode, eagle3_head_config, eagle_head_config, mtp_head_config, profile_top,
+                     random_head, random_target, runner_decode_ms, timed_steps, use_fast_attention)
 from specdeploy.engine.runner import Request, Runner, SpecConfig
 
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8)}
@@ -34,9 +34,9 @@ GOALS = {"chain": 1.35, "tree": 1.6}
 
 
 def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: int, warmup: int,
-                     device, graph_mode: str) -> dict:
+                     device, graph_mode: str, profile: bool = False) -> dict:
     num_steps, topk, num_draft = SHAPES[shape]
-    max_new = (steps + warmup + 2) * (num_draft + 1)
+    max_new = (steps + warmup + 6) * (num_draft + 1)  # + the profiled steps
     scratch = (num_steps - 1) * topk + num_draft
     runner = Runner(target, head, SpecConfig(head.algorithm, num_steps, topk, num_draft),
                     max_total_tokens=batch * (context + max_new + scratch + 2) + 8,
@@ -50,10 +50,13 @@ def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: 
     recs = timed_steps(runner, steps, warmup, device, instrumented=True)
     if not recs:
         raise RuntimeError("no timed speculative step (a request finished during warm-up)")
+    prof = profile_top(runner.step, device, reps=3) if profile else None
     keys = ("whole_ms", "draft_ms", "verify_ms", "extend_ms", "overhead_ms", "tree_ms", "accept_ms", "decode_ms")
     out = {k: statistics.median(r[k] for r in recs) for k in keys}
     out["steps_timed"] = len(recs)
     out["accept_length"] = sum(r["tokens"] for r in recs) / (len(recs) * batch)
+    if prof is not None:
+        out["profile"] = prof
     return out
 
 
@@ -97,8 +100,12 @@ def run(ctx) -> dict:
                            "target_hidden": target.cfg.hidden_size,
                            "decode_step_ms": base[mode], "graph_call_ms": call_ms}
                     try:
+                        # One profile: the first head's chain step with graphs, where the
+                        # overhead outside the model calls shows as host-side ops.
+                        first = label == "hc1" and algorithm == algorithms[0] and shape == "chain" \
+                            and mode == modes[0]
                         row.update(spec_step_phases(target, head, shape, batch, context, ctx["spec_steps"],
-                                                    ctx["spec_warmup"], ctx.device, mode))
+                                                    ctx["spec_warmup"], ctx.device, mode, profile=first))
                     except Exception as e:  # one configuration failing leaves the others standing
                         row["error"] = f"{type(e).__name__}: {e}"[:500]
                         log(f"{label} {algorithm} {shape} {mode} failed: {row['error']}")
