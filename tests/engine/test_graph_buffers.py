@@ -5,7 +5,6 @@ and with hc_mult = 4 every draft-side hidden buffer is 4 x hidden_size wide."""
 import dataclasses
 
 import pytest
-import torch
 
 from specdeploy.engine.plan import GPUS, Limits, SpecSettings, plan_from_configs
 from specdeploy.engine.runner import Runner

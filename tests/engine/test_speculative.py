@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.kv import KVPool, SlotTable
+from specdeploy.engine.kv import KVPool
 from specdeploy.engine.runner import NoCapacity, Request, Runner, SpecConfig
 from specdeploy.engine.toy import copy_draft, predictable_target, tiny_config
 
