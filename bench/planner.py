@@ -21,6 +21,7 @@ here, and an over-cautious one as memory left unused.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 
@@ -32,6 +33,10 @@ from harness import (eagle3_head_config, eagle_head_config, mtp_head_config, ran
 from specdeploy.engine import plan as plan_mod
 from specdeploy.engine.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
 from specdeploy.engine.runner import Request, Runner, SpecConfig
+
+
+# Second attempt when the plan's KV pool leaves the engine too little room (see measure()).
+RETRY_KV_SHRINK_BYTES = 8 << 30
 
 
 def configurations(ctx) -> dict:
@@ -92,20 +97,31 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
         if head is not None else SpecConfig()
     kv = static = runner = None
     t0 = time.perf_counter()
-    try:
-        if cuda:
-            # Padded: the graphs' static buffers without any capture.
-            padded = Runner(target, head, runner_spec, plan=plan, device=dev, graph_mode="padded")
-            kv = padded.target_kv.nbytes + (padded.draft_kv.nbytes if padded.draft_kv is not None else 0)
-            torch.cuda.synchronize()
-            static = torch.cuda.memory_reserved() - m1["reserved"] - kv
-            del padded
+    # The plan's own KV pool first; should the engine not fit beside it, once more with the pool
+    # smaller by RETRY_KV_SHRINK_BYTES, so the other terms are still measured (and the shortfall
+    # is known to within that step).
+    for shrink in (0, RETRY_KV_SHRINK_BYTES if cuda else None):
+        if shrink is None:
+            break
+        run_plan = plan if not shrink else dataclasses.replace(
+            plan, max_total_tokens=plan.max_total_tokens - shrink // mem.kv_cache_bytes_per_token)
+        try:
+            if cuda:
+                # Padded: the graphs' static buffers without any capture.
+                padded = Runner(target, head, runner_spec, plan=run_plan, device=dev, graph_mode="padded")
+                kv = padded.target_kv.nbytes + (padded.draft_kv.nbytes if padded.draft_kv is not None else 0)
+                torch.cuda.synchronize()
+                static = torch.cuda.memory_reserved() - m1["reserved"] - kv
+                del padded
+                free_device_memory()
+            runner = Runner(target, head, runner_spec, plan=run_plan, device=dev)  # captures on CUDA
+            out["kv_shrunk_bytes"] = shrink
+            break
+        except Exception as e:  # e.g. out of memory: the plan promised more than the GPU has
+            out.setdefault("runner_errors", []).append(f"KV shrunk by {shrink} B: {type(e).__name__}: {e}"[:800])
+            log(f"{name}: Runner(plan) with KV shrunk by {shrink / 2**30:.0f} GiB failed: {str(e)[:200]}")
+            padded = runner = None
             free_device_memory()
-        runner = Runner(target, head, runner_spec, plan=plan, device=dev)  # captures on CUDA
-    except Exception as e:  # e.g. out of memory: the plan promised more than the GPU has
-        out["runner_error"] = f"{type(e).__name__}: {e}"[:800]
-        log(f"{name}: Runner(plan) failed: {out['runner_error'][:300]}")
-        free_device_memory()
     out["runner_build_s"] = time.perf_counter() - t0
     if cuda:
         # Blocks the capture warm-ups left cached are reusable by any later work; the graphs'
@@ -144,10 +160,15 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
     if cuda:
         outside = m_end["driver_used"] - torch.cuda.memory_reserved()
         out["terms"]["outside_torch"] = _term(mem.reserve_bytes, outside)
-        out["terms"]["total"] = _term(predicted_total, m_end["driver_used"])
+        # With a shrunk pool, the engine would have needed the shrink on top of what it holds.
+        needed = m_end["driver_used"] + out.get("kv_shrunk_bytes", 0)
+        out["terms"]["total"] = _term(predicted_total, needed)
         out["terms"]["total"]["nvidia_smi_used_bytes"] = m_end["nvidia_smi_used"]
         out["terms"]["total_except_kv"] = _term(predicted_total - mem.kv_cache_bytes,
                                                 m_end["driver_used"] - kv)
+        if out.get("kv_shrunk_bytes"):
+            out["notes"].append(f"the plan's KV pool did not fit beside the engine: measured with it "
+                                f"{out['kv_shrunk_bytes'] / 2**30:.0f} GiB smaller; 'total' adds that back")
         out["memory_snapshots"] = {"start": m0, "weights": m1, "kv": m2, "end": m_end}
         out["gpu_total_bytes_driver"] = m_end["driver_total"]
         out["plan_gpu_memory_bytes"] = mem.gpu_memory_bytes
