@@ -276,18 +276,21 @@ class Runner:
         rows = torch.tensor([s.row for s in seqs], device=dev)
         lens = torch.tensor([s.length for s in seqs], device=dev)
         roots = torch.tensor([s.root for s in seqs], device=dev)
-        prefix = self.table.req_to_slot[rows, :int(lens.max())]
+        prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
         sampling = any(s.req.temperature > 0 for s in seqs)
         chain_sampling = sampling and self.topk == 1
-        uniforms = self._uniforms(seqs, n + 1 + steps)                      # [B, N + 1 + S]
         params = self._sampling_params(seqs)
+        # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
+        uniforms = (self._uniforms(seqs, n + 1 + steps) if sampling
+                    else torch.full((b, n + 1 + steps), 0.5, device=dev))
 
         # -- draft: num_steps x topk candidates (scratch slots in the draft pool).
         scratch = self.table.alloc(b * (steps - 1) * self.topk).view(b, -1)
         hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
         cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
             hidden, prefix, lens, scratch, *params, uniforms[:, n + 1:], chain_sampling)
-        tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n)
+        tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n, self.topk, steps,
+                          check=False)
 
         # -- verify: one target forward over the tree (tree slots in the target pool).
         tree_slots = self.table.alloc(b * n).view(b, n)
@@ -303,17 +306,20 @@ class Runner:
                 q = torch.cat([torch.zeros(b, 1, v, device=dev), draft_q], 1)
             path, num_acc, bonus = verify_sampling(tree, p.view(b, n, v), q, uniforms[:, :n],
                                                    uniforms[:, n])
-        # A fixed width (num_steps + 1) keeps the draft-extend shapes static.
-        path = torch.cat([path, path.new_full((b, steps + 1 - path.shape[1]), -1)], 1)
+        accepted = num_acc.tolist()                                         # the step's one sync
 
         # -- commit the accepted nodes' slots (root first), free every other slot.
         valid = path >= 0                                                   # [B, S + 1]
         path_slots = torch.where(valid, torch.gather(tree_slots, 1, path.clamp(min=0)), PAD_SLOT)
+        # All S + 1 columns are written; those past the new length hold the pad slot and are
+        # never read (prefix_lens bounds every read) before being overwritten.
         cols = lens[:, None] + torch.arange(steps + 1, device=dev)
-        self.table.req_to_slot[rows[:, None].expand_as(cols)[valid], cols[valid]] = path_slots[valid]
+        self.table.req_to_slot[rows[:, None], cols] = path_slots
         in_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
         in_path.scatter_(1, path.clamp(min=0), True)                        # padding -> root, kept anyway
-        self.table.free(tree_slots[~in_path])
+        # Slots off the path first (stable order), then free exactly that many.
+        off_path = torch.sort(in_path.view(-1).to(torch.uint8), stable=True).indices
+        self.table.free(tree_slots.view(-1)[off_path[:b * n - sum(accepted) - b]])
         self.table.free(scratch)
 
         # -- draft extend: entries (token after node j, target feature at node j) along the path.
@@ -326,7 +332,6 @@ class Runner:
                                                      prefix, lens, num_acc + 1)
 
         self.num_draft_tokens_proposed += b * steps
-        accepted = num_acc.tolist()
         self.num_draft_tokens_accepted += sum(accepted)
         emitted = [row[1:a + 1] + [bt] for row, a, bt in
                    zip(path_tokens.tolist(), accepted, bonus.tolist())]
@@ -342,7 +347,7 @@ class Runner:
         rows = torch.tensor([s.row for s in seqs], device=dev)
         lens = torch.tensor([s.length for s in seqs], device=dev)
         slots = self.table.alloc(b).view(b, 1)
-        prefix = self.table.req_to_slot[rows, :int(lens.max())]
+        prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
         self.table.req_to_slot[rows, lens] = slots[:, 0]
         roots = torch.tensor([[s.root] for s in seqs], device=dev)
         logits = self.calls.target_decode(roots, lens[:, None], slots, prefix, lens)   # [B, V]

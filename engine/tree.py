@@ -29,6 +29,7 @@ class DraftTree:
     depth: torch.Tensor     # [B, N] int64 (root 0)
     mask: torch.Tensor      # [B, N, N] bool: node i may attend node j (j is i or an ancestor)
     children: torch.Tensor  # [B, N, C] int64 children of each node in sibling order, -1 padded
+    max_depth: int          # bound on depth (num_steps when built by the drafter)
 
 
 def expand_step(scores: torch.Tensor, child_probs: torch.Tensor, child_tokens: torch.Tensor,
@@ -48,9 +49,12 @@ def expand_step(scores: torch.Tensor, child_probs: torch.Tensor, child_tokens: t
 
 
 def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
-               cand_parents: torch.Tensor, num_draft_tokens: int) -> DraftTree:
+               cand_parents: torch.Tensor, num_draft_tokens: int, topk: int | None = None,
+               num_steps: int | None = None, check: bool = True) -> DraftTree:
     """root_tokens [B]; cand_* [B, M] the flat candidate list, cand_parents holding the list
-    index of each candidate's parent (-1 = the root). Keeps the num_draft_tokens - 1 best."""
+    index of each candidate's parent (-1 = the root). Keeps the num_draft_tokens - 1 best.
+    With topk and num_steps given (the drafter's bounds on children and depth) and check=False,
+    nothing waits for the device: the decode loop's setting."""
     b, m = cand_tokens.shape
     n = num_draft_tokens
     if not 2 <= n <= m + 1:
@@ -65,15 +69,17 @@ def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_scores
     node_of.scatter_(1, kept + 1, torch.arange(1, n, device=device).expand(b, n - 1))
     parent_list = torch.gather(cand_parents, 1, kept)                        # [B, N-1]
     parent_node = torch.gather(node_of, 1, parent_list + 1)
-    if (parent_node < 0).any():
+    if check and (parent_node < 0).any():
         raise AssertionError("a kept draft node lost its parent (scores not monotone)")
     tokens = torch.cat([root_tokens[:, None], torch.gather(cand_tokens, 1, kept)], dim=1)
     parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), parent_node], 1)
-    return tree_from_parents(tokens, parents)
+    return tree_from_parents(tokens, parents, topk, num_steps)
 
 
-def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
-    """Derive depth, ancestor mask and child lists from parents [B, N] (parent index < node)."""
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_children: int | None = None,
+                      max_depth: int | None = None) -> DraftTree:
+    """Derive depth, ancestor mask and child lists from parents [B, N] (parent index < node).
+    max_children / max_depth: static bounds; measured from the tree (a device sync) if None."""
     b, n = parents.shape
     device = parents.device
     eye = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n)
@@ -84,12 +90,16 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
         mask[:, i] |= mask[torch.arange(b, device=device), p]
         depth[:, i] = depth[torch.arange(b, device=device), p] + 1
     is_child = parents[:, None, :] == torch.arange(n, device=device)[None, :, None]  # [B, N(par), N]
-    max_children = max(int(is_child.sum(-1).max()), 1)
+    if max_children is None:
+        max_children = max(int(is_child.sum(-1).max()), 1)
+    if max_depth is None:
+        max_depth = int(depth.max())
+    max_children = min(max_children, n)
     # Children in node order: sort child indices (non-children pushed to the end).
     key = torch.where(is_child, torch.arange(n, device=device).expand(b, n, n), n)
     children = torch.sort(key, dim=-1).values[:, :, :max_children]
     children = torch.where(children == n, -1, children)
-    return DraftTree(tokens, parents, depth, mask, children)
+    return DraftTree(tokens, parents, depth, mask, children, max_depth)
 
 
 def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> DraftTree:

@@ -30,7 +30,7 @@ def _walk(tree: DraftTree, try_child):
     b, n = tree.tokens.shape
     device = tree.tokens.device
     rows = torch.arange(b, device=device)
-    max_depth = int(tree.depth.max())
+    max_depth = tree.max_depth
     path = torch.full((b, max_depth + 1), -1, dtype=torch.int64, device=device)
     path[:, 0] = 0
     cur = torch.zeros(b, dtype=torch.int64, device=device)
