@@ -133,6 +133,9 @@ class Context:
             self._target = random_target(self["target_config"], self.device, self.dtype)
             log(f"target built: {sum(p.numel() for p in self._target.parameters()) / 1e9:.2f} B "
                 f"params, random {self.dtype}, {time.perf_counter() - t0:.1f} s")
+        # Target-only by default: a speculative Runner of an earlier section may have switched
+        # on the draft feature (EAGLE-3 concatenates three layers' states on every forward).
+        self._target.set_feature(None)
         return self._target
 
     def bandwidth(self) -> float:
