@@ -296,11 +296,28 @@ def build_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     return model.eval()
 
 
+def check_against_shapes(cfg: ModelConfig, config: dict) -> None:
+    """The planner reads the same config.json through shapes.derive_shapes; the model it sizes
+    memory for must be the model built here."""
+    from specdeploy.engine.shapes import derive_shapes
+
+    # Only dimensions are compared; the dtype argument just satisfies configs that name none.
+    shapes = derive_shapes(config, role="target", dtype="bfloat16")
+    for name in ("hidden_size", "hc_mult", "spec_hidden_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "vocab_size"):
+        ours, planned = getattr(cfg, name), getattr(shapes, name)
+        if ours != planned:
+            raise ValueError(f"config.json read two ways: {name} is {ours} for the model but "
+                             f"{planned} for the plan (shapes.derive_shapes)")
+
+
 def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                 feature_kind: str | None = None, aux_layers=None,
                 tp_rank: int = 0, tp_size: int = 1) -> LlamaModel:
     """Build the target from an HF directory (config.json + safetensors, HF weight names)."""
-    cfg = ModelConfig.from_hf(read_config(path))
+    raw = read_config(path)
+    cfg = ModelConfig.from_hf(raw)
+    check_against_shapes(cfg, raw)
     model = build_target(cfg, dtype, device, feature_kind, aux_layers, tp_rank, tp_size)
     tensors = ((canonical_hc_key(name.removeprefix("model.")), t) for name, t in iter_safetensors(path))
     load_state(model, tensors, ignore=("rotary_emb.inv_freq", "mtp."))
