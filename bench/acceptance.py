@@ -270,6 +270,7 @@ def run(ctx) -> dict:
                                     "params": sum(p.numel() for p in assistant.parameters()),
                                     "held_out_loss": held_out_loss(assistant, held, s["eval_windows"], s["seq_len"])}
 
+    ctx.partial(result)  # the training survives a call that ends during the evaluation
     dtype = ctx.dtype
     to_inference(target, dtype)
     head.to(dtype)
@@ -285,12 +286,16 @@ def run(ctx) -> dict:
 
     for name, draft, shape in [("engine target-only", None, None)] + \
             [(f"engine EAGLE {k}", head, k) for k in SPEC_SHAPES]:
+        if draft is None:
+            target.set_feature(None)  # train_eagle left the EAGLE feature on
         runner = _batch1_runner(target, draft, shape, ctx_len, dev)
         engine_generate(runner, [warm], n_new, dev, "w")
         systems[name] = engine_generate(runner, prompts, n_new, dev, "p")
         r = systems[name]
         log(f"{name:<24} {r['tok_s']:8.1f} tok/s  accept length {r['accept_length']:.2f}")
         del runner
+        ctx.partial({**result, "systems_so_far": {k: {x: v[x] for x in ("tok_s", "accept_length", "tokens")}
+                                                  for k, v in systems.items()}})
 
     hf_target = hf_baseline.build_hf_llama(target_cfg, dev, dtype, engine_target=target)
     hf_draft = hf_baseline.build_hf_llama(assistant_cfg, dev, dtype, engine_target=assistant)
