@@ -26,6 +26,7 @@ from pathlib import Path
 DEMO_VERSION = "v1"
 MODEL_NAME = "specdeploy-demo"
 NUM_STEPS, TOPK = 3, 1
+DEMO_RUNNING_REQUESTS = 4
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,12 @@ def ensure_models(cache_dir: Path, recipe: Recipe, retrain: bool = False) -> tup
 # ---- serving -------------------------------------------------------------------------------
 
 def _serve_argv(target_dir: Path, draft_dir: Path | None, port: int, recipe: Recipe) -> list[str]:
+    # The pool holds what 4 full-context requests need, not the whole device (the plan would
+    # give a tiny model all of a GPU's memory).
     argv = ["engine", "serve", "--target", str(target_dir), "--served-model-name", MODEL_NAME,
-            "--dtype", "float32", "--context-length", str(recipe.context_length), "--max-running-requests", "4",
+            "--dtype", "float32", "--context-length", str(recipe.context_length),
+            "--max-running-requests", str(DEMO_RUNNING_REQUESTS),
+            "--max-total-tokens", str(DEMO_RUNNING_REQUESTS * recipe.context_length),
             "--host", "127.0.0.1", "--port", str(port)]
     if draft_dir is None:
         return argv + ["--algorithm", "NONE"]
@@ -163,7 +168,7 @@ BENCH_PROMPTS = [
 ]
 
 
-async def _benchmark(base_url: str, max_tokens: int, concurrency: int = 4) -> tuple[list[str], int, float]:
+async def _benchmark(base_url: str, max_tokens: int, concurrency: int = DEMO_RUNNING_REQUESTS) -> tuple[list[str], int, float]:
     """Greedy completions of BENCH_PROMPTS, `concurrency` at a time: (texts, tokens, seconds)."""
     import openai
 
@@ -199,10 +204,12 @@ def run(args: argparse.Namespace) -> int:
 
 def run_demo(recipe: Recipe, cache_dir: Path, *, max_tokens: int = 64, retrain: bool = False) -> int:
     import openai
+    import torch
 
     from specdeploy.engine.serve_cli import ServerThread, free_port
 
     t_start = time.monotonic()
+    device = "GPU" if torch.cuda.is_available() else "CPU"
     say("specdeploy demo: a tiny target + EAGLE draft made on this machine (no download), served by the real")
     say("engine through its OpenAI API. Real deployments serve real weights (specdeploy engine serve --target ...).")
     say()
@@ -210,7 +217,7 @@ def run_demo(recipe: Recipe, cache_dir: Path, *, max_tokens: int = 64, retrain: 
     target_dir, draft_dir = ensure_models(cache_dir, recipe, retrain=retrain)
 
     say()
-    say(f"[2/3] engine: target + EAGLE draft ({NUM_STEPS} draft steps, topk {TOPK}), CPU, float32")
+    say(f"[2/3] engine: target + EAGLE draft ({NUM_STEPS} draft steps, topk {TOPK}), {device}, float32")
     spec_server = ServerThread(_serve_argv(target_dir, draft_dir, free_port(), recipe)).start()
     say(f"  serving at {spec_server.base_url}/v1")
     try:
@@ -242,7 +249,8 @@ def run_demo(recipe: Recipe, cache_dir: Path, *, max_tokens: int = 64, retrain: 
         plain_server.stop()
 
     say()
-    say(f"[3/3] benchmark: {len(BENCH_PROMPTS)} greedy completions x {max_tokens} tokens, 4 at a time")
+    say(f"[3/3] benchmark: {len(BENCH_PROMPTS)} greedy completions x {max_tokens} tokens, "
+        f"{DEMO_RUNNING_REQUESTS} at a time, {device}")
     accept_len = 1 + accepted / steps if steps else float("nan")
     spec_rate, plain_rate = spec_tokens / spec_s, plain_tokens / plain_s
     say(f"  speculative (EAGLE): {spec_tokens} tokens in {spec_s:.2f} s = {spec_rate:.0f} tok/s; "
@@ -254,8 +262,8 @@ def run_demo(recipe: Recipe, cache_dir: Path, *, max_tokens: int = 64, retrain: 
     say(f"  greedy outputs identical to target-only: {same} of {len(spec_texts)}"
         + ("" if same == len(spec_texts) else " (float rounding differs between a 4-token verify and 1-token decode)"))
     say()
-    say("  On a CPU a model this small costs little per forward, so the draft's own work eats much of what")
-    say("  accepted tokens save; on a GPU the target's forward dominates and verifying several tokens costs")
-    say("  about as much as decoding one, which is where the acceptance length becomes speed.")
+    say("  A model this small costs little per forward, so the draft's own work eats much of what accepted")
+    say("  tokens save; with a real target on a GPU the target's forward dominates and verifying several")
+    say("  tokens costs about as much as decoding one, which is where the acceptance length becomes speed.")
     say(f"done in {time.monotonic() - t_start:.0f} s")
     return 0

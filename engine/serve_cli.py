@@ -281,11 +281,13 @@ class ServerThread:
     def __init__(self, argv: list[str]):
         import uvicorn
 
-        from specdeploy.cli import build_parser
         from specdeploy.engine.metrics import EngineMetrics
         from specdeploy.engine.server import DrainingServer, EngineState, create_app
 
-        args = build_parser().parse_args(argv)
+        # Only this module's parser: serving needs none of the other subcommands' imports.
+        parser = argparse.ArgumentParser(prog="specdeploy")
+        add_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
         check_args(args)
         self.args = args
         model_name = args.served_model_name or args.target
@@ -309,8 +311,18 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        """Stop serving and release the engine's memory (the KV pools may fill a GPU: a second
+        server in this process needs it back)."""
+        import gc
+
+        import torch
+
         self.server.should_exit = True
         self._thread.join(timeout=60)
+        self.state.scheduler = self.state.tokenizer = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
