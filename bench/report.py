@@ -178,6 +178,11 @@ def s5(r: dict) -> str:
         f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens each, greedy, "
         "batch 1; tok/s counts whole requests (prefill + decode).",
         ""]
+    if "rows" not in r:  # a partial record: the call ended during the evaluation
+        so_far = r.get("systems_so_far", {})
+        lines.append(_table(["system (evaluation cut short)", "accept length", "tok/s"],
+                            [[k, _f(v.get("accept_length"), 2), _f(v["tok_s"], 1)] for k, v in so_far.items()]))
+        return "\n".join(lines)
     rows = []
     for x in r["rows"]:
         same = x["same_output_as_engine_target_only"]
