@@ -155,6 +155,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def shutdown(self) -> None:
         with self._cv:
             self._stop = True

@@ -142,7 +142,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
             async def load():
                 try:
                     scheduler, tokenizer = await asyncio.to_thread(loader, state.metrics)
-                except BaseException as e:
+                except Exception as e:
                     log.exception("loading failed")
                     state.not_ready_reason = f"loading failed: {e}"
                     if on_load_failure is not None:
@@ -153,7 +153,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
                 state.scheduler = scheduler
                 log.info("ready: serving %s", state.model_name)
             load_task = asyncio.create_task(load())
-        elif state.scheduler is not None and state.scheduler._thread is None:
+        elif state.scheduler is not None and not state.scheduler.started:
             state.scheduler.start()
         yield
         if load_task is not None and not load_task.done():
