@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -134,3 +135,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_process):
     assert proc.wait(timeout=60) == 0
     logs = proc.stdout.read()
     assert "draining" in logs and "drained in" in logs
+
+
+def test_a_model_that_cannot_load_stops_the_server_with_the_reason(tmp_path):
+    from specdeploy.engine.serve_cli import ServerThread, free_port
+
+    broken = ServerThread(["engine", "serve", "--target", str(tmp_path), "--algorithm", "NONE",
+                           "--host", "127.0.0.1", "--port", str(free_port())])
+    with pytest.raises(RuntimeError, match="config.json"):
+        broken.start(timeout_s=60)
+    broken.stop()
+    assert broken.server.exit_code == 1
