@@ -1,0 +1,45 @@
+"""`specdeploy engine serve --plan`: the operator's plan is what the engine allocates."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import openai
+
+from specdeploy.engine.plan import Limits, SpecSettings, custom_gpu, plan_from_configs
+from specdeploy.engine.serve_cli import ServerThread, free_port
+from specdeploy.engine.shapes import load_model_path
+
+
+def test_serve_allocates_the_given_plan_and_reports_differences(model_dirs, tmp_path, caplog):
+    target_dir, draft_dir = model_dirs
+    target_config, target_bytes = load_model_path(target_dir)
+    draft_config, draft_bytes = load_model_path(draft_dir)
+    plan = plan_from_configs(target_config, draft_config, SpecSettings("EAGLE", 3, 1, 4), custom_gpu(4.0),
+                             Limits(max_running_requests=2, context_length=128, cuda_graph_max_bs=2),
+                             target_weight_bytes=target_bytes, draft_weight_bytes=draft_bytes, gpus_per_node=1)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan.to_dict()))
+
+    caplog.set_level(logging.INFO, logger="specdeploy")
+    running = ServerThread([
+        "engine", "serve", "--target", str(target_dir), "--draft", str(draft_dir), "--algorithm", "EAGLE",
+        "--plan", str(plan_path), "--dtype", "float32", "--max-running-requests", "8", "--max-total-tokens", "1024",
+        "--served-model-name", "planned", "--host", "127.0.0.1", "--port", str(free_port())]).start(timeout_s=120)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        # The plan's context (128) wins over the model's 256; a draft tree's lookahead is kept back.
+        card = client.models.retrieve("planned")
+        assert card.model_extra["max_model_len"] == 128 - 3 - 1
+        out = client.completions.create(model="planned", prompt="x", max_tokens=8, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 8
+        runner = running.state.scheduler.runner
+        assert runner.max_running_requests == 2 and runner.table.capacity == 1024
+    finally:
+        running.stop()
+    logs = caplog.text
+    assert f"plan: read from {plan_path}" in logs
+    assert "max_running_requests is 2 in the plan and 8 on the command line; using the plan's" in logs
+    assert "plan check: weights" in logs and "plan check: KV cache" in logs
+    assert "max_total_tokens" in logs  # the plan's table
