@@ -286,6 +286,8 @@ def instrument(runner):
     patched = []
     for name, label in (("draft_multi_step", "draft"), ("target_verify", "verify"),
                         ("draft_extend", "extend"), ("target_decode", "decode")):
+        if not hasattr(calls, name):
+            continue
         patched.append(name)
         setattr(calls, name, log_.wrap(label, getattr(calls, name)))
     saved_funcs = {}
