@@ -110,9 +110,10 @@ class GraphedCalls:
 
         stream = torch.cuda.Stream() if capture else None
         pool = None
+        # Plain decode only runs without a draft head; with one it is not captured (eager if used).
         self.target_decode_graph = _Graphed(
             self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
-                           **prefix()}, batch_sizes, capture, pool, stream)
+                           **prefix()}, batch_sizes if draft is None else (), capture, pool, stream)
         if draft is None:
             return
         n = calls.num_draft_tokens

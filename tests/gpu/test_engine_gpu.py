@@ -55,7 +55,8 @@ CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4,
 
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
 def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend):
-    """Every bucket, at full size and one row short (padding), for all four graphed calls."""
+    """Every bucket, at full size and one row short (padding): verify, draft extend and draft
+    multi-step (plain decode has its own test)."""
     target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
     spec = SpecConfig(algorithm, 3, topk, n)
@@ -81,10 +82,6 @@ def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend
                     got = [t.clone() for t in out]
             assert all(torch.allclose(x, y, atol=1e-4, rtol=1e-4) for x, y in zip(got, out)), (bs, b)
 
-            dec = [c.target_decode(ids[:, :1], lens[:, None], fresh(1), prefix, lens).clone()
-                   for c in (graphed.calls, eager_calls)]
-            assert torch.allclose(dec[0], dec[1], atol=1e-4, rtol=1e-4), (bs, b)
-
             hidden = torch.randn(b, steps + 1, target.feature_size, device=DEV, generator=g)
             valid = torch.randint(1, steps + 2, (b,), device=DEV, generator=g)
             ext = [c.draft_extend(ids[:, :steps + 1] if n >= steps + 1 else ids, hidden,
@@ -100,6 +97,26 @@ def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend
                   for c in (graphed.calls, eager_calls)]
             assert torch.equal(ms[0][0], ms[1][0]) and torch.equal(ms[0][2], ms[1][2]), (bs, b)
             assert torch.allclose(ms[0][1], ms[1][1], atol=1e-5), (bs, b)
+
+
+@pytest.mark.parametrize("hc_mult", [1, 4])
+def test_decode_graph_equals_eager_per_bucket(hc_mult, backend):
+    target, _ = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
+    graphed = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
+                     device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    eager_calls = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
+                         device=DEV, graph_mode="off").calls
+    eager_calls.target_kv = graphed.target_kv
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for bs in BUCKETS:
+        for b in sorted({bs, max(bs - 1, 1)}):
+            lens = torch.randint(1, 60, (b,), device=DEV, generator=g)
+            prefix = torch.randint(1, 3000, (b, int(lens.max())), device=DEV, generator=g)
+            ids = torch.randint(0, 64, (b, 1), device=DEV, generator=g)
+            slots = torch.arange(3000, 3000 + b, device=DEV)[:, None]
+            dec = [c.target_decode(ids, lens[:, None], slots, prefix, lens).clone()
+                   for c in (graphed.calls, eager_calls)]
+            assert torch.allclose(dec[0], dec[1], atol=1e-4, rtol=1e-4), (bs, b)
 
 
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
