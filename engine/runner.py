@@ -119,6 +119,9 @@ class Runner:
             if not 2 <= self.num_draft_tokens <= most:
                 raise ValueError(f"num_draft_tokens must be in [2, {most}]")
             target.set_feature(_FEATURE_KIND[algorithm], getattr(target, "aux_layers", None) or None)
+            # What this runner's draft consumes; re-applied each step in case another user of
+            # the same target (a second runner, a training loop) switched it meanwhile.
+            self._feature = (target.feature_kind, target.aux_layers)
             if target.feature_size != draft.input_size:
                 raise ValueError(f"target feature width {target.feature_size} != draft input "
                                  f"width {draft.input_size}")
@@ -223,6 +226,8 @@ class Runner:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        if self.draft is not None and (self.target.feature_kind, self.target.aux_layers) != self._feature:
+            self.target.set_feature(*self._feature)
         decoding = list(self._running.values())
         outputs: dict[str, StepOutput] = {}
         if self._pending:
