@@ -163,7 +163,7 @@ def test_install_yaml_installs_with_kubectl(kube_cluster, crd):
     objs = parse(INSTALL_YAML.read_text())
     try:
         kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(INSTALL_YAML))
-        kube_cluster.kubectl("-n", "specdeploy", "rollout", "status", "deployment/specdeploy", "--timeout=60s")
+        kube_cluster.kubectl("-n", "specdeploy", "rollout", "status", "deployment/specdeploy", "--timeout=45s")
         for obj in objs:
             meta = obj["metadata"]
             ns = ["-n", meta["namespace"]] if "namespace" in meta else []
@@ -192,7 +192,7 @@ def operator_as_chart_deploys_it(cluster: KubeCluster, release: str, ns: str, wo
     token of the chart's ServiceAccount; yields the log file. On exit, stops the operator and
     checks that it was never refused anything (the RBAC is sufficient)."""
     deploy = operator_deployment(cluster, release, ns)
-    cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{deploy['metadata']['name']}", "--timeout=60s")
+    cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{deploy['metadata']['name']}", "--timeout=45s")
     pod_spec = deploy["spec"]["template"]["spec"]
     (container,) = pod_spec["containers"]
     kubeconfig = service_account_kubeconfig(cluster, ns, pod_spec["serviceAccountName"], workdir / "sa-kubeconfig")
@@ -368,10 +368,13 @@ def _replica_sets(cluster: KubeCluster, ns: str, release: str) -> dict[str, int]
 
 def test_upgrade_with_a_changed_value_rolls_the_operator(kube_cluster, kube_namespace, crd):
     ns, release = kube_namespace, _release("up")
+    # The API server's PodSecurity admission refuses any operator pod that is not `restricted`:
+    # the rollouts below succeed only if the chart's pod passes.
+    kube_cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
     helm_install(kube_cluster, release, ns)
     try:
         name = operator_deployment(kube_cluster, release, ns)["metadata"]["name"]
-        kube_cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{name}", "--timeout=60s")
+        kube_cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{name}", "--timeout=45s")
         before = _replica_sets(kube_cluster, ns, release)
         assert list(before.values()) == [1]
 
@@ -380,7 +383,7 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(kube_cluster, kube_name
         assert _replica_sets(kube_cluster, ns, release) == before
 
         kube_cluster.helm("upgrade", release, str(CHART), "-n", ns, "--reuse-values", "--set", "operator.logLevel=debug")
-        kube_cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{name}", "--timeout=60s")
+        kube_cluster.kubectl("-n", ns, "rollout", "status", f"deployment/{name}", "--timeout=45s")
         after = _replica_sets(kube_cluster, ns, release)
         (new_hash,) = set(after) - set(before)
         assert after[new_hash] == 1 and all(after[h] == 0 for h in before), after
