@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import yaml
 from testcluster import KubeCluster, wait_for
 
 import chartkit as examples
-from chartkit import CHART, CRD_SOURCE, EXAMPLES, INSTALL_YAML, parse
+from chartkit import CHART, CRD_SOURCE, EXAMPLES, INSTALL_YAML, ROOT, parse
 
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 HUB_TOKEN = "hf_chart_test_token"
@@ -34,8 +36,8 @@ ONE_GPU_EXAMPLE = "llama-3.1-8b-eagle3-h200.yaml"
 
 @pytest.fixture(scope="module")
 def crd(kube_cluster: KubeCluster) -> str:
-    """The CRD from its single source, as the chart README's upgrade step applies it."""
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_SOURCE))
+    """The CRD applied with the chart README's upgrade step (its crds/ is a copy of CRD_SOURCE)."""
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     name = yaml.safe_load(CRD_SOURCE.read_text())["metadata"]["name"]
     kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
     return name
@@ -169,10 +171,34 @@ def test_install_yaml_installs_with_kubectl(kube_cluster, crd):
             ns = ["-n", meta["namespace"]] if "namespace" in meta else []
             kube_cluster.kubectl("get", obj["kind"].lower(), meta["name"], *ns)
     finally:
+        # Synchronously: the README test installs the chart under the same names next.
         others = [o for o in objs if o["kind"] != "CustomResourceDefinition"]
         kube_cluster.kubectl(
-            "delete", "--ignore-not-found", "--wait=false", "-f", "-", input=yaml.safe_dump_all(others), check=False
+            "delete", "--ignore-not-found", "-f", "-", input=yaml.safe_dump_all(others), check=False, timeout_s=120
         )
+
+
+def test_readme_installs_the_chart_and_an_example_with_two_commands(kube_cluster, crd):
+    """The chart README's "Install" commands, run as written (from the repository root)."""
+    readme = (CHART / "README.md").read_text()
+    block = re.search(r"^## Install\n\n```sh\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    assert block, "charts/specdeploy/README.md has no Install code block"
+    commands = [shlex.split(line) for line in block.group(1).strip().splitlines()]
+    assert [c[0] for c in commands] == ["helm", "kubectl"]
+    run = {"helm": kube_cluster.helm, "kubectl": kube_cluster.kubectl}
+    release, namespace = commands[0][2], commands[0][commands[0].index("--namespace") + 1]
+    try:
+        for tool, *args in commands:
+            # Paths in the README are relative to the repository root.
+            run[tool](*[str(ROOT / a) if a.startswith(("charts/", "manifests/")) else a for a in args])
+        name = operator_deployment(kube_cluster, release, namespace)["metadata"]["name"]
+        kube_cluster.kubectl("-n", namespace, "rollout", "status", f"deployment/{name}", "--timeout=45s")
+        example = examples.load_sdd(ROOT / commands[1][-1])["metadata"]["name"]
+        kube_cluster.kubectl("-n", namespace, "get", "sdd", example)
+    finally:
+        kube_cluster.kubectl("-n", namespace, "delete", "sdd", "--all", "--wait=false", check=False)
+        kube_cluster.helm("uninstall", release, "-n", namespace, check=False)
+        kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false", "--ignore-not-found", check=False)
 
 
 def test_every_example_passes_server_dry_run(kube_cluster, kube_namespace, crd):
