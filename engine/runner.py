@@ -1,9 +1,10 @@
 """The batched engine loop: prefill, then speculative (or plain) decoding for all running requests.
 
 One `step()`:
-  1. prefill the requests added since the last step (one padded batch): the target writes their
-     prompt K/V and samples the first token; the draft head runs over the same positions
-     (draft extend) with the target's features;
+  1. prefill waiting requests, one chunk of at most prefill_chunk_tokens padded tokens (long
+     prompts take several steps): the target writes their prompt K/V and, where a prompt ends,
+     samples the first token; the draft head runs over the same positions (draft extend) with
+     the target's features;
   2. for the requests already running, one speculative iteration:
        draft    num_steps x topk candidates (draft pool, scratch slots)
        tree     keep num_draft_tokens nodes (tree.py)
@@ -31,6 +32,7 @@ from specdeploy.engine.calls import ModelCalls
 from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import PAD_SLOT, KVPool, SlotTable
 from specdeploy.engine.model import LlamaModel
+from specdeploy.engine.plan import PREFILL_CHUNK_TOKENS
 from specdeploy.engine.tree import build_tree
 from specdeploy.engine.verify import sample_from, verify_greedy, verify_sampling, warp_probs
 
@@ -87,10 +89,13 @@ class Runner:
                  plan=None, max_total_tokens: int | None = None,
                  max_running_requests: int | None = None, context_length: int | None = None,
                  device: torch.device | str = "cpu", seed: int = 0,
-                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None):
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
-        "off" (plain eager calls; the default on CPU)."""
+        "off" (plain eager calls; the default on CPU).
+        prefill_chunk_tokens: padded tokens one prefill forward carries (the plan sizes the
+        activation workspace for this many); longer prompts are prefilled over several steps."""
         if plan is not None:
             max_total_tokens = plan.max_total_tokens
             max_running_requests = plan.max_running_requests
@@ -131,6 +136,9 @@ class Runner:
         dtype = target.embed_tokens.weight.dtype
         self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, dtype, self.device)
         self.max_running_requests = max_running_requests
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.table = SlotTable(num_slots, max_running_requests, self.context_length, self.device)
         self.draft_kv = None
         if draft is not None:
@@ -203,6 +211,8 @@ class Runner:
             if seq.req.id == req_id:
                 self._pending.pop(i)
                 self._reserved -= seq.reserved
+                if seq.row >= 0:  # partly prefilled
+                    self.table.free_row(seq.row, seq.length)
                 return
         seq = self._running.get(req_id)
         if seq is None:
@@ -231,8 +241,7 @@ class Runner:
         decoding = list(self._running.values())
         outputs: dict[str, StepOutput] = {}
         if self._pending:
-            new, self._pending = self._pending, []
-            for out in self._prefill(new):
+            for out in self._prefill(self._prefill_batch()):
                 outputs[out.req_id] = out
         if decoding:
             outs = self._spec_decode(decoding) if self.draft is not None else self._plain_decode(decoding)
@@ -242,35 +251,64 @@ class Runner:
 
     # ---- prefill -----------------------------------------------------------------------------
 
-    def _prefill(self, seqs: list[_Seq]) -> list[StepOutput]:
+    def _prefill_batch(self) -> list[tuple[_Seq, int]]:
+        """(request, tokens to prefill now) in arrival order, as many as fit one chunk of
+        prefill_chunk_tokens padded tokens (B x longest piece); a longer prompt is cut."""
+        budget, chosen, q = self.prefill_chunk_tokens, [], 0
+        for seq in self._pending:
+            take = min(len(seq.req.prompt_ids) - seq.length, budget)
+            if chosen and (len(chosen) + 1) * max(q, take) > budget:
+                break
+            chosen.append((seq, take))
+            q = max(q, take)
+        return chosen
+
+    def _prefill(self, chosen: list[tuple[_Seq, int]]) -> list[StepOutput]:
+        """One chunk: each chosen request's next `take` prompt tokens, after its earlier chunks
+        (the prefix). A request whose prompt ends here samples its first token and starts
+        running; the others stay pending with their prefix written."""
         dev = self.device
-        b = len(seqs)
-        lens = torch.tensor([len(s.req.prompt_ids) for s in seqs], device=dev)
-        q = int(lens.max())
+        b, q = len(chosen), max(take for _, take in chosen)
         tokens = torch.zeros(b, q, dtype=torch.int64, device=dev)
+        shifted = torch.zeros(b, q, dtype=torch.int64, device=dev)        # token after each entry
         slots = torch.full((b, q), PAD_SLOT, dtype=torch.int64, device=dev)
-        for i, s in enumerate(seqs):
-            n = len(s.req.prompt_ids)
-            s.row = self.table.alloc_row()
-            s.length = n
-            tokens[i, :n] = torch.tensor(s.req.prompt_ids, device=dev)
-            slots[i, :n] = self.table.alloc(n)
-            self.table.req_to_slot[s.row, :n] = slots[i, :n]
-            self._running[s.req.id] = s
-        positions = torch.arange(q, device=dev).expand(b, q)
-        empty = torch.zeros(b, 0, dtype=torch.int64, device=dev)
-        batch = causal_batch(slots, lens, empty, torch.zeros(b, dtype=torch.int64, device=dev))
+        starts = torch.tensor([seq.length for seq, _ in chosen], device=dev)
+        takes = torch.tensor([take for _, take in chosen], device=dev)
+        for i, (seq, take) in enumerate(chosen):
+            if seq.row < 0:
+                seq.row = self.table.alloc_row()
+            start, prompt = seq.length, seq.req.prompt_ids
+            tokens[i, :take] = torch.tensor(prompt[start:start + take], device=dev)
+            # The last prompt entry pairs with the first sampled token, filled in below.
+            nxt = prompt[start + 1:start + take + 1]
+            shifted[i, :len(nxt)] = torch.tensor(nxt, dtype=torch.int64, device=dev)
+            slots[i, :take] = self.table.alloc(take)
+            self.table.req_to_slot[seq.row, start:start + take] = slots[i, :take]
+        rows = torch.tensor([seq.row for seq, _ in chosen], device=dev)
+        prefix = self.table.req_to_slot[rows, :max(seq.length for seq, _ in chosen)]
+        positions = starts[:, None] + torch.arange(q, device=dev)
+        positions = torch.where(torch.arange(q, device=dev) < takes[:, None], positions, 0)
+        batch = causal_batch(slots, takes, prefix, starts)
         out = self.target(tokens, positions, batch, self.target_kv)
-        last = lens - 1
-        rows = torch.arange(b, device=dev)
-        first = self._sample(seqs, self.target.logits(out.hidden[rows, last]))   # [B]
+        for seq, take in chosen:
+            seq.length += take
+        done = [i for i, (seq, _) in enumerate(chosen) if seq.length == len(seq.req.prompt_ids)]
+        finished = [chosen[i][0] for i in done]
+        first = None
+        if done:
+            idx = torch.tensor(done, device=dev)
+            first = self._sample(finished, self.target.logits(out.hidden[idx, takes[idx] - 1]))
+            shifted[idx, takes[idx] - 1] = first
         if self.draft is not None:
-            # Draft extend over the prompt: entry j = (token j + 1, target feature j).
-            shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
-            shifted[rows, last] = first
-            self.draft_hidden[[s.row for s in seqs]] = self.calls.draft_extend(
-                shifted, out.feature, positions, slots, empty, torch.zeros_like(lens), lens)
-        return self._emit(seqs, [[t] for t in first.tolist()], [0] * b)
+            hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
+            if done:
+                self.draft_hidden[rows[idx]] = hidden[idx]
+        for seq in finished:
+            self._pending.remove(seq)
+            self._running[seq.req.id] = seq
+        if not done:
+            return []
+        return self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished))
 
     # ---- speculative decoding ------------------------------------------------------------------
 

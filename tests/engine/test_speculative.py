@@ -179,3 +179,22 @@ def test_sampling_requests_run_and_greedy_rows_stay_exact(topk, num_draft_tokens
     assert first == generate(Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4), batch())
     assert runner.num_draft_tokens_accepted > 0
     assert all(0 <= t < 64 for toks in first.values() for t in toks)
+
+
+@pytest.mark.parametrize("algorithm", [None, "EAGLE3", "MTP"])
+def test_chunked_prefill_gives_the_same_tokens(algorithm):
+    """Prompts cut into chunks of at most 5 padded tokens (several steps each, mixed with the
+    decoding of requests already running) give the unchunked output; aborting a request halfway
+    through its prefill returns its slots."""
+    target, perm = target_for(1)
+    draft = copy_draft(algorithm, target, perm) if algorithm else None
+    spec = SpecConfig(algorithm, 3, 1, 4) if algorithm else None
+    whole = generate(Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4), requests())
+    chunked = Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4,
+                     prefill_chunk_tokens=5)
+    assert generate(chunked, requests()) == whole
+    free = chunked.num_free_slots
+    chunked.add(requests(lens=(12,))[0])
+    assert chunked.step() == [] and chunked.num_free_slots == free - 5
+    chunked.abort("r0")
+    assert chunked.num_free_slots == free and chunked.num_running == 0
