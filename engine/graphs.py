@@ -35,15 +35,18 @@ class _Input:
 class _Graphed:
     """One call kind: static inputs, one graph per bucket, padded replay."""
 
-    def __init__(self, fn, inputs: dict[str, _Input], buckets, capture: bool, pool, stream,
-                 eager=None):
+    def __init__(self, fn, inputs: dict[str, _Input], buckets, capture: bool, stream, eager=None):
         # `eager` serves batches above the largest bucket (fn may write static outputs sized
         # for max_bs); it defaults to fn.
         self.fn, self.inputs, self.buckets = fn, inputs, sorted(buckets)
         self.eager = eager or fn
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         if capture:
-            for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool
+            # One memory pool per call kind, shared by its buckets (largest captured first).
+            # Kinds do not share: an output of one kind (e.g. the chain proposals of the draft)
+            # is still read after another kind has replayed.
+            pool = None
+            for bs in reversed(self.buckets):
                 self._fill_padding(0, bs)
                 stream.wait_stream(torch.cuda.current_stream())  # the padding writes above
                 with torch.cuda.stream(stream):
@@ -109,11 +112,10 @@ class GraphedCalls:
             return {"prefix_slots": ints(context_length, pad=PAD_SLOT), "prefix_lens": ints()}
 
         stream = torch.cuda.Stream() if capture else None
-        pool = None
         # Plain decode only runs without a draft head; with one it is not captured (eager if used).
         self.target_decode_graph = _Graphed(
             self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
-                           **prefix()}, batch_sizes if draft is None else (), capture, pool, stream)
+                           **prefix()}, batch_sizes if draft is None else (), capture, stream)
         if draft is None:
             return
         n = calls.num_draft_tokens
@@ -127,25 +129,25 @@ class GraphedCalls:
             self._verify, {"ids": ints(n), "positions": ints(n), "out_slots": ints(n, pad=PAD_SLOT),
                            **prefix(),
                            "tree_mask": _Input(torch.zeros(max_bs, n, n, dtype=torch.bool, device=dev), eye)},
-            batch_sizes, capture, pool, stream, eager=calls.target_verify)
+            batch_sizes, capture, stream, eager=calls.target_verify)
         extend_hidden = self.draft_extend_hidden_states.view(max_bs, steps + 1, hin)
         self.draft_extend_graph = _Graphed(
             lambda **kw: (calls.draft_extend(**kw),),
             {"ids": ints(steps + 1), "hidden": _Input(extend_hidden, 0.0), "positions": ints(steps + 1),
              "out_slots": ints(steps + 1, pad=PAD_SLOT), **prefix(), "num_valid": ints(pad=1)},
-            batch_sizes, capture, pool, stream)
+            batch_sizes, capture, stream)
         f32 = dict(dtype=torch.float32, device=dev)
-        multi_inputs = lambda: {  # noqa: E731
+        # Both drafting variants (top-k; chain sampling, topk 1 only) read the same inputs.
+        multi_step_inputs = {
             "hidden": _Input(self.draft_hidden_states.view(max_bs, k, hc), 0.0), **prefix(),
             "scratch": ints((steps - 1) * k, pad=PAD_SLOT),
             "temperature": _Input(torch.zeros(max_bs, **f32), 0.0), "top_k": ints(),
             "top_p": _Input(torch.ones(max_bs, **f32), 1.0),
             "uniforms": _Input(torch.full((max_bs, steps), 0.5, **f32), 0.5)}
-        shared = multi_inputs()
         self.draft_multi_step_graphs = {
             chain: _Graphed(lambda chain=chain, **kw: calls.draft_multi_step(
                                 kw.pop("hidden").reshape(-1, hc), **kw, chain_sampling=chain),
-                            shared, batch_sizes, capture, pool, stream)
+                            multi_step_inputs, batch_sizes, capture, stream)
             for chain in ((False, True) if k == 1 else (False,))}
 
     # Graph bodies: fixed-shape functions returning tuples of tensors.
