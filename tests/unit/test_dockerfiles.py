@@ -111,3 +111,48 @@ def test_build_context_is_limited_to_what_the_images_copy():
     assert copied <= allowed, f"copied but ignored: {copied - allowed}"
     for path in copied:
         assert (ROOT / path).exists(), path
+
+
+# What the engine extra adds on top of the operator extra: none of it is in the operator image.
+ENGINE_ONLY_MODULES = ["torch", "numpy", "safetensors", "tokenizers", "fastapi", "uvicorn", "prometheus_client"]
+
+_WITHOUT_ENGINE_DEPS = f"""
+import sys
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {ENGINE_ONLY_MODULES!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not in the operator image)")
+        return None
+
+sys.meta_path.insert(0, Missing())
+from specdeploy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["operator", "--help"], ["plan", "--help"]])
+def test_operator_image_commands_run_without_the_engine_dependencies(argv, tmp_path):
+    """The operator image installs only the operator extra: `specdeploy operator` (and the planner
+    it shares with the engine) must start with torch & co. absent."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _WITHOUT_ENGINE_DEPS, *argv],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: specdeploy" in result.stdout
+
+
+def test_operator_handlers_import_without_the_engine_dependencies(tmp_path):
+    import subprocess
+    import sys
+
+    code = _WITHOUT_ENGINE_DEPS.replace(
+        "from specdeploy.cli import main\nsys.exit(main(sys.argv[1:]))",
+        "import specdeploy.operator.handlers, specdeploy.operator.planning",
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
