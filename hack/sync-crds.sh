@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Copy the CRDs from their single source, manifests/crd/, into the Helm chart's crds/ folder.
-# tests/unit/test_chart_crds.py fails when the two differ; run this after changing the CRD.
+# tests/unit/test_chart_crds.py fails when the two differ; run this after changing the CRD. It also
+# re-renders manifests/install.yaml (which carries the CRD) when helm is available.
 #
 # Usage: hack/sync-crds.sh [--check]
 #   --check   change nothing; exit 1 and name the files that differ
@@ -34,3 +35,10 @@ for f in "${sources[@]}"; do
   cp "${f}" "${dst}/"
   echo "synced ${dst#"${root}/"}/$(basename "${f}")"
 done
+
+# manifests/install.yaml carries the CRD too; re-render it when helm is at hand.
+if "${root}/hack/render-install.sh" --stdout >/dev/null 2>&1; then
+  "${root}/hack/render-install.sh"
+else
+  echo "sync-crds: no helm; run hack/render-install.sh after 'make tools'" >&2
+fi

@@ -187,6 +187,17 @@ def test_operator_rules_are_exactly_the_contract(helm, variant):
     assert {k for k, verbs in grants.items() if "delete" in verbs} == {("apps", "deployments"), ("", "configmaps")}
 
 
+def test_chart_versions_follow_the_package():
+    import tomllib
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    package = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert chart["appVersion"] == package
+    # The images the chart defaults to are tagged with appVersion (values leave the tags empty).
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["image"]["tag"] == "" and values["engine"]["image"]["tag"] == ""
+
+
 def test_install_yaml_is_the_fresh_default_render(helm):
     env = dict(helm.env, HELM=str(helm.binary))
     result = subprocess.run(
