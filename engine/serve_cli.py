@@ -238,8 +238,9 @@ def load_engine(args: argparse.Namespace, metrics):
                  max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
     t2 = time.monotonic()
     if device == "cuda":
-        log.info("allocating KV pools and capturing CUDA graphs (decode, verify, draft, draft-extend) for "
-                 "batch sizes %s ...", " ".join(map(str, plan.cuda_graph_batch_sizes)))
+        calls = "target decode" if plan.algorithm == "NONE" else "target decode/verify, draft multi-step/extend"
+        log.info("allocating KV pools and capturing CUDA graphs (%s) for batch sizes %s ...", calls,
+                 " ".join(map(str, plan.cuda_graph_batch_sizes)))
     # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
     # buffers against it); only the slot count may be smaller than planned (see above).
     runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
