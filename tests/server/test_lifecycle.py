@@ -48,6 +48,18 @@ def test_client_disconnect_aborts_and_frees_slots(server):
     assert after == aborted_before + 1
 
 
+def test_client_giving_up_on_a_whole_response_aborts_it(server):
+    wait_until(lambda: idle(server), what="an idle server")
+    key = "specdeploy_requests_total{endpoint=chat_completions,finish_reason=abort}"
+    aborted_before = server.metrics().get(key, 0)
+    body = {"model": server.model, "messages": [{"role": "user", "content": "go on"}],
+            "max_tokens": server.context_length - 32, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client hangs up before the answer is complete
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=0.15))
+    wait_until(lambda: idle(server), what="the abandoned request's slots to be freed")
+    assert server.metrics()[key] == aborted_before + 1
+
+
 async def test_overload_gets_429_and_the_rest_complete(server, async_client):
     wait_until(lambda: idle(server), what="an idle server")
     n = 4 * (server.max_running_requests + server.max_queued_requests)
