@@ -198,3 +198,22 @@ def test_chunked_prefill_gives_the_same_tokens(algorithm):
     assert chunked.step() == [] and chunked.num_free_slots == free - 5
     chunked.abort("r0")
     assert chunked.num_free_slots == free and chunked.num_running == 0
+
+
+@pytest.mark.parametrize("hc_mult,algorithm,topk,n", [(1, "EAGLE3", 2, 5), (4, "MTP", 1, 4)])
+def test_bfloat16_models_run_greedy_and_sampled(hc_mult, algorithm, topk, n):
+    """The serving dtype: pools and draft state in bfloat16 (hyper-connection mixers stay
+    float32), greedy and sampled requests complete, drafts are accepted, slots come back."""
+    target, perm = predictable_target(tiny_config(hc_mult=hc_mult), seed=0, layer_scale=0.5,
+                                      dtype=torch.bfloat16)
+    draft = copy_draft(algorithm, target, perm)
+    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=400,
+                    max_running_requests=4)
+    assert runner.target_kv.k.dtype == runner.draft_kv.k.dtype == runner.draft_hidden.dtype == torch.bfloat16
+    if hc_mult > 1:
+        assert target.layers[0].attn_hc.fn.dtype == torch.float32
+    greedy = generate(runner, requests())
+    sampled = generate(runner, requests(temperature=0.7, top_p=0.9))
+    assert all(len(v) == MAX_TOKENS for v in greedy.values())
+    assert all(0 <= t < 64 for out in (greedy, sampled) for v in out.values() for t in v)
+    assert runner.num_draft_tokens_accepted > 0.1 * runner.num_draft_tokens_proposed
