@@ -81,11 +81,35 @@ def run(
     )
 
 
-def main(args: argparse.Namespace) -> int:
+class _RoutineSuccessFilter(logging.Filter):
+    """Drops kopf's "Handler '...' succeeded." lines for handlers that fire on every Deployment
+    status change; the handlers log what they decided themselves."""
+
+    def __init__(self, handler_ids: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = {f"Handler {handler_id!r} succeeded." for handler_id in handler_ids}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.messages
+
+
+def configure_logging(verbose: bool) -> None:
     import kopf
 
+    from specdeploy.operator.handlers import ROUTINE_HANDLER_IDS
+
     # One line per decision for `kubectl logs`: "[namespace/name] message", no colour, no JSON.
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN, log_prefix=True)
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN, log_prefix=True)
+    if not verbose:
+        # httpx logs every request at INFO; config fetches are reported by the handlers.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        routine = _RoutineSuccessFilter(ROUTINE_HANDLER_IDS)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(routine)
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging(args.verbose)
     logging.getLogger("specdeploy").info(
         "starting: %s, engine image %s, hub %s",
         f"namespaces {', '.join(args.namespaces)}" if args.namespaces else "all namespaces",

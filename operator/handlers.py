@@ -41,6 +41,10 @@ from specdeploy.operator.render import (
 
 log = logging.getLogger("specdeploy.operator")
 
+# Handlers that run on every Deployment status change; their success is not news.
+DEPLOYMENT_HANDLER_ID = "engine-deployment"
+ROUTINE_HANDLER_IDS = (DEPLOYMENT_HANDLER_ID,)
+
 # Retry delays for failures that can resolve without the resource changing.
 TRANSIENT_RETRY_DELAY_S = 30
 CONFLICT_RETRY_DELAY_S = 15
@@ -183,7 +187,8 @@ def deployment_event(
     old, new = result
     if old.get("phase") != new.get("phase"):
         ready = (status.get_condition(new, status.READY) or {}).get("message", "")
-        logger.info(f"{namespace}/{owner['name']}: phase {old.get('phase')} -> {new.get('phase')} ({ready})")
+        # The Deployment carries the resource's name, so kopf's "[namespace/name]" prefix fits.
+        logger.info(f"status: phase {old.get('phase')} -> {new.get('phase')} ({ready})")
         sdd = kube.get_sdd(namespace, owner["name"])
         if sdd is not None and new.get("phase") == status.PHASE_READY:
             _event(sdd, warning=False, reason="Ready", message=ready)
@@ -227,9 +232,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: Operato
     memo.kube = KubeClient(new_api_client())
 
 
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf's own credential readers: the pod's service account, else KUBECONFIG as it is now."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    kopf.on.login(registry=registry)(kopf.login_via_client)
+    kopf.on.login(registry=registry)(login)
 
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
         configure(settings, memo, options, **kwargs)
@@ -249,7 +259,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         # resource deleted while the operator is down is not stuck waiting for it.
         on(GROUP, VERSION, PLURAL, registry=registry, id=f"reconcile-{cause}")(reconcile)
     kopf.on.event(
-        "apps", "v1", "deployments", registry=registry, id="engine-deployment",
+        "apps", "v1", "deployments", registry=registry, id=DEPLOYMENT_HANDLER_ID,
         labels={LABEL_MANAGED_BY: MANAGED_BY},
     )(deployment_event)
     return registry

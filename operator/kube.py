@@ -4,6 +4,7 @@ optimistic-concurrency status writes, through the official Kubernetes client."""
 from __future__ import annotations
 
 import base64
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,10 +51,12 @@ def controller_owner(obj: Mapping[str, Any], kind: str = KIND) -> Mapping[str, A
 def new_api_client() -> kubernetes.client.ApiClient:
     """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
     try:
-        kubernetes.config.load_incluster_config()
-        return kubernetes.client.ApiClient()
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+        return kubernetes.client.ApiClient(configuration)
     except kubernetes.config.ConfigException:
-        return kubernetes.config.new_client_from_config()
+        # Read KUBECONFIG now: the client's own default was frozen when it was first imported.
+        return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
 
 
 class KubeClient:

@@ -15,6 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
+# Imported before any test sets KUBECONFIG, as in a full session: the operator must read
+# KUBECONFIG when it starts, not rely on the client's import-time default.
+import kubernetes.config  # noqa: F401
 import pytest
 import yaml
 from testcluster import KubeCluster, wait_for
@@ -129,11 +132,12 @@ def operator(kube_cluster: KubeCluster, kube_namespace: str, crd: str, hub_url: 
 class OperatorProcess:
     """`specdeploy operator` as a child process, so that a test can SIGKILL it mid-way."""
 
-    def __init__(self, cluster: KubeCluster, namespace: str, hub_endpoint: str, log_path: Path) -> None:
+    def __init__(self, cluster: KubeCluster, namespace: str, hub_endpoint: str, log_path: Path, liveness_port: int = 0) -> None:
+        self.liveness_port = liveness_port
         self.cmd = [
             sys.executable, "-P", "-m", "specdeploy.cli", "operator", "--namespace", namespace,
             "--hub-endpoint", hub_endpoint, "--engine-image", "registry.local/specdeploy-engine:test",
-            "--liveness-port", "0",
+            "--liveness-port", str(liveness_port),
         ]
         self.env = {**cluster.env, "PYTHONUNBUFFERED": "1"}
         self.log_path = log_path
@@ -241,8 +245,9 @@ def operator_process(kube_cluster: KubeCluster, kube_namespace: str, crd: str, h
     """operator_process() -> a started `specdeploy operator` child process (killed at teardown)."""
     started: list[OperatorProcess] = []
 
-    def start() -> OperatorProcess:
-        proc = OperatorProcess(kube_cluster, kube_namespace, hub_url, tmp_path / f"operator-{len(started)}.log").start()
+    def start(liveness_port: int = 0) -> OperatorProcess:
+        log_path = tmp_path / f"operator-{len(started)}.log"
+        proc = OperatorProcess(kube_cluster, kube_namespace, hub_url, log_path, liveness_port).start()
         started.append(proc)
         return proc
 
