@@ -258,13 +258,15 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
     helm_install(
         kube_cluster, release, ns,
         f"operator.healthPort={_free_port()}", f"hub.endpoint={hub}", "engine.image.tag=test",
+        # Debug logs show each engine-metrics round, which lists the engine pods.
+        "operator.logLevel=debug",
     )
     try:
         notes = kube_cluster.helm("get", "notes", release, "-n", ns).stdout
         assert f"kubectl -n {ns} get sdd" in notes
         assert "kubectl apply --server-side --force-conflicts" in notes
 
-        with operator_as_chart_deploys_it(kube_cluster, release, ns, tmp_path):
+        with operator_as_chart_deploys_it(kube_cluster, release, ns, tmp_path) as log_path:
             kube_cluster.kubectl("-n", ns, "create", "secret", "generic", "hf-token", f"--from-literal=token={HUB_TOKEN}")
             for path in examples.example_files():
                 kube_cluster.kubectl("-n", ns, "apply", "-f", str(path))
@@ -273,6 +275,10 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
                 # example only if nothing else holds GPUs, so only the one-GPU ones must reach Ready.
                 _check_served(kube_cluster, ns, path, engine_image="ghcr.io/specdeploy/engine:test",
                               must_be_ready=examples.commented_plan(path)["tensor_parallel_size"] == 1)
+            # One round of the operator's engine-metrics loop (every 30 s): it lists the ready
+            # engine pods and tries their /metrics, which kwok's pods do not serve.
+            wait_for(lambda: "metrics not scraped" in log_path.read_text(), timeout_s=75,
+                     what="an engine-metrics round in the operator log")
 
         sa = operator_deployment(kube_cluster, release, ns)["spec"]["template"]["spec"]["serviceAccountName"]
         subject = f"system:serviceaccount:{ns}:{sa}"
@@ -285,6 +291,10 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
             ("create", "secrets", "-n", ns),
             ("get", "secrets", "-n", other),
             ("list", "pods", "--all-namespaces"),
+            ("get", "pods", "-n", ns),
+            ("watch", "pods", "-n", ns),
+            ("delete", "pods", "-n", ns),
+            ("get", "pods", "--subresource=log", "-n", ns),
             ("create", "pods", "-n", ns),
             ("create", "pods", "--subresource=exec", "-n", ns),
             ("delete", "services", "-n", ns),
@@ -336,7 +346,7 @@ def test_cluster_wide_install_serves_any_namespace(kube_cluster, kube_namespace,
         subject = f"system:serviceaccount:{ns}:{sa}"
         # Cluster-wide still means the operator's resources only.
         assert can_i(kube_cluster, subject, "list", "specdecodedeployments.specdeploy.dev", "--all-namespaces")
-        for args in [("list", "secrets", "--all-namespaces"), ("list", "pods", "--all-namespaces"),
+        for args in [("list", "secrets", "--all-namespaces"), ("get", "pods", "-n", elsewhere),
                      ("delete", "services", "-n", elsewhere), ("create", "clusterroles")]:
             assert not can_i(kube_cluster, subject, *args), f"{subject} may {' '.join(args)}"
     finally:

@@ -154,6 +154,7 @@ EXPECTED_OPERATOR_RULES = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch"},
+    ("", "pods"): {"list"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},
 }
