@@ -222,16 +222,19 @@ def run_demo(recipe: Recipe, cache_dir: Path, *, max_tokens: int = 64, retrain: 
     say(f"  serving at {spec_server.base_url}/v1")
     try:
         client = openai.OpenAI(base_url=f"{spec_server.base_url}/v1", api_key="unused", max_retries=0)
+        # Sampled (seeded): greedy decoding of a model this small falls into loops at once. The
+        # benchmark below is greedy, where speculative output must equal target-only output.
+        sampling = dict(temperature=0.7, top_p=0.95, seed=1)
         prompt = "def fibonacci(n):\n"
-        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0)
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, **sampling)
         _show("completion", prompt, out.choices[0].text)
         messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
-        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=48, temperature=0)
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=48, **sampling)
         _show("chat", messages[0]["content"], chat.choices[0].message.content)
         prompt = "class Scheduler:\n    def "
         print(f"  {'streamed':<10} {prompt!r} -> ", end="", flush=True)
-        for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0,
-                                               stream=True):
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, stream=True,
+                                               **sampling):
             if chunk.choices and chunk.choices[0].text:
                 print(repr(chunk.choices[0].text)[1:-1], end="", flush=True)
         say()
