@@ -67,7 +67,11 @@ def _assert_gone(cluster: dict) -> None:
     workdir = Path(cluster["workdir"])
     assert _pids_mentioning(workdir) == [], "cluster processes left behind"
     listening = listening_ports()
-    assert [p for p in cluster["ports"] if p in listening] == [], "cluster ports still bound"
+    bound = [p for p in cluster["ports"] if p in listening]
+    if bound:
+        ss = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+        owners = "\n".join(line for line in ss.splitlines() if any(f":{p} " in line for p in bound))
+        raise AssertionError(f"cluster ports still bound: {bound}\n{owners}")
     assert not workdir.exists(), f"{workdir} left behind"
 
 

@@ -128,17 +128,27 @@ def _pids_mentioning(path: Path) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
+    """True while any thread of process `pid` has not exited.
+
+    The thread-group leader turns zombie as soon as it exits, while the process's other threads
+    (a Go binary has many) may still be tearing down and holding its sockets, so look at each."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[-1].split()[0] not in ("Z", "X"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _terminate(pids_of: Callable[[], list[int]], grace_s: float = 5.0) -> list[int]:
     """SIGTERM, then SIGKILL, the processes `pids_of()` names until none is left; returns those signalled."""
     signalled: list[int] = []
+    seen = set(pids_of())
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = pids_of()
         if not pids:
@@ -149,9 +159,15 @@ def _terminate(pids_of: Callable[[], list[int]], grace_s: float = 5.0) -> list[i
                 signalled.append(pid)
             except ProcessLookupError:
                 pass
+        seen.update(pids)
         deadline = time.monotonic() + grace_s
         while pids_of() and time.monotonic() < deadline:
             time.sleep(0.1)
+    # An exiting process may show an empty command line (so pids_of() no longer names it) while it
+    # still holds its sockets: wait until every PID seen is really gone.
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return sorted(set(signalled))
 
 
