@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from kubernetes import client as k8s
@@ -281,6 +283,15 @@ def test_missing_binaries_fail_with_a_make_tools_hint(tmp_path):
         Tools.find(tmp_path)
     assert "make tools" in str(err.value)
     assert str(tmp_path / "kubernetes-") in str(err.value)
+
+
+def test_a_broken_binary_fails_the_start_clearly_and_leaves_nothing(kube_tools: Tools, tmp_path: Path):
+    broken = dataclasses.replace(kube_tools, kube_apiserver=Path("/bin/false"))
+    with pytest.raises(RuntimeError) as err:
+        KubeCluster.start(broken, base_dir=tmp_path, timeout_s=20)
+    assert "kwokctl create cluster" in str(err.value)
+    assert "kube-apiserver" in str(err.value)
+    assert list(tmp_path.glob("specdeploy-kube-*")) == []
 
 
 def test_a_second_cluster_starts_fast_and_leaves_nothing_behind(kube_tools: Tools):
