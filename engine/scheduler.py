@@ -134,6 +134,7 @@ class Scheduler:
         self._waiting: collections.deque[_RequestState] = collections.deque()  # guarded by _cv
         self._aborts: list[str] = []  # guarded by _cv
         self._stop = False  # guarded by _cv
+        self._num_unfinished = 0  # guarded by _cv: submitted and not yet finished, wherever they are
         self._running: dict[str, _RequestState] = {}  # engine thread only
         self._draft_counts = (runner.num_draft_tokens_proposed, runner.num_draft_tokens_accepted)
         self._num_running_published = 0  # read by the event loop (an int store is atomic)
@@ -175,7 +176,7 @@ class Scheduler:
     @property
     def is_idle(self) -> bool:
         with self._cv:
-            return not self._waiting and self._num_running_published == 0
+            return self._num_unfinished == 0
 
     def slots_needed(self, prompt_tokens: int, max_tokens: int) -> int:
         return prompt_tokens + max_tokens + self.scratch_slots
@@ -215,6 +216,7 @@ class Scheduler:
                     f"the server is at capacity ({self._num_running_published} running, "
                     f"{len(self._waiting)} queued); retry later")
             self._waiting.append(state)
+            self._num_unfinished += 1
             self.metrics.num_requests_waiting.set(len(self._waiting))
             self._cv.notify()
         return RequestHandle(self, state)
@@ -382,6 +384,8 @@ class Scheduler:
         state.emitted_chars = len(state.text)
         self.metrics.request_finished(state.endpoint, finish_reason)
         self.metrics.request_latency_s.observe(time.monotonic() - state.arrival_s)
+        with self._cv:  # last: a drain may end once this reaches zero
+            self._num_unfinished -= 1
 
     @staticmethod
     def _emit(state: _RequestState, delta: Delta) -> None:
