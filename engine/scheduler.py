@@ -414,11 +414,13 @@ class Scheduler:
             return
         if self._log_tokens or self._running or self._waiting:
             tok_per_s = self._log_tokens / elapsed_s
-            accept_len = 1.0 + self._log_accepted / self._log_steps if self._log_steps else float("nan")
             kv_usage = 1.0 - self.runner.num_free_slots / self.capacity_slots if self.capacity_slots else 0.0
             self.metrics.generation_throughput.set(tok_per_s)
-            log.info("decode: running=%d queued=%d gen_tok/s=%.1f accept_len=%.2f kv_usage=%.1f%%",
-                     len(self._running), len(self._waiting), tok_per_s, accept_len, 100 * kv_usage)
+            # Without a draft every step commits one token: no acceptance length to report.
+            accept = (f" accept_len={1.0 + self._log_accepted / self._log_steps:.2f}"
+                      if self.runner.draft is not None and self._log_steps else "")
+            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s kv_usage=%.1f%%",
+                     len(self._running), len(self._waiting), tok_per_s, accept, 100 * kv_usage)
         else:
             self.metrics.generation_throughput.set(0.0)
         self._log_last_s, self._log_tokens, self._log_steps, self._log_accepted = now, 0, 0, 0
