@@ -25,6 +25,8 @@ ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Requests waiting for admission, per running-request slot, before new ones get 429.
 QUEUE_PER_RUNNING_REQUEST = 4
+DEFAULT_NUM_STEPS = 3
+DEFAULT_MAX_RUNNING_REQUESTS = 32
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,13 +38,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "/v1/completions, /v1/chat/completions, /health, /ready and /metrics.")
     p.add_argument("--target", required=True, help="target model: a local HF-style directory or an HF id in the local HF cache")
     p.add_argument("--draft", help="draft head: a local directory or an HF id (required for EAGLE and EAGLE3)")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="NONE")
-    p.add_argument("--num-steps", type=int, default=3, help="draft depth per iteration")
-    p.add_argument("--topk", type=int, default=1, help="branches per draft step")
+    # Defaults are None so that, with --plan, only what was really given is compared with the plan.
+    p.add_argument("--algorithm", choices=ALGORITHMS, help="default: the plan's, else NONE")
+    p.add_argument("--num-steps", type=int, help=f"draft depth per iteration (default: {DEFAULT_NUM_STEPS})")
+    p.add_argument("--topk", type=int, help="branches per draft step (default: 1)")
     p.add_argument("--num-draft-tokens", type=int, help="tokens verified per request per iteration (default: num_steps + 1)")
     p.add_argument("--plan", help="plan.json from the operator; without it the plan is computed here")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--max-running-requests", type=int, help=f"default: {DEFAULT_MAX_RUNNING_REQUESTS}")
     p.add_argument("--context-length", type=int, help="default: the target's max_position_embeddings")
     p.add_argument("--max-total-tokens", type=int, help="cap the KV pool at this many token slots (default: the plan's)")
     p.add_argument("--max-queued-requests", type=int, help=f"waiting requests before 429 (default: {QUEUE_PER_RUNNING_REQUEST} x max running)")
@@ -89,8 +92,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft is required for --algorithm {args.algorithm}")
     if args.algorithm == "NONE" and args.draft:
         raise ValueError("--draft given with --algorithm NONE; pick EAGLE, EAGLE3 or MTP")
-    if args.num_draft_tokens is None:
-        args.num_draft_tokens = args.num_steps + 1
+    if args.draft and args.algorithm is None and not args.plan:
+        raise ValueError("--draft needs --algorithm (EAGLE, EAGLE3 or MTP) or a --plan that names it")
+
+
+def _spec_settings(args: argparse.Namespace):
+    """SpecSettings from the command line (no --plan)."""
+    from specdeploy.engine.plan import SpecSettings
+
+    algorithm = args.algorithm or "NONE"
+    if algorithm == "NONE":
+        return SpecSettings("NONE", 0, 0, 0)
+    steps = args.num_steps or DEFAULT_NUM_STEPS
+    return SpecSettings(algorithm, steps, args.topk or 1, args.num_draft_tokens or steps + 1)
 
 
 def resolve_model_path(name: str) -> Path:
@@ -133,14 +147,15 @@ def _host_gpu(device: str):
 
 
 def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
-    from specdeploy.engine.plan import Limits, Plan, SpecSettings, plan_from_configs
+    from specdeploy.engine.plan import Limits, Plan, plan_from_configs
     from specdeploy.engine.plan_cli import format_plan
     from specdeploy.engine.shapes import load_model_path
 
     if args.plan:
         plan = Plan.from_dict(json.loads(Path(args.plan).read_text()))
         log.info("plan: read from %s", args.plan)
-        asked = {"algorithm": args.algorithm, "max_running_requests": args.max_running_requests,
+        asked = {"algorithm": args.algorithm, "num_steps": args.num_steps, "topk": args.topk,
+                 "num_draft_tokens": args.num_draft_tokens, "max_running_requests": args.max_running_requests,
                  "context_length": args.context_length}
         for key, value in asked.items():
             if value is not None and getattr(plan, key) != value:
@@ -149,11 +164,11 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
     else:
         target_config, target_weight_bytes = load_model_path(target_dir)
         draft_config, draft_weight_bytes = load_model_path(draft_dir) if draft_dir else (None, None)
-        spec = (SpecSettings("NONE", 0, 0, 0) if args.algorithm == "NONE" else
-                SpecSettings(args.algorithm, args.num_steps, args.topk, args.num_draft_tokens))
+        spec = _spec_settings(args)
         context_length = args.context_length or int(
             target_config.get("text_config", target_config).get("max_position_embeddings", 4096))
-        limits = Limits(args.max_running_requests, context_length, args.max_running_requests)
+        running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        limits = Limits(running, context_length, running)
         plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
                                  target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
                                  gpus_per_node=1)
@@ -201,9 +216,11 @@ def load_engine(args: argparse.Namespace, metrics):
     torch.manual_seed(args.seed)
     target_dir = resolve_model_path(args.target)
     draft_dir = resolve_model_path(args.draft) if args.draft else None
-    if args.algorithm == "MTP" and draft_dir is None:
+    plan = make_plan(args, target_dir, draft_dir, device)
+    if plan.algorithm == "MTP" and draft_dir is None:
         draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
-    plan = make_plan(args, target_dir, draft_dir if args.draft else None, device)
+    if plan.algorithm != "NONE" and draft_dir is None:
+        raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
     if plan.tensor_parallel_size != 1:
         raise RuntimeError(f"the plan needs tensor_parallel_size {plan.tensor_parallel_size}; this engine "
                            f"runs on one GPU (TP 1) per pod")

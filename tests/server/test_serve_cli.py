@@ -24,7 +24,7 @@ def test_serve_allocates_the_given_plan_and_reports_differences(model_dirs, tmp_
 
     caplog.set_level(logging.INFO, logger="specdeploy")
     running = ServerThread([
-        "engine", "serve", "--target", str(target_dir), "--draft", str(draft_dir), "--algorithm", "EAGLE",
+        "engine", "serve", "--target", str(target_dir), "--draft", str(draft_dir),  # the plan says EAGLE
         "--plan", str(plan_path), "--dtype", "float32", "--max-running-requests", "8", "--max-total-tokens", "1024",
         "--served-model-name", "planned", "--host", "127.0.0.1", "--port", str(free_port())]).start(timeout_s=120)
     try:
@@ -41,5 +41,6 @@ def test_serve_allocates_the_given_plan_and_reports_differences(model_dirs, tmp_
     logs = caplog.text
     assert f"plan: read from {plan_path}" in logs
     assert "max_running_requests is 2 in the plan and 8 on the command line; using the plan's" in logs
+    assert "algorithm is" not in logs and "num_steps is" not in logs  # not given, so nothing to compare
     assert "plan check: weights" in logs and "plan check: KV cache" in logs
     assert "max_total_tokens" in logs  # the plan's table
