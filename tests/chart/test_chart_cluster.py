@@ -277,7 +277,7 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
                               must_be_ready=examples.commented_plan(path)["tensor_parallel_size"] == 1)
             # One round of the operator's engine-metrics loop (every 30 s): it lists the ready
             # engine pods and tries their /metrics, which kwok's pods do not serve.
-            wait_for(lambda: "metrics not scraped" in log_path.read_text(), timeout_s=75,
+            wait_for(lambda: "metrics not scraped" in log_path.read_text(), timeout_s=100,
                      what="an engine-metrics round in the operator log")
 
         sa = operator_deployment(kube_cluster, release, ns)["spec"]["template"]["spec"]["serviceAccountName"]
@@ -466,7 +466,7 @@ def test_uninstall_leaves_no_orphans(kube_cluster, kube_namespace, crd, mode):
 
         kube_cluster.helm("uninstall", release, "-n", ns, "--wait")
         # ReplicaSets and pods go by garbage collection, shortly after their Deployment.
-        wait_for(lambda: not leftovers(), timeout_s=60, what=f"no objects of release {release}")
+        wait_for(lambda: not leftovers(), timeout_s=90, what=f"no objects of release {release}")
         # Helm never deletes crds/: the SpecDecodeDeployments survive an uninstall.
         kube_cluster.kubectl("get", "crd", crd)
     finally:
