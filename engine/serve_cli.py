@@ -108,23 +108,20 @@ def _spec_settings(args: argparse.Namespace):
 
 
 def resolve_model_path(name: str) -> Path:
-    """A local directory, or an HF id already in the local HF cache. The engine never downloads:
-    in a cluster the weights come from a volume (or an init container)."""
+    """A local directory, else an HF id: from the local HF cache, else fetched from $HF_ENDPOINT
+    into that cache (a volume in the cluster, so a restarted pod does not fetch again)."""
+    from specdeploy.engine import hub
+
     path = Path(name)
     if path.is_dir():
         return path
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
-    repo = hub / ("models--" + name.replace("/", "--"))
-    ref = repo / "refs" / "main"
-    if ref.is_file():
-        snapshot = repo / "snapshots" / ref.read_text().strip()
-        if snapshot.is_dir():
-            return snapshot
-    snapshots = sorted((repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
-    if snapshots:
-        return snapshots[-1]
-    raise FileNotFoundError(f"{name}: not a directory and not in the HF cache at {hub}; the engine does not "
-                            f"download weights, mount them and pass the directory")
+    if path.is_absolute() or name.startswith("."):
+        raise FileNotFoundError(f"{name}: no such directory")
+    snapshot = hub.cached_snapshot(name)
+    if snapshot is not None:
+        log.info("%s: found in the HF cache at %s", name, snapshot)
+        return snapshot
+    return hub.fetch_model(name)
 
 
 def _torch_dtype(name: str, device: str):

@@ -1,0 +1,102 @@
+"""`--target ORG/NAME`: fetched once from an HF-compatible hub into the HF cache, then served.
+
+The hub here is a small HTTP server on loopback speaking the two calls the engine makes:
+GET /api/models/{repo}/revision/{rev} and GET /{repo}/resolve/{commit}/{file}.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import openai
+import pytest
+
+from specdeploy.engine import hub
+from specdeploy.engine.serve_cli import ServerThread, free_port
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub:
+    def __init__(self, repos: dict[str, Path], token: str | None = None):
+        self.repos, self.token, self.requests = repos, token, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                outer.requests.append(self.path)
+                if outer.token and self.headers.get("Authorization") != f"Bearer {outer.token}":
+                    return self._send(401, b"{}")
+                for repo, root in outer.repos.items():
+                    if self.path == f"/api/models/{repo}/revision/main":
+                        files = [{"rfilename": p.name} for p in sorted(root.iterdir())]
+                        files.append({"rfilename": "pytorch_model.bin"})  # another format: never fetched
+                        return self._send(200, json.dumps({"sha": COMMIT, "siblings": files}).encode())
+                    prefix = f"/{repo}/resolve/{COMMIT}/"
+                    if self.path.startswith(prefix) and (root / self.path[len(prefix):]).is_file():
+                        return self._send(200, (root / self.path[len(prefix):]).read_bytes())
+                self._send(404, b"{}")
+
+            def _send(self, status, body):
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def fake_hub(model_dirs, tmp_path, monkeypatch):
+    target_dir, draft_dir = model_dirs
+    fake = FakeHub({"org/tiny": target_dir, "org/tiny-eagle": draft_dir}, token="secret")
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    yield fake
+    fake.close()
+
+
+def serve(*extra):
+    return ServerThread(["engine", "serve", "--target", "org/tiny", "--draft", "org/tiny-eagle", "--algorithm", "EAGLE",
+                         "--dtype", "float32", "--max-total-tokens", "1024", "--max-running-requests", "2",
+                         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(free_port()), *extra])
+
+
+def test_models_are_fetched_once_into_the_hf_cache(fake_hub, tmp_path):
+    running = serve().start(timeout_s=120)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        running.stop()
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
+    assert (snapshot / "model.safetensors").is_file() and (snapshot / "tokenizer.json").is_file()
+    assert (tmp_path / "hf" / "hub" / "models--org--tiny" / "refs" / "main").read_text() == COMMIT
+    assert not any("pytorch_model.bin" in r for r in fake_hub.requests)
+    assert not list(snapshot.glob("*.part"))
+
+    fetched = len(fake_hub.requests)
+    serve().start(timeout_s=120).stop()  # a restarted pod: everything comes from the cache
+    assert len(fake_hub.requests) == fetched
+
+
+def test_hub_errors_say_what_is_wrong(fake_hub, tmp_path, monkeypatch):
+    with pytest.raises(hub.HubError, match="no such model"):
+        hub.fetch_model("org/missing")
+    monkeypatch.setenv("HF_TOKEN", "wrong")
+    with pytest.raises(hub.HubError, match="set HF_TOKEN"):
+        hub.fetch_model("org/tiny")
+    assert hub.cached_snapshot("org/tiny") is None
