@@ -136,6 +136,7 @@ class Scheduler:
         self._stop = False  # guarded by _cv
         self._num_unfinished = 0  # guarded by _cv: submitted and not yet finished, wherever they are
         self._running: dict[str, _RequestState] = {}  # engine thread only
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Delta]] = []  # engine thread only
         self._draft_counts = (runner.num_draft_tokens_proposed, runner.num_draft_tokens_accepted)
         self._num_running_published = 0  # read by the event loop (an int store is atomic)
         self.draining = False
@@ -257,11 +258,13 @@ class Scheduler:
                 for state in list(self._running.values()):
                     self._safe_runner_abort(state.id)
                     self._finish(state, "error", error=f"engine error: {type(e).__name__}: {e}")
+            self._deliver()
             self._publish_gauges()
             self._maybe_log()
         # Shutdown: whatever is left gets an abort so no client waits forever.
         for state in list(self._running.values()) + list(self._waiting):
             self._finish(state, "abort")
+        self._deliver()
 
     def _apply_aborts(self, aborts: list[str]) -> None:
         for req_id in aborts:
@@ -387,12 +390,23 @@ class Scheduler:
         with self._cv:  # last: a drain may end once this reaches zero
             self._num_unfinished -= 1
 
-    @staticmethod
-    def _emit(state: _RequestState, delta: Delta) -> None:
-        try:
-            state.loop.call_soon_threadsafe(state.queue.put_nowait, delta)
-        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
-            pass
+    def _emit(self, state: _RequestState, delta: Delta) -> None:
+        self._outbox.append((state.loop, state.queue, delta))
+
+    def _deliver(self) -> None:
+        """Hand this iteration's deltas to the event loop: one wake-up per loop per step, not one
+        per request (each call_soon_threadsafe writes to the loop's self-pipe)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+        for loop, queue, delta in self._outbox:
+            by_loop.setdefault(loop, []).append((queue, delta))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+                pass
 
     def _safe_runner_abort(self, req_id: str) -> None:
         try:
@@ -424,6 +438,11 @@ class Scheduler:
         else:
             self.metrics.generation_throughput.set(0.0)
         self._log_last_s, self._log_tokens, self._log_steps, self._log_accepted = now, 0, 0, 0
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
 
 
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
