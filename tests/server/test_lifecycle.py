@@ -158,3 +158,54 @@ def test_a_model_that_cannot_load_stops_the_server_with_the_reason(tmp_path):
         broken.start(timeout_s=60)
     broken.stop()
     assert broken.server.exit_code == 1
+
+
+def test_health_answers_while_loading_and_ready_waits_for_the_engine(model_dirs):
+    """Kubernetes must not kill a pod that is still loading: /health is 200 from the first second,
+    /ready (and the API) 503 until the engine can serve."""
+    import argparse
+
+    import uvicorn
+
+    from specdeploy.engine import serve_cli
+    from specdeploy.engine.metrics import EngineMetrics
+    from specdeploy.engine.server import DrainingServer, EngineState, create_app
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["engine", "serve", "--target", str(model_dirs[0]), "--dtype", "float32",
+                              "--max-total-tokens", "512", "--max-running-requests", "2"])
+    release = threading.Event()
+
+    def slow_loader(metrics):  # weights that take a while to arrive
+        release.wait(60)
+        return serve_cli.load_engine(args, metrics)
+
+    state = EngineState(model_name="slow", metrics=EngineMetrics("slow"))
+    port = serve_cli.free_port()
+    server = DrainingServer(uvicorn.Config(None, host="127.0.0.1", port=port, log_config=None), state)
+    server.config.app = create_app(state, loader=slow_loader, on_load_failure=server.fail)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _get(base_url, "/health") == 200, what="/health")
+        ready = httpx.get(f"{base_url}/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "loading weights"
+        resp = httpx.post(f"{base_url}/v1/completions", json={"model": "slow", "prompt": "x"})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "not_ready"
+        release.set()
+        wait_until(lambda: _get(base_url, "/ready") == 200, what="/ready after loading")
+        ok = httpx.post(f"{base_url}/v1/completions", json={"model": "slow", "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _get(base_url: str, path: str) -> int | None:
+    try:
+        return httpx.get(f"{base_url}{path}", timeout=2).status_code
+    except httpx.TransportError:
+        return None
