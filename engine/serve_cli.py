@@ -175,6 +175,11 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
     return plan
 
 
+def _checkpoint_size(path: Path) -> str:
+    files = sorted(path.glob("*.safetensors"))
+    return f"{len(files)} safetensors file(s), {human_bytes(sum(f.stat().st_size for f in files))}"
+
+
 def _param_bytes(module) -> int:
     seen, total = set(), 0
     for p in module.parameters():
@@ -224,7 +229,8 @@ def load_engine(args: argparse.Namespace, metrics):
     dtype = _torch_dtype(args.dtype, device)
 
     t0 = time.monotonic()
-    log.info("loading target from %s (%s, %s)", target_dir, str(dtype).removeprefix("torch."), device)
+    log.info("loading target from %s: %s (%s, %s)", target_dir, _checkpoint_size(target_dir),
+             str(dtype).removeprefix("torch."), device)
     target = load_target(str(target_dir), dtype, device)
     weight_bytes = _param_bytes(target)
     log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
@@ -232,7 +238,7 @@ def load_engine(args: argparse.Namespace, metrics):
     draft = None
     if plan.algorithm != "NONE":
         t1 = time.monotonic()
-        log.info("loading %s draft from %s", plan.algorithm, draft_dir)
+        log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir, _checkpoint_size(draft_dir))
         draft = load_draft(str(draft_dir), plan.algorithm, target, dtype, device)
         weight_bytes += _param_bytes(draft)
         log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
