@@ -1,6 +1,6 @@
 # Source on the device machine: makes the checkout importable as `specdeploy` without installing it
 # (the device image has torch but no network), and installs carried wheels if any.
-set -u
+
 _root=$(pwd)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -10,5 +10,5 @@ mkdir -p /tmp/shim/specdeploy
 for f in "$_root"/specdeploy/*.py; do ln -sf "$f" /tmp/shim/specdeploy/; done
 ln -sfn "$_root/engine" /tmp/shim/specdeploy/engine
 ln -sfn "$_root/operator" /tmp/shim/specdeploy/operator
-export PYTHONPATH=/tmp/shim:$PYTHONPATH
+export PYTHONPATH=/tmp/shim${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
