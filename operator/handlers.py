@@ -90,9 +90,10 @@ def resolve_configs(
 
 def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
     """create / update / resume: bring the children in line with the spec, or say why not."""
-    kube: KubeClient = memo.kube
-    options: OperatorOptions = memo.options
-    sdd = plain(body)
+    converge(plain(body), memo.kube, memo.options, logger)
+
+
+def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger) -> None:
     meta = sdd["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     now = status.now_rfc3339
@@ -100,7 +101,7 @@ def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
     if is_paused(meta):
         kube.update_status(namespace, name, lambda cur, _o: status.paused(cur, generation=generation, now=now()))
         logger.info("paused by annotation: children left untouched")
-        _event(body, warning=False, reason="Paused", message="reconciliation paused; children left untouched")
+        _event(sdd, warning=False, reason="Paused", message="reconciliation paused; children left untouched")
         return
 
     kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
@@ -109,41 +110,44 @@ def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
         planned: PlannedEngine = plan_engine(sdd["spec"], target_config, draft_config)
     except (config_source.ConfigSourceError, PlanningError) as err:
         transient = getattr(err, "transient", False)
-        _refuse(kube, body, sdd, err.reason, err.message, transient=transient, logger=logger)
+        _refuse(kube, sdd, err.reason, err.message, transient=transient, logger=logger)
         if transient:
             raise kopf.TemporaryError(f"{err.reason}: {err.message}", delay=options.transient_retry_delay_s)
         raise kopf.PermanentError(f"{err.reason}: {err.message}")
 
     summary = plan_summary(planned)
     logger.info(f"planned from {', '.join(origins)}: {summary}")
-    _event(body, warning=False, reason="Planned", message=summary)
+    _event(sdd, warning=False, reason="Planned", message=summary)
 
     children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
     try:
         deployment = kube.apply_children(children)
     except ChildConflict as err:
         logger.warning(f"not applied: {err}")
-        _event(body, warning=True, reason="ChildConflict", message=str(err))
+        _event(sdd, warning=True, reason="ChildConflict", message=str(err))
         raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S)
     gpus = planned.tensor_parallel_size
     logger.info(
         f"applied ConfigMap, Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
         f" {children.config_hash}) and Service {name}"
     )
-    _event(body, warning=False, reason="Applied", message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
+    _event(sdd, warning=False, reason="Applied", message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
 
     def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
         new = status.plan_ready(
             current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
             message=summary, now=now(),
         )
-        return status.serving(new, deployment, generation=generation, now=now())
+        # Read the Deployment again on every attempt: the watcher ignores Deployment events until
+        # this write lands, so this write must not carry an older view than the last such event.
+        latest = kube.get_deployment(namespace, name) or deployment
+        return status.serving(new, latest, generation=generation, now=now())
 
     kube.update_status(namespace, name, planned_status)
 
 
 def _refuse(
-    kube: KubeClient, body: kopf.Body, sdd: dict[str, Any], reason: str, message: str,
+    kube: KubeClient, sdd: dict[str, Any], reason: str, message: str,
     *, transient: bool, logger: logging.Logger,
 ) -> None:
     meta = sdd["metadata"]
@@ -155,7 +159,7 @@ def _refuse(
         engine_kept = False
         deleted = kube.delete_engine(namespace, name)
         logger.warning(f"{reason}: {message}" + (f"; deleted {', '.join(deleted)}" if deleted else "; nothing deployed"))
-    _event(body, warning=True, reason=reason, message=message)
+    _event(sdd, warning=True, reason=reason, message=message)
     kube.update_status(
         namespace, name,
         lambda cur, _o: status.plan_failed(
@@ -192,6 +196,32 @@ def deployment_event(
         sdd = kube.get_sdd(namespace, owner["name"])
         if sdd is not None and new.get("phase") == status.PHASE_READY:
             _event(sdd, warning=False, reason="Ready", message=ready)
+    if deployment is None:
+        _restore_deleted_engine(namespace, owner, kube, memo.options, logger)
+
+
+def _restore_deleted_engine(
+    namespace: str, owner: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger
+) -> None:
+    """Someone deleted the engine Deployment of a resource that should be serving: apply it again.
+    (Deletions the operator made itself, or by garbage collection, leave no planned, live owner.)"""
+    sdd = kube.get_sdd(namespace, owner["name"])
+    if sdd is None or sdd["metadata"].get("uid") != owner.get("uid") or sdd["metadata"].get("deletionTimestamp"):
+        return
+    current = sdd.get("status") or {}
+    plan_ready = status.get_condition(current, status.PLAN_READY) or {}
+    if (
+        is_paused(sdd["metadata"])
+        or plan_ready.get("status") != "True"
+        or current.get("observedGeneration") != sdd["metadata"].get("generation")
+    ):
+        return
+    logger.warning("engine Deployment deleted from outside; applying it again")
+    _event(sdd, warning=True, reason="DeploymentDeleted", message="engine Deployment deleted from outside; applying it again")
+    try:
+        converge(sdd, kube, options, logger)
+    except (kopf.TemporaryError, kopf.PermanentError):
+        pass  # converge has written the reason to status; the next spec change or restart retries
 
 
 def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None) -> None:

@@ -177,10 +177,18 @@ def test_paused_resource_is_left_alone(kube_cluster, kube_namespace, operator, h
     assert template_hash(live.deployment()) != template_hash(old)
 
 
-def test_delete_collects_the_children(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
+def test_deleted_deployment_returns_and_delete_collects_the_children(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
     kube_cluster.apply(manifest("gone", replicas=1), namespace=kube_namespace)
     sdd = sdd_of("gone")
     sdd.wait_ready()
+
+    # A Deployment deleted from outside comes back.
+    first_uid = sdd.deployment()["metadata"]["uid"]
+    kube_cluster.kubectl("delete", "deployment", "gone", "-n", kube_namespace)
+    wait_for(lambda: (d := sdd.deployment()) and d["metadata"]["uid"] != first_uid, timeout_s=30, what="Deployment re-applied")
+    sdd.wait_ready()
+    assert "DeploymentDeleted" in reasons(sdd)
+
     kube_cluster.kubectl("delete", "sdd", "gone", "-n", kube_namespace)
     wait_for(
         lambda: not any(sdd.owned(kind) for kind in ("deployments", "services", "configmaps", "pods")),
