@@ -251,8 +251,9 @@ def load_engine(args: argparse.Namespace, metrics):
         max_total_tokens = args.max_total_tokens
         log.info("KV pool: capped at %d token slots by --max-total-tokens (plan: %d)", max_total_tokens,
                  plan.max_total_tokens)
-    elif device == "cpu" and plan.required_tokens < max_total_tokens:
-        # On CPU the "GPU memory" is the host's RAM: the pool gets what the limits need, not all of it.
+    elif device == "cpu" and not args.plan and plan.required_tokens < max_total_tokens:
+        # A plan made here on CPU counts the host's RAM as "GPU memory": the pool gets what the
+        # limits need, not all of it. A given --plan is allocated as it is.
         max_total_tokens = plan.required_tokens
         log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
                  max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
