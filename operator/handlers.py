@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,8 +253,11 @@ async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: OperatorOptions, **_: Any) -> None:
-    # Events for every decision, info level included.
+    # Events for every decision, info level included, signed by this operator (not "kopf").
     settings.posting.level = logging.INFO
+    settings.posting.reporting_component = MANAGED_BY
+    settings.posting.reporting_instance = socket.gethostname()
+    settings.posting.event_name_prefix = "specdeploy-"
     # kopf keeps its handler bookkeeping in annotations only, so that it never competes with
     # update_status for the status subresource.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()

@@ -61,6 +61,7 @@ def test_apply_to_ready(kube_cluster, kube_namespace, operator, hub_secret, mani
     (service,) = sdd.owned("services")
     assert service["spec"]["ports"][0]["port"] == 8000 and service["spec"]["ports"][0]["name"] == "http"
     assert {"Planned", "Applied"} <= reasons(sdd)
+    assert {e["source"].get("component") or e.get("reportingComponent") for e in sdd.events()} == {"specdeploy-operator"}
     # No finalizer: deleting the resource never waits for the operator.
     assert not sdd.get()["metadata"].get("finalizers")
 
