@@ -1,5 +1,9 @@
-"""The Triton slot-pool attention kernel checked against the reference attention on CPU through
-Triton's interpreter (a subprocess: the interpreter is chosen when Triton is first imported)."""
+"""The Triton slot-pool attention (split-KV kernel + combine) checked against the reference
+attention on CPU through Triton's interpreter (a subprocess: the interpreter is chosen when Triton
+is first imported). Cases cover decode (one query), verify (a tree mask over several queries) and
+prefill-like rows; GQA ratios 1, 2 and 4; prefixes of 0, 1, exactly one split, one key past a
+split and many splits; one split (the kernel normalises itself) and several (the combine);
+float32 and bfloat16."""
 
 import os
 import subprocess
@@ -10,26 +14,71 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = r"""
+import numpy as np
 import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+# The interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 bit patterns; give
+# it the float32 values instead (the GPU's tensor cores multiply bf16 exactly and sum in fp32).
+_dot = interpreter.InterpreterBuilder.create_dot
+def _dot_bf16_as_f32(self, a, b, d, input_precision, max_num_imprecise_acc):
+    if a.dtype.scalar == tl.bfloat16:
+        f32 = lambda h: interpreter.TensorHandle(
+            interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32),
+            tl.float32)
+        a, b = f32(a), f32(b)
+    return _dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+interpreter.InterpreterBuilder.create_dot = _dot_bf16_as_f32
+
 from specdeploy.engine.attention import AttnBatch, reference
 from specdeploy.engine import attention_triton
+
 torch.manual_seed(0)
-for b, nq, hq, hkv, d, width in [(3, 5, 4, 2, 16, 45), (2, 1, 4, 4, 32, 70), (2, 19, 2, 1, 16, 1)]:
-    k, v = torch.randn(300, hkv, d), torch.randn(300, hkv, d)
-    q = torch.randn(b, nq, hq, d)
-    lens = torch.randint(0, width + 1, (b,))
-    prefix = torch.randint(1, 300, (b, width))
-    new = torch.randint(1, 300, (b, nq))
+SLOTS = 400
+CASES = [  # b, queries, hq, hkv, d, prefix width, prefix lens, splits (None: chosen), dtype
+    (3, 5, 4, 2, 16, 45, [0, 1, 45], None, torch.float32),      # tree rows, GQA 2
+    (2, 1, 8, 2, 32, 200, [200, 130], None, torch.float32),     # decode, GQA 4, chosen splits
+    (1, 1, 4, 1, 16, 100, [100], 8, torch.float32),             # decode, 8 splits of 13 keys
+    (2, 19, 2, 1, 16, 1, [1, 0], 2, torch.float32),             # prefill-like, 2 row blocks
+    (4, 4, 4, 4, 16, 70, [0, 32, 33, 70], 2, torch.bfloat16),   # MHA, split edge +- 1 key
+    (2, 6, 8, 2, 16, 90, [90, 33], 1, torch.bfloat16),          # single split
+    (1, 1, 8, 2, 16, 300, [300], None, torch.bfloat16),         # decode, long prefix
+]
+for b, nq, hq, hkv, d, width, lens, splits, dtype in CASES:
+    k = torch.randn(SLOTS, hkv, d).to(dtype)
+    v = torch.randn(SLOTS, hkv, d).to(dtype)
+    q = torch.randn(b, nq, hq, d).to(dtype)
+    prefix = torch.randint(1, SLOTS, (b, width))
+    new = torch.randint(1, SLOTS, (b, nq))
     mask = (torch.rand(b, nq, nq) < 0.5).tril() | torch.eye(nq, dtype=torch.bool)
-    batch = AttnBatch(new, prefix, lens, new, mask)
-    diff = (reference(q, k, v, batch, 0.3) - attention_triton.attend(q, k, v, batch, 0.3)).abs().max()
-    assert diff < 1e-5, diff
+    batch = AttnBatch(new, prefix, torch.tensor(lens), new, mask)
+    want = reference(q.float(), k.float(), v.float(), batch, 0.3)
+    got = attention_triton.attend(q, k, v, batch, 0.3, num_splits=splits)
+    assert got.dtype == dtype
+    # bf16: the output is rounded to bf16 and P is rounded before P @ V.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    diff = (want - got.float()).abs().max().item()
+    assert diff < tol, (b, nq, hq, hkv, width, lens, splits, dtype, diff)
 print("ok")
 """
 
 
 def test_triton_kernel_matches_reference_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-P", "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_split_count_depends_on_shapes_only():
+    from specdeploy.engine.attention_triton import MAX_SPLITS, num_kv_splits
+    # Batch 1, 8 kv heads, 132 SMs: fill the device, bounded by MAX_SPLITS.
+    assert num_kv_splits(8, 2048, 132) == MAX_SPLITS
+    # The table's width bounds it: 1024 keys / 64 per split = 16.
+    assert num_kv_splits(8, 1024, 132) == 16
+    # A large batch already fills the device: one split, no combine.
+    assert num_kv_splits(64 * 8, 2048, 132) == 1
+    # No prefix at all (prefill from scratch) never splits; counts are powers of two.
+    assert num_kv_splits(1, 0, 132) == 1
+    assert num_kv_splits(24, 4096, 132) == 8

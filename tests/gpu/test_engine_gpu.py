@@ -30,12 +30,8 @@ def backend(request):
     attention.set_backend("auto")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_q,prefix_max", [(1, 300), (6, 200), (37, 0), (5, 1)])
-def test_fast_attention_matches_reference(dtype, num_q, prefix_max):
-    from specdeploy.engine import attention_triton
-    g = torch.Generator(device=DEV).manual_seed(0)
-    b, hq, hkv, d, slots = 5, 8, 2, 64, 2048
+def _attention_inputs(b, num_q, hq, hkv, d, prefix_max, dtype, seed=0, slots=4096):
+    g = torch.Generator(device=DEV).manual_seed(seed)
     k = torch.randn(slots, hkv, d, device=DEV, generator=g).to(dtype)
     v = torch.randn(slots, hkv, d, device=DEV, generator=g).to(dtype)
     q = torch.randn(b, num_q, hq, d, device=DEV, generator=g).to(dtype)
@@ -43,11 +39,41 @@ def test_fast_attention_matches_reference(dtype, num_q, prefix_max):
     prefix = torch.randint(1, slots, (b, max(prefix_max, 1)), device=DEV, generator=g)
     new = torch.randint(1, slots, (b, num_q), device=DEV, generator=g)
     mask = (torch.rand(b, num_q, num_q, device=DEV, generator=g) < 0.5).tril() | torch.eye(num_q, dtype=torch.bool, device=DEV)
-    batch = AttnBatch(new, prefix, lens, new, mask)
+    return q, k, v, AttnBatch(new, prefix, lens, new, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,num_q,hq,hkv,prefix_max,splits", [
+    (5, 1, 8, 2, 300, None), (5, 6, 8, 2, 200, None), (5, 37, 8, 2, 0, None), (5, 5, 8, 2, 1, None),
+    (1, 1, 32, 8, 1024, None), (1, 8, 32, 8, 2048, None), (3, 1, 4, 4, 700, 16), (2, 4, 8, 1, 513, 8),
+    (64, 1, 32, 8, 1024, None), (2, 300, 8, 2, 100, 2)])
+def test_fast_attention_matches_reference(dtype, b, num_q, hq, hkv, prefix_max, splits):
+    """Decode, verify (tree mask) and prefill shapes; GQA 1, 4, 8; chosen and forced splits."""
+    from specdeploy.engine import attention_triton
+    d = 64 if hq < 32 else 128
+    q, k, v, batch = _attention_inputs(b, num_q, hq, hkv, d, prefix_max, dtype)
     ref = reference(q.float(), k.float(), v.float(), batch, d ** -0.5)
-    fast = attention_triton.attend(q, k, v, batch, d ** -0.5).float()
+    fast = attention_triton.attend(q, k, v, batch, d ** -0.5, num_splits=splits).float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert (fast - ref).abs().max().item() < tol
+
+
+def test_fast_attention_graph_replays_for_other_lengths():
+    """The split count and partials depend on shapes only: a graph captured at one set of prefix
+    lengths gives the reference answer after the lengths and slots change in place."""
+    from specdeploy.engine import attention_triton
+    q, k, v, batch = _attention_inputs(2, 4, 32, 8, 128, 1024, torch.bfloat16)
+    attention_triton.attend(q, k, v, batch, 0.1)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_triton.attend(q, k, v, batch, 0.1)
+    for lens in ([1024, 0], [1, 1000], [77, 513]):
+        batch.prefix_lens.copy_(torch.tensor(lens, device=DEV))
+        batch.prefix_slots.random_(1, k.shape[0])
+        graph.replay()
+        ref = reference(q.float(), k.float(), v.float(), batch, 0.1)
+        assert (out.float() - ref).abs().max().item() < 2e-2, lens
 
 
 CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4, 3, 6)]
