@@ -45,6 +45,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=os.environ.get("SPECDEPLOY_HUB_ENDPOINT", config_source.DEFAULT_HUB_ENDPOINT),
         help="Hugging Face-compatible hub for resources that name none (env SPECDEPLOY_HUB_ENDPOINT; default %(default)s)",
     )
+    parser.add_argument(
+        "--metrics-interval-s", type=float, default=30.0,
+        help="read engine pods' /metrics into status.serving this often (0: never; default %(default)s)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging (kopf's too)")
     parser.set_defaults(func=main)
     return parser
@@ -120,5 +124,6 @@ def main(args: argparse.Namespace) -> int:
         hub_endpoint=args.hub_endpoint,
         namespaces=args.namespaces,
         liveness_port=args.liveness_port,
+        metrics_interval_s=args.metrics_interval_s,
     )
     return 0

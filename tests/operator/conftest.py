@@ -132,14 +132,19 @@ def operator(kube_cluster: KubeCluster, kube_namespace: str, crd: str, hub_url: 
 class OperatorProcess:
     """`specdeploy operator` as a child process, so that a test can SIGKILL it mid-way."""
 
-    def __init__(self, cluster: KubeCluster, namespace: str, hub_endpoint: str, log_path: Path, liveness_port: int = 0) -> None:
+    def __init__(
+        self, cluster: KubeCluster, namespace: str, hub_endpoint: str, log_path: Path,
+        liveness_port: int = 0, kubeconfig: Path | None = None, metrics_interval_s: float = 30,
+    ) -> None:
         self.liveness_port = liveness_port
         self.cmd = [
             sys.executable, "-P", "-m", "specdeploy.cli", "operator", "--namespace", namespace,
             "--hub-endpoint", hub_endpoint, "--engine-image", "registry.local/specdeploy-engine:test",
-            "--liveness-port", str(liveness_port),
+            "--liveness-port", str(liveness_port), "--metrics-interval-s", str(metrics_interval_s),
         ]
         self.env = {**cluster.env, "PYTHONUNBUFFERED": "1"}
+        if kubeconfig is not None:
+            self.env["KUBECONFIG"] = str(kubeconfig)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -245,9 +250,9 @@ def operator_process(kube_cluster: KubeCluster, kube_namespace: str, crd: str, h
     """operator_process() -> a started `specdeploy operator` child process (killed at teardown)."""
     started: list[OperatorProcess] = []
 
-    def start(liveness_port: int = 0) -> OperatorProcess:
+    def start(**kwargs: Any) -> OperatorProcess:
         log_path = tmp_path / f"operator-{len(started)}.log"
-        proc = OperatorProcess(kube_cluster, kube_namespace, hub_url, log_path, liveness_port).start()
+        proc = OperatorProcess(kube_cluster, kube_namespace, hub_url, log_path, **kwargs).start()
         started.append(proc)
         return proc
 
