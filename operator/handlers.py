@@ -124,8 +124,17 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     try:
         deployment = kube.apply_children(children)
     except ChildConflict as err:
-        logger.warning(f"not applied: {err}")
+        logger.warning(f"not applied (will retry): {err}")
         _event(sdd, warning=True, reason="ChildConflict", message=str(err))
+
+        def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
+            new = status.plan_ready(
+                current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
+                message=summary, now=now(),
+            )
+            return status.apply_blocked(new, generation=generation, reason="ChildConflict", message=str(err), now=now())
+
+        kube.update_status(namespace, name, blocked)
         raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S)
     gpus = planned.tensor_parallel_size
     logger.info(
@@ -154,11 +163,11 @@ def _refuse(
     meta = sdd["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     if transient:
-        engine_kept = kube.get_deployment(namespace, name) is not None
+        engine_kept = kube.owned_deployment(namespace, name, meta["uid"]) is not None
         logger.warning(f"{reason} (will retry{', previous engine keeps serving' if engine_kept else ''}): {message}")
     else:
         engine_kept = False
-        deleted = kube.delete_engine(namespace, name)
+        deleted = kube.delete_engine(namespace, name, meta["uid"])
         logger.warning(f"{reason}: {message}" + (f"; deleted {', '.join(deleted)}" if deleted else "; nothing deployed"))
     _event(sdd, warning=True, reason=reason, message=message)
     kube.update_status(

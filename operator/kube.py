@@ -164,19 +164,37 @@ class KubeClient:
         applied = {child["kind"]: self.apply(child) for child in children.all()}
         return applied["Deployment"]
 
-    def delete_engine(self, namespace: str, name: str) -> list[str]:
-        """Delete the engine Deployment and its ConfigMap (the Service stays: its name is the
-        stable address clients use, and it has no endpoints without pods). Returns what went."""
+    def owned_deployment(self, namespace: str, name: str, owner_uid: str) -> dict[str, Any] | None:
+        """The engine Deployment if this resource controls it (None for absent or foreign)."""
+        deployment = self.get_deployment(namespace, deployment_name(name))
+        owner = controller_owner(deployment) if deployment else None
+        return deployment if owner is not None and owner.get("uid") == owner_uid else None
+
+    def delete_engine(self, namespace: str, name: str, owner_uid: str) -> list[str]:
+        """Delete the engine Deployment and its ConfigMap, if this resource controls them (the
+        Service stays: its name is the stable address clients use, and it has no endpoints
+        without pods). Returns what went."""
         deleted = []
-        for kind, delete, child_name in (
-            ("Deployment", self.apps.delete_namespaced_deployment, deployment_name(name)),
-            ("ConfigMap", self.core.delete_namespaced_config_map, config_map_name(name)),
+        for kind, read, delete, child_name in (
+            ("Deployment", self.apps.read_namespaced_deployment, self.apps.delete_namespaced_deployment, deployment_name(name)),
+            ("ConfigMap", self.core.read_namespaced_config_map, self.core.delete_namespaced_config_map, config_map_name(name)),
         ):
             try:
-                delete(child_name, namespace, propagation_policy="Background")
+                child = self._dict(read(child_name, namespace))
+                owner = controller_owner(child)
+                if owner is None or owner.get("uid") != owner_uid:
+                    continue  # not ours: never delete what the resource does not control
+                # The uid precondition guards against a same-named replacement in between.
+                delete(
+                    child_name, namespace,
+                    body=kubernetes.client.V1DeleteOptions(
+                        propagation_policy="Background",
+                        preconditions=kubernetes.client.V1Preconditions(uid=child["metadata"]["uid"]),
+                    ),
+                )
                 deleted.append(f"{kind} {child_name}")
             except ApiException as err:
-                if err.status != 404:
+                if err.status not in (404, 409):
                     raise
         return deleted
 

@@ -178,6 +178,20 @@ def plan_failed(
     return status
 
 
+def apply_blocked(
+    current: dict[str, Any] | None, *, generation: int, reason: str, message: str, now: str
+) -> dict[str, Any]:
+    """The plan is fine but the children could not be applied (e.g. a foreign object holds a
+    child's name); retried."""
+    status = _base(current)
+    status["phase"] = PHASE_PENDING
+    status["message"] = message
+    set_condition(status, READY, False, reason, message, generation=generation, now=now)
+    set_condition(status, PROGRESSING, False, reason, message, generation=generation, now=now)
+    set_condition(status, DEGRADED, True, reason, message, generation=generation, now=now)
+    return status
+
+
 def paused(current: dict[str, Any] | None, *, generation: int, now: str) -> dict[str, Any]:
     status = _base(current)
     status["phase"] = PHASE_PAUSED

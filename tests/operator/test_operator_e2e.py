@@ -242,3 +242,31 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_foreign_objects_are_never_taken_over_or_deleted(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
+    foreign = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "taken", "labels": {"app": "someone-else"}},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"app": "someone-else"}},
+            "template": {"metadata": {"labels": {"app": "someone-else"}}, "spec": {"containers": [{"name": "c", "image": "nginx"}]}},
+        },
+    }
+    kube_cluster.apply(foreign, namespace=kube_namespace)
+    before = kube_cluster.kubectl_json("get", "deployment", "taken", "-n", kube_namespace)
+    kube_cluster.apply(manifest("taken", replicas=1), namespace=kube_namespace)
+    sdd = sdd_of("taken")
+    ready = wait_for(lambda: sdd.condition("Ready").get("reason") == "ChildConflict" and sdd.condition("Ready"),
+                     timeout_s=30, what="Ready=False ChildConflict")
+    assert "Deployment" in ready["message"] and "taken" in ready["message"]
+    assert sdd.status()["phase"] == "Pending"
+
+    # Unfittable now: the engine would be removed, but this Deployment is not the engine.
+    kube_cluster.kubectl("patch", "sdd", "taken", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"gpu":{"product":"l40s","perNode":1}}}')
+    wait_for(lambda: sdd.status().get("phase") == "Failed", timeout_s=30, what="phase Failed")
+    after = kube_cluster.kubectl_json("get", "deployment", "taken", "-n", kube_namespace)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert not after["metadata"].get("ownerReferences")

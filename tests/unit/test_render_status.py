@@ -134,3 +134,14 @@ def test_kopf_bookkeeping_is_never_written_back():
 def test_camel_case():
     assert st.camel_case("kv_cache_bytes_per_token") == "kvCacheBytesPerToken"
     assert st.camel_case("gpu") == "gpu"
+
+
+def test_blocked_apply_keeps_the_plan_and_says_why():
+    blocked = st.apply_blocked(planned_status(), generation=1, reason="ChildConflict", message="Deployment ns/x is owned by no controller", now=T1)
+    assert blocked["phase"] == "Pending" and blocked["plan"]["tensorParallelSize"] == 2
+    assert conditions(blocked) == {
+        "PlanReady": ("True", "Planned"),
+        "Ready": ("False", "ChildConflict"),
+        "Progressing": ("False", "ChildConflict"),
+        "Degraded": ("True", "ChildConflict"),
+    }
