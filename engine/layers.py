@@ -41,6 +41,58 @@ class ColumnParallelLinear(nn.Module):
         _copy(getattr(self, name), full[self.rows[0]:self.rows[1]], name)
 
 
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel layers that read the same input, computed as one matmul
+    (q/k/v, gate/up): W [sum_i out_i / tp, in_features]. Each part is sharded on its own, so rank
+    r holds [part_0 rows of rank r; part_1 rows of rank r; ...], the rows the separate layers
+    would hold, and the output splits into the parts' local widths. Checkpoints keep one tensor
+    per part; `load_part` writes one into its slice."""
+
+    def __init__(self, in_features: int, out_features: tuple[int, ...], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.part_rows = [_shard_range(n, tp_rank, tp_size, "out_features") for n in out_features]
+        self.local_sizes = [hi - lo for lo, hi in self.part_rows]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        total = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> one view [..., out_i / tp] per part (slices of one matmul's output)."""
+        return F.linear(x, self.weight, self.bias).split(self.local_sizes, dim=-1)
+
+    def load_part(self, part: int, name: str, full: torch.Tensor) -> None:
+        lo, hi = self.part_rows[part]
+        start = self.offsets[part]
+        _copy(getattr(self, name)[start:start + self.local_sizes[part]], full[lo:hi], name)
+
+    def part(self, part: int, name: str) -> torch.Tensor:
+        """This rank's rows of one part (what the separate layer's parameter would be)."""
+        start = self.offsets[part]
+        return getattr(self, name)[start:start + self.local_sizes[part]]
+
+
+def register_fused_parts(module: nn.Module, parts: dict[str, tuple[str, int]]) -> None:
+    """Declare that checkpoint child names (e.g. `q_proj`) live as part i of a fused child
+    (`qkv_proj`, a MergedColumnParallelLinear): `load_state` routes `<prefix>.q_proj.weight`
+    there, and `state_dict()` writes the separate names back, as HF checkpoints hold them."""
+    module.fused_parts = parts
+    module._register_state_dict_hook(_split_fused_state)
+
+
+def _split_fused_state(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    for part_name, (fused_name, part) in module.fused_parts.items():
+        fused = getattr(module, fused_name)
+        for pname in ("weight", "bias"):
+            key = f"{prefix}{fused_name}.{pname}"
+            if key in state:
+                state[f"{prefix}{part_name}.{pname}"] = fused.part(part, pname).detach()
+    for fused_name in {f for f, _ in module.fused_parts.values()}:
+        for pname in ("weight", "bias"):
+            state.pop(f"{prefix}{fused_name}.{pname}", None)
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features / tp]; x arrives already sharded."""
 
@@ -114,17 +166,20 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP; gate/up column-parallel, down row-parallel."""
+    """SwiGLU MLP; gate and up fused into one column-parallel matmul (checkpoint names
+    gate_proj/up_proj), down row-parallel."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp_rank, tp_size)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp_rank, tp_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, (intermediate_size, intermediate_size), bias, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
+        register_fused_parts(self, {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)                      # [..., I / tp] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -178,7 +233,14 @@ def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None
     params.update(dict(module.named_buffers()))
     loaded: set[str] = set()
     unexpected: list[str] = []
+    fused_loaded: dict[str, set[str]] = {}   # fused parameter -> checkpoint names written into it
     for name, tensor in tensors:
+        fused = _fused_target(module, name)
+        if fused is not None and fused[0] in params:
+            fused_name, layer, part = fused
+            layer.load_part(part, fused_name.rpartition(".")[2], tensor)
+            fused_loaded.setdefault(fused_name, set()).add(name)
+            continue
         if name not in params:
             if not any(name.startswith(p) or name.endswith(p) for p in ignore):
                 unexpected.append(name)
@@ -192,13 +254,49 @@ def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None
         loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint has tensors the model does not know: {sorted(unexpected)[:8]}")
+    missing = []
+    fused_parts = _fused_part_names(module)
+    for fused_name, expected in fused_parts.items():
+        if fused_name in params:
+            absent = expected - fused_loaded.get(fused_name, set())
+            missing += sorted(absent)
+            if not absent:
+                loaded.add(fused_name)
     shared = {id(p) for n, p in module.named_parameters() if n in loaded}
-    missing = [n for n, p in module.named_parameters(remove_duplicate=False)
-               if n not in loaded and id(p) not in shared]
+    missing += [n for n, p in module.named_parameters(remove_duplicate=False)
+                if n not in loaded and id(p) not in shared and n not in fused_parts]
     persistent = module.state_dict().keys()
     missing += [n for n, _ in module.named_buffers() if n not in loaded and n in persistent]
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+
+def _fused_target(module: nn.Module, name: str):
+    """`a.b.q_proj.weight` -> (`a.b.qkv_proj.weight`, the fused layer, part index) when module
+    `a.b` declares q_proj a fused part; else None."""
+    path, _, pname = name.rpartition(".")
+    parent_path, _, child = path.rpartition(".")
+    try:
+        parent = module.get_submodule(parent_path)
+    except AttributeError:
+        return None
+    fused = getattr(parent, "fused_parts", {}).get(child)
+    if fused is None:
+        return None
+    fused_child, part = fused
+    fused_name = f"{parent_path}.{fused_child}.{pname}" if parent_path else f"{fused_child}.{pname}"
+    return fused_name, getattr(parent, fused_child), part
+
+
+def _fused_part_names(module: nn.Module) -> dict[str, set[str]]:
+    """Fused parameter name -> the checkpoint names that fill it, over the whole module tree."""
+    out: dict[str, set[str]] = {}
+    for path, sub in module.named_modules():
+        for part_name, (fused_child, _) in getattr(sub, "fused_parts", {}).items():
+            for pname, p in getattr(sub, fused_child).named_parameters(recurse=False):
+                pre = f"{path}." if path else ""
+                out.setdefault(f"{pre}{fused_child}.{pname}", set()).add(f"{pre}{part_name}.{pname}")
+    return out
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

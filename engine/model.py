@@ -22,9 +22,9 @@ from specdeploy.engine.attention import AttnBatch, attend
 from specdeploy.engine.hc import (HCConfig, HyperHead, canonical_hc_key, expand_embeddings,
                                   flatten_streams, make_residual, unflatten_streams)
 from specdeploy.engine.kv import KVPool
-from specdeploy.engine.layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, RMSNorm,
-                                      RowParallelLinear, VocabParallelEmbedding, apply_rope,
-                                      load_state, rope_inv_freq)
+from specdeploy.engine.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
+                                      RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+                                      apply_rope, load_state, register_fused_parts, rope_inv_freq)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 FEATURE_KINDS = ("eagle", "eagle3", "mtp")
@@ -129,9 +129,13 @@ class Attention(nn.Module):
         self.local_kv_heads = cfg.num_kv_heads // tp_size
         self.scale = cfg.head_dim ** -0.5
         d = cfg.head_dim
-        self.q_proj = ColumnParallelLinear(in_features, cfg.num_heads * d, cfg.qkv_bias, tp_rank, tp_size)
-        self.k_proj = ColumnParallelLinear(in_features, cfg.num_kv_heads * d, cfg.qkv_bias, tp_rank, tp_size)
-        self.v_proj = ColumnParallelLinear(in_features, cfg.num_kv_heads * d, cfg.qkv_bias, tp_rank, tp_size)
+        # q, k and v in one matmul (checkpoint names q_proj/k_proj/v_proj); each is sharded by
+        # heads on its own, so a rank's slice is [its q heads; its kv heads; its kv heads].
+        self.qkv_proj = MergedColumnParallelLinear(
+            in_features, (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d),
+            cfg.qkv_bias, tp_rank, tp_size)
+        register_fused_parts(self, {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                                    "v_proj": ("qkv_proj", 2)})
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -141,9 +145,10 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """x [B, Q, in]; cos/sin [B, Q, D]; caches [slots, Hkv_local, D] -> [B, Q, H]."""
         b, q_len, _ = x.shape
-        q = self.q_proj(x).view(b, q_len, self.local_heads, self.head_dim)
-        k = self.k_proj(x).view(b, q_len, self.local_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, q_len, self.local_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(b, q_len, self.local_heads, self.head_dim)
+        k = k.view(b, q_len, self.local_kv_heads, self.head_dim)
+        v = v.view(b, q_len, self.local_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -92,3 +92,21 @@ def test_missing_and_unknown_tensors_are_named(tmp_path):
     _save(tmp_path, tensors, _config_json(tiny_config(num_layers=1)), shards=1)
     with pytest.raises(ValueError, match="missing tensors.*up_proj"):
         load_draft(str(tmp_path), "EAGLE", target, dtype=torch.float32)
+
+
+def test_fused_projections_keep_checkpoint_names():
+    """q/k/v and gate/up run as one matmul each, but the state dict (what checkpoints are written
+    from) holds the separate HF names, and loading it back fills every slice."""
+    cfg = tiny_config()
+    model, _ = predictable_target(cfg, seed=5)
+    state = model.state_dict()
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in state)
+    assert state["layers.2.self_attn.k_proj.weight"].shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+    fresh, _ = predictable_target(cfg, seed=6)
+    from specdeploy.engine.layers import load_state
+    load_state(fresh, state.items())
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    del state["layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing tensors.*layers\.1\.self_attn\.v_proj\.weight"):
+        load_state(fresh, state.items())

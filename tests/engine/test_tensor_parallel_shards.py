@@ -23,7 +23,12 @@ def test_shards_recombine_to_the_full_model():
         m = LlamaModel(cfg, tp_rank=r, tp_size=TP).float().eval()
         load_state(m, state.items())
         ranks.append(m)
-    assert ranks[0].layers[0].self_attn.q_proj.weight.shape[0] == cfg.num_heads * cfg.head_dim // TP
+    d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    for r, m in enumerate(ranks):
+        # The fused q/k/v rows of rank r are its own q, k and v heads, in that order.
+        want = torch.cat([state[f"layers.0.self_attn.{n}_proj.weight"][r * h * d // TP:(r + 1) * h * d // TP]
+                          for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))])
+        assert torch.equal(m.layers[0].self_attn.qkv_proj.weight, want)
 
     ids = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
