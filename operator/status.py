@@ -255,11 +255,14 @@ def serving(
         and plan_condition["status"] == "True"
         and status.get("observedGeneration") == generation
     )
+    def condition(type_: str, value: bool, reason: str, message: str) -> None:
+        set_condition(status, type_, value, reason, message, generation=generation, now=now)
+
     if deployment is None:
         status["serving"] = {**serving_status, "replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
         if planned and status.get("phase") != PHASE_PAUSED:
-            set_condition(status, READY, False, "DeploymentMissing", "the engine Deployment does not exist yet", generation=generation, now=now)
-            set_condition(status, PROGRESSING, True, "DeploymentMissing", "waiting for the engine Deployment", generation=generation, now=now)
+            condition(READY, False, "DeploymentMissing", "the engine Deployment does not exist yet")
+            condition(PROGRESSING, True, "DeploymentMissing", "waiting for the engine Deployment")
             status["phase"] = PHASE_DEPLOYING
         return status
 
@@ -274,30 +277,36 @@ def serving(
     if not planned or status.get("phase") == PHASE_PAUSED:
         return status
 
-    current_spec = r["configHash"] is not None and r["configHash"] == status.get("configHash")
-    counts = f"{r['readyReplicas']}/{r['wanted']} replicas ready, {r['updatedReplicas']} updated"
-    if not current_spec:
-        set_condition(status, READY, False, "RolloutPending", "the Deployment does not carry the current spec yet", generation=generation, now=now)
-        set_condition(status, PROGRESSING, True, "RolloutPending", "applying the current spec", generation=generation, now=now)
+    if r["configHash"] is None or r["configHash"] != status.get("configHash"):
+        condition(READY, False, "RolloutPending", "the Deployment does not carry the current spec yet")
+        condition(PROGRESSING, True, "RolloutPending", "applying the current spec")
         status["phase"] = PHASE_DEPLOYING
         return status
 
+    counts = f"{r['readyReplicas']}/{r['wanted']} replicas ready, {r['updatedReplicas']} updated"
+    was_ready = (get_condition(status, READY) or {}).get("status") == "True"
     ready = r["complete"] and r["readyReplicas"] >= r["wanted"]
+    # Every replica runs the current spec, yet fewer are ready than before: pods were lost, as
+    # opposed to a rollout still starting them.
+    lost_replicas = was_ready and not ready and r["updatedReplicas"] >= r["wanted"] and r["replicas"] == r["updatedReplicas"]
     if ready:
-        set_condition(status, READY, True, "AllReplicasReady", counts, generation=generation, now=now)
-        set_condition(status, PROGRESSING, False, "RolloutComplete", counts, generation=generation, now=now)
+        condition(READY, True, "AllReplicasReady", counts)
+        condition(PROGRESSING, False, "RolloutComplete", counts)
+    elif r["deadlineExceeded"]:
+        condition(READY, False, "ReplicasNotReady", counts)
+        condition(PROGRESSING, False, "ProgressDeadlineExceeded", counts)
     else:
-        set_condition(status, READY, False, "ReplicasNotReady", counts, generation=generation, now=now)
-        set_condition(status, PROGRESSING, not r["deadlineExceeded"], "RollingOut" if not r["deadlineExceeded"] else "ProgressDeadlineExceeded", counts, generation=generation, now=now)
+        condition(READY, False, "ReplicasNotReady", counts)
+        condition(PROGRESSING, True, "RollingOut", counts)
 
     if r["deadlineExceeded"]:
-        set_condition(status, DEGRADED, True, "ProgressDeadlineExceeded", f"rollout stalled: {counts}", generation=generation, now=now)
+        condition(DEGRADED, True, "ProgressDeadlineExceeded", f"rollout stalled: {counts}")
     elif r["replicaFailure"]:
-        set_condition(status, DEGRADED, True, "ReplicaFailure", r["replicaFailure"], generation=generation, now=now)
-    elif r["complete"] and r["readyReplicas"] < r["wanted"]:
-        set_condition(status, DEGRADED, True, "ReplicasUnavailable", counts, generation=generation, now=now)
+        condition(DEGRADED, True, "ReplicaFailure", r["replicaFailure"])
+    elif lost_replicas:
+        condition(DEGRADED, True, "ReplicasUnavailable", counts)
     else:
-        set_condition(status, DEGRADED, False, "AsExpected", counts, generation=generation, now=now)
+        condition(DEGRADED, False, "AsExpected", counts)
     status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
     return status
 

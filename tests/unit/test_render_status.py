@@ -87,9 +87,13 @@ def test_stalled_rollout_and_lost_replicas_are_degraded():
     status = st.serving(planned_status(), stalled, generation=1, now=T1)
     assert conditions(status)["Degraded"] == ("True", "ProgressDeadlineExceeded")
     assert conditions(status)["Progressing"] == ("False", "ProgressDeadlineExceeded")
-    lost = deployment(ready=1, available=1, updated=2, total=2)
-    status = st.serving(planned_status(), lost, generation=1, now=T1)
-    assert conditions(status)["Ready"][0] == "False"
+    starting = st.serving(planned_status(), deployment(ready=1, available=1), generation=1, now=T1)
+    assert conditions(starting)["Degraded"] == ("False", "AsExpected")
+    ready = st.serving(planned_status(), deployment(), generation=1, now=T1)
+    lost = st.serving(ready, deployment(ready=1, available=1), generation=1, now=T2)
+    assert conditions(lost)["Ready"] == ("False", "ReplicasNotReady")
+    assert conditions(lost)["Degraded"] == ("True", "ReplicasUnavailable")
+    assert lost["phase"] == "Deploying"
 
 
 def test_permanent_failure_drops_plan_and_engine():
