@@ -180,8 +180,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     b, num_q, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its
+    # strides; the output is dense.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     prefix_slots = batch.prefix_slots.contiguous()
     new_slots = batch.new_slots.contiguous()
     new_mask = batch.new_mask.contiguous()

@@ -9,6 +9,7 @@ places where a later issue adds all-reduce / all-gather are marked `TP:`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -58,9 +59,13 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., in] -> one view [..., out_i / tp] per part (slices of one matmul's output)."""
-        return F.linear(x, self.weight, self.bias).split(self.local_sizes, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., sum_i out_i / tp], the parts side by side (`split` cuts them)."""
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[..., sum_i out_i / tp] -> one view [..., out_i / tp] per part."""
+        return y.split(self.local_sizes, dim=-1)
 
     def load_part(self, part: int, name: str, full: torch.Tensor) -> None:
         lo, hi = self.part_rows[part]
@@ -147,6 +152,26 @@ class ParallelLMHead(ColumnParallelLinear):
         super().__init__(hidden_size, vocab_size, False, tp_rank, tp_size)
 
 
+@functools.cache
+def _elementwise_triton():
+    try:
+        from specdeploy.engine import elementwise_triton
+    except ImportError:
+        return None
+    return elementwise_triton
+
+
+def _fused_kernels(x: torch.Tensor, *params: torch.Tensor):
+    """The Triton element-wise kernels (engine/elementwise_triton.py) where they apply: CUDA
+    tensors, Triton installed, and no gradient to track (they have no backward; training runs
+    the torch code). None otherwise: the caller runs its torch code."""
+    if not x.is_cuda:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    return _elementwise_triton()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as the reference implementations do."""
 
@@ -156,6 +181,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = _fused_kernels(x, self.weight)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -178,8 +206,9 @@ class GatedMLP(nn.Module):
         register_fused_parts(self, {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)                      # [..., I / tp] each
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))   # [..., I / tp] each
+        fused = _fused_kernels(x, self.gate_up_proj.weight)
+        return self.down_proj(fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -145,13 +145,17 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """x [B, Q, in]; cos/sin [B, Q, D]; caches [slots, Hkv_local, D] -> [B, Q, H]."""
         b, q_len, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = q.view(b, q_len, self.local_heads, self.head_dim)
-        k = k.view(b, q_len, self.local_kv_heads, self.head_dim)
-        v = v.view(b, q_len, self.local_kv_heads, self.head_dim)
+        hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                          # [B, Q, (Hq + 2 Hkv) D]
+        v = qkv[..., (hq + hkv) * d:].view(b, q_len, hkv, d)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, _ = self.qkv_proj.split(qkv)
+            q = apply_rope(self.q_norm(q.view(b, q_len, hq, d)), cos, sin)
+            k = apply_rope(self.k_norm(k.view(b, q_len, hkv, d)), cos, sin)
+        else:
+            # q and k sit side by side in the fused output: rotate all their heads in one pass.
+            qk = apply_rope(qkv[..., :(hq + hkv) * d].view(b, q_len, hq + hkv, d), cos, sin)
+            q, k = qk.split((hq, hkv), dim=2)                           # [B, Q, Hq | Hkv, D]
         k_cache[batch.out_slots] = k.to(k_cache.dtype)
         v_cache[batch.out_slots] = v.to(v_cache.dtype)
         out = attend(q, k_cache, v_cache, batch, self.scale)
@@ -180,12 +184,14 @@ class DecoderLayer(nn.Module):
         return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h)))
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, Q] -> cos, sin [B, Q, D] in float32 (computed per call: no table sized by
-    the model's maximum context)."""
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, Q] -> cos, sin [B, Q, D], computed in float32 and then cast to `dtype` (as
+    the reference implementations cast them to the activations' dtype); computed per call: no
+    table sized by the model's maximum context."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 @dataclass
@@ -237,7 +243,8 @@ class LlamaModel(nn.Module):
         hc_mult = self.cfg.hc_mult
         if hc_mult > 1:
             x = expand_embeddings(x, hc_mult)                             # [B, Q, hc, H]
-        cos, sin = rope_tables(self.inv_freq, positions)
+        # cos/sin cast once to the activations' dtype, not in every layer's rope.
+        cos, sin = rope_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         aux = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)

@@ -5,32 +5,12 @@ prefill-like rows; GQA ratios 1, 2 and 4; prefixes of 0, 1, exactly one split, o
 split and many splits; one split (the kernel normalises itself) and several (the combine);
 float32 and bfloat16."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton")
 
 SCRIPT = r"""
-import numpy as np
 import torch
-import triton.language as tl
-from triton.runtime import interpreter
-
-# The interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 bit patterns; give
-# it the float32 values instead (the GPU's tensor cores multiply bf16 exactly and sum in fp32).
-_dot = interpreter.InterpreterBuilder.create_dot
-def _dot_bf16_as_f32(self, a, b, d, input_precision, max_num_imprecise_acc):
-    if a.dtype.scalar == tl.bfloat16:
-        f32 = lambda h: interpreter.TensorHandle(
-            interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32),
-            tl.float32)
-        a, b = f32(a), f32(b)
-    return _dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-interpreter.InterpreterBuilder.create_dot = _dot_bf16_as_f32
-
 from specdeploy.engine.attention import AttnBatch, reference
 from specdeploy.engine import attention_triton
 
@@ -64,11 +44,8 @@ print("ok")
 """
 
 
-def test_triton_kernel_matches_reference_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-P", "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+def test_triton_kernel_matches_reference_interpreted(run_interpreted):
+    run_interpreted(SCRIPT)
 
 
 def test_split_count_depends_on_shapes_only():

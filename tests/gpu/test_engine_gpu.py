@@ -76,6 +76,28 @@ def test_fast_attention_graph_replays_for_other_lengths():
         assert (out.float() - ref).abs().max().item() < 2e-2, lens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_match_torch(dtype):
+    """RMSNorm and SiLU-times-up take the Triton kernels on CUDA without autograd; with a
+    gradient to track (or on CPU) the torch code. Both must agree."""
+    import torch.nn.functional as F
+    from specdeploy.engine.layers import GatedMLP, RMSNorm
+    g = torch.Generator(device=DEV).manual_seed(3)
+    norm = RMSNorm(4096, 1e-5).to(DEV, dtype)
+    norm.weight.copy_(1 + 0.1 * torch.randn(4096, device=DEV, generator=g))
+    mlp = GatedMLP(4096, 14336).to(DEV, dtype)
+    for p in mlp.parameters():
+        p.copy_(0.02 * torch.randn(p.shape, device=DEV, generator=g))
+    x = torch.randn(3, 5, 4096, device=DEV, generator=g).to(dtype)
+    with torch.no_grad():
+        fast_norm, fast_mlp = norm(x), mlp(x)
+    slow_norm, slow_mlp = norm(x.requires_grad_()), mlp(x)   # autograd: the torch code
+    assert slow_norm.requires_grad and slow_mlp.requires_grad
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (fast_norm.float() - slow_norm.detach().float()).abs().max().item() < tol * 10
+    assert (fast_mlp.float() - slow_mlp.detach().float()).abs().max().item() < tol
+
+
 CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4, 3, 6)]
 
 
