@@ -3,9 +3,9 @@ layers.py calls them where no autograd is involved and uses its torch code other
 
 At batch 1 every torch element-wise op is its own kernel launch costing a few microseconds
 whatever its size: RMSNorm is seven of them (cast, square, mean, add, rsqrt, multiply, cast,
-weight) and SwiGLU's SiLU-times-up two. Each kernel here does one of those steps in one launch
-with the torch code's roundings (the same casts in the same places), so outputs agree with it up
-to the order of a float32 sum.
+weight), SwiGLU's SiLU-times-up two, rope on q and k five and the K/V writes two. Each kernel
+here does one of those steps in one launch with the torch code's roundings (the same casts in
+the same places), so outputs agree with it up to the order of a float32 sum.
 """
 
 from __future__ import annotations
@@ -66,3 +66,65 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, g.stride(0), out.stride(0),
                                                               n, BLOCK=block)
     return out.view(*gate.shape[:-1], n)
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+                       stride_qkv, stride_cs, stride_cache_s, stride_cache_h,
+                       num_heads, num_kv_heads,
+                       HEAD_DIM: tl.constexpr):
+    token = tl.program_id(0)        # b * Q + q
+    head = tl.program_id(1)         # [0, Hq): q head; [Hq, Hq + Hkv): k head; then v heads
+    half = tl.arange(0, HEAD_DIM // 2)
+    row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
+    slot = tl.load(slots_ptr + token)
+    if head >= num_heads + num_kv_heads:
+        full = tl.arange(0, HEAD_DIM)
+        v = tl.load(row + full)
+        kv_head = head - num_heads - num_kv_heads
+        tl.store(v_cache_ptr + slot * stride_cache_s + kv_head * stride_cache_h + full,
+                 v.to(v_cache_ptr.dtype.element_ty))
+    else:
+        dt = qkv_ptr.dtype.element_ty
+        x1 = tl.load(row + half).to(tl.float32)
+        x2 = tl.load(row + HEAD_DIM // 2 + half).to(tl.float32)
+        c1 = tl.load(cos_ptr + token * stride_cs + half).to(tl.float32)
+        c2 = tl.load(cos_ptr + token * stride_cs + HEAD_DIM // 2 + half).to(tl.float32)
+        s1 = tl.load(sin_ptr + token * stride_cs + half).to(tl.float32)
+        s2 = tl.load(sin_ptr + token * stride_cs + HEAD_DIM // 2 + half).to(tl.float32)
+        # torch (rotate-half): x * cos + cat(-x2, x1) * sin, each product and the sum rounded
+        # to the activation dtype.
+        y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        if head < num_heads:
+            out = q_out_ptr + (token * num_heads + head) * HEAD_DIM
+            tl.store(out + half, y1)
+            tl.store(out + HEAD_DIM // 2 + half, y2)
+        else:
+            out = k_cache_ptr + slot * stride_cache_s + (head - num_heads) * stride_cache_h
+            tl.store(out + half, y1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(out + HEAD_DIM // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, out_slots: torch.Tensor, num_heads: int,
+               num_kv_heads: int) -> torch.Tensor:
+    """One launch for what follows the fused q/k/v projection: rope on q and k, k and v written
+    into the pool at out_slots. qkv [B, Q, (Hq + 2 Hkv) D]; cos/sin [B, Q, D] in qkv's dtype;
+    caches [slots, Hkv, D]; out_slots [B, Q] -> rotated q [B, Q, Hq, D]."""
+    b, q_len, width = qkv.shape
+    d = width // (num_heads + 2 * num_kv_heads)
+    rows = qkv.reshape(b * q_len, width)
+    cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # as apply_rope casts them
+    cs_cos, cs_sin = cos.reshape(b * q_len, d), sin.reshape(b * q_len, d)
+    if rows.stride(1) != 1 or cs_cos.stride(1) != 1 or cs_sin.stride() != cs_cos.stride():
+        raise ValueError("qkv and cos/sin must have contiguous rows")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1:
+        raise ValueError("k and v caches must share one dense layout")
+    q = torch.empty(b, q_len, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    if b * q_len:
+        _rope_store_kernel[(b * q_len, num_heads + 2 * num_kv_heads)](
+            rows, cs_cos, cs_sin, q, k_cache, v_cache, out_slots.reshape(-1),
+            rows.stride(0), cs_cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+            num_heads, num_kv_heads, HEAD_DIM=d)
+    return q

@@ -161,7 +161,7 @@ def _elementwise_triton():
     return elementwise_triton
 
 
-def _fused_kernels(x: torch.Tensor, *params: torch.Tensor):
+def fused_kernels(x: torch.Tensor, *params: torch.Tensor):
     """The Triton element-wise kernels (engine/elementwise_triton.py) where they apply: CUDA
     tensors, Triton installed, and no gradient to track (they have no backward; training runs
     the torch code). None otherwise: the caller runs its torch code."""
@@ -181,7 +181,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = _fused_kernels(x, self.weight)
+        fused = fused_kernels(x, self.weight)
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -207,7 +207,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))   # [..., I / tp] each
-        fused = _fused_kernels(x, self.gate_up_proj.weight)
+        fused = fused_kernels(x, self.gate_up_proj.weight)
         return self.down_proj(fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up)
 
 

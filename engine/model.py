@@ -24,7 +24,8 @@ from specdeploy.engine.hc import (HCConfig, HyperHead, canonical_hc_key, expand_
 from specdeploy.engine.kv import KVPool
 from specdeploy.engine.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                                      apply_rope, load_state, register_fused_parts, rope_inv_freq)
+                                      apply_rope, fused_kernels, load_state, register_fused_parts,
+                                      rope_inv_freq)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 FEATURE_KINDS = ("eagle", "eagle3", "mtp")
@@ -147,17 +148,23 @@ class Attention(nn.Module):
         b, q_len, _ = x.shape
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # [B, Q, (Hq + 2 Hkv) D]
-        v = qkv[..., (hq + hkv) * d:].view(b, q_len, hkv, d)
-        if hasattr(self, "q_norm"):
-            q, k, _ = self.qkv_proj.split(qkv)
-            q = apply_rope(self.q_norm(q.view(b, q_len, hq, d)), cos, sin)
-            k = apply_rope(self.k_norm(k.view(b, q_len, hkv, d)), cos, sin)
+        # CUDA inference: rope on q and k and both K/V writes in one kernel (a power-of-two
+        # head size, no q/k norm in between); elsewhere the torch code below.
+        fused = None if hasattr(self, "q_norm") or d & (d - 1) else fused_kernels(qkv)
+        if fused is not None:
+            q = fused.rope_store(qkv, cos, sin, k_cache, v_cache, batch.out_slots, hq, hkv)
         else:
-            # q and k sit side by side in the fused output: rotate all their heads in one pass.
-            qk = apply_rope(qkv[..., :(hq + hkv) * d].view(b, q_len, hq + hkv, d), cos, sin)
-            q, k = qk.split((hq, hkv), dim=2)                           # [B, Q, Hq | Hkv, D]
-        k_cache[batch.out_slots] = k.to(k_cache.dtype)
-        v_cache[batch.out_slots] = v.to(v_cache.dtype)
+            v = qkv[..., (hq + hkv) * d:].view(b, q_len, hkv, d)
+            if hasattr(self, "q_norm"):
+                q, k, _ = self.qkv_proj.split(qkv)
+                q = apply_rope(self.q_norm(q.view(b, q_len, hq, d)), cos, sin)
+                k = apply_rope(self.k_norm(k.view(b, q_len, hkv, d)), cos, sin)
+            else:
+                # q and k sit side by side in the fused output: rotate all their heads at once.
+                qk = apply_rope(qkv[..., :(hq + hkv) * d].view(b, q_len, hq + hkv, d), cos, sin)
+                q, k = qk.split((hq, hkv), dim=2)                       # [B, Q, Hq | Hkv, D]
+            k_cache[batch.out_slots] = k.to(k_cache.dtype)
+            v_cache[batch.out_slots] = v.to(v_cache.dtype)
         out = attend(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(b, q_len, -1))
 

@@ -53,3 +53,45 @@ print("ok")
 
 def test_elementwise_kernels_match_torch_interpreted(run_interpreted):
     run_interpreted(SCRIPT)
+
+
+ROPE_SCRIPT = r"""
+import torch
+from specdeploy.engine import elementwise_triton, model as model_module
+from specdeploy.engine.attention import causal_batch
+from specdeploy.engine.model import Attention, rope_tables
+from specdeploy.engine.layers import rope_inv_freq
+from specdeploy.engine.toy import init_random_, tiny_config
+
+torch.manual_seed(0)
+for dtype, heads, kv_heads, head_dim in [(torch.float32, 4, 2, 8), (torch.bfloat16, 8, 2, 16),
+                                         (torch.bfloat16, 4, 4, 32)]:
+    cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qkv_bias=True)
+    attn = Attention(cfg)
+    init_random_(attn, torch.Generator().manual_seed(1), std=0.2)
+    attn.to(dtype)
+    b, q = 2, 3
+    x = torch.randn(b, q, cfg.hidden_size).to(dtype)
+    positions = torch.randint(0, 500, (b, q))
+    cos, sin = rope_tables(rope_inv_freq(head_dim, 10000.0, None), positions, dtype)
+    slots = torch.arange(1, 1 + b * q).view(b, q)
+    batch = causal_batch(slots, torch.tensor([q, 2]), torch.zeros(b, 0, dtype=torch.int64),
+                         torch.zeros(b, dtype=torch.int64))
+    outs, caches = [], []
+    for use_kernel in (False, True):
+        model_module.fused_kernels = (lambda *a: elementwise_triton) if use_kernel else (lambda *a: None)
+        k_cache = torch.zeros(16, kv_heads, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        with torch.no_grad():
+            outs.append(attn(x, cos, sin, k_cache, v_cache, batch))
+        caches.append((k_cache, v_cache))
+    # Same roundings as the torch code: K/V in the pool and the attention output are equal.
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), dtype
+    assert caches[1][0][1:1 + b * q].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1]), (dtype, (outs[0] - outs[1]).abs().max())
+print("ok")
+"""
+
+
+def test_rope_store_kernel_matches_torch_interpreted(run_interpreted):
+    run_interpreted(ROPE_SCRIPT)

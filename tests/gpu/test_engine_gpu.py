@@ -98,6 +98,39 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     assert (fast_mlp.float() - slow_mlp.detach().float()).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kernel_matches_torch(dtype):
+    """The attention block's fused rope + K/V write (CUDA, no autograd) against its torch code
+    (taken when a gradient is tracked): the same pool contents and output."""
+    from specdeploy.engine.model import Attention, rope_tables
+    from specdeploy.engine.toy import init_random_
+    cfg = tiny_config(hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128, qkv_bias=True)
+    attn = Attention(cfg)
+    init_random_(attn, torch.Generator().manual_seed(1), std=0.05)
+    attn.to(DEV, dtype)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    b, q = 3, 5
+    x = torch.randn(b, q, 1024, device=DEV, generator=g).to(dtype)
+    cos, sin = rope_tables(attn_inv_freq(cfg).to(DEV), torch.randint(0, 4000, (b, q), device=DEV, generator=g), dtype)
+    slots = torch.randperm(100, device=DEV, generator=g)[:b * q].view(b, q) + 1
+    batch = AttnBatch(slots, slots[:, :0], torch.zeros(b, dtype=torch.int64, device=DEV), slots,
+                      torch.ones(b, q, q, dtype=torch.bool, device=DEV).tril())
+    results = []
+    for grad in (False, True):
+        k_cache = torch.zeros(128, 2, 128, dtype=dtype, device=DEV)
+        v_cache = torch.zeros_like(k_cache)
+        with torch.set_grad_enabled(grad):
+            out = attn(x.clone().requires_grad_(grad), cos, sin, k_cache, v_cache, batch)
+        results.append((out.detach(), k_cache.detach(), v_cache.detach()))
+    for fast, slow in zip(*results):
+        assert (fast.float() - slow.float()).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def attn_inv_freq(cfg):
+    from specdeploy.engine.layers import rope_inv_freq
+    return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
 CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4, 3, 6)]
 
 
