@@ -16,12 +16,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-                     BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     valid = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0)
+    if ADD:
+        # torch: the residual sum is rounded to the activation dtype before it is normalised.
+        x = (x.to(tl.float32) + tl.load(delta_ptr + row * stride_x + cols, mask=valid,
+                                        other=0.0).to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_x + cols, x, mask=valid)
+    x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
     # torch: (x32 * rstd).to(x.dtype), then weight * that in the promoted dtype.
     y = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -31,13 +37,29 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H], weight [H] -> [..., H] in the dtype of weight * x (torch's promotion)."""
+    return _rms_norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one launch: x, delta [..., H] (same dtype)
+    -> (x + delta, rms_norm(x + delta))."""
+    if delta.dtype != x.dtype or delta.shape != x.shape:
+        raise ValueError("residual and delta must have one shape and dtype")
+    return _rms_norm(x, delta, weight, eps)
+
+
+def _rms_norm(x, delta, weight, eps):
     h = x.shape[-1]
-    rows = x.reshape(-1, h)                     # a view for contiguous activations
+    rows = x.contiguous().view(-1, h)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    total = torch.empty_like(rows) if delta is not None else rows
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), h, eps,
-                                           BLOCK=triton.next_power_of_2(h))
-    return out.view(x.shape)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, rows if delta is None else delta.contiguous().view(-1, h), total, weight, out,
+            rows.stride(0), out.stride(0), h, eps, ADD=delta is not None,
+            BLOCK=triton.next_power_of_2(h))
+    return total.view(x.shape), out.view(x.shape)
 
 
 @triton.jit

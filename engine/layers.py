@@ -189,6 +189,14 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add and the norm after it, one kernel on CUDA."""
+        fused = fused_kernels(x, delta, self.weight)
+        if fused is not None and delta.dtype == x.dtype:
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
+
     def load_param(self, name: str, full: torch.Tensor) -> None:
         _copy(self.weight, full, "norm weight")
 

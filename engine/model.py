@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from specdeploy.engine.attention import AttnBatch, attend
-from specdeploy.engine.hc import (HCConfig, HyperHead, canonical_hc_key, expand_embeddings,
-                                  flatten_streams, make_residual, unflatten_streams)
+from specdeploy.engine.hc import (HCConfig, HyperHead, PlainResidual, canonical_hc_key,
+                                  expand_embeddings, flatten_streams, make_residual,
+                                  unflatten_streams)
 from specdeploy.engine.kv import KVPool
 from specdeploy.engine.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
@@ -186,6 +187,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        if isinstance(self.attn_hc, PlainResidual):
+            # The attention's residual add and the MLP's norm in one step (one kernel on CUDA).
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+            x, h = self.post_attention_layernorm.add_forward(x, attn)
+            return x + self.mlp(h)
         x = self.attn_hc(x, lambda h: self.self_attn(self.input_layernorm(h), cos, sin,
                                                      k_cache, v_cache, batch))
         return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h)))

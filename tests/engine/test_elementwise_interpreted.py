@@ -1,6 +1,6 @@
-"""The Triton RMSNorm and SiLU-times-up kernels (used on CUDA only) checked against the torch
-code of layers.py on CPU through Triton's interpreter (a subprocess: the interpreter is chosen
-when Triton is first imported)."""
+"""The Triton RMSNorm (with and without the residual add), SiLU-times-up and rope + K/V-store
+kernels (used on CUDA only) checked against the torch code of layers.py and model.py on CPU
+through Triton's interpreter (tests/engine/conftest.py: run_interpreted)."""
 
 import pytest
 
@@ -38,6 +38,12 @@ for shape, x_dtype, w_dtype in [((2, 3, 48), torch.float32, torch.float32),
     got = ew.rms_norm(x, norm.weight, norm.eps)
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
     assert_close(got, want, x_dtype)
+    # With the residual add in front: x + delta is rounded like torch's add, then normalised.
+    delta = torch.randn(shape).to(x_dtype)
+    want_sum = x + delta
+    got_sum, got = ew.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(got_sum, want_sum)
+    assert_close(got, norm(want_sum), x_dtype)
 
 # SiLU(gate) * up over the two halves of one gate/up matmul output [B, Q, 2I].
 for b, q, n, dtype in [(2, 3, 40, torch.float32), (1, 1, 2500, torch.bfloat16)]:

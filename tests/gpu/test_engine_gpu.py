@@ -38,7 +38,8 @@ def _attention_inputs(b, num_q, hq, hkv, d, prefix_max, dtype, seed=0, slots=409
     lens = torch.randint(0, prefix_max + 1, (b,), device=DEV, generator=g)
     prefix = torch.randint(1, slots, (b, max(prefix_max, 1)), device=DEV, generator=g)
     new = torch.randint(1, slots, (b, num_q), device=DEV, generator=g)
-    mask = (torch.rand(b, num_q, num_q, device=DEV, generator=g) < 0.5).tril() | torch.eye(num_q, dtype=torch.bool, device=DEV)
+    mask = ((torch.rand(b, num_q, num_q, device=DEV, generator=g) < 0.5).tril()
+            | torch.eye(num_q, dtype=torch.bool, device=DEV))
     return q, k, v, AttnBatch(new, prefix, lens, new, mask)
 
 
@@ -78,9 +79,8 @@ def test_fast_attention_graph_replays_for_other_lengths():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_kernels_match_torch(dtype):
-    """RMSNorm and SiLU-times-up take the Triton kernels on CUDA without autograd; with a
-    gradient to track (or on CPU) the torch code. Both must agree."""
-    import torch.nn.functional as F
+    """RMSNorm (also after a residual add) and SiLU-times-up take the Triton kernels on CUDA
+    without autograd; with a gradient to track (or on CPU) the torch code. Both must agree."""
     from specdeploy.engine.layers import GatedMLP, RMSNorm
     g = torch.Generator(device=DEV).manual_seed(3)
     norm = RMSNorm(4096, 1e-5).to(DEV, dtype)
@@ -89,12 +89,18 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     for p in mlp.parameters():
         p.copy_(0.02 * torch.randn(p.shape, device=DEV, generator=g))
     x = torch.randn(3, 5, 4096, device=DEV, generator=g).to(dtype)
+    delta = torch.randn(3, 5, 4096, device=DEV, generator=g).to(dtype)
     with torch.no_grad():
         fast_norm, fast_mlp = norm(x), mlp(x)
-    slow_norm, slow_mlp = norm(x.requires_grad_()), mlp(x)   # autograd: the torch code
-    assert slow_norm.requires_grad and slow_mlp.requires_grad
+        fast_sum, fast_added = norm.add_forward(x, delta)
+    x.requires_grad_()   # autograd: the torch code
+    slow_norm, slow_mlp = norm(x), mlp(x)
+    slow_sum, slow_added = norm.add_forward(x, delta)
+    assert slow_norm.requires_grad and slow_mlp.requires_grad and slow_added.requires_grad
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (fast_norm.float() - slow_norm.detach().float()).abs().max().item() < tol * 10
+    assert (fast_added.float() - slow_added.detach().float()).abs().max().item() < tol * 10
+    assert torch.equal(fast_sum, slow_sum.detach())
     assert (fast_mlp.float() - slow_mlp.detach().float()).abs().max().item() < tol
 
 
@@ -111,7 +117,8 @@ def test_rope_store_kernel_matches_torch(dtype):
     g = torch.Generator(device=DEV).manual_seed(4)
     b, q = 3, 5
     x = torch.randn(b, q, 1024, device=DEV, generator=g).to(dtype)
-    cos, sin = rope_tables(attn_inv_freq(cfg).to(DEV), torch.randint(0, 4000, (b, q), device=DEV, generator=g), dtype)
+    positions = torch.randint(0, 4000, (b, q), device=DEV, generator=g)
+    cos, sin = rope_tables(attn_inv_freq(cfg).to(DEV), positions, dtype)
     slots = torch.randperm(100, device=DEV, generator=g)[:b * q].view(b, q) + 1
     batch = AttnBatch(slots, slots[:, :0], torch.zeros(b, dtype=torch.int64, device=DEV), slots,
                       torch.ones(b, q, q, dtype=torch.bool, device=DEV).tril())
