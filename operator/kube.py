@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import os
+import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +26,10 @@ from specdeploy.operator.render import (
 
 FIELD_MANAGER = MANAGED_BY
 APPLY_PATCH = "application/apply-patch+yaml"
-STATUS_WRITE_ATTEMPTS = 5
+# Status writers conflict while a rollout streams Deployment events; each retry re-reads, so
+# many cheap attempts with a little jitter converge quickly.
+STATUS_WRITE_ATTEMPTS = 30
+STATUS_WRITE_BACKOFF_S = 0.05
 
 
 class ChildConflict(Exception):
@@ -213,7 +218,9 @@ class KubeClient:
         either from overwriting what the other wrote from a newer view. Returns (old, new)
         status, or None when the resource is gone.
         """
-        for _ in range(STATUS_WRITE_ATTEMPTS):
+        for attempt in range(STATUS_WRITE_ATTEMPTS):
+            if attempt:
+                time.sleep(random.uniform(0, STATUS_WRITE_BACKOFF_S * min(attempt, 10)))
             obj = self.get_sdd(namespace, name)
             if obj is None:
                 return None

@@ -228,6 +228,10 @@ def rollout(deployment: dict[str, Any]) -> dict[str, Any]:
         "deadlineExceeded": deadline_exceeded,
         "replicaFailure": (replica_failure or {}).get("message"),
         "configHash": (deployment["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION),
+        # The scale subresource's labelSelectorPath wants the selector as a string.
+        "selector": ",".join(
+            f"{k}={v}" for k, v in sorted(((spec.get("selector") or {}).get("matchLabels") or {}).items())
+        ),
     }
 
 
@@ -270,6 +274,7 @@ def serving(
     status["serving"] = {
         **serving_status,
         "deployment": deployment["metadata"]["name"],
+        "selector": r["selector"],
         "replicas": r["replicas"],
         "readyReplicas": r["readyReplicas"],
         "updatedReplicas": r["updatedReplicas"],

@@ -96,6 +96,14 @@ def test_spec_update_rolls_out(kube_cluster, kube_namespace, operator, hub_secre
     wait_for(lambda: {p["metadata"]["annotations"][HASH] for p in sdd.pods() if not p["metadata"].get("deletionTimestamp")} == {after["configHash"]},
              timeout_s=30, what="only new pods")
 
+    # The scale subresource: `kubectl scale` changes replicas without a rollout.
+    kube_cluster.kubectl("scale", "sdd", "roll", "-n", kube_namespace, "--replicas=3")
+    wait_for(lambda: sdd.status()["serving"]["readyReplicas"] == 3 and sdd.status()["phase"] == "Ready", timeout_s=60, what="3 ready")
+    assert template_hash(sdd.deployment()) == after["configHash"]
+    scale = json.loads(kube_cluster.kubectl("get", "--raw", f"/apis/specdeploy.dev/v1alpha1/namespaces/{kube_namespace}/specdecodedeployments/roll/scale").stdout)
+    assert scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == "app.kubernetes.io/instance=roll,app.kubernetes.io/name=specdeploy-engine"
+
 
 def test_unfittable_spec_gets_a_reason_and_no_deployment(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
     kube_cluster.apply(manifest("toobig", gpu={"product": "h100", "perNode": 1}), namespace=kube_namespace)

@@ -25,7 +25,12 @@ def test_names_and_version():
     assert crd["spec"]["names"]["kind"] == render.KIND
     assert crd["spec"]["names"]["shortNames"] == ["sdd"]
     assert version["name"] == render.VERSION and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.serving.replicas",
+        "labelSelectorPath": ".status.serving.selector",
+    }
 
 
 def test_enums_follow_the_catalogs():

@@ -19,7 +19,7 @@ PLAN = {
 def deployment(*, replicas=2, ready=2, updated=2, available=2, total=2, generation=3, observed=3, hash_="h1", conditions=()):
     return {
         "metadata": {"name": "llama", "generation": generation, "annotations": {"specdeploy.dev/config-hash": hash_}},
-        "spec": {"replicas": replicas},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app.kubernetes.io/name": "specdeploy-engine", "app.kubernetes.io/instance": "llama"}}},
         "status": {
             "observedGeneration": observed, "replicas": total, "readyReplicas": ready,
             "updatedReplicas": updated, "availableReplicas": available, "conditions": list(conditions),
@@ -57,7 +57,10 @@ def test_rollout_in_progress_then_ready():
     assert conditions(status)["Ready"] == ("True", "AllReplicasReady")
     assert conditions(status)["Progressing"] == ("False", "RolloutComplete")
     assert status["phase"] == "Ready"
-    assert status["serving"] == {"deployment": "llama", "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    assert status["serving"] == {
+        "deployment": "llama", "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+        "selector": "app.kubernetes.io/instance=llama,app.kubernetes.io/name=specdeploy-engine",
+    }
     ready = st.get_condition(status, "Ready")
     assert ready["lastTransitionTime"] == T2 and ready["observedGeneration"] == 1 and ready["message"].startswith("2/2")
 
