@@ -187,14 +187,30 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-        if isinstance(self.attn_hc, PlainResidual):
-            # The attention's residual add and the MLP's norm in one step (one kernel on CUDA).
-            attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
-            x, h = self.post_attention_layernorm.add_forward(x, attn)
-            return x + self.mlp(h)
+        if self.plain:
+            residual, delta = self.forward_plain(x, None, cos, sin, k_cache, v_cache, batch)
+            return residual + delta
         x = self.attn_hc(x, lambda h: self.self_attn(self.input_layernorm(h), cos, sin,
                                                      k_cache, v_cache, batch))
         return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h)))
+
+    @property
+    def plain(self) -> bool:
+        return isinstance(self.attn_hc, PlainResidual)
+
+    def forward_plain(self, residual: torch.Tensor, delta: torch.Tensor | None, cos, sin,
+                      k_cache, v_cache, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """hc_mult = 1 block on a residual left unsummed: its input is residual + delta (delta
+        None: residual alone), its output (residual', mlp output) sums to the block's output.
+        Each residual add is done by the norm that follows it (one kernel on CUDA), the last one
+        by the next block or the final norm."""
+        if delta is None:
+            h = self.input_layernorm(residual)
+        else:
+            residual, h = self.input_layernorm.add_forward(residual, delta)
+        attn = self.self_attn(h, cos, sin, k_cache, v_cache, batch)
+        residual, h = self.post_attention_layernorm.add_forward(residual, attn)
+        return residual, self.mlp(h)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
@@ -259,15 +275,23 @@ class LlamaModel(nn.Module):
         # cos/sin cast once to the activations' dtype, not in every layer's rope.
         cos, sin = rope_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         aux = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
-            if i in self.aux_layers:
-                # EAGLE-3 consumes 3 x hidden_size; with streams, their mean stands for the layer.
-                aux[i] = x.mean(dim=2) if hc_mult > 1 else x
-        prenorm = x
-        if hc_mult > 1:
-            x = self.hc_head(x)                                           # [B, Q, H]
-        hidden = self.norm(x)
+        if hc_mult == 1:
+            # Residual stream kept as (residual, delta) across blocks: every add happens inside
+            # the norm after it (engine/layers.py RMSNorm.add_forward).
+            delta = None
+            for i, layer in enumerate(self.layers):
+                x, delta = layer.forward_plain(x, delta, cos, sin, kv.k[i], kv.v[i], batch)
+                if i in self.aux_layers:
+                    aux[i] = x + delta                                    # [B, Q, H]
+            prenorm, hidden = self.norm.add_forward(x, delta)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
+                if i in self.aux_layers:
+                    # EAGLE-3 consumes 3 x hidden_size; the streams' mean stands for the layer.
+                    aux[i] = x.mean(dim=2)
+            prenorm = x
+            hidden = self.norm(self.hc_head(x))                           # [B, Q, H]
         if self.feature_kind is None:
             feature = None
         elif self.feature_kind == "eagle3":

@@ -101,3 +101,55 @@ print("ok")
 
 def test_rope_store_kernel_matches_torch_interpreted(run_interpreted):
     run_interpreted(ROPE_SCRIPT)
+
+
+MODEL_SCRIPT = r"""
+import torch
+from specdeploy.engine import attention_triton, elementwise_triton, layers, model as model_module
+from specdeploy.engine.attention import AttnBatch
+from specdeploy.engine.kv import KVPool
+from specdeploy.engine.toy import predictable_target, tiny_config
+
+def use_kernels(on):
+    # What CUDA would take: the Triton kernels wherever no gradient is tracked.
+    pick = (lambda *a: elementwise_triton) if on else (lambda *a: None)
+    layers.fused_kernels = model_module.fused_kernels = pick
+    model_module.attend = attention_triton.attend if on else model_module.attention_attend
+
+model_module.attention_attend = model_module.attend
+torch.manual_seed(0)
+for dtype, feature in [(torch.float32, "eagle3"), (torch.bfloat16, "mtp")]:
+    cfg = tiny_config(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    target, _ = predictable_target(cfg, seed=2, dtype=dtype)
+    target.set_feature(feature)
+    b, n, width = 2, 4, 40
+    ids = torch.randint(0, cfg.vocab_size, (b, n))
+    lens = torch.tensor([37, 5])
+    prefix = torch.arange(1, 1 + b * width).view(b, width)
+    slots = torch.arange(200, 200 + b * n).view(b, n)
+    mask = (torch.rand(b, n, n) < 0.5).tril() | torch.eye(n, dtype=torch.bool)
+    batch = AttnBatch(slots, prefix, lens, slots, mask)
+    pos = lens[:, None] + torch.arange(n)
+    results = []
+    kv_shape = (cfg.num_layers, 300, cfg.num_kv_heads, cfg.head_dim)
+    k0, v0 = torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)   # the prefix K/V
+    for on in (False, True):
+        use_kernels(on)
+        kv = KVPool(cfg.num_layers, 300, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+        kv.k.copy_(k0)
+        kv.v.copy_(v0)
+        with torch.no_grad():
+            out = target(ids, pos, batch, kv)
+        results.append((target.logits(out.hidden), out.feature.float(), kv.k.float(), kv.v.float()))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for want, got in zip(*results):
+        diff = (want - got).abs().max().item()
+        assert diff < tol * (1 + want.abs().max().item()), (dtype, diff)
+print("ok")
+"""
+
+
+def test_model_forward_on_the_kernel_path_matches_torch_interpreted(run_interpreted):
+    """A whole target forward (verify-shaped: prefix plus a tree) through every Triton kernel, as
+    on CUDA, against the torch code: logits, draft feature and the pool's K/V."""
+    run_interpreted(MODEL_SCRIPT)
