@@ -120,7 +120,7 @@ def test_rope_store_kernel_matches_torch(dtype):
     positions = torch.randint(0, 4000, (b, q), device=DEV, generator=g)
     cos, sin = rope_tables(attn_inv_freq(cfg).to(DEV), positions, dtype)
     slots = torch.randperm(100, device=DEV, generator=g)[:b * q].view(b, q) + 1
-    batch = AttnBatch(slots, slots[:, :0], torch.zeros(b, dtype=torch.int64, device=DEV), slots,
+    batch = AttnBatch(slots, slots[:, :1], torch.zeros(b, dtype=torch.int64, device=DEV), slots,
                       torch.ones(b, q, q, dtype=torch.bool, device=DEV).tril())
     results = []
     for grad in (False, True):
