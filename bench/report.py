@@ -169,14 +169,22 @@ def s5(r: dict) -> str:
         f"training tokens, {c['held_out_tokens'] / 1e6:.2f} M held out.",
         "",
         f"Training budget (wall clock on the device): target {r['budget']['target_budget_s']:.0f} s "
-        f"({tt['params'] / 1e6:.0f} M parameters, held-out loss {tt['held_out_loss']:.2f} nats/token), EAGLE head "
-        f"{r['budget']['head_budget_s']:.0f} s ({ht['params'] / 1e6:.0f} M), assisted-generation draft "
+        f"({tt['params'] / 1e6:.0f} M parameters, held-out loss {tt['held_out_loss']:.2f} nats/token"
+        + (f", {tt['train_windows_loss']:.2f} on training windows" if "train_windows_loss" in tt else "")
+        + (f"; a unigram model scores {c['unigram_held_out_loss']:.2f}" if "unigram_held_out_loss" in c else "")
+        + f"), EAGLE head {r['budget']['head_budget_s']:.0f} s ({ht['params'] / 1e6:.0f} M"
+        + (f"; its first draft token equals the target's greedy token on "
+           f"{100 * ht['held_out_first_token_agreement']:.0f}% of held-out positions, teacher-forced"
+           if "held_out_first_token_agreement" in ht else "")
+        + f"), assisted-generation draft "
         f"{r['budget']['assistant_budget_s']:.0f} s ({at['params'] / 1e6:.0f} M, held-out loss "
         f"{at['held_out_loss']:.2f}). Last progress lines: target `{tt['last_progress']}`; head "
         f"`{ht['last_progress']}`.",
         "",
-        f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens each, greedy, "
-        "batch 1; tok/s counts whole requests (prefill + decode).",
+        f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens each, greedy "
+        "unless a temperature is named (sampled rows compare with sampled target-only), batch 1; tok/s counts "
+        "whole requests (prefill + decode). Distinct 4-grams: near 1 for text that does not repeat, small for "
+        "an output caught in a loop, which is trivially easy to draft.",
         ""]
     if "rows" not in r:  # a partial record: the call ended during the evaluation
         so_far = r.get("systems_so_far", {})
@@ -189,9 +197,11 @@ def s5(r: dict) -> str:
         rows.append([x["system"], _f(x.get("accept_length"), 2), _f(x["tok_s"], 1),
                      f"{x['speedup_vs_engine_target_only']:.2f}×", f"{x['speedup_vs_transformers']:.2f}×",
                      f"{x['speedup_vs_transformers_assisted']:.2f}×",
-                     f"{same['equal_outputs']}/{same['of']} (prefix {same['mean_common_prefix']:.0f})"])
+                     "—" if same is None else
+                     f"{same['equal_outputs']}/{same['of']} (prefix {same['mean_common_prefix']:.0f})",
+                     _f(x.get("distinct_4gram_share"), 2)])
     lines.append(_table(["system", "accept length", "tok/s", "vs engine target-only", "vs transformers",
-                         "vs transformers assisted", "same tokens as engine target-only"], rows))
+                         "vs transformers assisted", "same tokens as engine target-only", "distinct 4-grams"], rows))
     par = r.get("hf_parity")
     if par:
         lines += ["", f"Engine vs transformers on the trained target: logits differ by {par['rel_l2_logits']:.2e}, "

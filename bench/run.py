@@ -1,7 +1,7 @@
 """The benchmark suite's one entry point.
 
     python3 bench/run.py --sections 1,2,3,4,6 --out $OUT     # device call 1 (~6 min on an H200)
-    python3 bench/run.py --sections 5 --out $OUT             # device call 2 (~7.5 min)
+    python3 bench/run.py --sections 5 --out $OUT             # device call 2 (~2.5 min)
     python3 bench/run.py --smoke                             # every section, CPU, tiny shapes
     python3 bench/report.py CALL1_OUT CALL2_OUT              # -> docs/benchmarks.md
 
@@ -163,6 +163,8 @@ def _overrides(args) -> dict:
         out["assistant_budget_s"] = args.assistant_budget_s
     if args.no_hf_compile:
         out["hf_compile"] = False
+    if args.hf_batches:
+        out["hf_batches"] = tuple(int(b) for b in args.hf_batches.split(","))
     return out
 
 
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--assistant-budget-s", type=float, default=None,
                         help="section 5: the assisted-generation draft model's training")
     parser.add_argument("--no-hf-compile", action="store_true", help="section 2: skip transformers' compile")
+    parser.add_argument("--hf-batches", default=None,
+                        help="section 2: comma-separated batch sizes for transformers (default: all)")
     args = parser.parse_args(argv)
 
     out = Path(args.out or os.environ.get("OUT") or ".bench")

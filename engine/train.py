@@ -115,12 +115,19 @@ def tokenize_corpus(tok: Tokenizer, texts: list[str]):
 class _Schedule:
     """Training ends after `max_steps` or `budget_s`, whichever comes first (a busy machine must
     not turn a one-minute demo into ten). The learning rate follows the larger share of the two:
-    linear warm-up, then cosine decay to 10%."""
+    linear warm-up, then cosine decay to 10%.
 
-    def __init__(self, peak_lr: float, max_steps: int, budget_s: float, warmup_share: float = 0.05):
+    The warm-up also lasts at least `warmup_steps` steps (fewer only where `max_steps` is small):
+    on a time budget, a slow first step (CUDA start-up, kernel selection) can use up the whole
+    warm-up share of the clock, and a model that meets the peak rate within a step or two of a
+    random start stalls near the unigram loss."""
+
+    def __init__(self, peak_lr: float, max_steps: int, budget_s: float, warmup_share: float = 0.05,
+                 warmup_steps: int = 30):
         import time
 
         self.peak_lr, self.max_steps, self.budget_s, self.warmup_share = peak_lr, max_steps, budget_s, warmup_share
+        self.warmup_steps = max(1, min(warmup_steps, int(warmup_share * max_steps)))
         self.start_s = time.monotonic()
 
     @property
@@ -136,10 +143,31 @@ class _Schedule:
         import math
 
         share = min(1.0, max(self.elapsed_s / self.budget_s, step / self.max_steps))
-        if share < self.warmup_share:
-            return self.peak_lr * max(share / self.warmup_share, 0.01)
-        t = (share - self.warmup_share) / (1 - self.warmup_share)
-        return self.peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+        warm = min(1.0, share / self.warmup_share, (step + 1) / self.warmup_steps)
+        t = max(0.0, (share - self.warmup_share) / (1 - self.warmup_share))
+        return self.peak_lr * max(warm, 0.01) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _step_autocast(device: str, dtype):
+    """Mixed precision for one step's forward and loss (None: none): the parameters and the
+    optimizer stay float32 (the master weights), the matrix products run in `dtype`."""
+    import contextlib
+
+    import torch
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def _after_update() -> None:
+    # Autocast keeps the low-precision copy of every weight it cast until the outermost autocast
+    # region exits. A caller that wraps the whole training loop in one region would otherwise see
+    # the first step's weights in every forward while the optimizer moves the float32 ones: the
+    # loss hardly falls, and the returned model (the float32 weights) is garbage.
+    import torch
+
+    torch.clear_autocast_cache()
 
 
 def _random_windows(stream, batch_size: int, length: int, generator):
@@ -185,10 +213,11 @@ def init_weights(model, std: float = 0.02, seed: int = 0) -> None:
 
 def train_target(config: dict, stream, *, max_steps: int, budget_s: float, batch_size: int = 4,
                  seq_len: int = 128, peak_lr: float = 3e-3, device: str = "cpu", seed: int = 0,
-                 progress: Progress = print):
+                 progress: Progress = print, autocast_dtype=None):
     """Train a Llama-family target (the engine's own model code) on `stream` [N] for `max_steps`
     steps or `budget_s` seconds of wall clock, whichever ends first; returns the model in eval
-    mode, float32, frozen again."""
+    mode, float32, frozen again. `autocast_dtype` (e.g. torch.bfloat16 on a GPU): mixed
+    precision per step over float32 master weights."""
     import torch
     import torch.nn.functional as F
 
@@ -213,15 +242,17 @@ def train_target(config: dict, stream, *, max_steps: int, budget_s: float, batch
         # last step's writes.
         kv = KVPool(cfg.num_layers, batch_size * seq_len + 1, cfg.num_kv_heads, cfg.head_dim,
                     torch.float32, device)
-        out = model(window[:, :-1], positions, batch, kv)
-        logits = model.logits(out.hidden)                                          # [B, T, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+        with _step_autocast(device, autocast_dtype):
+            out = model(window[:, :-1], positions, batch, kv)
+            logits = model.logits(out.hidden)                                      # [B, T, V]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), window[:, 1:].flatten())
         for group in opt.param_groups:
             group["lr"] = sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        _after_update()
         step += 1
         tokens += batch_size * seq_len
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
@@ -262,7 +293,7 @@ def eagle_config(target_config: dict, num_layers: int = 1) -> dict:
 def train_eagle(target, draft_config: dict, stream, *, max_steps: int, budget_s: float,
                 target_sequences=None, batch_size: int = 4, seq_len: int = 128, peak_lr: float = 1e-2, regression_weight: float = 1.0,
                 token_weight: float = 1.0, feature_noise_std: float = 0.05, device: str = "cpu",
-                seed: int = 0, progress: Progress = print):
+                seed: int = 0, progress: Progress = print, autocast_dtype=None):
     """Train an EAGLE head on `target`'s own features (self-distillation).
 
     Row j of the head sees (token j+1, target feature j) and must produce the target's feature
@@ -302,18 +333,20 @@ def train_eagle(target, draft_config: dict, stream, *, max_steps: int, budget_s:
             rows = torch.randint(0, target_sequences.shape[0], (batch_size // 2,), generator=gen)
             window[: batch_size // 2] = target_sequences[rows, : seq_len + 1]
         window = window.to(device)
-        with torch.no_grad():
+        with torch.no_grad(), _step_autocast(device, autocast_dtype):
             kv = KVPool(tcfg.num_layers, batch_size * seq_len + 1, tcfg.num_kv_heads, tcfg.head_dim,
                         torch.float32, device)
-            feature = target(window[:, :-1], positions, batch, kv).feature            # [B, T, H]
-            target_probs = F.softmax(target.logits(feature[:, 1:]), dim=-1)           # [B, T-1, V]
+            feature = target(window[:, :-1], positions, batch, kv).feature.float()    # [B, T, H]
+            target_probs = F.softmax(target.logits(feature[:, 1:]).float(), dim=-1)   # [B, T-1, V]
         noisy = feature[:, :-1] + (torch.rand_like(feature[:, :-1]) - 0.5) * 2 * feature_noise_std
         kv = KVPool(cfg.num_layers, batch_size * seq_len + 1, cfg.num_kv_heads, cfg.head_dim,
                     torch.float32, device)
-        # Row j: token j+1 with feature j; the last row has no label and is dropped below.
-        out = head(window[:, 1:-1], noisy, positions[:, :-1], _dense_causal_batch(batch_size, seq_len - 1, device), kv)
-        logits = head.logits(out)                                                     # [B, T-1, V]
-        regression = F.smooth_l1_loss(out, feature[:, 1:])
+        with _step_autocast(device, autocast_dtype):
+            # Row j: token j+1 with feature j; the last row has no label and is dropped below.
+            out = head(window[:, 1:-1], noisy, positions[:, :-1],
+                       _dense_causal_batch(batch_size, seq_len - 1, device), kv)
+            logits = head.logits(out).float()                                         # [B, T-1, V]
+        regression = F.smooth_l1_loss(out.float(), feature[:, 1:])
         token = -(target_probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         loss = regression_weight * regression + token_weight * token
         for group in opt.param_groups:
@@ -322,6 +355,7 @@ def train_eagle(target, draft_config: dict, stream, *, max_steps: int, budget_s:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        _after_update()
         step += 1
         with torch.no_grad():
             acc = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
