@@ -74,7 +74,7 @@ def run(ctx) -> dict:
         hf["parity"] = hf_baseline.parity(target, model, target.cfg.vocab_size, length=ctx["context"])
         log(f"engine vs transformers logits, same weights: rel L2 {hf['parity']['rel_l2_logits']:.2e}, "
             f"argmax agreement {100 * hf['parity']['argmax_agreement']:.0f}%")
-        hf.update(hf_baseline.run(model, ctx.device, batches=ctx["batches"],
+        hf.update(hf_baseline.run(model, ctx.device, batches=ctx.profile.get("hf_batches", ctx["batches"]),
                                   compiled_batches=ctx["hf_compiled_batches"], context=ctx["context"],
                                   new_tokens=ctx["hf_new_tokens"], repeats=ctx["hf_repeats"],
                                   compile=ctx["hf_compile"]))
