@@ -424,7 +424,11 @@ def run(ctx) -> dict:
         "summary": [f"{row['system'].replace('engine ', '')} {row['tok_s']:.0f} tok/s"
                     + (f" acc {row['accept_length']:.2f}" if "accept_length" in row else "")
                     for row in table]
-                   + [f"best {best['speedup_vs_engine_target_only']:.2f}x (goal 2.5x)"],
+                   + [f"best {best['speedup_vs_engine_target_only']:.2f}x (goal 2.5x)",
+                      f"target held-out loss {result['target_training']['held_out_loss']:.2f} "
+                      f"(unigram {result['corpus']['unigram_held_out_loss']:.2f})",
+                      f"head = target top-1 {100 * result['head_training']['held_out_first_token_agreement']:.0f}% "
+                      "(held-out, teacher-forced)"],
     })
     del hf_target, hf_draft, target, head, assistant
     free_device_memory()
