@@ -180,6 +180,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     b, num_q, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
+    if q.dtype != k_cache.dtype:
+        # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
+        # dtype, and the pool's is the wider one here.
+        return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its

@@ -118,14 +118,16 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cach
         # to the activation dtype.
         y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
         y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        # One pointer name per branch: the compiler requires a variable to keep one type across
+        # both branches, and the pool may hold another dtype than the activations (autocast).
         if head < num_heads:
-            out = q_out_ptr + (token * num_heads + head) * HEAD_DIM
-            tl.store(out + half, y1)
-            tl.store(out + HEAD_DIM // 2 + half, y2)
+            q_row = q_out_ptr + (token * num_heads + head) * HEAD_DIM
+            tl.store(q_row + half, y1)
+            tl.store(q_row + HEAD_DIM // 2 + half, y2)
         else:
-            out = k_cache_ptr + slot * stride_cache_s + (head - num_heads) * stride_cache_h
-            tl.store(out + half, y1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(out + HEAD_DIM // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
+            k_row = k_cache_ptr + slot * stride_cache_s + (head - num_heads) * stride_cache_h
+            tl.store(k_row + half, y1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_row + HEAD_DIM // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -1,0 +1,83 @@
+"""Every Triton kernel of the engine passes the compiler's front end for Hopper (sm_90) on CPU.
+
+The interpreter tests check numerics but not typing: Triton's compiler refuses programs the
+interpreter runs (for example one variable holding pointers of two dtypes in the branches of an
+`if`). Lowering each kernel to Triton IR for a CUDA target needs no GPU, so CI catches those.
+Signatures cover the dtype mixes the engine launches: bf16 and fp32 activations, and a KV pool in
+another dtype than the activations (autocast inference over a float32 pool).
+"""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from specdeploy.engine import attention_triton, elementwise_triton  # noqa: E402
+
+INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}
+FLOAT_SCALARS = {"eps", "sm_scale"}
+
+
+def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = ("*i64" if name in INDEX_PTRS else
+                               "*i1" if name == "new_mask_ptr" else pointer_dtypes.get(name, pointer_dtypes["*"]))
+        else:
+            signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({})
+    libtriton = triton._C.libtriton
+    context = libtriton.ir.context()
+    libtriton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    source.make_ir(target, options, backend.get_codegen_implementation(options),
+                   backend.get_module_map(), context)
+
+
+ACTIVATIONS = ["*bf16", "*fp32"]
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("pool", ACTIVATIONS)
+def test_rope_store_compiles(act, pool):
+    lower_to_ttir(elementwise_triton._rope_store_kernel,
+                  {"*": act, "k_cache_ptr": pool, "v_cache_ptr": pool}, {"HEAD_DIM": 128})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("weight", ACTIVATIONS)
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_compiles(act, weight, add):
+    lower_to_ttir(elementwise_triton._rms_norm_kernel, {"*": act, "w_ptr": weight},
+                  {"ADD": add, "BLOCK": 4096})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_silu_mul_compiles(act):
+    lower_to_ttir(elementwise_triton._silu_mul_kernel, {"*": act}, {"BLOCK": 1024})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("splits", [1, 8])
+def test_split_attention_compiles(act, splits):
+    # attend() casts queries to the pool's dtype, so the kernel sees one dtype for q, k and v.
+    lower_to_ttir(attention_triton._split_attention_kernel,
+                  {"*": act, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+                   "part_l_ptr": "*fp32"},
+                  {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": splits,
+                   "PRECISION": "ieee" if act == "*fp32" else "tf32"})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_combine_compiles(act):
+    lower_to_ttir(attention_triton._combine_kernel, {"*": act, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+                                                     "part_l_ptr": "*fp32"},
+                  {"HEAD_DIM": 128, "NUM_SPLITS": 8})
