@@ -75,7 +75,11 @@ def _header(rec: dict) -> str:
     lines.append(f"Reproduce: `{rec.get('command', '')}` (status **{rec['status']}**, "
                  f"{rec.get('duration_s', 0):.0f} s)")
     if rec["status"] != "ok":
-        lines += ["", f"> Error: `{rec.get('error', '')}`"]
+        error = rec.get("error", "")
+        lines += ["", f"> Error: `{error}`"] if "\n" not in error else ["", "Error:", "", "```", error, "```"]
+    # Provenance notes added when records of several device calls are merged by hand.
+    for note in rec.get("provenance", []):
+        lines += ["", f"> {note}"]
     return "\n".join(lines) + "\n"
 
 
@@ -278,7 +282,7 @@ def goals(sections: dict) -> str:
 
     for key, rec in sorted(sections.items()):
         if rec["status"] != "ok":
-            rows.append([f"section {key} ({rec['name']})", "—", rec["status"], rec.get("error", "")[:120]])
+            rows.append([f"section {key} ({rec['name']})", "—", rec["status"], (rec.get("error", "").splitlines() or [""])[0][:120]])
 
     r = res("2")
     if r:
