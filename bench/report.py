@@ -340,7 +340,9 @@ def figures(sections: dict, fig_dir: Path) -> list[str]:
         ax.plot(b, [x["roofline_tok_s"] for x in r["ours"]], "k--", label="HBM roofline")
         ax.plot(b, [x["tok_s"] for x in r["ours"]], "o-", label="engine call (graph)")
         ax.plot(b, [x.get("runner_tok_s") for x in r["ours"]], "s-", label="engine Runner step")
-        for key, label in (("eager", "transformers eager"), ("static_compiled", "transformers static+compile")):
+        static = ("transformers static+compile" if r.get("transformers", {}).get("static_compiled_is_compiled")
+                  else "transformers static (not compiled)")
+        for key, label in (("eager", "transformers eager"), ("static_compiled", static)):
             pts = [(x["batch"], x["tok_s"]) for x in r.get("transformers", {}).get(key, []) if "tok_s" in x]
             if pts:
                 ax.plot(*zip(*pts), "^-", label=label)
