@@ -160,13 +160,20 @@ def _step_autocast(device: str, dtype):
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
-def _after_update() -> None:
+def _update(opt, params, loss, lr: float) -> None:
+    """One optimizer step at `lr` with gradient clipping at norm 1."""
+    import torch
+
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
     # Autocast keeps the low-precision copy of every weight it cast until the outermost autocast
     # region exits. A caller that wraps the whole training loop in one region would otherwise see
     # the first step's weights in every forward while the optimizer moves the float32 ones: the
     # loss hardly falls, and the returned model (the float32 weights) is garbage.
-    import torch
-
     torch.clear_autocast_cache()
 
 
@@ -246,13 +253,7 @@ def train_target(config: dict, stream, *, max_steps: int, budget_s: float, batch
             out = model(window[:, :-1], positions, batch, kv)
             logits = model.logits(out.hidden)                                      # [B, T, V]
             loss = F.cross_entropy(logits.flatten(0, 1).float(), window[:, 1:].flatten())
-        for group in opt.param_groups:
-            group["lr"] = sched.lr(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        _after_update()
+        _update(opt, params, loss, sched.lr(step))
         step += 1
         tokens += batch_size * seq_len
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
@@ -349,13 +350,7 @@ def train_eagle(target, draft_config: dict, stream, *, max_steps: int, budget_s:
         regression = F.smooth_l1_loss(out.float(), feature[:, 1:])
         token = -(target_probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         loss = regression_weight * regression + token_weight * token
-        for group in opt.param_groups:
-            group["lr"] = sched.lr(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        _after_update()
+        _update(opt, params, loss, sched.lr(step))
         step += 1
         with torch.no_grad():
             acc = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
