@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def bootstrap_specdeploy(root: Path = REPO_ROOT) -> None:
     """Make `specdeploy` and `specdeploy.engine` importable from this checkout without installing
-    it (the device image has our sources, not our package): register both packages from their
+    it (a GPU machine may have the sources but not the installed package): register both packages from their
     folders so that `import specdeploy.engine.model` resolves to engine/model.py next to us."""
     if "specdeploy.engine" in sys.modules:
         return
@@ -236,7 +236,7 @@ def environment() -> dict:
 
 
 def out_dir() -> Path:
-    return Path(os.environ.get("OUT") or ".bench")
+    return Path(os.environ.get("SPECDEPLOY_BENCH_OUT") or ".bench")
 
 
 def write_json(name: str, data, directory: Path | None = None) -> Path:

@@ -1,5 +1,5 @@
-# Source on the device machine: makes the checkout importable as `specdeploy` without installing it
-# (the device image has torch but no network), and installs carried wheels if any.
+# Source on a GPU machine that has torch but not this package: makes the checkout importable as
+# `specdeploy` without installing it, and installs wheels from .whl/ if any (offline machines).
 
 _root=$(pwd)
 if ls .whl/*.whl >/dev/null 2>&1; then

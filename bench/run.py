@@ -1,9 +1,9 @@
 """The benchmark suite's one entry point.
 
-    python3 bench/run.py --sections 1,2,3,4,6 --out $OUT     # device call 1 (~6 min on an H200)
-    python3 bench/run.py --sections 5 --out $OUT             # device call 2 (~2.5 min)
+    python3 bench/run.py --sections 1,2,3,4,6 --out RUN1     # ~6 min on an H200
+    python3 bench/run.py --sections 5 --out RUN2             # ~2.5 min
     python3 bench/run.py --smoke                             # every section, CPU, tiny shapes
-    python3 bench/report.py CALL1_OUT CALL2_OUT              # -> docs/benchmarks.md
+    python3 bench/report.py RUN1 RUN2                        # -> docs/benchmarks.md
 
 The package need not be installed: common.bootstrap_specdeploy() imports specdeploy.engine from
 this checkout.
@@ -49,7 +49,7 @@ SECTIONS = {
 ORDER = ("6", "1", "4", "3", "2", "5")
 
 # A hyper-connection (hc_mult 4) target, smaller than 8B so that its eager mHC mixing (Sinkhorn
-# iterations per sublayer) fits the device call's time: Llama-shaped, 2048 wide, 8 layers.
+# iterations per sublayer) fits a short benchmark run: Llama-shaped, 2048 wide, 8 layers.
 HC4_TARGET = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
               "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2, "hc_mult": 4}
@@ -186,7 +186,7 @@ def _run_section(key: str, ctx: Context, out: Path) -> dict:
     try:
         record["results"] = module.run(ctx)
         record["status"] = "ok"
-    except Exception as e:  # one failing section must not cost the others their device time
+    except Exception as e:  # one failing section must not cost the others their run
         record["status"] = "error"
         record["error"] = f"{type(e).__name__}: {e}"[:2000]
         record["traceback"] = traceback.format_exc()[-6000:]
@@ -201,7 +201,7 @@ def _run_section(key: str, ctx: Context, out: Path) -> dict:
 
 
 def _reproduce_command(key: str, ctx: Context) -> str:
-    cmd = f"PYTHONUNBUFFERED=1 python3 bench/run.py --sections {key} --out $OUT"
+    cmd = f"PYTHONUNBUFFERED=1 python3 bench/run.py --sections {key} --out RESULTS_DIR"
     if ctx.smoke:
         cmd += " --smoke"
     return cmd
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", default="1,2,3,4,5,6",
                         help="comma-separated section numbers or names (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: exercise the code")
-    parser.add_argument("--out", default=None, help="output folder (default: $OUT or .bench)")
+    parser.add_argument("--out", default=None, help="output folder (default: $SPECDEPLOY_BENCH_OUT or .bench)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="skip sections that would start after this many seconds")
@@ -237,9 +237,9 @@ def main(argv=None) -> int:
                         help="section 2: comma-separated batch sizes for transformers (default: all)")
     args = parser.parse_args(argv)
 
-    out = Path(args.out or os.environ.get("OUT") or ".bench")
+    out = Path(args.out or os.environ.get("SPECDEPLOY_BENCH_OUT") or ".bench")
     if args.out:
-        os.environ["OUT"] = str(out)
+        os.environ["SPECDEPLOY_BENCH_OUT"] = str(out)
     names = {v[0]: k for k, v in SECTIONS.items()}
     wanted = set()
     for item in args.sections.split(","):
