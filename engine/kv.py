@@ -52,10 +52,6 @@ class SlotTable:
     def capacity(self) -> int:
         return self.num_slots - 1
 
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
-
     def alloc(self, n: int) -> torch.Tensor:
         """n free slots [n] (a fresh tensor: later frees overwrite the stack region)."""
         if n > self.num_free:

@@ -244,14 +244,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3)")
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in float32 (the two halves repeat)."""
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., heads, D]; cos/sin [..., D] broadcast over heads (rotate-half convention)."""
     half = x.shape[-1] // 2

@@ -132,6 +132,14 @@ def custom_gpu(memory_gib: float) -> GPU:
     return GPU("custom", int(memory_gib * GIB), "")
 
 
+def max_draft_tokens(num_steps: int, topk: int) -> int:
+    """The most tokens one verify step can check: the root plus every draft candidate. The first
+    draft step proposes topk children of the root; each later step expands its topk best nodes
+    by topk children each, so the pool is topk + (num_steps - 1) * topk^2 (topk 1: a chain of
+    num_steps). The CRD's CEL rule on numDraftTokens states the same bound."""
+    return topk + (num_steps - 1) * topk * topk + 1
+
+
 @dataclass(frozen=True)
 class SpecSettings:
     """Speculative decoding settings: draft `num_steps` deep, `topk` branches per step, verifying
@@ -154,11 +162,12 @@ class SpecSettings:
                 "InvalidSpeculativeSettings",
                 f"num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} when topk is 1, got {self.num_draft_tokens}",
             )
-        most = self.num_steps * self.topk + 1
+        most = max_draft_tokens(self.num_steps, self.topk)
         if not 2 <= self.num_draft_tokens <= most:
             raise PlanError(
                 "InvalidSpeculativeSettings",
-                f"num_draft_tokens must be in [2, num_steps * topk + 1 = {most}], got {self.num_draft_tokens}",
+                f"num_draft_tokens must be in [2, topk + (num_steps - 1) * topk^2 + 1 = {most}], "
+                f"got {self.num_draft_tokens}",
             )
 
     @property

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import yaml
 
-from specdeploy.engine.plan import GPUS, TENSOR_PARALLEL_SIZES
+import pytest
+
+from specdeploy.engine.plan import GPUS, TENSOR_PARALLEL_SIZES, PlanError, SpecSettings
 from specdeploy.engine.shapes import ALGORITHMS
 from specdeploy.operator import render, status
 
@@ -64,3 +67,62 @@ def test_every_model_source_rule_applies_to_target_and_draft():
     for model in ("target", "draft"):
         rules = [r["rule"] for r in spec[model]["x-kubernetes-validations"]]
         assert any("has(self.config) && has(self.configMapRef)" in r for r in rules)
+
+
+def cel_to_python(rule: str) -> str:
+    """The subset of CEL the speculative rules use (field access, has(), !, ||, &&, arithmetic,
+    comparisons, string literals) as a Python expression over a dict named self."""
+    import re
+
+    expr = re.sub(r"!has\(self\.(\w+)\)", r"('\1' not in self)", rule)
+    expr = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", expr)
+    expr = re.sub(r"self\.(\w+)", r"self['\1']", expr)
+    assert not re.search(r"!(?!=)", expr), f"unsupported CEL in {rule!r}"
+    return expr.replace("||", " or ").replace("&&", " and ")
+
+
+@functools.cache
+def speculative_schema() -> dict:
+    return load()[2]["properties"]["spec"]["properties"]["speculative"]
+
+
+def crd_accepts_speculative(spec: dict) -> bool:
+    """Whether the CRD admits this spec.speculative: field bounds, defaults, then every CEL rule."""
+    node = speculative_schema()
+    props = node["properties"]
+    for name, value in spec.items():
+        if isinstance(value, int) and not props[name].get("minimum", value) <= value <= props[name].get("maximum", value):
+            return False
+    full = {k: props[k]["default"] for k in props if "default" in props[k]} | spec
+    return all(eval(cel_to_python(v["rule"]), {}, {"self": full}) for v in node["x-kubernetes-validations"])
+
+
+def plan_accepts(num_steps: int, topk: int, num_draft_tokens: int) -> bool:
+    try:
+        SpecSettings("EAGLE3", num_steps, topk, num_draft_tokens)
+    except PlanError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("steps,topk,n,accepted", [
+    (3, 4, 20, True), (3, 4, 37, True), (3, 4, 38, False),
+    (3, 1, 4, True), (3, 1, 5, False), (3, 1, 3, False),
+    (1, 3, 4, True), (1, 3, 5, False), (2, 2, 7, True), (2, 2, 8, False),
+])
+def test_num_draft_tokens_bound_table(steps, topk, n, accepted):
+    spec = {"algorithm": "EAGLE3", "numSteps": steps, "topk": topk, "numDraftTokens": n}
+    assert crd_accepts_speculative(spec) == accepted
+    assert plan_accepts(steps, topk, n) == accepted
+
+
+def test_crd_and_plan_agree_on_num_draft_tokens():
+    """The CEL rules on numDraftTokens and SpecSettings (the plan, the runner) accept the same
+    (numSteps, topk, numDraftTokens) over a grid around every bound."""
+    from specdeploy.engine.plan import max_draft_tokens
+
+    for steps in range(1, 6):
+        for topk in range(1, 6):
+            for n in range(2, max_draft_tokens(steps, topk) + 3):
+                spec = {"algorithm": "EAGLE3", "numSteps": steps, "topk": topk, "numDraftTokens": n}
+                assert crd_accepts_speculative(spec) == plan_accepts(steps, topk, n), (steps, topk, n)

@@ -196,12 +196,24 @@ def test_draft_required():
         (("MEDUSA", 3, 1, 4), "algorithm"),
         (("EAGLE", 0, 1, 1), "num_steps"),
         (("EAGLE", 3, 1, 5), "num_steps \\+ 1"),
-        (("EAGLE", 3, 4, 14), "num_steps \\* topk"),
+        (("EAGLE", 3, 4, 38), "topk \\+ \\(num_steps - 1\\) \\* topk\\^2 \\+ 1 = 37"),
+        (("EAGLE", 1, 3, 5), "= 4"),
     ],
 )
 def test_bad_spec_settings(args, match):
     with pytest.raises(PlanError, match=match):
         SpecSettings(*args)
+
+
+def test_num_draft_tokens_may_use_the_whole_candidate_pool():
+    """3 steps of topk 4 draft 4 + 2 * 16 = 36 candidates: 20 (and up to 37) tokens verify, and
+    the verify graph's buffer has a row per verified token."""
+    assert planmod.max_draft_tokens(3, 4) == 37
+    assert planmod.max_draft_tokens(3, 1) == 4
+    assert SpecSettings("EAGLE3", 3, 4, 37).num_draft_tokens == 37
+    target = derive_shapes(load("llama-3.1-8b-instruct"))
+    b = planmod.buffer_plan(target, SpecSettings("EAGLE3", 3, 4, 20), Limits(cuda_graph_max_bs=8))
+    assert b.verify_hidden_states_shape[0] == 8 * 20
 
 
 def test_bad_limits_and_gpu():
