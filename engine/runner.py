@@ -10,9 +10,9 @@ One `step()`:
        tree     keep num_draft_tokens nodes (tree.py)
        verify   one target forward over the tree with its ancestor mask (tree slots)
        accept   greedy or rejection sampling (verify.py)
-       commit   the accepted nodes' slots join the request; every other slot is freed
        extend   the draft runs over the accepted tokens with the target's true features, which
-                rewrites the draft K/V of those positions and yields the next root's hidden.
+                rewrites the draft K/V of those positions and yields the next root's hidden
+       commit   the accepted nodes' slots join the request; every other slot is freed.
      Without a draft head, one plain decode step.
 
 A request's committed tokens own the same slot in the target and the draft pool. State kept per
@@ -32,7 +32,7 @@ from specdeploy.engine.calls import ModelCalls
 from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import PAD_SLOT, KVPool, SlotTable
 from specdeploy.engine.model import LlamaModel
-from specdeploy.engine.plan import PREFILL_CHUNK_TOKENS
+from specdeploy.engine.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
 from specdeploy.engine.tree import build_tree
 from specdeploy.engine.verify import sample_from, verify_greedy, verify_sampling, warp_probs
 
@@ -120,7 +120,7 @@ class Runner:
         if draft is not None:
             if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
                 raise ValueError("topk 1 needs num_draft_tokens = num_steps + 1")
-            most = self.topk + (self.num_steps - 1) * self.topk ** 2 + 1
+            most = max_draft_tokens(self.num_steps, self.topk)
             if not 2 <= self.num_draft_tokens <= most:
                 raise ValueError(f"num_draft_tokens must be in [2, {most}]")
             target.set_feature(_FEATURE_KIND[algorithm], getattr(target, "aux_layers", None) or None)
@@ -165,16 +165,34 @@ class Runner:
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
         self._reserved = 0
+        # What the step in progress took and has not committed yet, given back if it fails:
+        # slot tensors, (row, start, end) req_to_slot entries written, requests given a row.
+        self._step_slots: list[torch.Tensor] = []
+        self._step_entries: list[tuple[int, int, int]] = []
+        self._step_rows: list[_Seq] = []
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
 
     # ---- admission -------------------------------------------------------------------------
 
-    def _reservation(self, req: Request) -> int:
-        """Slots a request can hold at its peak: prompt + output, plus one iteration's scratch."""
+    def slots_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """Slots a request can hold at its peak: prompt + output, plus one iteration's scratch
+        (the draft's (num_steps - 1) x topk and the verify tree's num_draft_tokens; 1 without a draft)."""
         scratch = (max(self.num_steps - 1, 0) * self.topk + self.num_draft_tokens) if self.draft else 1
-        return len(req.prompt_ids) + req.max_tokens + scratch
+        return prompt_len + max_tokens + scratch
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most prompt + max_tokens one request may have: the context minus the positions
+        one draft tree looks ahead past the committed tokens."""
+        return self.context_length - self.num_steps - 1
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The largest max_tokens a request with this prompt can be admitted with (by context
+        and by pool size); 0 or less when the prompt alone does not fit."""
+        return min(self.max_sequence_tokens - prompt_len,
+                   self.table.capacity - self.slots_needed(prompt_len, 0))
 
     def add(self, req: Request) -> None:
         if not req.prompt_ids:
@@ -189,11 +207,10 @@ class Runner:
         if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
             raise ValueError(f"request {req.id}: bad sampling parameters (temperature >= 0, "
                              f"0 < top_p <= 1, top_k >= 0)")
-        need_ctx = len(req.prompt_ids) + req.max_tokens + self.num_steps + 1
-        if need_ctx > self.context_length:
+        if len(req.prompt_ids) + req.max_tokens > self.max_sequence_tokens:
             raise ValueError(f"request {req.id}: prompt ({len(req.prompt_ids)}) + max_tokens "
                              f"({req.max_tokens}) exceeds the context length {self.context_length}")
-        need = self._reservation(req)
+        need = self.slots_needed(len(req.prompt_ids), req.max_tokens)
         if need > self.table.capacity:
             raise ValueError(f"request {req.id}: needs {need} KV slots, the pool has "
                              f"{self.table.capacity} (max_total_tokens)")
@@ -240,14 +257,41 @@ class Runner:
             self.target.set_feature(*self._feature)
         decoding = list(self._running.values())
         outputs: dict[str, StepOutput] = {}
-        if self._pending:
-            for out in self._prefill(self._prefill_batch()):
-                outputs[out.req_id] = out
-        if decoding:
-            outs = self._spec_decode(decoding) if self.draft is not None else self._plain_decode(decoding)
-            for out in outs:
-                outputs[out.req_id] = out
+        try:
+            if self._pending:
+                for out in self._prefill(self._prefill_batch()):
+                    outputs[out.req_id] = out
+            if decoding:
+                outs = self._spec_decode(decoding) if self.draft is not None else self._plain_decode(decoding)
+                for out in outs:
+                    outputs[out.req_id] = out
+        except BaseException:
+            # A failed forward (e.g. out of memory) leaves every request as it was before the
+            # failed phase: retrying or aborting it is exact and no slot is lost.
+            self._undo_step()
+            raise
         return list(outputs.values())
+
+    def _take_slots(self, n: int) -> torch.Tensor:
+        slots = self.table.alloc(n)
+        self._step_slots.append(slots)
+        return slots
+
+    def _commit_step(self) -> None:
+        """The phase's slots now belong to requests (or were freed by it): nothing to undo."""
+        self._step_slots.clear()
+        self._step_entries.clear()
+        self._step_rows.clear()
+
+    def _undo_step(self) -> None:
+        for slots in self._step_slots:
+            self.table.free(slots)
+        for row, start, end in self._step_entries:
+            self.table.req_to_slot[row, start:end] = PAD_SLOT
+        for seq in self._step_rows:  # no committed tokens yet: the row goes back empty
+            self.table.free_row(seq.row, 0)
+            seq.row = -1
+        self._commit_step()
 
     # ---- prefill -----------------------------------------------------------------------------
 
@@ -277,22 +321,22 @@ class Runner:
         for i, (seq, take) in enumerate(chosen):
             if seq.row < 0:
                 seq.row = self.table.alloc_row()
+                self._step_rows.append(seq)
             start, prompt = seq.length, seq.req.prompt_ids
             tokens[i, :take] = torch.tensor(prompt[start:start + take], device=dev)
             # The last prompt entry pairs with the first sampled token, filled in below.
             nxt = prompt[start + 1:start + take + 1]
             shifted[i, :len(nxt)] = torch.tensor(nxt, dtype=torch.int64, device=dev)
-            slots[i, :take] = self.table.alloc(take)
+            slots[i, :take] = self._take_slots(take)
             self.table.req_to_slot[seq.row, start:start + take] = slots[i, :take]
+            self._step_entries.append((seq.row, start, start + take))
         rows = torch.tensor([seq.row for seq, _ in chosen], device=dev)
         prefix = self.table.req_to_slot[rows, :max(seq.length for seq, _ in chosen)]
         positions = starts[:, None] + torch.arange(q, device=dev)
         positions = torch.where(torch.arange(q, device=dev) < takes[:, None], positions, 0)
         batch = causal_batch(slots, takes, prefix, starts)
         out = self.target(tokens, positions, batch, self.target_kv)
-        for seq, take in chosen:
-            seq.length += take
-        done = [i for i, (seq, _) in enumerate(chosen) if seq.length == len(seq.req.prompt_ids)]
+        done = [i for i, (seq, take) in enumerate(chosen) if seq.length + take == len(seq.req.prompt_ids)]
         finished = [chosen[i][0] for i in done]
         first = None
         if done:
@@ -303,6 +347,9 @@ class Runner:
             hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
             if done:
                 self.draft_hidden[rows[idx]] = hidden[idx]
+        for seq, take in chosen:
+            seq.length += take
+        self._commit_step()
         for seq in finished:
             self._pending.remove(seq)
             self._running[seq.req.id] = seq
@@ -328,7 +375,7 @@ class Runner:
                     else torch.full((b, n + 1 + steps), 0.5, device=dev))
 
         # -- draft: num_steps x topk candidates (scratch slots in the draft pool).
-        scratch = self.table.alloc(b * (steps - 1) * self.topk).view(b, -1)
+        scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)
         hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
         cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
             hidden, prefix, lens, scratch, *params, uniforms[:, n + 1:], chain_sampling)
@@ -336,7 +383,7 @@ class Runner:
                           check=False)
 
         # -- verify: one target forward over the tree (tree slots in the target pool).
-        tree_slots = self.table.alloc(b * n).view(b, n)
+        tree_slots = self._take_slots(b * n).view(b, n)
         logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
                                               prefix, lens, tree.mask)     # [B, N, V], [B, N, Hin]
         if not sampling:
@@ -351,35 +398,37 @@ class Runner:
                                                    uniforms[:, n])
         accepted = num_acc.tolist()                                         # the step's one sync
 
-        # -- commit the accepted nodes' slots (root first), free every other slot.
+        # -- draft extend: entries (token after node j, target feature at node j) along the path.
         valid = path >= 0                                                   # [B, S + 1]
         path_slots = torch.where(valid, torch.gather(tree_slots, 1, path.clamp(min=0)), PAD_SLOT)
+        path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))       # [B, S + 1]
+        ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
+        ext_tokens[torch.arange(b, device=dev), num_acc] = bonus
+        ext_hidden = torch.gather(feature, 1, path.clamp(min=0)[:, :, None].expand(-1, -1, feature.shape[-1]))
+        positions = lens[:, None] + torch.arange(steps + 1, device=dev)
+        draft_hidden = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots,
+                                          prefix, lens, num_acc + 1)
+
+        # -- commit (after the last model call, so a failure above leaves the requests as they
+        # were): the accepted nodes' slots (root first) join the requests, every other slot is freed.
         # All S + 1 columns are written; those past the new length hold the pad slot and are
         # never read (prefix_lens bounds every read) before being overwritten.
-        cols = lens[:, None] + torch.arange(steps + 1, device=dev)
-        self.table.req_to_slot[rows[:, None], cols] = path_slots
+        self.table.req_to_slot[rows[:, None], positions] = path_slots
         in_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
         in_path.scatter_(1, path.clamp(min=0), True)                        # padding -> root, kept anyway
         # Slots off the path first (stable order), then free exactly that many.
         off_path = torch.sort(in_path.view(-1).to(torch.uint8), stable=True).indices
         self.table.free(tree_slots.view(-1)[off_path[:b * n - sum(accepted) - b]])
         self.table.free(scratch)
-
-        # -- draft extend: entries (token after node j, target feature at node j) along the path.
-        path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))       # [B, S + 1]
-        ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
-        ext_tokens[torch.arange(b, device=dev), num_acc] = bonus
-        ext_hidden = torch.gather(feature, 1, path.clamp(min=0)[:, :, None].expand(-1, -1, feature.shape[-1]))
-        positions = lens[:, None] + torch.arange(steps + 1, device=dev)
-        self.draft_hidden[rows] = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots,
-                                                     prefix, lens, num_acc + 1)
+        self.draft_hidden[rows] = draft_hidden
+        for s, a in zip(seqs, accepted):
+            s.length += a + 1
+        self._commit_step()
 
         self.num_draft_tokens_proposed += b * steps
         self.num_draft_tokens_accepted += sum(accepted)
         emitted = [row[1:a + 1] + [bt] for row, a, bt in
                    zip(path_tokens.tolist(), accepted, bonus.tolist())]
-        for s, a in zip(seqs, accepted):
-            s.length += a + 1
         return self._emit(seqs, emitted, accepted)
 
     # ---- plain decoding --------------------------------------------------------------------------
@@ -389,14 +438,15 @@ class Runner:
         b = len(seqs)
         rows = torch.tensor([s.row for s in seqs], device=dev)
         lens = torch.tensor([s.length for s in seqs], device=dev)
-        slots = self.table.alloc(b).view(b, 1)
+        slots = self._take_slots(b).view(b, 1)
         prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
-        self.table.req_to_slot[rows, lens] = slots[:, 0]
         roots = torch.tensor([[s.root] for s in seqs], device=dev)
         logits = self.calls.target_decode(roots, lens[:, None], slots, prefix, lens)   # [B, V]
         tokens = self._sample(seqs, logits)
+        self.table.req_to_slot[rows, lens] = slots[:, 0]
         for s in seqs:
             s.length += 1
+        self._commit_step()
         return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)
 
     # ---- sampling and bookkeeping ---------------------------------------------------------------

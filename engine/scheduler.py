@@ -120,14 +120,12 @@ class Scheduler:
         self.max_queued_requests = max_queued_requests
         # The runner reserves each request's worst case when it is added (prompt + max_tokens +
         # one iteration's draft scratch) and refuses with NoCapacity when that does not fit now;
-        # so a running request never runs out of KV slots and nothing needs preempting. The two
-        # limits below mirror its checks so a request that could *never* run is refused with a
-        # 400 up front instead of waiting in the queue.
+        # so a running request never runs out of KV slots and nothing needs preempting.
+        # check_fits applies the runner's two limits (max_sequence_tokens, slots_needed) up front,
+        # so a request that could *never* run is refused with a 400 instead of waiting in the queue.
         self.capacity_slots = runner.table.capacity
-        self.scratch_slots = ((max(runner.num_steps - 1, 0) * runner.topk + runner.num_draft_tokens)
-                              if runner.draft is not None else 1)
-        # prompt + max_tokens may use the context minus the positions one draft tree looks ahead.
-        self.context_length = runner.context_length - runner.num_steps - 1
+        # The most prompt + max_tokens a request may have (what clients see as the context).
+        self.context_length = runner.max_sequence_tokens
         self.log_interval_s = log_interval_s
 
         self._cv = threading.Condition()
@@ -179,8 +177,9 @@ class Scheduler:
         with self._cv:
             return self._num_unfinished == 0
 
-    def slots_needed(self, prompt_tokens: int, max_tokens: int) -> int:
-        return prompt_tokens + max_tokens + self.scratch_slots
+    def max_new_tokens(self, prompt_tokens: int) -> int:
+        """The largest max_tokens that fits with this prompt (0 or less: the prompt alone does not)."""
+        return self.runner.max_new_tokens(prompt_tokens)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestTooLargeError for a request that could never run, whatever the load."""
@@ -190,7 +189,7 @@ class Scheduler:
             raise RequestTooLargeError(
                 f"this model's context length is {self.context_length} tokens; the request asks for "
                 f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt + {max_tokens} to generate)")
-        need = self.slots_needed(prompt_tokens, max_tokens)
+        need = self.runner.slots_needed(prompt_tokens, max_tokens)
         if need > self.capacity_slots:
             raise RequestTooLargeError(
                 f"the request needs {need} KV slots but the cache holds {self.capacity_slots}")

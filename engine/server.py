@@ -257,8 +257,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:  # OpenAI's chat default: as much as the context allows
-            max_tokens = max(1, scheduler.context_length - len(prompt_ids))
+        if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
+            max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
         handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "chat_completions")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

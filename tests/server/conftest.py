@@ -108,6 +108,24 @@ def server(model_dirs) -> Server:
 
 
 @pytest.fixture
+def start_server(model_dirs):
+    """Start another in-process server with extra `engine serve` flags: -> its base URL. It stops
+    when the test ends."""
+    from specdeploy.engine.serve_cli import ServerThread
+
+    started = []
+
+    def start(*extra: str) -> str:
+        running = ServerThread(serve_argv(*model_dirs, free_port(), *extra)).start(timeout_s=120)
+        started.append(running)
+        return running.base_url
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
 def client(server) -> openai.OpenAI:
     # No retries: the tests look at every status code the server gives.
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -136,6 +136,20 @@ def test_chat_default_max_tokens_fits_the_context(client, server):
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_chat_default_max_tokens_fits_a_pool_of_one_context(server, start_server):
+    """One running request and a pool of one context (the CPU default, context x running): the
+    default must leave room for the request's draft scratch, not ask for the whole context."""
+    import openai
+
+    url = start_server("--max-running-requests", "1", "--max-total-tokens", str(server.context_length))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                         temperature=0, extra_body=LONG)
+    assert out.choices[0].finish_reason == "length"
+    # The whole pool but one iteration's scratch: (3 - 1) x topk 1 draft + 4 verified tokens.
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == server.context_length - 6
+
+
 def test_stop_token_ids_end_generation_and_stay_out_of_the_text(client, server):
     # Every id is a stop id, so the very first token stops: counted in usage, absent from the text.
     out = client.completions.create(model=server.model, prompt="x", max_tokens=10, temperature=0,
