@@ -139,9 +139,8 @@ class KubeClient:
                 return None
             raise
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply with this operator's field manager: creates or converges, so a
-        restarted operator re-applying the same children changes nothing and duplicates nothing."""
+    def check_not_foreign(self, obj: dict[str, Any]) -> None:
+        """ChildConflict if an object of this name exists and the same owner does not control it."""
         meta = obj["metadata"]
         existing = self._existing(obj)
         if existing is not None:
@@ -153,6 +152,15 @@ class KubeClient:
                     f"{obj['kind']} {meta['namespace']}/{meta['name']} already exists and is owned by"
                     f" {owner}; rename the SpecDecodeDeployment or remove that object"
                 )
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply with this operator's field manager: creates or converges, so a
+        restarted operator re-applying the same children changes nothing and duplicates nothing."""
+        self.check_not_foreign(obj)
+        return self._apply_unchecked(obj)
+
+    def _apply_unchecked(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
         patch = {
             "ConfigMap": self.core.patch_namespaced_config_map,
             "Service": self.core.patch_namespaced_service,
@@ -165,8 +173,12 @@ class KubeClient:
         return self._dict(result)
 
     def apply_children(self, children: Children) -> dict[str, Any]:
-        """Apply ConfigMap, Deployment, Service; returns the Deployment as the server has it."""
-        applied = {child["kind"]: self.apply(child) for child in children.all()}
+        """Apply ConfigMap, Deployment, Service; returns the Deployment as the server has it.
+        Ownership of all three is checked before any is applied: a conflict found midway would
+        leave GPU pods running without their Service (or their ConfigMap)."""
+        for child in children.all():
+            self.check_not_foreign(child)
+        applied = {child["kind"]: self._apply_unchecked(child) for child in children.all()}
         return applied["Deployment"]
 
     def owned_deployment(self, namespace: str, name: str, owner_uid: str) -> dict[str, Any] | None:

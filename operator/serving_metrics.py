@@ -7,6 +7,7 @@ tokens per second = the sum of the pods' generation throughput gauges.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,13 +58,21 @@ def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
     return result
 
 
+def _url_host(ip: str) -> str:
+    """An IPv6 address goes in brackets in a URL (http://[fd00::1]:8000); anything else as is."""
+    try:
+        return f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    except ValueError:
+        return ip
+
+
 def ready_pod_metrics_urls(pods: Iterable[dict[str, Any]]) -> list[str]:
     urls = []
     for pod in pods:
         st = pod.get("status") or {}
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
         if ready and st.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-            urls.append(f"http://{st['podIP']}:{ENGINE_PORT}/metrics")
+            urls.append(f"http://{_url_host(st['podIP'])}:{ENGINE_PORT}/metrics")
     return urls
 
 
@@ -76,6 +85,8 @@ def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple
                 response = client.get(url)
                 response.raise_for_status()
                 samples.append(parse_engine_metrics(response.text))
-            except httpx.HTTPError as err:
+            # One pod's failure (unreachable, bad URL, garbled answer) must not end the round for
+            # the others: InvalidURL and decoding errors are not HTTPErrors.
+            except Exception as err:
                 errors.append(f"GET {url}: {type(err).__name__}: {err}")
     return samples, errors

@@ -278,3 +278,18 @@ def test_foreign_objects_are_never_taken_over_or_deleted(kube_cluster, kube_name
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     assert after["metadata"]["generation"] == before["metadata"]["generation"]
     assert not after["metadata"].get("ownerReferences")
+
+    # A foreign Service is found before anything is applied: no Deployment (GPU pods without a
+    # Service) and no ConfigMap are left behind while the status says ChildConflict.
+    kube_cluster.apply(
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "clash"},
+         "spec": {"selector": {"app": "someone-else"}, "ports": [{"port": 80}]}},
+        namespace=kube_namespace,
+    )
+    kube_cluster.apply(manifest("clash", replicas=1), namespace=kube_namespace)
+    clash = sdd_of("clash")
+    ready = wait_for(lambda: clash.condition("Ready").get("reason") == "ChildConflict" and clash.condition("Ready"),
+                     timeout_s=30, what="Ready=False ChildConflict (Service)")
+    assert "Service" in ready["message"] and "clash" in ready["message"]
+    assert clash.deployment() is None
+    assert clash.items("configmaps", "--field-selector", "metadata.name=clash-engine") == []

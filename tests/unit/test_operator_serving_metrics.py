@@ -77,6 +77,17 @@ def test_only_ready_pods_with_an_ip_are_scraped():
     assert sm.ready_pod_metrics_urls(pods) == ["http://10.0.0.1:8000/metrics"]
 
 
+def test_ipv6_pod_ips_are_bracketed_and_a_bad_url_fails_only_its_pod(two_engines):
+    pods = [
+        {"metadata": {"name": ip}, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+        for ip in ("fd00:10:244::5", "10.0.0.1")
+    ]
+    assert sm.ready_pod_metrics_urls(pods) == ["http://[fd00:10:244::5]:8000/metrics", "http://10.0.0.1:8000/metrics"]
+    # A URL httpx refuses to parse (InvalidURL is not an HTTPError) is one pod's error, not the round's.
+    samples, errors = sm.scrape(["http://fd00::5:8000/metrics", *two_engines], timeout_s=1)
+    assert len(samples) == 2 and len(errors) == 1 and "fd00::5" in errors[0]
+
+
 def test_figures_land_in_status_and_survive_replica_updates():
     st = status.engine_metrics({"serving": {"readyReplicas": 2}}, {"meanAcceptLength": 3.0, "tokensPerSecond": 10.0})
     assert st["serving"] == {"readyReplicas": 2, "meanAcceptLength": 3.0, "tokensPerSecond": 10.0}
