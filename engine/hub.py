@@ -87,8 +87,9 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
         for name in files:
             total_bytes += _download(client, f"/{repo_id}/resolve/{commit}/{urllib.parse.quote(name)}",
                                      snapshot / name, name)
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / revision).write_text(commit)
+        ref = repo / "refs" / revision
+        ref.parent.mkdir(parents=True, exist_ok=True)  # a revision may hold slashes (refs/pr/1)
+        ref.write_text(commit)
     elapsed_s = time.monotonic() - t0
     log.info("fetched %s: %.2f GiB in %.0f s (%.0f MiB/s)", repo_id, total_bytes / 2**30, elapsed_s,
              total_bytes / 2**20 / max(elapsed_s, 1e-3))

@@ -38,6 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "/v1/completions, /v1/chat/completions, /health, /ready and /metrics.")
     p.add_argument("--target", required=True, help="target model: a local HF-style directory or an HF id in the local HF cache")
     p.add_argument("--draft", help="draft head: a local directory or an HF id (required for EAGLE and EAGLE3)")
+    p.add_argument("--target-revision", default="main",
+                   help="hub revision (branch, tag or commit sha) of an HF-id --target (default: main)")
+    p.add_argument("--draft-revision", default="main",
+                   help="hub revision (branch, tag or commit sha) of an HF-id --draft (default: main)")
     # Defaults are None so that, with --plan, only what was really given is compared with the plan.
     p.add_argument("--algorithm", choices=ALGORITHMS, help="default: the plan's, else NONE")
     p.add_argument("--num-steps", type=int, help=f"draft depth per iteration (default: {DEFAULT_NUM_STEPS})")
@@ -107,9 +111,9 @@ def _spec_settings(args: argparse.Namespace):
     return SpecSettings(algorithm, steps, args.topk or 1, args.num_draft_tokens or steps + 1)
 
 
-def resolve_model_path(name: str) -> Path:
-    """A local directory, else an HF id: from the local HF cache, else fetched from $HF_ENDPOINT
-    into that cache (a volume in the cluster, so a restarted pod does not fetch again)."""
+def resolve_model_path(name: str, revision: str = "main") -> Path:
+    """A local directory, else an HF id at `revision`: from the local HF cache, else fetched from
+    $HF_ENDPOINT into that cache (a volume in the cluster, so a restarted pod does not fetch again)."""
     from specdeploy.engine import hub
 
     path = Path(name)
@@ -117,11 +121,11 @@ def resolve_model_path(name: str) -> Path:
         return path
     if path.is_absolute() or name.startswith("."):
         raise FileNotFoundError(f"{name}: no such directory")
-    snapshot = hub.cached_snapshot(name)
+    snapshot = hub.cached_snapshot(name, revision)
     if snapshot is not None:
-        log.info("%s: found in the HF cache at %s", name, snapshot)
+        log.info("%s@%s: found in the HF cache at %s", name, revision, snapshot)
         return snapshot
-    return hub.fetch_model(name)
+    return hub.fetch_model(name, revision)
 
 
 def _torch_dtype(name: str, device: str):
@@ -216,8 +220,8 @@ def load_engine(args: argparse.Namespace, metrics):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    target_dir = resolve_model_path(args.target)
-    draft_dir = resolve_model_path(args.draft) if args.draft else None
+    target_dir = resolve_model_path(args.target, args.target_revision)
+    draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
     plan = make_plan(args, target_dir, draft_dir, device)
     if plan.algorithm == "MTP" and draft_dir is None:
         draft_dir = target_dir  # MTP layers ship inside the target's checkpoint

@@ -287,6 +287,9 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     model_type = str(c.get("model_type") or "")
     dtype_name = _dtype(c, dtype)
     b = DTYPE_BYTES[dtype_name]
+    quantization_config = c.get("quantization_config") or {}
+    if not isinstance(quantization_config, dict):
+        raise ConfigError(f"quantization_config: expected an object, got {type(quantization_config).__name__}")
 
     hidden = _int(c, ("hidden_size", "d_model", "n_embd", "dim"), minimum=1)
     num_hidden_layers = _int(c, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"), minimum=1)
@@ -420,7 +423,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         num_params=params,
         kv_cache_bytes_per_token=kv_per_token,
         kv_cache_bytes_per_request=kv_per_request,
-        quantization=str((c.get("quantization_config") or {}).get("quant_method", "")),
+        quantization=str(quantization_config.get("quant_method", "")),
         has_vision_tower=isinstance(config.get("vision_config"), dict),
     )
 

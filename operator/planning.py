@@ -7,10 +7,12 @@ import copy
 from typing import Any
 
 from specdeploy.engine import plan as planner
+from specdeploy.engine.serve_cli import DTYPES
 from specdeploy.engine.shapes import ConfigError, derive_draft_shapes, derive_shapes
 from specdeploy.operator.render import PlannedEngine, engine_settings
 
 REASON_CONFIG_INVALID = "ConfigInvalid"
+ENGINE_DTYPES = tuple(d for d in DTYPES if d != "auto")
 
 
 class PlanningError(Exception):
@@ -42,6 +44,25 @@ def plan_engine(
     target_config: dict[str, Any],
     draft_config: dict[str, Any] | None,
 ) -> PlannedEngine:
+    """The plan for one spec, or PlanningError. Anything else the planner raises is a config.json
+    it did not foresee: refused as ConfigInvalid, never a retry that can only fail again (the
+    resource would sit in phase Planning forever)."""
+    try:
+        return _plan_engine(spec, target_config, draft_config)
+    except PlanningError:
+        raise
+    except Exception as err:
+        raise PlanningError(
+            REASON_CONFIG_INVALID,
+            f"the planner failed on these config.json files: {type(err).__name__}: {err}",
+        ) from err
+
+
+def _plan_engine(
+    spec: dict[str, Any],
+    target_config: dict[str, Any],
+    draft_config: dict[str, Any] | None,
+) -> PlannedEngine:
     settings = engine_settings(spec)
     algorithm = settings["algorithm"]
     try:
@@ -49,6 +70,14 @@ def plan_engine(
         target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"))
     except ConfigError as err:
         raise PlanningError(REASON_CONFIG_INVALID, f"spec.target config.json: {err}") from err
+    if target.dtype not in ENGINE_DTYPES:
+        # The engine is started with the planned dtype (render.engine_args); one it cannot compute
+        # in would be sized here and then crash at start-up.
+        raise PlanningError(
+            REASON_CONFIG_INVALID,
+            f"spec.target config.json: torch_dtype {target.dtype} is not a dtype the engine computes in"
+            f" ({', '.join(ENGINE_DTYPES)}); set spec.engine.dtype",
+        )
     try:
         draft = derive_draft_shapes(
             algorithm,

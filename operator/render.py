@@ -145,10 +145,15 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_args(settings: dict[str, Any]) -> list[str]:
-    """Arguments of `specdeploy engine serve` (the server's command-line contract)."""
+    """Arguments of `specdeploy engine serve` (the server's command-line contract). `settings`:
+    engine_settings() with the planned "dtype" set."""
     args = ["--target", settings["target"]]
+    if settings.get("target_revision", "main") != "main":
+        args += ["--target-revision", settings["target_revision"]]
     if "draft" in settings:
         args += ["--draft", settings["draft"]]
+        if settings.get("draft_revision", "main") != "main":
+            args += ["--draft-revision", settings["draft_revision"]]
     args += ["--algorithm", settings["algorithm"]]
     if settings["algorithm"] != "NONE":
         args += [
@@ -156,9 +161,9 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
             "--topk", str(settings["topk"]),
             "--num-draft-tokens", str(settings["num_draft_tokens"]),
         ]
-    args += ["--plan", PLAN_PATH]
-    if "dtype" in settings:
-        args += ["--dtype", settings["dtype"]]
+    # Always the planned dtype: the engine's own default (auto) means bf16 on GPU, which is not
+    # what a float16 or float32 plan sized.
+    args += ["--plan", PLAN_PATH, "--dtype", settings["dtype"]]
     args += [
         "--max-running-requests", str(settings["max_running_requests"]),
         "--context-length", str(settings["context_length"]),
@@ -226,7 +231,8 @@ def render_children(
     engine = spec.get("engine") or {}
     hub_endpoint = (spec.get("hub") or {}).get("endpoint") or defaults.hub_endpoint
     image = engine.get("image") or defaults.image
-    settings = engine_settings(spec)
+    # The dtype the plan sized (spec.engine.dtype, else the target's torch_dtype).
+    settings = {**engine_settings(spec), "dtype": planned.plan["target"]["dtype"]}
     labels = common_labels(name)
 
     config_map_data = {

@@ -1,7 +1,8 @@
 """`--target ORG/NAME`: fetched once from an HF-compatible hub into the HF cache, then served.
 
 The hub here is a small HTTP server on loopback speaking the two calls the engine makes:
-GET /api/models/{repo}/revision/{rev} and GET /{repo}/resolve/{commit}/{file}.
+GET /api/models/{repo}/revision/{rev} and GET /{repo}/resolve/{commit}/{file}. It knows `main` and
+one pinned commit of each repo, with the same files.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 from specdeploy.engine import hub
 from specdeploy.engine.serve_cli import ServerThread, free_port
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # main
+PINNED = "fedcba9876543210fedcba9876543210fedcba98"  # an older commit a resource may pin
 
 
 class FakeHub:
@@ -34,13 +36,14 @@ class FakeHub:
                 if outer.token and self.headers.get("Authorization") != f"Bearer {outer.token}":
                     return self._send(401, b"{}")
                 for repo, root in outer.repos.items():
-                    if self.path == f"/api/models/{repo}/revision/main":
-                        files = [{"rfilename": p.name} for p in sorted(root.iterdir())]
-                        files.append({"rfilename": "pytorch_model.bin"})  # another format: never fetched
-                        return self._send(200, json.dumps({"sha": COMMIT, "siblings": files}).encode())
-                    prefix = f"/{repo}/resolve/{COMMIT}/"
-                    if self.path.startswith(prefix) and (root / self.path[len(prefix):]).is_file():
-                        return self._send(200, (root / self.path[len(prefix):]).read_bytes())
+                    for revision, commit in (("main", COMMIT), (PINNED, PINNED)):
+                        if self.path == f"/api/models/{repo}/revision/{revision}":
+                            files = [{"rfilename": p.name} for p in sorted(root.iterdir())]
+                            files.append({"rfilename": "pytorch_model.bin"})  # another format: never fetched
+                            return self._send(200, json.dumps({"sha": commit, "siblings": files}).encode())
+                        prefix = f"/{repo}/resolve/{commit}/"
+                        if self.path.startswith(prefix) and (root / self.path[len(prefix):]).is_file():
+                            return self._send(200, (root / self.path[len(prefix):]).read_bytes())
                 self._send(404, b"{}")
 
             def _send(self, status, body):
@@ -90,6 +93,22 @@ def test_models_are_fetched_once_into_the_hf_cache(fake_hub, tmp_path):
 
     fetched = len(fake_hub.requests)
     serve().start(timeout_s=120).stop()  # a restarted pod: everything comes from the cache
+    assert len(fake_hub.requests) == fetched
+
+
+def test_pinned_revisions_are_fetched_and_found_at_that_revision(fake_hub, tmp_path):
+    pins = ("--target-revision", PINNED, "--draft-revision", PINNED)
+    serve(*pins).start(timeout_s=120).stop()
+    for repo in ("org/tiny", "org/tiny-eagle"):
+        assert f"/api/models/{repo}/revision/{PINNED}" in fake_hub.requests
+        assert f"/{repo}/resolve/{PINNED}/config.json" in fake_hub.requests
+    assert not any(COMMIT in r or r.endswith("/revision/main") for r in fake_hub.requests)
+    repo_dir = tmp_path / "hf" / "hub" / "models--org--tiny"
+    assert (repo_dir / "refs" / PINNED).read_text() == PINNED
+    assert (repo_dir / "snapshots" / PINNED / "model.safetensors").is_file()
+
+    fetched = len(fake_hub.requests)
+    serve(*pins).start(timeout_s=120).stop()  # a restarted pod finds the pinned snapshot in the cache
     assert len(fake_hub.requests) == fetched
 
 

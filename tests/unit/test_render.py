@@ -82,7 +82,7 @@ def test_engine_command_line(children):
         "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
         "--algorithm", "EAGLE3",
         "--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4",
-        "--plan", "/etc/specdeploy/plan.json",
+        "--plan", "/etc/specdeploy/plan.json", "--dtype", "bfloat16",
         "--max-running-requests", "32",
         "--context-length", "8192",
         "--host", "0.0.0.0", "--port", "8000",
@@ -97,6 +97,55 @@ def test_none_algorithm_has_no_draft_arguments():
     assert "--draft" not in args and "--num-steps" not in args
     assert args[args.index("--algorithm") + 1] == "NONE"
     assert args[args.index("--dtype") + 1] == "bfloat16"
+
+
+def test_pinned_revisions_reach_the_engine():
+    sdd = make_sdd(
+        target={"model": "meta-llama/Llama-3.3-70B-Instruct", "revision": "6f6073b423013f6a7d4d9f39144961bfbfbc386b"},
+        draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "revision": "v1.1"},
+    )
+    args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
+    assert args[args.index("--target-revision") + 1] == "6f6073b423013f6a7d4d9f39144961bfbfbc386b"
+    assert args[args.index("--draft-revision") + 1] == "v1.1"
+    assert args.index("--target") < args.index("--target-revision") < args.index("--draft")
+
+
+def test_engine_runs_the_dtype_the_plan_sized():
+    # No spec.engine.dtype: the target's torch_dtype (float16 here), not the engine's auto (bf16 on GPU).
+    sdd = make_sdd()
+    fp16 = {**config("llama-3.3-70b-instruct"), "torch_dtype": "float16"}
+    planned = plan_engine(sdd["spec"], fp16, config("eagle3-llama3.1-instruct-8b"))
+    args = engine_container(render.render_children(sdd, planned, DEFAULTS))["args"]
+    assert planned.plan["target"]["dtype"] == "float16"
+    assert args[args.index("--dtype") + 1] == "float16"
+    # spec.engine.dtype overrides the config's, in the plan and on the command line alike.
+    sdd = make_sdd(engine={"dtype": "float32"})
+    planned = plan_engine(sdd["spec"], fp16, config("eagle3-llama3.1-instruct-8b"))
+    args = engine_container(render.render_children(sdd, planned, DEFAULTS))["args"]
+    assert planned.plan["target"]["dtype"] == "float32" and args[args.index("--dtype") + 1] == "float32"
+
+
+def test_a_dtype_the_engine_cannot_compute_in_is_refused():
+    sdd = make_sdd(gpu={"product": "h200", "perNode": 8})
+    fp8 = {**config("llama-3.3-70b-instruct"), "torch_dtype": "float8_e4m3fn"}
+    with pytest.raises(PlanningError) as err:
+        plan_engine(sdd["spec"], fp8, config("eagle3-llama3.1-instruct-8b"))
+    assert err.value.reason == "ConfigInvalid" and "spec.engine.dtype" in err.value.message
+    sdd = make_sdd(engine={"dtype": "bfloat16"})
+    assert plan_engine(sdd["spec"], fp8, config("eagle3-llama3.1-instruct-8b")).plan["target"]["dtype"] == "bfloat16"
+
+
+def test_unexpected_planner_errors_are_config_invalid(monkeypatch):
+    from specdeploy.operator import planning
+
+    def broken(*_args, **_kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(planning.planner, "plan", broken)
+    with pytest.raises(PlanningError) as err:
+        planned_for(make_sdd())
+    assert err.value.reason == "ConfigInvalid"
+    assert "ZeroDivisionError" in err.value.message
 
 
 def test_probes_and_port(children):

@@ -265,6 +265,7 @@ def test_shapes_to_dict_is_json():
         (lambda c: c.update(hidden_size="big"), "hidden_size"),
         (lambda c: c.update(num_key_value_heads=5), "num_key_value_heads"),
         (lambda c: c.update(text_config=[1]), "text_config"),
+        (lambda c: c.update(quantization_config="fp8"), "quantization_config"),
     ],
 )
 def test_bad_configs_name_the_field(change, field):
