@@ -147,6 +147,12 @@ def _host_gpu(device: str):
     return custom_gpu(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
 
 
+def _require_single_gpu(tensor_parallel_size: int) -> None:
+    if tensor_parallel_size != 1:
+        raise RuntimeError(f"the plan needs tensor_parallel_size {tensor_parallel_size}; this engine "
+                           f"runs on one GPU (TP 1) per pod")
+
+
 def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
     from specdeploy.engine.plan import Limits, Plan, plan_from_configs
     from specdeploy.engine.plan_cli import format_plan
@@ -220,6 +226,10 @@ def load_engine(args: argparse.Namespace, metrics):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
+    if args.plan:
+        # Refuse before any download: a tensor-parallel plan would otherwise fetch the whole
+        # checkpoint (131 GiB for a 70B target) only to stop at the check below.
+        _require_single_gpu(json.loads(Path(args.plan).read_text()).get("tensor_parallel_size", 1))
     target_dir = resolve_model_path(args.target, args.target_revision)
     draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
     plan = make_plan(args, target_dir, draft_dir, device)
@@ -227,9 +237,7 @@ def load_engine(args: argparse.Namespace, metrics):
         draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
     if plan.algorithm != "NONE" and draft_dir is None:
         raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
-    if plan.tensor_parallel_size != 1:
-        raise RuntimeError(f"the plan needs tensor_parallel_size {plan.tensor_parallel_size}; this engine "
-                           f"runs on one GPU (TP 1) per pod")
+    _require_single_gpu(plan.tensor_parallel_size)
     dtype = _torch_dtype(args.dtype, device)
 
     t0 = time.monotonic()
