@@ -18,12 +18,16 @@ static buffers: the same code path on CPU, which is how the padding is tested wi
 from __future__ import annotations
 
 import gc
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from specdeploy.engine.calls import ModelCalls
 from specdeploy.engine.kv import PAD_SLOT
+
+log = logging.getLogger("specdeploy.engine.graphs")
 
 
 @dataclass
@@ -35,7 +39,8 @@ class _Input:
 class _Graphed:
     """One call kind: static inputs, one graph per bucket, padded replay."""
 
-    def __init__(self, fn, inputs: dict[str, _Input], buckets, capture: bool, stream, eager=None):
+    def __init__(self, fn, inputs: dict[str, _Input], buckets, capture: bool, stream, eager=None,
+                 name: str = "call"):
         # `eager` serves batches above the largest bucket (fn may write static outputs sized
         # for max_bs); it defaults to fn.
         self.fn, self.inputs, self.buckets = fn, inputs, sorted(buckets)
@@ -46,7 +51,9 @@ class _Graphed:
             # Kinds do not share: an output of one kind (e.g. the chain proposals of the draft)
             # is still read after another kind has replayed.
             pool = None
-            for bs in reversed(self.buckets):
+            t_all = time.perf_counter()
+            for i, bs in enumerate(reversed(self.buckets), 1):
+                t0 = time.perf_counter()
                 self._fill_padding(0, bs)
                 stream.wait_stream(torch.cuda.current_stream())  # the padding writes above
                 with torch.cuda.stream(stream):
@@ -65,6 +72,11 @@ class _Graphed:
                     gc.enable()
                 self.graphs[bs] = (graph, out)
                 pool = graph.pool()
+                log.debug("cuda graph %s: batch %d captured (%d/%d) in %.0f ms", name, bs, i,
+                          len(self.buckets), 1e3 * (time.perf_counter() - t0))
+            if self.buckets:
+                log.info("cuda graphs %s: %d batch sizes (%d..%d) captured in %.1f s", name,
+                         len(self.buckets), self.buckets[0], self.buckets[-1], time.perf_counter() - t_all)
 
     def _views(self, bs: int) -> dict[str, torch.Tensor]:
         return {name: inp.buf[:bs] for name, inp in self.inputs.items()}
@@ -115,7 +127,8 @@ class GraphedCalls:
         # Plain decode only runs without a draft head; with one it is not captured (eager if used).
         self.target_decode_graph = _Graphed(
             self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
-                           **prefix()}, batch_sizes if draft is None else (), capture, stream)
+                           **prefix()}, batch_sizes if draft is None else (), capture, stream,
+            name="target decode")
         if draft is None:
             return
         n = calls.num_draft_tokens
@@ -129,13 +142,13 @@ class GraphedCalls:
             self._verify, {"ids": ints(n), "positions": ints(n), "out_slots": ints(n, pad=PAD_SLOT),
                            **prefix(),
                            "tree_mask": _Input(torch.zeros(max_bs, n, n, dtype=torch.bool, device=dev), eye)},
-            batch_sizes, capture, stream, eager=calls.target_verify)
+            batch_sizes, capture, stream, eager=calls.target_verify, name="target verify")
         extend_hidden = self.draft_extend_hidden_states.view(max_bs, steps + 1, hin)
         self.draft_extend_graph = _Graphed(
             lambda **kw: (calls.draft_extend(**kw),),
             {"ids": ints(steps + 1), "hidden": _Input(extend_hidden, 0.0), "positions": ints(steps + 1),
              "out_slots": ints(steps + 1, pad=PAD_SLOT), **prefix(), "num_valid": ints(pad=1)},
-            batch_sizes, capture, stream)
+            batch_sizes, capture, stream, name="draft extend")
         f32 = dict(dtype=torch.float32, device=dev)
         # Both drafting variants (top-k; chain sampling, topk 1 only) read the same inputs.
         multi_step_inputs = {
@@ -147,7 +160,8 @@ class GraphedCalls:
         self.draft_multi_step_graphs = {
             chain: _Graphed(lambda chain=chain, **kw: calls.draft_multi_step(
                                 kw.pop("hidden").reshape(-1, hc), **kw, chain_sampling=chain),
-                            multi_step_inputs, batch_sizes, capture, stream)
+                            multi_step_inputs, batch_sizes, capture, stream,
+                            name="draft multi-step" + (" (chain sampling)" if chain else ""))
             for chain in ((False, True) if k == 1 else (False,))}
 
     # Graph bodies: fixed-shape functions returning tuples of tensors.

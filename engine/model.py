@@ -12,7 +12,9 @@ With hc_mult > 1 every block carries hc_mult residual streams (engine/hc.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +29,8 @@ from specdeploy.engine.layers import (GatedMLP, MergedColumnParallelLinear, Para
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                                       apply_rope, fused_kernels, load_state, register_fused_parts,
                                       rope_inv_freq)
+
+log = logging.getLogger("specdeploy.engine.load")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 FEATURE_KINDS = ("eagle", "eagle3", "mtp")
@@ -329,10 +333,15 @@ def iter_safetensors(path: str):
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
-    for fname in files:
-        with safe_open(os.path.join(path, fname), framework="pt") as f:
+    t0 = time.perf_counter()
+    for i, fname in enumerate(files, 1):
+        file = os.path.join(path, fname)
+        with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+        # Progress for `kubectl logs` while a large checkpoint loads, one line per shard.
+        log.info("weights: %s read (%d/%d, %.1f GiB, %.1f s)", fname, i, len(files),
+                 os.path.getsize(file) / 2**30, time.perf_counter() - t0)
 
 
 def build_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,

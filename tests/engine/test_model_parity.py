@@ -5,6 +5,8 @@ model is saved as several safetensors shards and loaded by our loader, so the we
 mapping and the sharded reader are covered as well.
 """
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -113,3 +115,14 @@ def test_default_eagle3_aux_layers():
     assert default_aux_layers(8) == (1, 3, 4)
     with pytest.raises(ValueError, match="at least 5"):
         default_aux_layers(4)
+
+
+def test_loading_logs_one_progress_line_per_shard(tmp_path, caplog):
+    make_hf("llama3", tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1
+    with caplog.at_level(logging.INFO, logger="specdeploy.engine.load"):
+        load_target(str(tmp_path), torch.float32)
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdeploy.engine.load"]
+    assert [line.split()[1] for line in lines] == shards
+    assert lines[-1].startswith(f"weights: {shards[-1]} read ({len(shards)}/{len(shards)},")
