@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from specdeploy.engine import plan as planner
@@ -37,6 +38,12 @@ def gpu_for_spec(gpu_spec: dict[str, Any]) -> planner.GPU:
         # Same product label (scheduling), less or more memory (planning).
         return planner.GPU(gpu.name, int(gpu_spec["memoryGiB"] * planner.GIB), gpu.product_label)
     return gpu
+
+
+def cpu_device(cpu_spec: dict[str, Any]) -> planner.GPU:
+    """CPU mode: the memory budget of spec.cpu as the one device the plan sizes (no product label,
+    nothing to schedule on)."""
+    return dataclasses.replace(planner.custom_gpu(cpu_spec["memoryGiB"]), name="cpu")
 
 
 def plan_engine(
@@ -89,8 +96,13 @@ def _plan_engine(
         field = "spec.draft" if draft_config is not None else "spec.target (MTP layers)"
         raise PlanningError(REASON_CONFIG_INVALID, f"{field} config.json: {err}") from err
 
-    gpu_spec = spec["gpu"]
-    gpu = gpu_for_spec(gpu_spec)
+    cpu_spec = spec.get("cpu")
+    if cpu_spec:
+        # One device, so tensor parallel 1 (the engine runs one process per pod on CPU).
+        gpu, per_node = cpu_device(cpu_spec), 1
+    else:
+        gpu_spec = spec["gpu"]
+        gpu, per_node = gpu_for_spec(gpu_spec), gpu_spec.get("perNode", 8)
     try:
         speculative = planner.SpecSettings(
             algorithm=algorithm,
@@ -104,7 +116,7 @@ def _plan_engine(
             cuda_graph_max_bs=settings["cuda_graph_max_batch_size"],
         )
         plan = planner.plan(
-            target, draft, speculative, gpu, limits, gpus_per_node=gpu_spec.get("perNode", 8)
+            target, draft, speculative, gpu, limits, gpus_per_node=per_node
         )
     except planner.PlanError as err:
         raise PlanningError(err.reason, str(err)) from err
@@ -114,6 +126,7 @@ def _plan_engine(
         plan=plan.to_dict(),
         tensor_parallel_size=plan.tensor_parallel_size,
         gpu_product_label=gpu.product_label,
+        cpu=bool(cpu_spec),
         target_config=target_config,
         draft_config=draft_config,
     )

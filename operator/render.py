@@ -58,6 +58,7 @@ class PlannedEngine:
     gpu_product_label: str  # value of the nodes' nvidia.com/gpu.product label
     target_config: dict[str, Any]
     draft_config: dict[str, Any] | None
+    cpu: bool = False  # CPU mode (spec.cpu): no GPU request, affinity nor toleration
 
 
 @dataclass(frozen=True)
@@ -184,11 +185,17 @@ def config_hash(config_map_data: dict[str, str], pod_inputs: dict[str, Any]) -> 
     return digest.hexdigest()[:CONFIG_HASH_CHARS]
 
 
-def _engine_env(spec: dict[str, Any], hub_endpoint: str) -> list[dict[str, Any]]:
+def _engine_env(spec: dict[str, Any], hub_endpoint: str, cpu: bool) -> list[dict[str, Any]]:
     env: dict[str, dict[str, Any]] = {
         "HF_ENDPOINT": {"name": "HF_ENDPOINT", "value": hub_endpoint},
         "HF_HOME": {"name": "HF_HOME", "value": MODEL_CACHE_PATH},
     }
+    if cpu:
+        # The engine computes on CPU when it sees no CUDA device. A pod that requests no GPU can
+        # still be handed all of a node's GPUs by the NVIDIA runtime (the CUDA base image sets
+        # NVIDIA_VISIBLE_DEVICES=all): hide them so the engine runs where the plan sized it.
+        env["NVIDIA_VISIBLE_DEVICES"] = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+        env["CUDA_VISIBLE_DEVICES"] = {"name": "CUDA_VISIBLE_DEVICES", "value": ""}
     token_ref = (spec.get("hub") or {}).get("tokenSecretRef")
     if token_ref:
         env["HF_TOKEN"] = {
@@ -204,13 +211,35 @@ def _engine_env(spec: dict[str, Any], hub_endpoint: str) -> list[dict[str, Any]]
 
 
 def _engine_resources(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """The user's CPU and memory plus `gpus` nvidia.com/gpu (none at all when `gpus` is 0)."""
     user = (spec.get("engine") or {}).get("resources") or {}
     requests = {k: v for k, v in (user.get("requests") or {}).items() if k != GPU_RESOURCE}
     limits = {k: v for k, v in (user.get("limits") or {}).items() if k != GPU_RESOURCE}
-    # Extended resources must have requests == limits; the plan, not the user, decides the count.
-    requests[GPU_RESOURCE] = gpus
-    limits[GPU_RESOURCE] = gpus
+    if gpus:
+        # Extended resources must have requests == limits; the plan, not the user, decides the count.
+        requests[GPU_RESOURCE] = gpus
+        limits[GPU_RESOURCE] = gpus
     return {"requests": requests, "limits": limits}
+
+
+def _gpu_scheduling(product_label: str) -> dict[str, Any]:
+    """Pod-spec fields that put a GPU engine on nodes with the planned GPU product."""
+    return {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": [product_label]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+    }
 
 
 def _http_probe(path: str, period_s: int, failures: int, timeout_s: int = 5) -> dict[str, Any]:
@@ -250,8 +279,8 @@ def render_children(
         "command": ["specdeploy", "engine", "serve"],
         "args": engine_args(settings),
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _engine_env(spec, hub_endpoint),
-        "resources": _engine_resources(spec, planned.tensor_parallel_size),
+        "env": _engine_env(spec, hub_endpoint, planned.cpu),
+        "resources": _engine_resources(spec, 0 if planned.cpu else planned.tensor_parallel_size),
         "startupProbe": _http_probe("/health", STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
         "livenessProbe": _http_probe("/health", 10, 3),
         "readinessProbe": _http_probe("/ready", 5, 3),
@@ -299,26 +328,7 @@ def render_children(
                         "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S
                     ),
                     "enableServiceLinks": False,
-                    "affinity": {
-                        "nodeAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": {
-                                "nodeSelectorTerms": [
-                                    {
-                                        "matchExpressions": [
-                                            {
-                                                "key": GPU_PRODUCT_LABEL,
-                                                "operator": "In",
-                                                "values": [planned.gpu_product_label],
-                                            }
-                                        ]
-                                    }
-                                ]
-                            }
-                        }
-                    },
-                    "tolerations": [
-                        {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-                    ],
+                    **({} if planned.cpu else _gpu_scheduling(planned.gpu_product_label)),
                     "volumes": [
                         {"name": "engine-config", "configMap": {"name": config_map_name(name)}},
                         {"name": "dshm", "emptyDir": {"medium": "Memory"}},

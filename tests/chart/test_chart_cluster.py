@@ -379,14 +379,19 @@ def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, 
     )
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     assert container["image"] == engine_image
-    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == plan["tensorParallelSize"]
+    if "cpu" in examples.load_sdd(path)["spec"]:
+        # CPU mode: no GPU asked for, no GPU node required.
+        assert "nvidia.com/gpu" not in json.dumps(deploy["spec"]["template"]["spec"])
+        assert plan["tensorParallelSize"] == 1
+    else:
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == plan["tensorParallelSize"]
     owner = deploy["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("SpecDecodeDeployment", name)
     cluster.kubectl("-n", ns, "get", "service", name)
     cluster.kubectl("-n", ns, "get", "configmap", f"{name}-engine")
     if not must_be_ready:
         return
-    # kwok runs the engine pods on the fake H200 nodes; the operator folds that into status.
+    # kwok runs the engine pods on the fake nodes; the operator folds that into status.
     wait_for(
         lambda: cluster.kubectl_json("-n", ns, "get", "sdd", name)["status"].get("phase") == "Ready",
         timeout_s=90, what=f"{name} phase Ready",

@@ -101,8 +101,9 @@ def test_demo_example_serves_the_pair_the_engine_image_bakes():
     demo_dir = "/opt/specdeploy/demo"
     assert spec["target"]["model"] == f"{demo_dir}/target" and spec["draft"]["model"] == f"{demo_dir}/draft"
     assert f"ensure_models(Path('{demo_dir}'), Recipe())" in (ROOT / "Dockerfile.engine").read_text()
-    # The engine runs on the pod's CPUs.
-    assert {"name": "CUDA_VISIBLE_DEVICES", "value": ""} in spec["engine"]["env"]
+    # CPU mode: the engine runs on the pod's CPUs, and the pod asks for no GPU.
+    assert "gpu" not in spec and spec["cpu"]["memoryGiB"] >= 1
+    assert operator_plan(EXAMPLES / "tiny-cpu-demo.yaml")["gpu"] == "cpu"
 
 
 def update() -> None:

@@ -51,6 +51,23 @@ INVALID = {
         "cudaGraphMaxBatchSize must not exceed maxRunningRequests",
     ),
     "negative-replicas": (spec(replicas=-1), "spec.replicas"),
+    # CPU mode (spec.cpu) replaces spec.gpu: exactly one of the two.
+    "gpu-and-cpu": (spec(cpu={"memoryGiB": 3}), "set exactly one of spec.gpu (GPU nodes) and spec.cpu"),
+    "cpu-with-gpu-per-node": (
+        spec(gpu={"product": "h100", "perNode": 1}, cpu={"memoryGiB": 3}),
+        "set exactly one of spec.gpu (GPU nodes) and spec.cpu",
+    ),
+    "neither-gpu-nor-cpu": (spec(gpu=None), "set exactly one of spec.gpu (GPU nodes) and spec.cpu"),
+    "cpu-without-memory": (spec(gpu=None, cpu={}), "spec.cpu.memoryGiB"),
+    "cpu-zero-memory": (spec(gpu=None, cpu={"memoryGiB": 0}), "spec.cpu.memoryGiB"),
+    "cpu-with-cuda-graphs": (
+        spec(gpu=None, cpu={"memoryGiB": 3}, engine={"cudaGraphMaxBatchSize": 4}),
+        "cudaGraphMaxBatchSize has no meaning in CPU mode",
+    ),
+    "cpu-asking-for-a-gpu": (
+        spec(gpu=None, cpu={"memoryGiB": 3}, engine={"resources": {"limits": {"nvidia.com/gpu": 1}}}),
+        "must not ask for nvidia.com/gpu in CPU mode",
+    ),
     "hub-endpoint-not-http": (spec(hub={"endpoint": "ftp://hub"}), "spec.hub.endpoint"),
 }
 
@@ -104,3 +121,12 @@ def test_valid_resource_is_accepted_with_defaults(kube_cluster, validation_names
     assert stored["gpu"]["perNode"] == 8
     if "configMapRef" in stored.get("draft", {}):
         assert stored["draft"]["configMapRef"]["key"] == "config.json"
+
+
+def test_cpu_mode_is_accepted_without_gpu_defaults(kube_cluster, validation_namespace):
+    apply(kube_cluster, validation_namespace, "cpu-mode", spec(
+        gpu=None, cpu={"memoryGiB": 3}, engine={"resources": {"requests": {"cpu": "2", "memory": "3Gi"}}},
+    ))
+    stored = kube_cluster.kubectl_json("get", "sdd", "cpu-mode", "-n", validation_namespace)["spec"]
+    assert stored["cpu"] == {"memoryGiB": 3} and "gpu" not in stored
+    assert stored["engine"]["maxRunningRequests"] == 32

@@ -10,10 +10,13 @@ import socket
 from pathlib import Path
 
 import httpx
+import yaml
 
 from testcluster import wait_for
 
 EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "unit" / "configs" / "eagle3-llama3.1-instruct-8b.json"
+
+TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 
 HASH = "specdeploy.dev/config-hash"
 
@@ -71,6 +74,29 @@ def test_apply_to_ready(kube_cluster, kube_namespace, operator, hub_secret, mani
     header, row = table.strip().splitlines()
     assert header.split()[:5] == ["NAME", "READY", "PHASE", "GPUS", "MAX"]
     assert row.split()[:5] == ["llama70b", "True", "Ready", "2", str(status["plan"]["maxTotalTokens"])]
+
+
+def test_tiny_cpu_demo_example_becomes_ready_without_a_gpu(kube_cluster, kube_namespace, operator, sdd_of):
+    """manifests/examples/tiny-cpu-demo.yaml as shipped: CPU mode (spec.cpu), inline configs."""
+    (example,) = [d for d in yaml.safe_load_all(TINY_CPU_DEMO.read_text()) if d]
+    kube_cluster.apply(example, namespace=kube_namespace)
+    sdd = sdd_of("tiny-cpu-demo")
+
+    status = sdd.wait_ready()
+    assert status["plan"]["tensorParallelSize"] == 1 and status["plan"]["gpu"] == "cpu"
+    assert status["serving"]["readyReplicas"] == 1
+    deployment = sdd.deployment()
+    pod_spec = deployment["spec"]["template"]["spec"]
+    container = pod_spec["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    assert "affinity" not in pod_spec and "tolerations" not in pod_spec
+    assert "nvidia.com/gpu" not in json.dumps(deployment["spec"])
+    env = {e["name"]: e.get("value", "") for e in container["env"]}  # the API drops an empty value
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    args = container["args"]
+    assert args[:6] == ["--target", "/opt/specdeploy/demo/target", "--draft", "/opt/specdeploy/demo/draft", "--algorithm", "EAGLE"]
+    (pod,) = [p for p in sdd.pods() if p["status"].get("phase") == "Running"]
+    assert "nvidia.com/gpu" not in json.dumps(pod["spec"]["containers"][0]["resources"])
 
 
 def test_spec_update_rolls_out(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):

@@ -268,6 +268,89 @@ def test_memory_override_keeps_the_product_label():
     assert "TP 8" in plan_summary(planned)
 
 
+def make_cpu_sdd(**spec_overrides) -> dict:
+    """The demo-sized pair in CPU mode (spec.cpu, no spec.gpu)."""
+    spec = {
+        "target": {"model": "/opt/specdeploy/demo/target", "config": TINY_TARGET},
+        "draft": {"model": "/opt/specdeploy/demo/draft", "config": TINY_DRAFT},
+        "speculative": {"algorithm": "EAGLE", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
+        "engine": {"maxRunningRequests": 4, "contextLength": 1024,
+                   "resources": {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}},
+        "cpu": {"memoryGiB": 3},
+        "replicas": 1,
+    }
+    spec.update(spec_overrides)
+    sdd = make_sdd(**spec)
+    del sdd["spec"]["gpu"]
+    return sdd
+
+
+TINY_TARGET = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32", "vocab_size": 1024,
+    "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+}
+TINY_DRAFT = {**TINY_TARGET, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1}
+
+
+def plan_cpu(sdd: dict):
+    return plan_engine(sdd["spec"], sdd["spec"]["target"]["config"], sdd["spec"]["draft"]["config"])
+
+
+def test_cpu_mode_requests_no_gpu_and_pins_no_gpu_node():
+    sdd = make_cpu_sdd()
+    planned = plan_cpu(sdd)
+    assert planned.cpu and planned.tensor_parallel_size == 1
+    assert planned.plan["gpu"] == "cpu" and planned.plan["gpus_per_node"] == 1
+    assert planned.plan["memory_per_gpu"]["gpu_memory_bytes"] == 3 * 1024**3
+    children = render.render_children(sdd, planned, DEFAULTS)
+    pod = children.deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    # The user's CPU and memory, and no nvidia.com/gpu at all.
+    assert container["resources"] == {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    assert "affinity" not in pod and "tolerations" not in pod
+    assert "nvidia.com/gpu" not in json.dumps(children.deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    # The engine gets its arguments as usual, with the planned dtype.
+    args = container["args"]
+    assert args[args.index("--target") + 1] == "/opt/specdeploy/demo/target"
+    assert args[args.index("--algorithm") + 1] == "EAGLE"
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert args[args.index("--plan") + 1] == "/etc/specdeploy/plan.json"
+    assert json.loads(children.config_map["data"]["plan.json"])["tensor_parallel_size"] == 1
+    assert "TP 1 x cpu" in plan_summary(planned)
+
+
+def test_cpu_mode_drops_a_user_gpu_request_and_lets_user_env_win():
+    sdd = make_cpu_sdd(engine={"maxRunningRequests": 4, "contextLength": 1024,
+                               "resources": {"requests": {"nvidia.com/gpu": 1}},
+                               "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]})
+    container = engine_container(render.render_children(sdd, plan_cpu(sdd), DEFAULTS))
+    assert container["resources"] == {"requests": {}, "limits": {}}
+    assert [e for e in container["env"] if e["name"] == "CUDA_VISIBLE_DEVICES"] == [
+        {"name": "CUDA_VISIBLE_DEVICES", "value": "0"}
+    ]
+
+
+def test_cpu_mode_is_tensor_parallel_one_even_when_that_does_not_fit():
+    sdd = make_sdd(cpu={"memoryGiB": 64})
+    del sdd["spec"]["gpu"]
+    with pytest.raises(PlanningError) as err:
+        planned_for(sdd)  # 70B bf16 needs 131 GiB of weights; no tensor parallelism on CPU
+    assert err.value.reason == "InsufficientGPUMemory" and "1 x cpu" in err.value.message
+
+
+def test_gpu_mode_is_unchanged_by_cpu_mode(sdd, children):
+    planned = planned_for(sdd)
+    assert not planned.cpu
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert set(pod) >= {"affinity", "tolerations"}
+    env = {e["name"] for e in pod["containers"][0]["env"]}
+    assert not env & {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}
+
+
 def test_operator_modules_do_not_import_torch():
     code = (
         "import sys\n"
