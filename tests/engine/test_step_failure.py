@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdeploy.engine.runner import NoCapacity, Request, Runner, SpecConfig
-from specdeploy.engine.toy import copy_draft, predictable_target, tiny_config
+from specdeploy.engine.toy import copy_draft, predictable_target, run_to_completion, tiny_config
 
 _TARGET = {}
 
@@ -29,16 +29,6 @@ def make_runner(algorithm: str, **kw) -> Runner:
 def prompts():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 14)]
-
-
-def run_to_end(runner: Runner, reqs) -> dict[str, list[int]]:
-    for r in reqs:
-        runner.add(r)
-    out = {r.id: [] for r in reqs}
-    while runner.num_running:
-        for o in runner.step():
-            out[o.req_id] += o.token_ids
-    return out
 
 
 def fail_on_call(monkeypatch, obj, name: str, nth: int) -> None:
@@ -75,7 +65,7 @@ CASES = [
 def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk):
     runner = make_runner(algorithm, prefill_chunk_tokens=chunk)
     free = runner.num_free_slots
-    expected = run_to_end(make_runner(algorithm), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
+    expected = run_to_completion(make_runner(algorithm), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     assert runner.num_free_slots == free
 
     if name == "target":
@@ -97,7 +87,7 @@ def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk):
     runner.add(big)
     runner.abort("big")
     # And the runner still decodes exactly.
-    again = run_to_end(runner, [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
+    again = run_to_completion(runner, [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     assert again == expected
     assert runner.num_free_slots == free
 
@@ -105,7 +95,7 @@ def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk):
 def test_failed_step_can_be_retried(monkeypatch):
     """The failed phase leaves its requests as they were: stepping on gives the same tokens."""
     runner = make_runner("EAGLE")
-    expected = run_to_end(make_runner("EAGLE"), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
+    expected = run_to_completion(make_runner("EAGLE"), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     fail_on_call(monkeypatch, runner.calls, "target_verify", 2)
     reqs = [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())]
     for r in reqs:
