@@ -15,7 +15,7 @@ import torch
 
 from common import Mark, is_cuda, log, sync
 from specdeploy.engine import attention as attention_mod
-from specdeploy.engine import runner as runner_mod
+from specdeploy.engine import calls as calls_mod
 from specdeploy.engine.attention import AttnBatch
 from specdeploy.engine.draft import build_draft
 from specdeploy.engine.kv import KVPool
@@ -279,8 +279,9 @@ class PhaseLog:
 @contextlib.contextmanager
 def instrument(runner):
     """Wrap the runner's model calls (`runner.calls`: ModelCalls, or GraphedCalls replaying CUDA
-    graphs) and its tree / acceptance functions with timing marks, outermost call only. Patches
-    this runner's calls object and the runner module's names, and restores them."""
+    graphs) and the tree / acceptance functions between them with timing marks, outermost call
+    only. Patches this runner's calls object and the calls module's names, and restores them.
+    A fused speculative step (one graph) calls none of them from the host: nothing is marked."""
     log_ = PhaseLog(runner.device)
     calls = runner.calls
     patched = []
@@ -292,17 +293,17 @@ def instrument(runner):
         setattr(calls, name, log_.wrap(label, getattr(calls, name)))
     saved_funcs = {}
     for name, label in (("build_tree", "tree"), ("verify_greedy", "accept"), ("verify_sampling", "accept")):
-        if not hasattr(runner_mod, name):  # renamed in the engine: its time stays in overhead
+        if not hasattr(calls_mod, name):  # renamed in the engine: its time stays in overhead
             continue
-        saved_funcs[name] = getattr(runner_mod, name)
-        setattr(runner_mod, name, log_.wrap(label, saved_funcs[name]))
+        saved_funcs[name] = getattr(calls_mod, name)
+        setattr(calls_mod, name, log_.wrap(label, saved_funcs[name]))
     try:
         yield log_
     finally:
         for name in patched:
             del calls.__dict__[name]
         for name, fn in saved_funcs.items():
-            setattr(runner_mod, name, fn)
+            setattr(calls_mod, name, fn)
 
 
 def phase_times(marks, whole_ms: float) -> dict:

@@ -142,12 +142,17 @@ def s3(r: dict) -> str:
         rows.append([f"{x['target']} ({x['target_layers']}L×{x['target_hidden']})", x["algorithm"],
                      f"{x['shape']} ({x['num_steps']},{x['topk']},{x['num_draft_tokens']})", x["graph_mode"],
                      _f(x["draft_ms"], 2), _f(x["verify_ms"], 2), _f(x["extend_ms"], 2),
+                     "—" if x["overhead_ms"] is None else
                      f"{_f(x['overhead_ms'], 2)} ({_f(x['tree_ms'], 2)}, {_f(x['accept_ms'], 2)})",
                      _f(x["whole_ms"], 2), _f(x["decode_step_ms"], 2), f"{x['x_decode_step']:.2f}×",
                      f"≤{x['goal']}× {_met(x.get('goal_met'))}" if x.get("goal_met") is not None else "—"])
-    lines = ["Times in ms, medians per step, batch 1, 1K context; overhead in brackets: (tree build, "
-             "acceptance). hc4 is a smaller hc_mult 4 target (stated in its row) so that its eager "
-             "hyper-connection mixing fits a short benchmark run.", ""]
+    lines = ["Times in ms, medians per step, batch 1, 1K context. Modes: *fused* is the engine's default, "
+             "the whole iteration one CUDA graph (timed whole); *split* graphs each model call and runs "
+             "tree building and acceptance eagerly between them, which lets CUDA events split the step "
+             "into phases; *off* runs without graphs. Overhead is the step minus its model calls, in "
+             "brackets (tree build, acceptance). The decode step is the Runner's plain decode step, "
+             "graphed for fused and split. hc4 is a smaller hc_mult 4 target (stated in its row) so that "
+             "its eager hyper-connection mixing fits a short benchmark run.", ""]
     lines.append(_table(["target", "head", "shape (steps,topk,tokens)", "graphs", "draft", "verify", "extend",
                          "overhead", "step", "decode step", "step / decode", "goal"], rows))
     return "\n".join(lines)
@@ -358,7 +363,7 @@ def figures(sections: dict, fig_dir: Path) -> list[str]:
         made.append("![decode](benchmarks/decode.png)")
     rec = sections.get("3")
     if rec and rec["status"] == "ok":
-        rows = [x for x in rec["results"]["rows"] if "whole_ms" in x]
+        rows = [x for x in rec["results"]["rows"] if "whole_ms" in x and x.get("draft_ms") is not None]
         if rows:
             fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
             labels = [f"{x['target']} {x['algorithm']} {x['shape']} ({x['graph_mode']})" for x in rows]

@@ -1,8 +1,14 @@
 """Section 3: the cost of one speculative step, by phase, as a multiple of one target decode step.
 
-The engine's Runner runs real speculative steps (draft -> tree -> verify -> accept -> commit ->
-draft-extend) on random-weight models, with its CUDA graphs (graph_mode "capture") and without
-("off"); CUDA events around each of its model calls split the step (harness.instrument):
+The engine's Runner runs real speculative steps (draft -> tree -> verify -> accept -> draft
+extend -> commit) on random-weight models in three modes:
+
+    fused     the engine's default: the whole iteration is one CUDA graph (one launch, one sync)
+    split     one CUDA graph per model call, tree building and acceptance eager in between
+    off       no graphs
+
+A fused step is timed whole. In the split and eager modes CUDA events around each model call
+split the step (harness.instrument):
 
     draft     calls.draft_multi_step: the draft head's num_steps x topk candidates
     verify    calls.target_verify: the target over the tree, logits and features
@@ -15,7 +21,7 @@ smaller hc_mult 4 target (EAGLE-3 is defined for hc_mult 1 only). Batch 1, 1K co
 
 "One target decode step" is the Runner's own plain-decode step in the same graph mode (what a
 target-only request pays per token); the bare graphed decode call is shown beside it. Goals
-(chain <= 1.35x, tree <= 1.6x) are judged on graph mode, step against step.
+(chain <= 1.35x, tree <= 1.6x) are judged on the fused mode against the graphed decode step.
 """
 
 from __future__ import annotations
@@ -33,26 +39,36 @@ SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8)}
 GOALS = {"chain": 1.35, "tree": 1.6}
 
 
+# mode -> (Runner graph_mode on CUDA, on CPU (graphs' static buffers, no capture), fused step)
+MODES = {"fused": ("capture", "padded", True), "split": ("capture", "padded", False),
+         "off": ("off", "off", True)}
+
+
 def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: int, warmup: int,
-                     device, graph_mode: str, profile: bool = False) -> dict:
+                     device, mode: str, profile: bool = False) -> dict:
     num_steps, topk, num_draft = SHAPES[shape]
+    cuda_mode, cpu_mode, fused = MODES[mode]
+    graph_mode = cuda_mode if device.type == "cuda" else cpu_mode
     max_new = (steps + warmup + 6) * (num_draft + 1)  # + the profiled steps
     scratch = (num_steps - 1) * topk + num_draft
     runner = Runner(target, head, SpecConfig(head.algorithm, num_steps, topk, num_draft),
                     max_total_tokens=batch * (context + max_new + scratch + 2) + 8,
                     max_running_requests=batch, context_length=context + max_new + num_steps + 8,
-                    device=device, cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode)
+                    device=device, cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode,
+                    fused_spec_step=fused)
     gen = torch.Generator().manual_seed(11)
     for i in range(batch):
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
         runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
     runner.step()  # prefill + draft extend over the prompt
-    recs = timed_steps(runner, steps, warmup, device, instrumented=True)
+    # A fused step has no phases to mark: it is timed whole.
+    split = not (fused and graph_mode != "off")
+    recs = timed_steps(runner, steps, warmup, device, instrumented=split)
     if not recs:
         raise RuntimeError("no timed speculative step (a request finished during warm-up)")
     prof = profile_top(runner.step, device, reps=3) if profile else None
     keys = ("whole_ms", "draft_ms", "verify_ms", "extend_ms", "overhead_ms", "tree_ms", "accept_ms", "decode_ms")
-    out = {k: statistics.median(r[k] for r in recs) for k in keys}
+    out = {k: statistics.median(r[k] for r in recs) if k in recs[0] else None for k in keys}
     out["steps_timed"] = len(recs)
     out["accept_length"] = sum(r["tokens"] for r in recs) / (len(recs) * batch)
     if prof is not None:
@@ -74,12 +90,14 @@ def run(ctx) -> dict:
     rows = []
     targets = [("hc1", ctx["target_config"], ("EAGLE", "EAGLE3")),
                ("hc4", ctx["hc4_config"], ("EAGLE", "MTP"))]
-    # Without CUDA, "padded" runs the graphs' static-buffer path eagerly (code exercised only).
-    modes = ("capture", "off") if ctx.device.type == "cuda" else ("padded", "off")
+    # Without CUDA the graphs' static-buffer path runs eagerly (code exercised, not timed).
+    modes = tuple(MODES)
+    base_modes = {"fused": "capture" if ctx.device.type == "cuda" else "padded", "off": "off"}
     for label, config, algorithms in targets:
         target = ctx.target() if label == "hc1" else random_target(config, ctx.device, ctx.dtype, seed=5)
         base = {m: runner_decode_ms(target, batch, context, ctx["runner_steps"], ctx["runner_warmup"],
-                                    ctx.device, m) for m in modes}
+                                    ctx.device, gm) for m, gm in base_modes.items()}
+        base["split"] = base["fused"]  # plain decode has one graph either way
         call_ms = _graph_call_ms(target, batch, context, ctx)
         log(f"{label}: target decode: Runner.step " + ", ".join(f"{m} {v:.2f} ms" for m, v in base.items())
             + f"; graphed call {call_ms:.2f} ms")
@@ -100,10 +118,9 @@ def run(ctx) -> dict:
                            "target_hidden": target.cfg.hidden_size,
                            "decode_step_ms": base[mode], "graph_call_ms": call_ms}
                     try:
-                        # One profile: the first head's chain step with graphs, where the
-                        # overhead outside the model calls shows as host-side ops.
+                        # Profiles: the first head's chain step, fused and split.
                         first = label == "hc1" and algorithm == algorithms[0] and shape == "chain" \
-                            and mode == modes[0]
+                            and mode != "off"
                         row.update(spec_step_phases(target, head, shape, batch, context, ctx["spec_steps"],
                                                     ctx["spec_warmup"], ctx.device, mode, profile=first))
                     except Exception as e:  # one configuration failing leaves the others standing
@@ -116,10 +133,11 @@ def run(ctx) -> dict:
                     row["x_graph_call"] = row["whole_ms"] / call_ms
                     row["goal"] = GOALS[shape]
                     row["goal_met"] = row["x_decode_step"] <= GOALS[shape] if mode == modes[0] else None
-                    log(f"{label} {algorithm:<6} {shape:<5} {mode:<7} step {row['whole_ms']:.2f} ms = "
-                        f"{row['x_decode_step']:.2f}x decode step ({row['x_graph_call']:.2f}x graphed call) | "
-                        f"draft {row['draft_ms']:.2f} verify {row['verify_ms']:.2f} extend {row['extend_ms']:.2f} "
+                    phases = "" if row["draft_ms"] is None else (
+                        f" | draft {row['draft_ms']:.2f} verify {row['verify_ms']:.2f} extend {row['extend_ms']:.2f} "
                         f"overhead {row['overhead_ms']:.2f} (tree {row['tree_ms']:.2f}, accept {row['accept_ms']:.2f})")
+                    log(f"{label} {algorithm:<6} {shape:<5} {mode:<7} step {row['whole_ms']:.2f} ms = "
+                        f"{row['x_decode_step']:.2f}x decode step ({row['x_graph_call']:.2f}x graphed call)" + phases)
                     rows.append(row)
                     free_device_memory()
             del head

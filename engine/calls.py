@@ -8,6 +8,9 @@ the runner calls them identically whether they replay a graph or run eagerly.
     draft_multi_step  root hidden [B * topk, Hc]      -> candidate list [B, M] (+ proposals)
     draft_extend      tokens [B, Q], feature [B, Q, Hin] -> draft hidden after the last valid
                       entry [B, Hc]
+    spec_step         the four above and the tree and acceptance between them: one whole
+                      speculative iteration with no host sync (`speculate`), which graphs.py
+                      captures as one graph
 
 The committed prefix of each request is passed as `prefix_slots [B, Kp]` with `prefix_lens [B]`.
 """
@@ -20,8 +23,9 @@ from specdeploy.engine.attention import AttnBatch, causal_batch
 from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import KVPool
 from specdeploy.engine.model import LlamaModel
-from specdeploy.engine.tree import expand_step
-from specdeploy.engine.verify import sample_from, warp_probs
+from specdeploy.engine.kv import PAD_SLOT
+from specdeploy.engine.tree import build_tree, expand_step
+from specdeploy.engine.verify import sample_from, verify_greedy, verify_sampling, warp_probs
 
 
 class ModelCalls:
@@ -48,6 +52,11 @@ class ModelCalls:
         batch = causal_batch(out_slots, num_valid, prefix_slots, prefix_lens)
         out = self.draft(ids, hidden, positions, batch, self.draft_kv)       # [B, Q, Hc]
         return out[torch.arange(out.shape[0], device=out.device), num_valid - 1]
+
+    def spec_step(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature, top_k,
+                  top_p, uniforms, sampling: bool):
+        return speculate(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature,
+                         top_k, top_p, uniforms, sampling)
 
     def draft_multi_step(self, hidden, prefix_slots, prefix_lens, scratch, temperature, top_k,
                          top_p, uniforms, chain_sampling: bool):
@@ -119,3 +128,60 @@ class ModelCalls:
             return q
         ids = self.draft.to_target_ids(torch.arange(q.shape[-1], device=q.device))
         return torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device).index_add_(1, ids, q)
+
+
+def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature, top_k,
+              top_p, uniforms, sampling: bool):
+    """One speculative iteration for B requests, entirely on the device (no host sync, fixed
+    shapes): draft, tree, verify, accept, draft extend. `calls` provides draft_multi_step,
+    target_verify and draft_extend (eager ModelCalls, or graphed per-call replays) and the
+    num_steps / topk / num_draft_tokens they were built for.
+
+    roots [B] last emitted tokens (not in the KV yet); lens [B] committed tokens; hidden
+    [B * topk, Hc] the draft state after each root, repeated topk times; scratch
+    [B, (S - 1) * topk] and tree_slots [B, N] slots taken for this iteration; temperature /
+    top_k / top_p [B]; uniforms [B, N + 1 + S] (verify coins per node, the bonus draw, one draw
+    per chain draft step); sampling: rejection sampling (chain sampling when topk is 1) instead
+    of greedy acceptance.
+    -> num_accepted [B]; bonus [B]; path_tokens [B, S + 1] (the root, then the accepted drafts;
+       padding past them); path_slots [B, S + 1] (the tree slots of those nodes, the pad slot
+       past them); positions [B, S + 1] (lens + 0..S, where path_slots go in req_to_slot);
+       free_first [B, N] (tree slots, those off the accepted path first: a row's first
+       N - 1 - num_accepted entries are the slots to free); draft_hidden [B, Hc] (the draft
+       state after the bonus token, for the next iteration)."""
+    steps, n, topk = calls.num_steps, calls.num_draft_tokens, calls.topk
+    b = roots.shape[0]
+    dev = roots.device
+    chain_sampling = sampling and topk == 1
+    cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
+        hidden, prefix_slots, lens, scratch, temperature, top_k, top_p, uniforms[:, n + 1:],
+        chain_sampling)
+    tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n, topk, steps, check=False)
+    logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
+                                          prefix_slots, lens, tree.mask)     # [B, N, V], [B, N, Hin]
+    if not sampling:
+        path, num_acc, bonus = verify_greedy(tree, logits)
+    else:
+        v = logits.shape[-1]
+        p = warp_probs(logits.reshape(b * n, v), *(x.repeat_interleave(n) for x in (temperature, top_k, top_p)))
+        q = None
+        if chain_sampling:  # node d was drawn from the step d - 1 proposal; the root from none
+            q = torch.cat([torch.zeros(b, 1, v, dtype=draft_q.dtype, device=dev), draft_q], 1)
+        path, num_acc, bonus = verify_sampling(tree, p.view(b, n, v), q, uniforms[:, :n], uniforms[:, n])
+
+    # Draft extend: entries (token after node j, target feature at node j) along the path.
+    valid = path >= 0                                                       # [B, S + 1]
+    at = path.clamp(min=0)
+    path_slots = torch.where(valid, torch.gather(tree_slots, 1, at), PAD_SLOT)
+    path_tokens = torch.gather(tree.tokens, 1, at)
+    ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
+    ext_tokens.scatter_(1, num_acc[:, None], bonus[:, None])
+    ext_hidden = torch.gather(feature, 1, at[:, :, None].expand(-1, -1, feature.shape[-1]))
+    positions = lens[:, None] + torch.arange(steps + 1, device=dev)
+    draft_hidden = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots, prefix_slots,
+                                      lens, num_acc + 1)
+    # Tree slots off the path first (stable: node order otherwise); padding entries of the path
+    # point at the root, which is on the path anyway.
+    in_path = torch.zeros(b, n, dtype=torch.uint8, device=dev).scatter_(1, at, 1)
+    free_first = torch.gather(tree_slots, 1, torch.sort(in_path, dim=1, stable=True).indices)
+    return num_acc, bonus, path_tokens, path_slots, positions, free_first, draft_hidden

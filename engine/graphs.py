@@ -1,4 +1,10 @@
-"""CUDA graphs for the decode loop: target decode, target verify, draft multi-step, draft extend.
+"""CUDA graphs for the decode loop: target decode and the speculative iteration.
+
+A speculative iteration is captured whole by default (`fused`): draft multi-step, tree, target
+verify, acceptance and draft extend replay as one graph per batch size, one for greedy and one
+for sampling requests, so the host launches one graph and waits once per step. With
+fused=False each model call is its own graph (draft multi-step, verify, extend) and the tree and
+acceptance between them run eagerly: the phases can then be timed one by one.
 
 `GraphedCalls` has the methods of `ModelCalls`. Every input lives in a static buffer allocated
 once for the largest batch (`max_bs` rows; the prefix is `context_length` slots wide); a call
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.engine.calls import ModelCalls
+from specdeploy.engine.calls import ModelCalls, speculate
 from specdeploy.engine.kv import PAD_SLOT
 
 log = logging.getLogger("specdeploy.engine.graphs")
@@ -40,17 +46,17 @@ class _Graphed:
     """One call kind: static inputs, one graph per bucket, padded replay."""
 
     def __init__(self, fn, inputs: dict[str, _Input], buckets, capture: bool, stream, eager=None,
-                 name: str = "call"):
+                 name: str = "call", pool=None):
         # `eager` serves batches above the largest bucket (fn may write static outputs sized
         # for max_bs); it defaults to fn.
         self.fn, self.inputs, self.buckets = fn, inputs, sorted(buckets)
         self.eager = eager or fn
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.pool = pool
         if capture:
             # One memory pool per call kind, shared by its buckets (largest captured first).
-            # Kinds do not share: an output of one kind (e.g. the chain proposals of the draft)
-            # is still read after another kind has replayed.
-            pool = None
+            # Kinds share one only when given it (`pool`): otherwise an output of one kind (e.g.
+            # the chain proposals of the draft) may still be read after another kind has replayed.
             t_all = time.perf_counter()
             for i, bs in enumerate(reversed(self.buckets), 1):
                 t0 = time.perf_counter()
@@ -71,7 +77,7 @@ class _Graphed:
                 finally:
                     gc.enable()
                 self.graphs[bs] = (graph, out)
-                pool = graph.pool()
+                pool = self.pool = graph.pool()
                 log.debug("cuda graph %s: batch %d captured (%d/%d) in %.0f ms", name, bs, i,
                           len(self.buckets), 1e3 * (time.perf_counter() - t0))
             if self.buckets:
@@ -108,7 +114,8 @@ class _Graphed:
 
 
 class GraphedCalls:
-    def __init__(self, calls: ModelCalls, batch_sizes, context_length: int, capture: bool = True):
+    def __init__(self, calls: ModelCalls, batch_sizes, context_length: int, capture: bool = True,
+                 fused: bool = True):
         self.calls = calls
         target, draft = calls.target, calls.draft
         dev = target.embed_tokens.weight.device
@@ -123,12 +130,13 @@ class GraphedCalls:
         def prefix():
             return {"prefix_slots": ints(context_length, pad=PAD_SLOT), "prefix_lens": ints()}
 
+        self.fused = fused and draft is not None
         stream = torch.cuda.Stream() if capture else None
         # Plain decode only runs without a draft head; with one it is not captured (eager if used).
         self.target_decode_graph = _Graphed(
             self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
                            **prefix()}, batch_sizes if draft is None else (), capture, stream,
-            name="target decode")
+            name="target decode", pool=None)
         if draft is None:
             return
         n = calls.num_draft_tokens
@@ -138,6 +146,33 @@ class GraphedCalls:
         self.draft_hidden_states = torch.zeros(max_bs * k, hc, dtype=dtype, device=dev)
         self.draft_extend_hidden_states = torch.zeros(max_bs * (steps + 1), hin, dtype=dtype, device=dev)
         self.verify_hidden_states = torch.zeros(max_bs * n, hin, dtype=dtype, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        sampling_inputs = {
+            "temperature": _Input(torch.zeros(max_bs, **f32), 0.0), "top_k": ints(),
+            "top_p": _Input(torch.ones(max_bs, **f32), 1.0)}
+        if fused:
+            bodies = _Bodies(self)
+            spec_inputs = {
+                "roots": ints(), "lens": ints(), "prefix_slots": ints(context_length, pad=PAD_SLOT),
+                "hidden": _Input(self.draft_hidden_states.view(max_bs, k, hc), 0.0),
+                "scratch": ints((steps - 1) * k, pad=PAD_SLOT), "tree_slots": ints(n, pad=PAD_SLOT),
+                **sampling_inputs,
+                "uniforms": _Input(torch.full((max_bs, n + 1 + steps), 0.5, **f32), 0.5)}
+            # Sampling first (its warping needs the most memory), then greedy in the same pool:
+            # a step consumes its graph's outputs before the next step replays either.
+            self.spec_step_graphs = {}
+            pool = None
+
+            def body(on, sampling):
+                return lambda **kw: speculate(on, **{**kw, "hidden": kw["hidden"].reshape(-1, hc)},
+                                              sampling=sampling)
+            for sampling in (True, False):
+                self.spec_step_graphs[sampling] = g = _Graphed(
+                    body(bodies, sampling), spec_inputs, batch_sizes, capture, stream, pool=pool,
+                    eager=body(calls, sampling),
+                    name="speculative step (" + ("sampling" if sampling else "greedy") + ")")
+                pool = g.pool
+            return
         self.target_verify_graph = _Graphed(
             self._verify, {"ids": ints(n), "positions": ints(n), "out_slots": ints(n, pad=PAD_SLOT),
                            **prefix(),
@@ -149,13 +184,10 @@ class GraphedCalls:
             {"ids": ints(steps + 1), "hidden": _Input(extend_hidden, 0.0), "positions": ints(steps + 1),
              "out_slots": ints(steps + 1, pad=PAD_SLOT), **prefix(), "num_valid": ints(pad=1)},
             batch_sizes, capture, stream, name="draft extend")
-        f32 = dict(dtype=torch.float32, device=dev)
         # Both drafting variants (top-k; chain sampling, topk 1 only) read the same inputs.
         multi_step_inputs = {
             "hidden": _Input(self.draft_hidden_states.view(max_bs, k, hc), 0.0), **prefix(),
-            "scratch": ints((steps - 1) * k, pad=PAD_SLOT),
-            "temperature": _Input(torch.zeros(max_bs, **f32), 0.0), "top_k": ints(),
-            "top_p": _Input(torch.ones(max_bs, **f32), 1.0),
+            "scratch": ints((steps - 1) * k, pad=PAD_SLOT), **sampling_inputs,
             "uniforms": _Input(torch.full((max_bs, steps), 0.5, **f32), 0.5)}
         self.draft_multi_step_graphs = {
             chain: _Graphed(lambda chain=chain, **kw: calls.draft_multi_step(
@@ -176,7 +208,37 @@ class GraphedCalls:
         out.copy_(feature)
         return logits, out
 
+    def _extend(self, ids, hidden, positions, out_slots, prefix_slots, prefix_lens, num_valid):
+        b, q, hin = hidden.shape
+        static = self.draft_extend_hidden_states[:b * q].view(b, q, hin)
+        static.copy_(hidden)
+        return self.calls.draft_extend(ids, static, positions, out_slots, prefix_slots, prefix_lens,
+                                       num_valid)
+
     # The ModelCalls interface.
+
+    @property
+    def num_steps(self) -> int:
+        return self.calls.num_steps
+
+    @property
+    def topk(self) -> int:
+        return self.calls.topk
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.calls.num_draft_tokens
+
+    def spec_step(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature, top_k,
+                  top_p, uniforms, sampling: bool):
+        if not self.fused:  # per-call graphs, tree and acceptance eager in between
+            return speculate(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature,
+                             top_k, top_p, uniforms, sampling)
+        b = roots.shape[0]
+        return self.spec_step_graphs[sampling](b, dict(
+            roots=roots, lens=lens, prefix_slots=prefix_slots, hidden=hidden.view(b, self.topk, -1),
+            scratch=scratch, tree_slots=tree_slots, temperature=temperature, top_k=top_k, top_p=top_p,
+            uniforms=uniforms))
 
     def target_decode(self, ids, positions, out_slots, prefix_slots, prefix_lens):
         return self.target_decode_graph(ids.shape[0], dict(
@@ -184,12 +246,15 @@ class GraphedCalls:
             prefix_lens=prefix_lens))[0]
 
     def target_verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
+        if self.fused:
+            return self._verify(ids=ids, positions=positions, out_slots=out_slots,
+                                prefix_slots=prefix_slots, prefix_lens=prefix_lens, tree_mask=tree_mask)
         return self.target_verify_graph(ids.shape[0], dict(
             ids=ids, positions=positions, out_slots=out_slots, prefix_slots=prefix_slots,
             prefix_lens=prefix_lens, tree_mask=tree_mask))
 
     def draft_extend(self, ids, hidden, positions, out_slots, prefix_slots, prefix_lens, num_valid):
-        if ids.shape[1] != self.calls.num_steps + 1:  # prefill-sized extends run eagerly
+        if self.fused or ids.shape[1] != self.calls.num_steps + 1:  # prefill extends run eagerly
             return self.calls.draft_extend(ids, hidden, positions, out_slots, prefix_slots,
                                            prefix_lens, num_valid)
         return self.draft_extend_graph(ids.shape[0], dict(
@@ -198,6 +263,9 @@ class GraphedCalls:
 
     def draft_multi_step(self, hidden, prefix_slots, prefix_lens, scratch, temperature, top_k,
                          top_p, uniforms, chain_sampling: bool):
+        if self.fused:
+            return self.calls.draft_multi_step(hidden, prefix_slots, prefix_lens, scratch, temperature,
+                                               top_k, top_p, uniforms, chain_sampling)
         k = self.calls.topk
         b = hidden.shape[0] // k
         return self.draft_multi_step_graphs[chain_sampling](b, dict(
@@ -211,3 +279,16 @@ class GraphedCalls:
         return {"draft_hidden_states_shape": tuple(self.draft_hidden_states.shape),
                 "draft_extend_hidden_states_shape": tuple(self.draft_extend_hidden_states.shape),
                 "verify_hidden_states_shape": tuple(self.verify_hidden_states.shape)}
+
+
+class _Bodies:
+    """What a fused speculative-step graph captures: the eager model calls, with the verify
+    features and the draft-extend input passing through the plan's static hidden-state buffers."""
+
+    def __init__(self, graphed: GraphedCalls):
+        calls = graphed.calls
+        self.num_steps, self.topk, self.num_draft_tokens = calls.num_steps, calls.topk, calls.num_draft_tokens
+        self.draft_multi_step = calls.draft_multi_step
+        self.target_verify = lambda *a: graphed._verify(**dict(zip(
+            ("ids", "positions", "out_slots", "prefix_slots", "prefix_lens", "tree_mask"), a)))
+        self.draft_extend = graphed._extend

@@ -33,8 +33,7 @@ from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import PAD_SLOT, KVPool, SlotTable
 from specdeploy.engine.model import LlamaModel
 from specdeploy.engine.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
-from specdeploy.engine.tree import build_tree
-from specdeploy.engine.verify import sample_from, verify_greedy, verify_sampling, warp_probs
+from specdeploy.engine.verify import sample_from, warp_probs
 
 _FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
 
@@ -90,12 +89,14 @@ class Runner:
                  max_running_requests: int | None = None, context_length: int | None = None,
                  device: torch.device | str = "cpu", seed: int = 0,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
         prefill_chunk_tokens: padded tokens one prefill forward carries (the plan sizes the
-        activation workspace for this many); longer prompts are prefilled over several steps."""
+        activation workspace for this many); longer prompts are prefilled over several steps.
+        fused_spec_step: with graphs, one graph per speculative iteration (the default); False
+        graphs each model call alone, with tree building and acceptance eager in between."""
         if plan is not None:
             max_total_tokens = plan.max_total_tokens
             max_running_requests = plan.max_running_requests
@@ -159,7 +160,7 @@ class Runner:
                 raise ValueError(f"graph_mode {graph_mode!r} needs cuda_graph_batch_sizes (or a plan)")
             from specdeploy.engine.graphs import GraphedCalls
             self.calls = GraphedCalls(self.calls, cuda_graph_batch_sizes, self.context_length,
-                                      capture=graph_mode == "capture")
+                                      capture=graph_mode == "capture", fused=fused_spec_step)
             if plan is not None and draft is not None:
                 _check_buffers_against_plan(self.calls.buffer_shapes(), plan.buffers)
         self._pending: list[_Seq] = []
@@ -171,6 +172,12 @@ class Runner:
         self._step_entries: list[tuple[int, int, int]] = []
         self._step_rows: list[_Seq] = []
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Greedy requests' sampling parameters and (unused) uniform draws, as device constants.
+        m = max_running_requests
+        self._greedy = (torch.zeros(m, device=self.device),
+                        torch.zeros(m, dtype=torch.int64, device=self.device),
+                        torch.ones(m, device=self.device),
+                        torch.full((m, self.num_draft_tokens + 1 + self.num_steps), 0.5, device=self.device))
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
 
@@ -360,65 +367,31 @@ class Runner:
     # ---- speculative decoding ------------------------------------------------------------------
 
     def _spec_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
-        dev, calls = self.device, self.calls
+        dev = self.device
         steps, n = self.num_steps, self.num_draft_tokens
         b = len(seqs)
-        rows = torch.tensor([s.row for s in seqs], device=dev)
-        lens = torch.tensor([s.length for s in seqs], device=dev)
-        roots = torch.tensor([s.root for s in seqs], device=dev)
+        rows, lens, roots = self._seq_tensors(seqs)
         prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
         sampling = any(s.req.temperature > 0 for s in seqs)
-        chain_sampling = sampling and self.topk == 1
-        params = self._sampling_params(seqs)
+        params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
         # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
-        uniforms = (self._uniforms(seqs, n + 1 + steps) if sampling
-                    else torch.full((b, n + 1 + steps), 0.5, device=dev))
-
-        # -- draft: num_steps x topk candidates (scratch slots in the draft pool).
-        scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)
+        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else self._greedy[3][:b]
+        scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)  # draft K/V, steps 1..S-1
+        tree_slots = self._take_slots(b * n).view(b, n)                      # target K/V of the tree
         hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
-        cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
-            hidden, prefix, lens, scratch, *params, uniforms[:, n + 1:], chain_sampling)
-        tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n, self.topk, steps,
-                          check=False)
+        num_acc, bonus, path_tokens, path_slots, positions, free_first, draft_hidden = \
+            self.calls.spec_step(roots, lens, prefix, hidden, scratch, tree_slots, *params, uniforms,
+                                 sampling)
+        host = torch.cat([num_acc[:, None], bonus[:, None], path_tokens], 1).tolist()  # the one sync
+        accepted = [h[0] for h in host]
 
-        # -- verify: one target forward over the tree (tree slots in the target pool).
-        tree_slots = self._take_slots(b * n).view(b, n)
-        logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
-                                              prefix, lens, tree.mask)     # [B, N, V], [B, N, Hin]
-        if not sampling:
-            path, num_acc, bonus = verify_greedy(tree, logits)
-        else:
-            v = logits.shape[-1]
-            p = warp_probs(logits.reshape(b * n, v), *(x.repeat_interleave(n) for x in params))
-            q = None
-            if chain_sampling:  # node d was drawn from the step d - 1 proposal; the root from none
-                q = torch.cat([torch.zeros(b, 1, v, device=dev), draft_q], 1)
-            path, num_acc, bonus = verify_sampling(tree, p.view(b, n, v), q, uniforms[:, :n],
-                                                   uniforms[:, n])
-        accepted = num_acc.tolist()                                         # the step's one sync
-
-        # -- draft extend: entries (token after node j, target feature at node j) along the path.
-        valid = path >= 0                                                   # [B, S + 1]
-        path_slots = torch.where(valid, torch.gather(tree_slots, 1, path.clamp(min=0)), PAD_SLOT)
-        path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))       # [B, S + 1]
-        ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
-        ext_tokens[torch.arange(b, device=dev), num_acc] = bonus
-        ext_hidden = torch.gather(feature, 1, path.clamp(min=0)[:, :, None].expand(-1, -1, feature.shape[-1]))
-        positions = lens[:, None] + torch.arange(steps + 1, device=dev)
-        draft_hidden = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots,
-                                          prefix, lens, num_acc + 1)
-
-        # -- commit (after the last model call, so a failure above leaves the requests as they
-        # were): the accepted nodes' slots (root first) join the requests, every other slot is freed.
-        # All S + 1 columns are written; those past the new length hold the pad slot and are
-        # never read (prefix_lens bounds every read) before being overwritten.
+        # Commit (after the last model call, so a failure above leaves the requests as they
+        # were): the accepted nodes' slots (root first) join the requests, every other slot is
+        # freed. All S + 1 columns are written; those past the new length hold the pad slot and
+        # are never read (prefix_lens bounds every read) before being overwritten.
         self.table.req_to_slot[rows[:, None], positions] = path_slots
-        in_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
-        in_path.scatter_(1, path.clamp(min=0), True)                        # padding -> root, kept anyway
-        # Slots off the path first (stable order), then free exactly that many.
-        off_path = torch.sort(in_path.view(-1).to(torch.uint8), stable=True).indices
-        self.table.free(tree_slots.view(-1)[off_path[:b * n - sum(accepted) - b]])
+        off_path = torch.arange(n, device=dev) < (n - 1 - num_acc)[:, None]
+        self.table.free(free_first[off_path])
         self.table.free(scratch)
         self.draft_hidden[rows] = draft_hidden
         for s, a in zip(seqs, accepted):
@@ -427,21 +400,17 @@ class Runner:
 
         self.num_draft_tokens_proposed += b * steps
         self.num_draft_tokens_accepted += sum(accepted)
-        emitted = [row[1:a + 1] + [bt] for row, a, bt in
-                   zip(path_tokens.tolist(), accepted, bonus.tolist())]
+        emitted = [h[3:a + 3] + [h[1]] for h, a in zip(host, accepted)]
         return self._emit(seqs, emitted, accepted)
 
     # ---- plain decoding --------------------------------------------------------------------------
 
     def _plain_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
-        dev = self.device
         b = len(seqs)
-        rows = torch.tensor([s.row for s in seqs], device=dev)
-        lens = torch.tensor([s.length for s in seqs], device=dev)
+        rows, lens, roots = self._seq_tensors(seqs)
         slots = self._take_slots(b).view(b, 1)
         prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
-        roots = torch.tensor([[s.root] for s in seqs], device=dev)
-        logits = self.calls.target_decode(roots, lens[:, None], slots, prefix, lens)   # [B, V]
+        logits = self.calls.target_decode(roots[:, None], lens[:, None], slots, prefix, lens)   # [B, V]
         tokens = self._sample(seqs, logits)
         self.table.req_to_slot[rows, lens] = slots[:, 0]
         for s in seqs:
@@ -450,6 +419,16 @@ class Runner:
         return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)
 
     # ---- sampling and bookkeeping ---------------------------------------------------------------
+
+    def _seq_tensors(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows, committed lengths and roots [B] of the decoding requests, in one host-to-device copy."""
+        packed = torch.tensor([[s.row for s in seqs], [s.length for s in seqs], [s.root for s in seqs]],
+                              dtype=torch.int64).to(self.device)
+        return packed[0], packed[1], packed[2]
+
+    def _greedy_params(self, b: int):
+        """Sampling parameters of B greedy requests (device constants made once)."""
+        return tuple(x[:b] for x in self._greedy[:3])
 
     def _sampling_params(self, seqs):
         dev = self.device

@@ -107,20 +107,29 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor) -> torch.Tensor:
     """logits [R, V] float32 -> probabilities [R, V] after temperature, top-k (0 = off) and
-    top-p, per row. temperature 0 is greedy: a one-hot on the argmax."""
+    top-p, per row. temperature 0 is greedy: a one-hot on the argmax.
+
+    Written to keep few [R, V] tensors alive at once (about five besides the input): inside a
+    CUDA graph that verifies a whole batch's draft trees, R is max_bs x num_draft_tokens rows of
+    a 128K vocabulary, and the graph's memory pool holds the peak."""
     r, v = logits.shape
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-    rank = torch.arange(v, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, v)[:, None]
+    sorted_logits, order = torch.sort(logits / torch.where(greedy, 1.0, temperature)[:, None],
+                                      dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_logits, -1)
+    del sorted_logits
     # Keep a token if it is within top-k and the mass strictly before it is below top_p.
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep = (rank < k) & (mass_before < top_p[:, None])
+    mass_before = sorted_probs.cumsum(-1).sub_(sorted_probs)
+    keep = mass_before < top_p[:, None]
+    del mass_before
+    k = torch.where(top_k > 0, top_k, v)[:, None]
+    keep &= torch.arange(v, device=logits.device)[None, :] < k
     keep[:, 0] = True
-    sorted_probs = torch.where(keep, sorted_probs, 0.0)
+    sorted_probs.mul_(keep)
+    del keep
     probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
-    probs = probs / probs.sum(-1, keepdim=True)
-    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, probs)
+    del order, sorted_probs
+    probs.div_(probs.sum(-1, keepdim=True))
+    # Greedy rows: zero, then one on the argmax.
+    probs.mul_(~greedy[:, None])
+    return probs.scatter_add_(1, logits.argmax(-1, keepdim=True), greedy[:, None].to(probs.dtype))

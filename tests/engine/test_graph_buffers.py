@@ -48,13 +48,17 @@ def tiny_plan(cfg, algorithm, steps, topk, n, max_bs=4):
 CASES = [("EAGLE", 4, 2, 5), ("MTP", 4, 1, 4), ("EAGLE3", 1, 1, 4), ("EAGLE", 1, 3, 6)]
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
-def test_padded_graph_buffers_match_plan_and_eager(algorithm, hc_mult, topk, n):
+def test_padded_graph_buffers_match_plan_and_eager(algorithm, hc_mult, topk, n, fused):
+    """fused: the whole speculative iteration through one padded call (what one graph replays);
+    otherwise each model call padded on its own."""
     cfg = tiny_config(hc_mult=hc_mult)
     target, perm = predictable_target(cfg, seed=0, layer_scale=0.5)
     draft = copy_draft(algorithm, target, perm)
     plan = tiny_plan(cfg, algorithm, 3, topk, n)
-    runner = Runner(target, draft, plan=plan, graph_mode="padded")
+    runner = Runner(target, draft, plan=plan, graph_mode="padded", fused_spec_step=fused)
+    assert runner.calls.fused == fused
     shapes = runner.calls.buffer_shapes()
     hs = hc_mult * H
     hin = 3 * H if algorithm == "EAGLE3" else hs
@@ -68,6 +72,9 @@ def test_padded_graph_buffers_match_plan_and_eager(algorithm, hc_mult, topk, n):
     # 3 requests pad to the bucket of 4; then 1 (bucket 1) as requests finish at different times.
     reqs = lambda: requests(lens=(5, 11, 2), max_tokens=12)  # noqa: E731
     assert generate(runner, reqs()) == generate(eager, reqs())
+    if fused:  # the iteration passed through the plan's hidden-state buffers
+        assert runner.calls.verify_hidden_states.abs().sum() > 0
+        assert runner.calls.draft_extend_hidden_states.abs().sum() > 0
 
 
 def test_batches_above_the_largest_bucket_run_eagerly():

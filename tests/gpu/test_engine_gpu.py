@@ -144,12 +144,13 @@ CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4,
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
 def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend):
     """Every bucket, at full size and one row short (padding): verify, draft extend and draft
-    multi-step (plain decode has its own test)."""
+    multi-step graphed one by one (plain decode has its own test)."""
     target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
     spec = SpecConfig(algorithm, 3, topk, n)
     graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
-                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS)
+                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
+                     fused_spec_step=False)
     eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
                          context_length=256, device=DEV, graph_mode="off").calls
     # Point the eager calls at the graphed runner's pools so both read the same K/V.
@@ -187,6 +188,43 @@ def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend
             assert torch.allclose(ms[0][1], ms[1][1], atol=1e-5), (bs, b)
 
 
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
+def test_fused_step_graph_equals_eager_per_bucket(algorithm, hc_mult, topk, n, backend):
+    """The whole speculative iteration as one graph, greedy and sampling, every bucket at full
+    size and one row short: the same accepted tokens, slots and draft state as eager."""
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
+    draft = copy_draft(algorithm, target, perm)
+    spec = SpecConfig(algorithm, 3, topk, n)
+    graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    assert graphed.calls.fused and set(graphed.calls.spec_step_graphs[False].graphs) == set(BUCKETS)
+    eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                         context_length=256, device=DEV, graph_mode="off").calls
+    eager_calls.target_kv, eager_calls.draft_kv = graphed.target_kv, graphed.draft_kv
+    g = torch.Generator(device=DEV).manual_seed(4)
+    steps, hc = 3, draft.carried_size
+    for bs in BUCKETS:
+        for b in sorted({bs, max(bs - 1, 1)}):
+            for sampling in (False, True):
+                lens = torch.randint(1, 60, (b,), device=DEV, generator=g)
+                prefix = torch.randint(1, 3000, (b, int(lens.max())), device=DEV, generator=g)
+                roots = torch.randint(0, 64, (b,), device=DEV, generator=g)
+                hidden = torch.randn(b, hc, device=DEV, generator=g)[:, None].expand(-1, topk, -1)
+                scratch = torch.arange(3000, 3000 + b * (steps - 1) * topk, device=DEV).view(b, -1)
+                tree = torch.arange(3500, 3500 + b * n, device=DEV).view(b, n)
+                temp = torch.full((b,), 0.8 if sampling else 0.0, device=DEV)
+                params = (temp, torch.zeros(b, dtype=torch.int64, device=DEV), torch.ones(b, device=DEV))
+                uni = torch.rand(b, n + 1 + steps, device=DEV, generator=g)
+                outs = [[t.clone() for t in c.spec_step(roots, lens, prefix, hidden.reshape(b * topk, hc),
+                                                        scratch, tree, *params, uni, sampling)]
+                        for c in (graphed.calls, eager_calls)]
+                for i, (x, y) in enumerate(zip(*outs)):
+                    if x.is_floating_point():
+                        assert torch.allclose(x, y, atol=1e-4, rtol=1e-4), (bs, b, sampling, i)
+                    else:
+                        assert torch.equal(x, y), (bs, b, sampling, i)
+
+
 @pytest.mark.parametrize("hc_mult", [1, 4])
 def test_decode_graph_equals_eager_per_bucket(hc_mult, backend):
     target, _ = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
@@ -207,15 +245,17 @@ def test_decode_graph_equals_eager_per_bucket(hc_mult, backend):
             assert torch.allclose(dec[0], dec[1], atol=1e-4, rtol=1e-4), (bs, b)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
-def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, backend):
+def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, backend, fused):
     target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
     reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
     plain = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
                    device=DEV, cuda_graph_batch_sizes=BUCKETS)
     spec = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=4000,
-                  max_running_requests=8, context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS)
+                  max_running_requests=8, context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
+                  fused_spec_step=fused)
     free = spec.num_free_slots
     assert run_to_completion(spec, reqs()) == run_to_completion(plain, reqs())
     assert spec.num_free_slots == free
