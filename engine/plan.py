@@ -87,6 +87,11 @@ CUDA_GRAPH_POOL_BASE_BYTES = 512 * MIB
 # Logits are computed in float32 for sampling and verification.
 LOGITS_DTYPE_BYTES = 4
 
+# Logits-sized float32 buffers alive at once inside a speculative-step graph that accepts by
+# rejection sampling: the logits, the sorted values and their int64 order (two), the sorted
+# probabilities and their running mass, plus the sort's own scratch (verify.warp_probs).
+SAMPLING_LOGITS_COPIES = 8
+
 # Fixed fields the prefill server sends the decode server per request next to the hidden state
 # (disaggregation metadata): (name, bytes per element, elements; "topk" means SpecSettings.topk).
 METADATA_FIXED_FIELDS = (
@@ -425,12 +430,14 @@ def _memory_terms(
     kv_per_token = sum(m.kv_cache_bytes_per_token_per_gpu for m in models)
     per_request = limits.max_running_requests * sum(m.kv_cache_bytes_per_request_per_gpu for m in models)
     # The graphs of every batch size and kind share one private pool, sized by the widest capture:
-    # the target verifying max_bs * num_draft_tokens rows, with float32 logits for all of them.
+    # the target verifying max_bs * num_draft_tokens rows, with float32 logits for all of them,
+    # which a speculative step that samples warps into probabilities inside the same graph.
     graph_rows = limits.cuda_graph_max_bs * spec.tokens_per_request_step
+    logits_copies = SAMPLING_LOGITS_COPIES if draft_shapes is not None else 1
     graph_pool = (
         CUDA_GRAPH_POOL_BASE_BYTES
         + _activation_bytes(target_shapes, graph_rows, tp)
-        + _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
+        + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
     # narrower and runs after it); logits only for the last token of each request in the chunk.

@@ -71,7 +71,8 @@ def test_llama8b_eagle3_every_term():
     rows = 32 * 4
     per_row = planmod.LIVE_HIDDEN_WIDTHS * 4096 + 2 * 14336
     assert m.cuda_graph_pool_bytes == (
-        planmod.CUDA_GRAPH_POOL_BASE_BYTES + rows * per_row * 2 + rows * 128256 * planmod.LOGITS_DTYPE_BYTES
+        planmod.CUDA_GRAPH_POOL_BASE_BYTES + rows * per_row * 2
+        + planmod.SAMPLING_LOGITS_COPIES * rows * 128256 * planmod.LOGITS_DTYPE_BYTES
     )
 
 
