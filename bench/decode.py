@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hf_baseline
 from common import free_device_memory, log, time_ms
-from harness import EngineDecode, TargetStep, profile_top, runner_decode_ms, use_fast_attention
+from harness import (EngineDecode, TargetStep, decode_runner, profile_top, runner_decode_ms,
+                     use_fast_attention)
 from roofline import roofline_rows
 
 
@@ -65,7 +66,17 @@ def run(ctx) -> dict:
     profile = profile_top(eager_b1, ctx.device)
     del eager_b1
     free_device_memory()
+    # Where the graphed Runner step spends host time beyond the graph replay (by host time).
+    try:
+        runner = decode_runner(target, ctx["batches"][0], ctx["context"], 16, ctx.device,
+                               "capture" if ctx.device.type == "cuda" else "padded")
+        runner_profile = profile_top(runner.step, ctx.device, reps=5, by="host")
+        del runner
+    except Exception as e:  # evidence, not a result
+        runner_profile = {"error": f"{type(e).__name__}: {e}"[:300]}
+    free_device_memory()
     ctx.partial({"attention_backend": backend, "bandwidth_bytes_per_s": bandwidth, "ours": ours,
+                 "profile_bs1_eager_call": profile, "profile_bs1_runner_step": runner_profile,
                  "transformers": {}, "summary": []})
     hf = {}
     try:
@@ -96,6 +107,7 @@ def run(ctx) -> dict:
         "bandwidth_bytes_per_s": bandwidth,
         "ours": ours,
         "profile_bs1_eager_call": profile,
+        "profile_bs1_runner_step": runner_profile,
         "transformers": hf,
         "goal": {"metric": "engine decode call tok/s over the HBM roofline at batch 1", "target": 0.9,
                  "value": b1["fraction_of_roofline"], "met": b1["fraction_of_roofline"] >= 0.9},

@@ -345,13 +345,11 @@ def timed_steps(runner, steps: int, warmup: int, device, instrumented: bool) -> 
     return results
 
 
-def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, device,
-                     graph_mode: str) -> float:
-    """Median wall time of Runner.step() in plain (non-speculative) decode: B requests with a
-    `context`-token prompt each; graph_mode "capture" (the engine's CUDA graphs) or "off"."""
+def decode_runner(target, batch: int, context: int, max_new: int, device, graph_mode: str):
+    """A plain-decode Runner with B requests of a `context`-token prompt each, prefilled: every
+    later step() is one decode step for all B (for max_new - 1 steps)."""
     from specdeploy.engine.runner import Request, Runner
 
-    max_new = steps + warmup + 4
     runner = Runner(target, max_total_tokens=batch * (context + max_new + 2) + 8,
                     max_running_requests=batch, context_length=context + max_new + 8, device=device,
                     cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode)
@@ -360,15 +358,23 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
         runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
     runner.step()  # prefill
+    return runner
+
+
+def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, device,
+                     graph_mode: str) -> float:
+    """Median wall time of Runner.step() in plain (non-speculative) decode: B requests with a
+    `context`-token prompt each; graph_mode "capture" (the engine's CUDA graphs) or "off"."""
+    runner = decode_runner(target, batch, context, steps + warmup + 4, device, graph_mode)
     recs = timed_steps(runner, steps, warmup, device, instrumented=False)
     times = sorted(r["whole_ms"] for r in recs)
     return times[len(times) // 2]
 
 
-def profile_top(fn, device, reps: int = 5, top: int = 12) -> dict:
+def profile_top(fn, device, reps: int = 5, top: int = 12, by: str = "device") -> dict:
     """Where the time of `fn()` goes, from torch.profiler (CPU + CUDA activities): the ops and
-    kernels with the most device time, summed over `reps` calls. Best effort: a machine without
-    a working CUPTI returns the error instead."""
+    kernels with the most device time (by="device") or host time (by="host"), summed over `reps`
+    calls. Best effort: a machine without a working CUPTI returns the error instead."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda(device) else [])
@@ -387,9 +393,14 @@ def profile_top(fn, device, reps: int = 5, top: int = 12) -> dict:
         return getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0) or 0
 
     total_dev = sum(dev_us(ev) for ev in events)
-    rows = sorted(events, key=lambda ev: (dev_us(ev), ev.self_cpu_time_total), reverse=True)[:top]
+    if by == "device":
+        rows = sorted(events, key=lambda ev: (dev_us(ev), ev.self_cpu_time_total), reverse=True)[:top]
+    else:
+        rows = sorted(events, key=lambda ev: ev.self_cpu_time_total, reverse=True)[:top]
     return {
         "reps": reps,
+        "by": by,
+        "host_time_us_per_call": sum(ev.self_cpu_time_total for ev in events) / reps,
         "device_time_us_per_call": total_dev / reps,
         "top": [{"name": ev.key[:90], "calls_per_rep": ev.count / reps,
                  "self_device_us_per_rep": dev_us(ev) / reps,

@@ -254,8 +254,11 @@ def _profile_table(title: str, prof: dict) -> str:
         return f"**{title}**: profiler unavailable (`{prof['error']}`)\n"
     rows = [[f"`{x['name']}`", _f(x["calls_per_rep"], 0), _f(x["self_device_us_per_rep"], 1),
              _f(x["self_cpu_us_per_rep"], 1), _pct(x["share_of_device_time"])] for x in prof["top"]]
-    return "\n".join([f"**{title}** (device time {prof['device_time_us_per_call']:.0f} µs per call, "
-                      f"{prof['reps']} calls profiled)", "",
+    host = prof.get("host_time_us_per_call")
+    order = "top entries by host time" if prof.get("by") == "host" else "top entries by device time"
+    return "\n".join([f"**{title}** (device time {prof['device_time_us_per_call']:.0f} µs per call"
+                      + (f", host time {host:.0f} µs" if host is not None else "")
+                      + f", {prof['reps']} calls profiled; {order})", "",
                       _table(["op / kernel", "calls", "device µs", "host µs", "share of device"], rows), ""])
 
 
@@ -264,6 +267,8 @@ def profiles(sections: dict) -> str:
     rec = sections.get("2")
     if rec and rec.get("results"):
         parts.append(_profile_table("Decode call, batch 1, eager", rec["results"].get("profile_bs1_eager_call")))
+        parts.append(_profile_table("Runner decode step, batch 1, graphed",
+                                    rec["results"].get("profile_bs1_runner_step")))
     rec = sections.get("3")
     if rec and rec.get("results"):
         for x in rec["results"]["rows"]:
@@ -415,7 +420,7 @@ def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
         lines.append("")
     prof = profiles(sections)
     if prof:
-        lines += ["## Profiles", "", "Where the time goes (torch.profiler, top entries by device time).", "", prof]
+        lines += ["## Profiles", "", "Where the time goes (torch.profiler).", "", prof]
     return "\n".join(lines).rstrip() + "\n"
 
 
