@@ -95,7 +95,7 @@ class ModelCalls:
                 list_index = torch.full((b, 1), i, dtype=torch.int64, device=dev)
                 hidden = out
                 continue
-            child_p, child_i = torch.softmax(logits, -1).topk(k, dim=-1)      # [B, K, K]
+            child_p, child_i = _top_probs(logits, k)                          # [B, K, K]
             c_scores, c_tokens, c_parent, keep = expand_step(scores, child_p,
                                                              draft.to_target_ids(child_i), k)
             cand_tokens.append(c_tokens)
@@ -119,7 +119,7 @@ class ModelCalls:
             token = sample_from(q, uniform)
             return (self.draft.to_target_ids(token)[:, None], torch.ones_like(uniform)[:, None],
                     self._to_target_vocab(q))
-        probs, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+        probs, ids = _top_probs(logits, k)
         return self.draft.to_target_ids(ids), probs, None
 
     def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,17 @@ class ModelCalls:
             return q
         ids = self.draft.to_target_ids(torch.arange(q.shape[-1], device=q.device))
         return torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device).index_add_(1, ids, q)
+
+
+def _top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of logits [..., V] and their probabilities [..., k], without
+    materialising the softmax over the vocabulary. k = 1 (a chain, where every candidate is kept
+    and scores rank nothing) is the argmax with score 1."""
+    if k == 1:
+        ids = logits.argmax(-1, keepdim=True)
+        return torch.ones(ids.shape, dtype=logits.dtype, device=logits.device), ids
+    top, ids = logits.topk(k, dim=-1)
+    return torch.exp(top - torch.logsumexp(logits, -1, keepdim=True)), ids
 
 
 def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature, top_k,

@@ -30,6 +30,7 @@ class DraftTree:
     mask: torch.Tensor      # [B, N, N] bool: node i may attend node j (j is i or an ancestor)
     children: torch.Tensor  # [B, N, C] int64 children of each node in sibling order, -1 padded
     max_depth: int          # bound on depth (num_steps when built by the drafter)
+    chain: bool = False     # node i's parent is i - 1 in every row (topk = 1)
 
 
 def expand_step(scores: torch.Tensor, child_probs: torch.Tensor, child_tokens: torch.Tensor,
@@ -59,6 +60,9 @@ def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_scores
     n = num_draft_tokens
     if not 2 <= n <= m + 1:
         raise ValueError(f"num_draft_tokens={n} must be in [2, {m + 1}] for {m} candidates")
+    if topk == 1 and n == m + 1 and not check:
+        # The drafter's chain: every candidate is kept, each the child of the one before.
+        return chain_tree(root_tokens, cand_tokens)
     device = cand_tokens.device
     # Stable descending sort: equal scores keep list order, so parents (earlier) win ties.
     order = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices[:, :n - 1]
@@ -82,13 +86,22 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_children:
     max_children / max_depth: static bounds; measured from the tree (a device sync) if None."""
     b, n = parents.shape
     device = parents.device
-    eye = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n)
-    mask = eye.clone()
+    mask = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n).clone()
     depth = torch.zeros(b, n, dtype=torch.int64, device=device)
-    for i in range(1, n):  # parents precede children, so one forward pass suffices
-        p = parents[:, i]
-        mask[:, i] |= mask[torch.arange(b, device=device), p]
-        depth[:, i] = depth[torch.arange(b, device=device), p] + 1
+    if max_depth is not None:
+        # Climb every node's ancestors at once, one generation per pass: max_depth passes
+        # (the drafter's num_steps) instead of one per node.
+        anc = parents
+        for _ in range(max_depth):
+            has = anc >= 0
+            mask |= torch.nn.functional.one_hot(anc.clamp(min=0), n).bool() & has[:, :, None]
+            depth += has.long()
+            anc = torch.where(has, torch.gather(parents, 1, anc.clamp(min=0)), -1)
+    else:
+        for i in range(1, n):  # parents precede children, so one forward pass suffices
+            p = parents[:, i]
+            mask[:, i] |= mask[torch.arange(b, device=device), p]
+            depth[:, i] = depth[torch.arange(b, device=device), p] + 1
     is_child = parents[:, None, :] == torch.arange(n, device=device)[None, :, None]  # [B, N(par), N]
     if max_children is None:
         max_children = max(int(is_child.sum(-1).max()), 1)
@@ -103,8 +116,15 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_children:
 
 
 def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> DraftTree:
-    """topk = 1: root followed by draft_tokens [B, S] in a line."""
+    """topk = 1: root followed by draft_tokens [B, S] in a line. Its shape is fixed, so it is
+    built from constants (a handful of kernels, none per node)."""
     b, s = draft_tokens.shape
+    dev = draft_tokens.device
+    n = s + 1
     tokens = torch.cat([root_tokens[:, None], draft_tokens], dim=1)
-    parents = (torch.arange(s + 1, device=tokens.device) - 1).expand(b, s + 1)
-    return tree_from_parents(tokens, parents.contiguous())
+    nodes = torch.arange(n, device=dev)
+    parents = (nodes - 1).expand(b, n)
+    depth = nodes.expand(b, n)
+    mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(b, n, n)
+    children = torch.where(nodes < s, nodes + 1, -1)[None, :, None].expand(b, n, 1)
+    return DraftTree(tokens, parents, depth, mask, children, s, chain=True)

@@ -54,11 +54,28 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor):
     """target_logits [B, N, V] at every tree node -> (path, num_accepted, bonus)."""
     pred = target_logits.argmax(-1)                                          # [B, N]
     rows = torch.arange(pred.shape[0], device=pred.device)
-
-    def try_child(cur, child, trying):
-        return tree.tokens[rows, child] == pred[rows, cur]
-
-    path, num_accepted, last = _walk(tree, try_child)
+    b, n = pred.shape
+    nodes = torch.arange(n, device=pred.device)
+    if tree.chain:  # node d is accepted iff every node up to it matched
+        match = (tree.tokens[:, 1:] == pred[:, :-1]).long().cumprod(1)        # [B, N - 1]
+        num_accepted = match.sum(1)
+        path = torch.where(nodes[None, :] <= num_accepted[:, None], nodes, -1)
+        return path, num_accepted, pred[rows, num_accepted]
+    # Without walking: a node matches if its token is the target's choice at its parent and no
+    # earlier sibling matched (the walk tries siblings in order); it is on the accepted path if
+    # it and all its ancestors match (the mask holds each node's ancestors and itself).
+    parent = tree.parents.clamp(min=0)
+    match = torch.gather(pred, 1, parent) == tree.tokens
+    match[:, 0] = True
+    sibling_before = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (nodes[None, :] < nodes[:, None])
+    match &= ~(sibling_before & match[:, None, :]).any(-1)
+    on_path = ~(tree.mask & ~match[:, None, :]).any(-1)                      # [B, N]
+    depth = torch.where(on_path, tree.depth, tree.max_depth + 1)              # off-path: a spare column
+    path = torch.full((b, tree.max_depth + 2), -1, dtype=torch.int64, device=pred.device)
+    path.scatter_(1, depth, torch.where(on_path, nodes, -1))
+    path = path[:, :-1]
+    num_accepted = (path >= 0).sum(1) - 1
+    last = torch.gather(path, 1, num_accepted[:, None])[:, 0]
     return path, num_accepted, pred[rows, last]
 
 

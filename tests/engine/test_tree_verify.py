@@ -129,3 +129,68 @@ def test_greedy_rows_are_exact_in_sampling_verify():
     path, num_acc, bonus = verify_sampling(tree, p[None], None, torch.rand(1, 5), torch.rand(1))
     g_path, g_acc, g_bonus = verify_greedy(tree, logits)
     assert torch.equal(path, g_path) and torch.equal(bonus, g_bonus)
+
+
+def test_chain_fast_paths_equal_the_general_tree():
+    """A chain (topk 1) is built from constants and verified without walking: the same tree and
+    the same acceptance as the general construction and walk."""
+    from dataclasses import replace
+    g = torch.Generator().manual_seed(5)
+    b, s, v = 256, 5, 2
+    roots = torch.randint(0, v, (b,), generator=g)
+    drafts = torch.randint(0, v, (b, s), generator=g)  # few tokens: every acceptance length occurs
+    fast = chain_tree(roots, drafts)
+    parents = (torch.arange(s + 1) - 1).expand(b, s + 1).contiguous()
+    general = tree_from_parents(torch.cat([roots[:, None], drafts], 1), parents)
+    assert fast.chain and not general.chain
+    for name in ("tokens", "parents", "depth", "mask", "children"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert fast.max_depth == general.max_depth
+    # build_tree hands the drafter's chain to chain_tree
+    built = build_tree(roots, drafts, torch.ones(b, s), torch.arange(-1, s - 1).expand(b, s), s + 1, 1, s,
+                       check=False)
+    assert built.chain and torch.equal(built.tokens, fast.tokens)
+    logits = torch.randn(b, s + 1, v, generator=g)
+    got = verify_greedy(fast, logits)
+    want = verify_greedy(replace(fast, chain=False), logits)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert set(got[1].tolist()) == set(range(s + 1))
+
+
+def test_tree_climbed_by_generation_equals_node_by_node():
+    """With the drafter's depth bound given, ancestors are found one generation per pass: the
+    same mask and depths as the node-by-node construction."""
+    g = torch.Generator().manual_seed(9)
+    b, n = 32, 12
+    # Random trees, parents before children, depth at most 4.
+    parents = torch.full((b, n), -1, dtype=torch.int64)
+    depth = torch.zeros(b, n, dtype=torch.int64)
+    for i in range(1, n):
+        for r in range(b):
+            choices = [j for j in range(i) if depth[r, j] < 4]
+            parents[r, i] = choices[int(torch.randint(len(choices), (1,), generator=g))]
+            depth[r, i] = depth[r, parents[r, i]] + 1
+    tokens = torch.randint(0, 50, (b, n), generator=g)
+    slow = tree_from_parents(tokens, parents)
+    fast = tree_from_parents(tokens, parents, max_children=n, max_depth=4)
+    assert torch.equal(fast.mask, slow.mask) and torch.equal(fast.depth, slow.depth)
+    assert torch.equal(fast.depth, depth) and int(depth.max()) == 4
+
+
+def test_greedy_tree_verification_equals_the_walk():
+    """The vectorised greedy verification against the sibling-by-sibling walk, on random trees
+    whose siblings may repeat a token (the walk takes the first)."""
+    from specdeploy.engine import verify
+    g = torch.Generator().manual_seed(13)
+    b, n, v = 512, 10, 3
+    parents = torch.full((b, n), -1, dtype=torch.int64)
+    for i in range(1, n):
+        parents[:, i] = torch.randint(0, i, (b,), generator=g)
+    tree = tree_from_parents(torch.randint(0, v, (b, n), generator=g), parents)
+    logits = torch.randn(b, n, v, generator=g)
+    pred = logits.argmax(-1)
+    rows = torch.arange(b)
+    w_path, w_acc, w_last = verify._walk(tree, lambda cur, child, trying: tree.tokens[rows, child] == pred[rows, cur])
+    path, acc, bonus = verify_greedy(tree, logits)
+    assert torch.equal(path, w_path) and torch.equal(acc, w_acc) and torch.equal(bonus, pred[rows, w_last])
+    assert int(acc.max()) >= 3  # deep acceptances occurred
