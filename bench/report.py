@@ -169,7 +169,7 @@ def s4(r: dict) -> str:
         f"Goal: graphs ≥ 3× eager at batch 1 — measured {_f(g.get('value'), 2)}×: {_met(g.get('met'))}."])
 
 
-def s5(r: dict) -> str:
+def s5(r: dict, spec_rows: list | None = None) -> str:
     c = r["corpus"]
     tt, ht, at = r["target_training"], r["head_training"], r["assistant_training"]
     lines = [
@@ -218,7 +218,38 @@ def s5(r: dict) -> str:
     g = r["goal"]
     lines += ["", f"Goal: ≥ 2.5× engine target-only tok/s at batch 1 — best ({g['system']}) "
                   f"{g['value']:.2f}×: {_met(g['met'])}."]
+    lines += _acceptance_costs(r, spec_rows or [])
     return "\n".join(lines)
+
+
+def _acceptance_costs(r: dict, spec_rows: list) -> list[str]:
+    """What a speculative step costs this small target, and what the same acceptance lengths buy
+    at the step costs section 3 measured on the Llama-3.1-8B shape."""
+    rows = {x["system"]: x for x in r.get("rows", [])}
+    base = rows.get("engine target-only")
+    if not base:
+        return []
+    out = []
+    for name, x in rows.items():
+        if name.startswith("engine EAGLE") and x.get("accept_length") and not x.get("temperature"):
+            implied = x["accept_length"] * base["tok_s"] / x["tok_s"]
+            out.append(f"{name.removeprefix('engine EAGLE ')} {implied:.2f}×")
+    lines = ["", "Implied cost of one speculative step in target decode steps on this target (acceptance "
+                 "length × target-only tok/s / speculative tok/s): " + ", ".join(out) + ". The target is "
+                 "small enough that a decode step is bound by kernel launches rather than by memory: the "
+                 "draft's and the tree's kernels weigh almost as much as the target's."]
+    shapes = {"chain": "EAGLE chain", "tree": "EAGLE tree", "tree-deep": "EAGLE tree-deep"}
+    proj = []
+    for x in spec_rows:
+        if x.get("target") == "hc1" and x.get("algorithm") == "EAGLE" and x.get("graph_mode") == "fused" \
+                and "x_decode_step" in x and shapes.get(x["shape"]) in {k.removeprefix("engine ") for k in rows}:
+            acc = rows["engine " + shapes[x["shape"]]]["accept_length"]
+            proj.append(f"{x['shape']}: {acc:.2f} / {x['x_decode_step']:.2f} = {acc / x['x_decode_step']:.2f}×")
+    if proj:
+        lines += ["", "The same acceptance lengths at the step costs of section 3 (EAGLE head on the "
+                      "Llama-3.1-8B shape, fused graphs; a projection from two measurements, not a run): "
+                      + "; ".join(proj) + "."]
+    return lines
 
 
 def s6(r: dict) -> str:
@@ -414,7 +445,11 @@ def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
         lines.append(_header(rec))
         if rec["status"] in ("ok", "partial") and key in RENDER:
             try:
-                lines.append(RENDER[key](rec["results"]))
+                if key == "5":  # its projection reads section 3's step costs
+                    spec = sections.get("3", {}).get("results") or {}
+                    lines.append(s5(rec["results"], spec.get("rows")))
+                else:
+                    lines.append(RENDER[key](rec["results"]))
             except Exception as e:  # a malformed record shows as such; the rest of the page stands
                 lines.append(f"(could not render: {type(e).__name__}: {e})")
         lines.append("")
