@@ -157,9 +157,9 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     -> num_accepted [B]; bonus [B]; path_tokens [B, S + 1] (the root, then the accepted drafts;
        padding past them); path_slots [B, S + 1] (the tree slots of those nodes, the pad slot
        past them); positions [B, S + 1] (lens + 0..S, where path_slots go in req_to_slot);
-       free_first [B, N] (tree slots, those off the accepted path first: a row's first
-       N - 1 - num_accepted entries are the slots to free); draft_hidden [B, Hc] (the draft
-       state after the bonus token, for the next iteration)."""
+       to_free [B, N] (flat, the tree slots off the accepted paths of all rows, row after row:
+       the first sum(N - 1 - num_accepted) entries are the slots to free); draft_hidden
+       [B, Hc] (the draft state after the bonus token, for the next iteration)."""
     steps, n, topk = calls.num_steps, calls.num_draft_tokens, calls.topk
     b = roots.shape[0]
     dev = roots.device
@@ -191,8 +191,9 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     positions = lens[:, None] + torch.arange(steps + 1, device=dev)
     draft_hidden = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots, prefix_slots,
                                       lens, num_acc + 1)
-    # Tree slots off the path first (stable: node order otherwise); padding entries of the path
-    # point at the root, which is on the path anyway.
-    in_path = torch.zeros(b, n, dtype=torch.uint8, device=dev).scatter_(1, at, 1)
-    free_first = torch.gather(tree_slots, 1, torch.sort(in_path, dim=1, stable=True).indices)
-    return num_acc, bonus, path_tokens, path_slots, positions, free_first, draft_hidden
+    # The tree slots off every row's path, packed to the front in row order (padding entries of a
+    # path point at the root, which is on the path anyway); the rest go to a spare last entry.
+    off = torch.ones(b, n, dtype=torch.bool, device=dev).scatter_(1, at, False).view(-1)
+    dest = torch.where(off, off.long().cumsum(0) - 1, b * n)
+    to_free = torch.zeros(b * n + 1, dtype=tree_slots.dtype, device=dev).scatter_(0, dest, tree_slots.reshape(-1))
+    return num_acc, bonus, path_tokens, path_slots, positions, to_free[:-1].view(b, n), draft_hidden

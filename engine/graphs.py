@@ -235,10 +235,13 @@ class GraphedCalls:
             return speculate(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature,
                              top_k, top_p, uniforms, sampling)
         b = roots.shape[0]
-        return self.spec_step_graphs[sampling](b, dict(
-            roots=roots, lens=lens, prefix_slots=prefix_slots, hidden=hidden.view(b, self.topk, -1),
-            scratch=scratch, tree_slots=tree_slots, temperature=temperature, top_k=top_k, top_p=top_p,
-            uniforms=uniforms))
+        values = dict(roots=roots, lens=lens, prefix_slots=prefix_slots, hidden=hidden.view(b, self.topk, -1),
+                      scratch=scratch, tree_slots=tree_slots)
+        # The greedy graph reads no sampling input: a greedy step copies none (the eager call
+        # above the largest bucket takes them all).
+        if sampling or b > self.max_bs:
+            values.update(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms)
+        return self.spec_step_graphs[sampling](b, values)
 
     def target_decode(self, ids, positions, out_slots, prefix_slots, prefix_lens):
         return self.target_decode_graph(ids.shape[0], dict(

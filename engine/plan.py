@@ -69,20 +69,29 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 # Bytes that are on the GPU but not in any tensor the plan sizes: the CUDA context and its module
 # images, cuBLAS/cuDNN workspaces, NCCL communicator buffers, the index buffers of the graphs
-# (input ids, positions, cache locations: int64 per token) and allocator fragmentation.
+# (input ids, positions, cache locations: int64 per token), allocator fragmentation, and memory
+# nvidia-smi counts in the total that the driver never lets a process allocate (615 MiB of an
+# H200's 143771 MiB, measured: docs/benchmarks.md, planner truth).
 RESERVE_BYTES = 2 * GIB
 
 # Tokens one prefill chunk carries through the model at once (chunked prefill): the activation
 # workspace is sized for it.
 PREFILL_CHUNK_TOKENS = 8192
 
-# Hidden-width tensors alive at once inside a layer during a forward pass: residual stream, normed
-# input, attention output and the fused q/k/v projection (about one more hidden width).
-LIVE_HIDDEN_WIDTHS = 4
+# Hidden-width tensors alive at once inside a layer during a forward pass, measured at the MLP's
+# peak of a prefill chunk (docs/benchmarks.md, planner truth): the residual stream and the delta
+# it has not absorbed yet, the normed input, the attention output and its projection, the fused
+# q/k/v projection (about 1.5 widths).
+LIVE_HIDDEN_WIDTHS = 7
+
+# MLP-intermediate-width tensors alive at the MLP's peak: the fused gate/up output (two) and the
+# activated product.
+LIVE_MLP_WIDTHS = 3
 
 # Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
-# batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets.
-CUDA_GRAPH_POOL_BASE_BYTES = 512 * MIB
+# batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
+# and graph kinds (0.20-0.29 GiB measured on Llama-3.1-8B plans with 5 to 11 buckets).
+CUDA_GRAPH_POOL_BASE_BYTES = 320 * MIB
 
 # Logits are computed in float32 for sampling and verification.
 LOGITS_DTYPE_BYTES = 4
@@ -367,8 +376,8 @@ def _mlp_width_per_token(shapes: ModelShapes) -> int:
 
 def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
     """Transient activations of `tokens` rows through one layer, on one GPU (layers run one at a
-    time, so one layer's worth is live): hidden-width tensors plus gate and up of the MLP."""
-    per_token = LIVE_HIDDEN_WIDTHS * shapes.spec_hidden_size + 2 * _mlp_width_per_token(shapes) // tp
+    time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product."""
+    per_token = LIVE_HIDDEN_WIDTHS * shapes.spec_hidden_size + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp
     return tokens * per_token * shapes.dtype_bytes
 
 
@@ -445,7 +454,9 @@ def _memory_terms(
         limits.max_running_requests, target_shapes.vocab_size, tp
     )
     if draft_shapes is not None:
-        workspace = max(workspace, _activation_bytes(draft_shapes, PREFILL_CHUNK_TOKENS, tp))
+        # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3).
+        features = PREFILL_CHUNK_TOKENS * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
+        workspace = max(workspace, _activation_bytes(draft_shapes, PREFILL_CHUNK_TOKENS, tp) + features)
     budget = (
         gpu.memory_bytes - weights - graph_pool - workspace - buffers.static_bytes - per_request - RESERVE_BYTES
     )

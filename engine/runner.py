@@ -172,6 +172,11 @@ class Runner:
         self._step_entries: list[tuple[int, int, int]] = []
         self._step_rows: list[_Seq] = []
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Staging for the per-step index copy (pinned, so it need not wait for the device).
+        self._pinned = self._h2d_done = None
+        if self.device.type == "cuda":
+            self._pinned = torch.empty(3, max_running_requests, dtype=torch.int64, pin_memory=True)
+            self._h2d_done = torch.cuda.Event()
         # Greedy requests' sampling parameters and (unused) uniform draws, as device constants.
         m = max_running_requests
         self._greedy = (torch.zeros(m, device=self.device),
@@ -379,7 +384,7 @@ class Runner:
         scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)  # draft K/V, steps 1..S-1
         tree_slots = self._take_slots(b * n).view(b, n)                      # target K/V of the tree
         hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
-        num_acc, bonus, path_tokens, path_slots, positions, free_first, draft_hidden = \
+        num_acc, bonus, path_tokens, path_slots, positions, to_free, draft_hidden = \
             self.calls.spec_step(roots, lens, prefix, hidden, scratch, tree_slots, *params, uniforms,
                                  sampling)
         host = torch.cat([num_acc[:, None], bonus[:, None], path_tokens], 1).tolist()  # the one sync
@@ -390,8 +395,7 @@ class Runner:
         # freed. All S + 1 columns are written; those past the new length hold the pad slot and
         # are never read (prefix_lens bounds every read) before being overwritten.
         self.table.req_to_slot[rows[:, None], positions] = path_slots
-        off_path = torch.arange(n, device=dev) < (n - 1 - num_acc)[:, None]
-        self.table.free(free_first[off_path])
+        self.table.free(to_free.view(-1)[:b * (n - 1) - sum(accepted)])
         self.table.free(scratch)
         self.draft_hidden[rows] = draft_hidden
         for s, a in zip(seqs, accepted):
@@ -421,9 +425,18 @@ class Runner:
     # ---- sampling and bookkeeping ---------------------------------------------------------------
 
     def _seq_tensors(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows, committed lengths and roots [B] of the decoding requests, in one host-to-device copy."""
+        """rows, committed lengths and roots [B] of the decoding requests, in one host-to-device
+        copy (on CUDA from pinned memory, without waiting for it)."""
         packed = torch.tensor([[s.row for s in seqs], [s.length for s in seqs], [s.root for s in seqs]],
-                              dtype=torch.int64).to(self.device)
+                              dtype=torch.int64)
+        if self._pinned is not None:
+            self._h2d_done.synchronize()  # the previous step's copy has left the pinned buffer
+            staged = self._pinned[:, :len(seqs)]
+            staged.copy_(packed)
+            packed = staged.to(self.device, non_blocking=True)
+            self._h2d_done.record()
+        else:
+            packed = packed.to(self.device)
         return packed[0], packed[1], packed[2]
 
     def _greedy_params(self, b: int):

@@ -95,3 +95,27 @@ def test_hidden_size_wide_buffers_are_refused_for_hc_targets():
     plan = tiny_plan(tiny_config(hc_mult=1), "EAGLE", 3, 1, 4)
     with pytest.raises(ValueError, match="draft_hidden_states_shape: allocated \\(4, 128\\), the plan says \\(4, 32\\)"):
         Runner(target, copy_draft("EAGLE", target, perm), plan=plan, graph_mode="padded")
+
+
+@pytest.mark.parametrize("topk,n", [(1, 4), (2, 5)])
+def test_fused_step_switches_between_sampling_and_greedy(topk, n):
+    """Seeded sampling requests beside greedy ones, finishing at different times: the fused step
+    moves from its sampling form to its greedy form (which reads none of the sampling inputs) and
+    emits exactly what the eager runner emits with the same seeds."""
+    from specdeploy.engine.runner import Request
+    cfg = tiny_config()
+    target, perm = predictable_target(cfg, seed=0, layer_scale=0.5)
+    draft = copy_draft("EAGLE", target, perm)
+    plan = tiny_plan(cfg, "EAGLE", 3, topk, n)
+
+    def reqs():
+        out = []
+        for i, r in enumerate(requests(lens=(5, 11, 2, 7), max_tokens=12)):
+            sampled = i % 2 == 0
+            out.append(Request(r.id, r.prompt_ids, max_tokens=6 if sampled else 14,
+                               temperature=0.9 if sampled else 0.0, seed=100 + i if sampled else None))
+        return out
+    fused = Runner(target, draft, plan=plan, graph_mode="padded")
+    assert fused.calls.fused
+    got = generate(fused, reqs())
+    assert got == generate(Runner(target, draft, plan=plan, graph_mode="off"), reqs())
