@@ -6,13 +6,15 @@
     static       what Runner(plan, graph_mode="padded") holds beyond its KV pools: the graphs'
                  static input/hidden-state buffers, slot table, draft state rows
                                                    vs plan static buffers + per-request state
-    graph pool   what Runner(plan) (graph_mode "capture": every bucket of target decode, verify,
-                 draft multi-step, draft extend) holds beyond the padded runner
+    graph pool   what Runner(plan) (graph_mode "capture": every bucket of target decode, or of
+                 the fused speculative step, greedy and sampling) holds beyond the padded runner
                                                    vs plan cuda_graph_pool_bytes
     workspace    peak transient memory of a prefill of PREFILL_CHUNK_TOKENS tokens through the
                  Runner (8 requests of 1K tokens)                       vs plan activation_workspace_bytes
-    outside torch  driver-used minus torch-reserved (CUDA context, library workspaces)  vs plan reserve
-    total        the driver's used memory at the end (nvidia-smi beside it) vs the plan's sum of terms
+    outside torch  driver-used minus torch-reserved (CUDA context, library workspaces), plus the
+                 part of the plan's GPU total the driver never hands out     vs plan reserve
+    total        the driver's used memory at the end (nvidia-smi beside it) plus that unusable
+                 part                                                   vs the plan's sum of terms
 
 Allocator figures are torch.cuda.memory_reserved() deltas. The engine allocates exactly the
 plan's KV pool (Runner(plan=...)), so an over-optimistic plan shows up as an out-of-memory error
@@ -103,6 +105,10 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
     for shrink in (0, RETRY_KV_SHRINK_BYTES if cuda else None):
         if shrink is None:
             break
+        if shrink:
+            # After the except block below, whose exception (and the frames it holds, with the
+            # failed attempt's pools) is gone by now.
+            free_device_memory()
         run_plan = plan if not shrink else dataclasses.replace(
             plan, max_total_tokens=plan.max_total_tokens - shrink // mem.kv_cache_bytes_per_token)
         try:
@@ -121,7 +127,6 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
             out.setdefault("runner_errors", []).append(f"KV shrunk by {shrink} B: {type(e).__name__}: {e}"[:800])
             log(f"{name}: Runner(plan) with KV shrunk by {shrink / 2**30:.0f} GiB failed: {str(e)[:200]}")
             padded = runner = None
-            free_device_memory()
     out["runner_build_s"] = time.perf_counter() - t0
     if cuda:
         # Blocks the capture warm-ups left cached are reusable by any later work; the graphs'
@@ -158,14 +163,19 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
                        + mem.static_buffer_bytes + mem.per_request_state_bytes + mem.reserve_bytes
                        + mem.kv_cache_bytes)
     if cuda:
-        outside = m_end["driver_used"] - torch.cuda.memory_reserved()
+        # Outside torch: what the process holds beyond torch's allocator, plus what the plan's GPU
+        # total counts but the driver never hands out (the reserve covers both).
+        unusable = max(mem.gpu_memory_bytes - m_end["driver_total"], 0)
+        outside = m_end["driver_used"] - torch.cuda.memory_reserved() + unusable
         out["terms"]["outside_torch"] = _term(mem.reserve_bytes, outside)
+        out["terms"]["outside_torch"]["unusable_bytes"] = unusable
+        # Total: the plan's GPU total against what the engine holds plus what it could not have.
         # With a shrunk pool, the engine would have needed the shrink on top of what it holds.
-        needed = m_end["driver_used"] + out.get("kv_shrunk_bytes", 0)
+        needed = m_end["driver_used"] + unusable + out.get("kv_shrunk_bytes", 0)
         out["terms"]["total"] = _term(predicted_total, needed)
         out["terms"]["total"]["nvidia_smi_used_bytes"] = m_end["nvidia_smi_used"]
         out["terms"]["total_except_kv"] = _term(predicted_total - mem.kv_cache_bytes,
-                                                m_end["driver_used"] - kv)
+                                                m_end["driver_used"] + unusable - kv)
         if out.get("kv_shrunk_bytes"):
             out["notes"].append(f"the plan's KV pool did not fit beside the engine: measured with it "
                                 f"{out['kv_shrunk_bytes'] / 2**30:.0f} GiB smaller; 'total' adds that back")

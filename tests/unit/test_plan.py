@@ -69,7 +69,7 @@ def test_llama8b_eagle3_every_term():
     assert p.required_tokens == 8192 * 32 <= p.max_total_tokens
     # CUDA-graph pool: the verify graph, 32 requests x 4 draft tokens through the target
     rows = 32 * 4
-    per_row = planmod.LIVE_HIDDEN_WIDTHS * 4096 + 2 * 14336
+    per_row = planmod.LIVE_HIDDEN_WIDTHS * 4096 + planmod.LIVE_MLP_WIDTHS * 14336
     assert m.cuda_graph_pool_bytes == (
         planmod.CUDA_GRAPH_POOL_BASE_BYTES + rows * per_row * 2
         + planmod.SAMPLING_LOGITS_COPIES * rows * 128256 * planmod.LOGITS_DTYPE_BYTES
