@@ -30,7 +30,7 @@ import triton.language as tl
 
 from specdeploy.engine.attention import AttnBatch
 
-BLOCK_K = 64                # keys per inner step
+BLOCK_K = 32                # keys per inner step
 MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combine than it saves
 MAX_SPLITS = 32             # bounds the partials buffer and the combine's width
 PROGRAMS_PER_SM = 2         # enough resident programs to keep the loads in flight
@@ -74,17 +74,15 @@ def _split_attention_kernel(
         offs_k = start + tl.arange(0, BLOCK_K)
         k_valid = offs_k < hi
         slots = tl.load(prefix_slots_ptr + b * prefix_width + offs_k, mask=k_valid, other=0)
-        # K and V both in flight before the first dot: at decode sizes the loads' latency, not
-        # the arithmetic, is the cost.
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0)                   # [BLOCK_K, D]
-        v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                    mask=k_valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(k_valid[None, :], s, float("-inf"))                # [BLOCK_M, BLOCK_K]
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a valid key
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
+                    mask=k_valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new

@@ -24,6 +24,7 @@ from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import KVPool
 from specdeploy.engine.model import LlamaModel
 from specdeploy.engine.kv import PAD_SLOT
+from specdeploy.engine.layers import argmax
 from specdeploy.engine.tree import build_tree, expand_step
 from specdeploy.engine.verify import sample_from, verify_greedy, verify_sampling, warp_probs
 
@@ -135,7 +136,7 @@ def _top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     materialising the softmax over the vocabulary. k = 1 (a chain, where every candidate is kept
     and scores rank nothing) is the argmax with score 1."""
     if k == 1:
-        ids = logits.argmax(-1, keepdim=True)
+        ids = argmax(logits)[..., None]
         return torch.ones(ids.shape, dtype=logits.dtype, device=logits.device), ids
     top, ids = logits.topk(k, dim=-1)
     return torch.exp(top - torch.logsumexp(logits, -1, keepdim=True)), ids

@@ -88,6 +88,11 @@ LIVE_HIDDEN_WIDTHS = 7
 # activated product.
 LIVE_MLP_WIDTHS = 3
 
+# With hyper-connections (hc_mult > 1) the streams are mixed in float32 (engine/hc.py): float32
+# copies of all hc_mult streams alive at once in a sublayer's expand (the streams upcast, the
+# carried mix, the sublayer output spread over the streams, their sum, the mixing input).
+LIVE_HC_FLOAT32_STREAMS = 5
+
 # Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
 # batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
 # and graph kinds (0.20-0.29 GiB measured on Llama-3.1-8B plans with 5 to 11 buckets).
@@ -378,7 +383,8 @@ def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
     """Transient activations of `tokens` rows through one layer, on one GPU (layers run one at a
     time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product."""
     per_token = LIVE_HIDDEN_WIDTHS * shapes.spec_hidden_size + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp
-    return tokens * per_token * shapes.dtype_bytes
+    hc_float32 = LIVE_HC_FLOAT32_STREAMS * shapes.spec_hidden_size * 4 if shapes.hc_mult > 1 else 0
+    return tokens * (per_token * shapes.dtype_bytes + hc_float32)
 
 
 def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:

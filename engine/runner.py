@@ -31,6 +31,7 @@ from specdeploy.engine.attention import causal_batch
 from specdeploy.engine.calls import ModelCalls
 from specdeploy.engine.draft import DraftHead
 from specdeploy.engine.kv import PAD_SLOT, KVPool, SlotTable
+from specdeploy.engine.layers import argmax
 from specdeploy.engine.model import LlamaModel
 from specdeploy.engine.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
 from specdeploy.engine.verify import sample_from, warp_probs
@@ -456,7 +457,7 @@ class Runner:
 
     def _sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         if all(s.req.temperature == 0 for s in seqs):
-            return logits.argmax(-1)
+            return argmax(logits)
         probs = warp_probs(logits, *self._sampling_params(seqs))
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0])
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specdeploy.engine.layers import argmax
 from specdeploy.engine.tree import DraftTree
 
 
@@ -52,7 +53,7 @@ def _walk(tree: DraftTree, try_child):
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor):
     """target_logits [B, N, V] at every tree node -> (path, num_accepted, bonus)."""
-    pred = target_logits.argmax(-1)                                          # [B, N]
+    pred = argmax(target_logits)                                          # [B, N]
     rows = torch.arange(pred.shape[0], device=pred.device)
     b, n = pred.shape
     nodes = torch.arange(n, device=pred.device)
@@ -149,4 +150,4 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     probs.div_(probs.sum(-1, keepdim=True))
     # Greedy rows: zero, then one on the argmax.
     probs.mul_(~greedy[:, None])
-    return probs.scatter_add_(1, logits.argmax(-1, keepdim=True), greedy[:, None].to(probs.dtype))
+    return probs.scatter_add_(1, argmax(logits)[:, None], greedy[:, None].to(probs.dtype))

@@ -153,3 +153,29 @@ def test_model_forward_on_the_kernel_path_matches_torch_interpreted(run_interpre
     """A whole target forward (verify-shaped: prefix plus a tree) through every Triton kernel, as
     on CUDA, against the torch code: logits, draft feature and the pool's K/V."""
     run_interpreted(MODEL_SCRIPT)
+
+
+ARGMAX_SCRIPT = r"""
+import torch
+from specdeploy.engine import elementwise_triton as ew
+
+g = torch.Generator().manual_seed(1)
+# Rows longer than a chunk and not a multiple of it, a leading batch shape, bf16 and float32;
+# ties inside a chunk and across chunks resolve to the first index, as torch.argmax does.
+for shape, dtype in [((3, 2, 9000), torch.float32), ((5, 4100), torch.bfloat16), ((2, 7), torch.float32)]:
+    x = torch.randn(shape, generator=g).to(dtype)
+    got = ew.argmax(x)
+    assert got.dtype == torch.int64 and got.shape == shape[:-1]
+    assert torch.equal(got, x.argmax(-1)), (shape, dtype)
+x = torch.zeros(4, 9000)
+x[0, [5, 4096, 8999]] = 3.0           # tie across chunks
+x[1, [4097, 4098]] = 2.0              # tie inside the second chunk
+x[2, -1] = 1.0                        # maximum in the last, partial chunk
+x[3] = -1.0                           # every entry equal
+assert ew.argmax(x).tolist() == [5, 4097, 8999, 0] == x.argmax(-1).tolist()
+print("ok")
+"""
+
+
+def test_argmax_kernel_matches_torch_interpreted(run_interpreted):
+    run_interpreted(ARGMAX_SCRIPT)

@@ -81,3 +81,11 @@ def test_combine_compiles(act):
     lower_to_ttir(attention_triton._combine_kernel, {"*": act, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
                                                      "part_l_ptr": "*fp32"},
                   {"HEAD_DIM": 128, "NUM_SPLITS": 8})
+
+
+@pytest.mark.parametrize("logits", ACTIVATIONS)
+def test_argmax_compiles(logits):
+    lower_to_ttir(elementwise_triton._argmax_chunks_kernel, {"*": logits, "val_ptr": "*fp32", "idx_ptr": "*i32"},
+                  {"BLOCK": elementwise_triton.ARGMAX_CHUNK})
+    lower_to_ttir(elementwise_triton._argmax_combine_kernel, {"*": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
+                  {"BLOCK_C": 32})

@@ -284,3 +284,15 @@ def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, b
     assert spec.num_free_slots == free
     rate = spec.num_draft_tokens_accepted / spec.num_draft_tokens_proposed
     assert 0.1 < rate < 0.95, rate  # both accepted and rejected drafts were exercised
+
+
+@pytest.mark.parametrize("shape", [(1, 128256), (4, 128256), (64, 8, 128256), (3, 64), (2, 32000)])
+def test_argmax_kernel_matches_torch(shape):
+    from specdeploy.engine import elementwise_triton
+    g = torch.Generator(device=DEV).manual_seed(6)
+    x = torch.randn(shape, device=DEV, generator=g)
+    assert torch.equal(elementwise_triton.argmax(x), x.argmax(-1))
+    x[..., 7] = x.max() + 1
+    x[..., -1] = x.max()  # a tie: the first wins
+    assert (elementwise_triton.argmax(x) == 7).all()
+    assert torch.equal(elementwise_triton.argmax(x.bfloat16()), x.bfloat16().argmax(-1))
