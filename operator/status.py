@@ -55,12 +55,15 @@ def camelize(value: Any) -> Any:
 
 
 def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
-    """`status.plan`: the plan JSON in camelCase, plus two headline totals per replica.
+    """`status.plan`: the plan JSON in camelCase, plus three headline figures per replica.
 
     weightBytes and kvBytesPerToken sum target and draft over the whole model (before tensor
     parallelism); the per-model and per-GPU terms stay under target, draft and memoryPerGpu.
+    gpusPerReplica is the tensor-parallel size, or 0 in CPU mode (spec.cpu: the plan sizes one
+    device, the CPU's memory).
     """
     result = camelize(plan)
+    result["gpusPerReplica"] = 0 if result.get("gpu") == "cpu" else int(result.get("tensorParallelSize") or 0)
     models = [m for m in (result.get("target"), result.get("draft")) if m]
     result["weightBytes"] = sum(int(m.get("weightBytes") or 0) for m in models)
     result["kvBytesPerToken"] = sum(int(m.get("kvCacheBytesPerToken") or 0) for m in models)

@@ -84,7 +84,11 @@ def test_tiny_cpu_demo_example_becomes_ready_without_a_gpu(kube_cluster, kube_na
 
     status = sdd.wait_ready()
     assert status["plan"]["tensorParallelSize"] == 1 and status["plan"]["gpu"] == "cpu"
+    assert status["plan"]["gpusPerReplica"] == 0
     assert status["serving"]["readyReplicas"] == 1
+    # `kubectl get sdd` shows no GPUs for a CPU-mode resource.
+    table = kube_cluster.kubectl("get", "sdd", "tiny-cpu-demo", "-n", kube_namespace).stdout
+    assert table.strip().splitlines()[1].split()[:4] == ["tiny-cpu-demo", "True", "Ready", "0"]
     deployment = sdd.deployment()
     pod_spec = deployment["spec"]["template"]["spec"]
     container = pod_spec["containers"][0]

@@ -38,6 +38,7 @@ def planned_status(generation=1, now=T0):
 def test_status_plan_is_camel_case_with_totals():
     plan = planned_status()["plan"]
     assert plan["tensorParallelSize"] == 2 and plan["maxTotalTokens"] == 458231
+    assert plan["gpusPerReplica"] == 2
     assert plan["specHiddenSize"] == 8192 and plan["draftInputHiddenSize"] == 24576
     assert plan["memoryPerGpu"] == {"kvCacheBudgetBytes": 5}
     assert plan["weightBytes"] == 107 and plan["kvBytesPerToken"] == 13
@@ -152,3 +153,8 @@ def test_blocked_apply_keeps_the_plan_and_says_why():
         "Progressing": ("False", "ChildConflict"),
         "Degraded": ("True", "ChildConflict"),
     }
+
+
+def test_cpu_mode_plans_no_gpus_per_replica():
+    plan = st.status_plan({**PLAN, "gpu": "cpu", "tensor_parallel_size": 1})
+    assert plan["gpusPerReplica"] == 0 and plan["tensorParallelSize"] == 1
