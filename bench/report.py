@@ -277,7 +277,10 @@ def s6(r: dict) -> str:
                     f"{p['cuda_graph_batch_sizes']}.", ""]
         rows = []
         for name, t in x["terms"].items():
-            rows.append([name, _f(t["predicted_bytes"], 3, GIB, " GiB"), _f(t["measured_bytes"], 3, GIB, " GiB"),
+            measured = _f(t["measured_bytes"], 3, GIB, " GiB")
+            if "error" in t:
+                measured = "out of memory" if "out of memory" in t["error"] else "failed"
+            rows.append([name, _f(t["predicted_bytes"], 3, GIB, " GiB"), measured,
                          _f(t.get("measured_over_predicted"), 3)])
         out.append(_table(["term", "plan", "measured", "measured / plan"], rows))
         total = x["terms"].get("total", {})
