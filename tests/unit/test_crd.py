@@ -50,7 +50,7 @@ def test_printer_columns_point_at_fields_the_operator_writes():
     _, version, schema = load()
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Age"]
-    assert columns["GPUs"] == ".status.plan.tensorParallelSize"
+    assert columns["GPUs"] == ".status.plan.gpusPerReplica"
     assert columns["Max tokens"] == ".status.plan.maxTotalTokens"
     assert columns["Accept length"] == ".status.serving.meanAcceptLength"
     written = status.status_plan({"tensor_parallel_size": 1, "max_total_tokens": 2, "target": {}})
