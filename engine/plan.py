@@ -151,6 +151,27 @@ def custom_gpu(memory_gib: float) -> GPU:
     return GPU("custom", int(memory_gib * GIB), "")
 
 
+# The smallest prefill chunk worth serving with: below it, prompts crawl in through many steps.
+MIN_PREFILL_CHUNK_TOKENS = 256
+
+# Kept free beyond the workspace when fitting the prefill chunk to measured memory (fragmentation).
+PREFILL_FIT_MARGIN_BYTES = 256 * MIB
+
+
+def prefill_chunk_that_fits(available_bytes: int, workspace_bytes: int,
+                            chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    """The prefill chunk (tokens) whose activations fit in `available_bytes`, measured once the
+    engine holds its weights, KV pools and CUDA graphs. `workspace_bytes` is the plan's workspace
+    for `chunk_tokens`; activations scale with the chunk, so when another term took more than
+    planned the chunk shrinks in proportion instead of a later prefill running out of memory.
+    chunk_tokens when the plan's workspace fits; 0 when not even MIN_PREFILL_CHUNK_TOKENS does."""
+    room = available_bytes - PREFILL_FIT_MARGIN_BYTES
+    if workspace_bytes <= 0 or room >= workspace_bytes:
+        return chunk_tokens
+    fit = max(room, 0) * chunk_tokens // workspace_bytes
+    return fit if fit >= MIN_PREFILL_CHUNK_TOKENS else 0
+
+
 def max_draft_tokens(num_steps: int, topk: int) -> int:
     """The most tokens one verify step can check: the root plus every draft candidate. The first
     draft step proposes topk children of the root; each later step expands its topk best nodes

@@ -214,6 +214,28 @@ def _compare(what: str, measured: int, planned: int) -> None:
             what, human_bytes(measured), human_bytes(planned), diff)
 
 
+def _fit_prefill_chunk(runner, plan, available_bytes: int) -> None:
+    """Shrink the prefill chunk if the memory left after start-up cannot hold the plan's
+    workspace (another term took more than planned); refuse to start if not even a small chunk
+    fits, rather than run out of memory on the first long prompt."""
+    from specdeploy.engine.plan import MIN_PREFILL_CHUNK_TOKENS, prefill_chunk_that_fits
+
+    workspace = plan.memory_per_gpu.activation_workspace_bytes
+    chunk = prefill_chunk_that_fits(available_bytes, workspace, runner.prefill_chunk_tokens)
+    if chunk == runner.prefill_chunk_tokens:
+        return
+    if chunk == 0:
+        raise RuntimeError(
+            f"only {available_bytes / 2**30:.2f} GiB of GPU memory is left after loading and graph "
+            f"capture; the plan's prefill workspace needs {workspace / 2**30:.2f} GiB and even a "
+            f"{MIN_PREFILL_CHUNK_TOKENS}-token chunk does not fit: lower --max-total-tokens (or the "
+            f"resource's context length or concurrency)")
+    log.warning("GPU memory left after start-up (%.2f GiB) is less than the plan's prefill workspace "
+                "(%.2f GiB): prefill chunk reduced from %d to %d tokens", available_bytes / 2**30,
+                workspace / 2**30, runner.prefill_chunk_tokens, chunk)
+    runner.prefill_chunk_tokens = chunk
+
+
 def load_engine(args: argparse.Namespace, metrics):
     """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread."""
     import torch
@@ -271,7 +293,7 @@ def load_engine(args: argparse.Namespace, metrics):
                  max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
     t2 = time.monotonic()
     if device == "cuda":
-        calls = "target decode" if plan.algorithm == "NONE" else "target decode/verify, draft multi-step/extend"
+        calls = "target decode" if plan.algorithm == "NONE" else "the speculative step, greedy and sampling"
         log.info("allocating KV pools and capturing CUDA graphs (%s) for batch sizes %s ...", calls,
                  " ".join(map(str, plan.cuda_graph_batch_sizes)))
     # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
@@ -290,6 +312,7 @@ def load_engine(args: argparse.Namespace, metrics):
         free_bytes, total_bytes = torch.cuda.mem_get_info()
         log.info("GPU memory after start-up: %.2f GiB used, %.2f GiB free of %.2f GiB",
                  (total_bytes - free_bytes) / 2**30, free_bytes / 2**30, total_bytes / 2**30)
+        _fit_prefill_chunk(runner, plan, free_bytes + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
 
     tokenizer = Tokenizer.from_dir(target_dir)
     t3 = time.monotonic()

@@ -284,3 +284,17 @@ def test_replicated_kv_heads_are_noted():
     p = plan(kv2, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits(max_running_requests=64, cuda_graph_max_bs=64))
     assert p.tensor_parallel_size == 4
     assert any("2 KV heads for TP 4" in note for note in p.notes)
+
+
+def test_prefill_chunk_fits_measured_memory():
+    ws = 1024 * MIB
+    margin = planmod.PREFILL_FIT_MARGIN_BYTES
+    # The plan's workspace fits: the planned chunk.
+    assert planmod.prefill_chunk_that_fits(ws + margin, ws, 8192) == 8192
+    assert planmod.prefill_chunk_that_fits(10 * ws, ws, 8192) == 8192
+    # Half of it left: half the chunk.
+    assert planmod.prefill_chunk_that_fits(ws // 2 + margin, ws, 8192) == 4096
+    # Not even the smallest useful chunk: refuse (0).
+    tiny = ws * (planmod.MIN_PREFILL_CHUNK_TOKENS - 1) // 8192 + margin
+    assert planmod.prefill_chunk_that_fits(tiny, ws, 8192) == 0
+    assert planmod.prefill_chunk_that_fits(0, ws, 8192) == 0
