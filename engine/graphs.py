@@ -136,7 +136,7 @@ class GraphedCalls:
         self.target_decode_graph = _Graphed(
             self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
                            **prefix()}, batch_sizes if draft is None else (), capture, stream,
-            name="target decode", pool=None)
+            name="target decode")
         if draft is None:
             return
         n = calls.num_draft_tokens
@@ -201,8 +201,9 @@ class GraphedCalls:
     def _decode(self, **kw):
         return (self.calls.target_decode(**kw),)
 
-    def _verify(self, **kw):
-        logits, feature = self.calls.target_verify(**kw)
+    def _verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
+        logits, feature = self.calls.target_verify(ids, positions, out_slots, prefix_slots, prefix_lens,
+                                                   tree_mask)
         b, n, hin = feature.shape
         out = self.verify_hidden_states[:b * n].view(b, n, hin)
         out.copy_(feature)
@@ -250,8 +251,7 @@ class GraphedCalls:
 
     def target_verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
         if self.fused:
-            return self._verify(ids=ids, positions=positions, out_slots=out_slots,
-                                prefix_slots=prefix_slots, prefix_lens=prefix_lens, tree_mask=tree_mask)
+            return self._verify(ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask)
         return self.target_verify_graph(ids.shape[0], dict(
             ids=ids, positions=positions, out_slots=out_slots, prefix_slots=prefix_slots,
             prefix_lens=prefix_lens, tree_mask=tree_mask))
@@ -292,6 +292,5 @@ class _Bodies:
         calls = graphed.calls
         self.num_steps, self.topk, self.num_draft_tokens = calls.num_steps, calls.topk, calls.num_draft_tokens
         self.draft_multi_step = calls.draft_multi_step
-        self.target_verify = lambda *a: graphed._verify(**dict(zip(
-            ("ids", "positions", "out_slots", "prefix_slots", "prefix_lens", "tree_mask"), a)))
+        self.target_verify = graphed._verify
         self.draft_extend = graphed._extend

@@ -107,8 +107,8 @@ def format_plan(p: Plan) -> str:
             continue
         rows += [
             (label, f"{t.architecture or t.model_type} as {t.role}, {t.dtype}, {t.num_layers} layer{'s' if t.num_layers != 1 else ''}, {t.attention} attention"),
-            (f"  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}), {_gib(t.weight_bytes_per_gpu)} per GPU"),
-            (f"  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"),
+            ("  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}), {_gib(t.weight_bytes_per_gpu)} per GPU"),
+            ("  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"),
         ]
         if t.kv_cache_bytes_per_request_per_gpu:
             rows.append(("  KV bytes per request", f"{t.kv_cache_bytes_per_request_per_gpu} (sliding windows, per GPU)"))

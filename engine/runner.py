@@ -182,8 +182,9 @@ class Runner:
         m = max_running_requests
         self._greedy = (torch.zeros(m, device=self.device),
                         torch.zeros(m, dtype=torch.int64, device=self.device),
-                        torch.ones(m, device=self.device),
-                        torch.full((m, self.num_draft_tokens + 1 + self.num_steps), 0.5, device=self.device))
+                        torch.ones(m, device=self.device))
+        self._greedy_uniforms = torch.full((m, self.num_draft_tokens + 1 + self.num_steps), 0.5,
+                                           device=self.device)
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
 
@@ -373,7 +374,6 @@ class Runner:
     # ---- speculative decoding ------------------------------------------------------------------
 
     def _spec_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
-        dev = self.device
         steps, n = self.num_steps, self.num_draft_tokens
         b = len(seqs)
         rows, lens, roots = self._seq_tensors(seqs)
@@ -381,7 +381,7 @@ class Runner:
         sampling = any(s.req.temperature > 0 for s in seqs)
         params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
         # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
-        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else self._greedy[3][:b]
+        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else self._greedy_uniforms[:b]
         scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)  # draft K/V, steps 1..S-1
         tree_slots = self._take_slots(b * n).view(b, n)                      # target K/V of the tree
         hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
@@ -442,7 +442,7 @@ class Runner:
 
     def _greedy_params(self, b: int):
         """Sampling parameters of B greedy requests (device constants made once)."""
-        return tuple(x[:b] for x in self._greedy[:3])
+        return tuple(x[:b] for x in self._greedy)
 
     def _sampling_params(self, seqs):
         dev = self.device

@@ -88,20 +88,14 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_children:
     device = parents.device
     mask = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n).clone()
     depth = torch.zeros(b, n, dtype=torch.int64, device=device)
-    if max_depth is not None:
-        # Climb every node's ancestors at once, one generation per pass: max_depth passes
-        # (the drafter's num_steps) instead of one per node.
-        anc = parents
-        for _ in range(max_depth):
-            has = anc >= 0
-            mask |= torch.nn.functional.one_hot(anc.clamp(min=0), n).bool() & has[:, :, None]
-            depth += has.long()
-            anc = torch.where(has, torch.gather(parents, 1, anc.clamp(min=0)), -1)
-    else:
-        for i in range(1, n):  # parents precede children, so one forward pass suffices
-            p = parents[:, i]
-            mask[:, i] |= mask[torch.arange(b, device=device), p]
-            depth[:, i] = depth[torch.arange(b, device=device), p] + 1
+    # Climb every node's ancestors at once, one generation per pass: as many passes as the depth
+    # bound (the drafter's num_steps; n - 1 when unknown).
+    anc = parents
+    for _ in range(n - 1 if max_depth is None else max_depth):
+        has = anc >= 0
+        mask |= torch.nn.functional.one_hot(anc.clamp(min=0), n).bool() & has[:, :, None]
+        depth += has.long()
+        anc = torch.where(has, torch.gather(parents, 1, anc.clamp(min=0)), -1)
     is_child = parents[:, None, :] == torch.arange(n, device=device)[None, :, None]  # [B, N(par), N]
     if max_children is None:
         max_children = max(int(is_child.sum(-1).max()), 1)

@@ -158,8 +158,8 @@ def test_chain_fast_paths_equal_the_general_tree():
 
 
 def test_tree_climbed_by_generation_equals_node_by_node():
-    """With the drafter's depth bound given, ancestors are found one generation per pass: the
-    same mask and depths as the node-by-node construction."""
+    """With the drafter's depth bound given, ancestors are climbed for that many generations
+    only: the same mask as without the bound, and the depths computed by hand."""
     g = torch.Generator().manual_seed(9)
     b, n = 32, 12
     # Random trees, parents before children, depth at most 4.

@@ -143,6 +143,21 @@ def attn_inv_freq(cfg):
 CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4, 3, 6)]
 
 
+def graphed_and_eager(algorithm, hc_mult, topk, n, fused):
+    """-> (target, draft, a graphed Runner, eager ModelCalls reading and writing the graphed
+    runner's K/V pools)."""
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
+    draft = copy_draft(algorithm, target, perm)
+    spec = SpecConfig(algorithm, 3, topk, n)
+    graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
+                     fused_spec_step=fused)
+    eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                         context_length=256, device=DEV, graph_mode="off").calls
+    eager_calls.target_kv, eager_calls.draft_kv = graphed.target_kv, graphed.draft_kv
+    return target, draft, graphed, eager_calls
+
+
 def _same_drafts(got, want, topk, where):
     """Draft candidates (tokens, scores, parents) from a graph replay and from eager calls. The
     two differ in rounding (the graph attends over its static prefix width), which may flip the
@@ -164,16 +179,7 @@ def _same_drafts(got, want, topk, where):
 def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend):
     """Every bucket, at full size and one row short (padding): verify, draft extend and draft
     multi-step graphed one by one (plain decode has its own test)."""
-    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
-    draft = copy_draft(algorithm, target, perm)
-    spec = SpecConfig(algorithm, 3, topk, n)
-    graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
-                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
-                     fused_spec_step=False)
-    eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
-                         context_length=256, device=DEV, graph_mode="off").calls
-    # Point the eager calls at the graphed runner's pools so both read the same K/V.
-    eager_calls.target_kv, eager_calls.draft_kv = graphed.target_kv, graphed.draft_kv
+    target, draft, graphed, eager_calls = graphed_and_eager(algorithm, hc_mult, topk, n, fused=False)
     g = torch.Generator(device=DEV).manual_seed(1)
     steps, hc = 3, draft.carried_size
     for bs in BUCKETS:
@@ -210,15 +216,8 @@ def test_graph_replay_equals_eager_per_call(algorithm, hc_mult, topk, n, backend
 def test_fused_step_graph_equals_eager_per_bucket(algorithm, hc_mult, topk, n, backend):
     """The whole speculative iteration as one graph, greedy and sampling, every bucket at full
     size and one row short: the same accepted tokens, slots and draft state as eager."""
-    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
-    draft = copy_draft(algorithm, target, perm)
-    spec = SpecConfig(algorithm, 3, topk, n)
-    graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
-                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    _, draft, graphed, eager_calls = graphed_and_eager(algorithm, hc_mult, topk, n, fused=True)
     assert graphed.calls.fused and set(graphed.calls.spec_step_graphs[False].graphs) == set(BUCKETS)
-    eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
-                         context_length=256, device=DEV, graph_mode="off").calls
-    eager_calls.target_kv, eager_calls.draft_kv = graphed.target_kv, graphed.draft_kv
     g = torch.Generator(device=DEV).manual_seed(4)
     steps, hc = 3, draft.carried_size
     for bs in BUCKETS:
