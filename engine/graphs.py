@@ -52,37 +52,52 @@ class _Graphed:
         self.fn, self.inputs, self.buckets = fn, inputs, sorted(buckets)
         self.eager = eager or fn
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # Bytes the allocator reserved during each bucket's capture: the private pool's growth.
+        self.capture_bytes: dict[int, int] = {}
         self.pool = pool
         if capture:
-            # One memory pool per call kind, shared by its buckets (largest captured first).
-            # Kinds share one only when given it (`pool`): otherwise an output of one kind (e.g.
-            # the chain proposals of the draft) may still be read after another kind has replayed.
-            t_all = time.perf_counter()
-            for i, bs in enumerate(reversed(self.buckets), 1):
-                t0 = time.perf_counter()
-                self._fill_padding(0, bs)
-                stream.wait_stream(torch.cuda.current_stream())  # the padding writes above
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up (lazy inits, autotuning) outside the graph
-                        self.fn(**self._views(bs))
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                # A garbage collection inside the capture could destroy an unreachable older
-                # graph, whose cudaFree would invalidate this capture; collect before, not during.
-                gc.collect()
-                gc.disable()
-                try:
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        out = self.fn(**self._views(bs))
-                finally:
-                    gc.enable()
-                self.graphs[bs] = (graph, out)
-                pool = self.pool = graph.pool()
-                log.debug("cuda graph %s: batch %d captured (%d/%d) in %.0f ms", name, bs, i,
-                          len(self.buckets), 1e3 * (time.perf_counter() - t0))
-            if self.buckets:
-                log.info("cuda graphs %s: %d batch sizes (%d..%d) captured in %.1f s", name,
-                         len(self.buckets), self.buckets[0], self.buckets[-1], time.perf_counter() - t_all)
+            self._capture(stream, name)
+
+    @torch.no_grad()
+    def _capture(self, stream, name: str) -> None:
+        """Warm up and capture every bucket, largest first. Without autograd: a module with a
+        parameter that requires grad would otherwise make each graph's outputs keep the whole
+        forward's intermediates alive in the private pool (graph_pool_probe.py shows it)."""
+        pool = self.pool
+        # One memory pool per call kind, shared by its buckets (largest captured first).
+        # Kinds share one only when given it (`pool`): otherwise an output of one kind (e.g.
+        # the chain proposals of the draft) may still be read after another kind has replayed.
+        t_all = time.perf_counter()
+        for i, bs in enumerate(reversed(self.buckets), 1):
+            t0 = time.perf_counter()
+            self._fill_padding(0, bs)
+            stream.wait_stream(torch.cuda.current_stream())  # the padding writes above
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up (lazy inits, autotuning) outside the graph
+                    self.fn(**self._views(bs))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # A garbage collection inside the capture could destroy an unreachable older
+            # graph, whose cudaFree would invalidate this capture; collect before, not during.
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: the warm-ups' blocks go
+            gc.disable()
+            reserved = torch.cuda.memory_reserved()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self.fn(**self._views(bs))
+            finally:
+                gc.enable()
+            self.graphs[bs] = (graph, out)
+            self.capture_bytes[bs] = torch.cuda.memory_reserved() - reserved
+            pool = self.pool = graph.pool()
+            log.debug("cuda graph %s: batch %d captured (%d/%d) in %.0f ms, pool +%.1f MiB", name, bs, i,
+                      len(self.buckets), 1e3 * (time.perf_counter() - t0), self.capture_bytes[bs] / 2**20)
+        if self.buckets:
+            log.info("cuda graphs %s: %d batch sizes (%d..%d) captured in %.1f s, pool +%.0f MiB", name,
+                     len(self.buckets), self.buckets[0], self.buckets[-1], time.perf_counter() - t_all,
+                     sum(self.capture_bytes.values()) / 2**20)
 
     def _views(self, bs: int) -> dict[str, torch.Tensor]:
         return {name: inp.buf[:bs] for name, inp in self.inputs.items()}

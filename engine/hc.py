@@ -187,8 +187,9 @@ class _Float32Params(nn.Module):
 class HyperConnection(_Float32Params):
     """The mHC residual around one sublayer: `streams = hc(streams, sublayer)`.
 
-    Parameters (float32): fn [(2 + hc) * hc, hc * H], base [(2 + hc) * hc], scale [3]
-    (the pre / post / comb scales). Named like transformers' `DeepseekV4HyperConnection`.
+    Parameters (float32, frozen like every engine parameter; training unfreezes them):
+    fn [(2 + hc) * hc, hc * H], base [(2 + hc) * hc], scale [3] (the pre / post / comb scales).
+    Named like transformers' `DeepseekV4HyperConnection`.
     """
 
     def __init__(self, cfg: HCConfig) -> None:
@@ -199,9 +200,9 @@ class HyperConnection(_Float32Params):
         self.norm_eps = cfg.norm_eps
         num_mixes = (2 + cfg.hc_mult) * cfg.hc_mult  # pre (hc) + post (hc) + comb (hc * hc)
         stream_width = cfg.hc_mult * cfg.hidden_size
-        self.fn = nn.Parameter(torch.zeros(num_mixes, stream_width, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros(num_mixes, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.fn = nn.Parameter(torch.zeros(num_mixes, stream_width, dtype=torch.float32), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(num_mixes, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
     def mixing_weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [*, hc, H] -> pre [*, hc], post [*, hc], comb [*, hc, hc], all float32."""
@@ -234,9 +235,10 @@ class HyperHead(_Float32Params):
         super().__init__()
         self.hc_eps = cfg.hc_eps
         self.norm_eps = cfg.norm_eps
-        self.fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size, dtype=torch.float32),
+                               requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = flatten_streams(streams).float()  # [*, hc * H]

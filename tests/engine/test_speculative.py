@@ -10,7 +10,7 @@ import torch
 from specdeploy.engine.attention import causal_batch
 from specdeploy.engine.kv import KVPool
 from specdeploy.engine.runner import NoCapacity, Request, Runner, SpecConfig
-from specdeploy.engine.toy import copy_draft, predictable_target, tiny_config
+from specdeploy.engine.toy import copy_draft, predictable_target, random_target, tiny_config
 
 PROMPT_LENS = (5, 12, 1, 9)
 MAX_TOKENS = 20
@@ -217,3 +217,28 @@ def test_bfloat16_models_run_greedy_and_sampled(hc_mult, algorithm, topk, n):
     assert all(len(v) == MAX_TOKENS for v in greedy.values())
     assert all(0 <= t < 64 for out in (greedy, sampled) for v in out.values() for t in v)
     assert runner.num_draft_tokens_accepted > 0.1 * runner.num_draft_tokens_proposed
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "MTP"])
+@pytest.mark.parametrize("hc_mult", [1, 4])
+def test_engine_models_are_frozen(algorithm, hc_mult):
+    """No engine parameter requires grad (the hyper-connection mixing weights included): a forward
+    outside inference mode, such as a CUDA-graph capture, must not record autograd state, which
+    would keep every intermediate of the captured forward alive in the graph's pool."""
+    from specdeploy.engine.draft import build_draft
+    if algorithm == "EAGLE3" and hc_mult > 1:
+        pytest.skip("EAGLE-3 is defined for hc_mult 1 only")
+    target = random_target(tiny_config(hc_mult=hc_mult), seed=0)
+    cfg = target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1})
+    draft = build_draft(algorithm, cfg, target, torch.float32, "cpu")
+    trainable = [n for n, p in [*target.named_parameters(), *draft.named_parameters()] if p.requires_grad]
+    assert trainable == []
+    runner = Runner(target, draft, SpecConfig(algorithm, 2, 1, 3), max_total_tokens=200, max_running_requests=2,
+                    cuda_graph_batch_sizes=(2,), graph_mode="padded")
+    for r in requests(lens=(4, 6), max_tokens=4):
+        runner.add(r)
+    runner.step()  # prefill
+    # The padded graph body called outside inference mode, as a capture calls it.
+    b = runner.calls.spec_step_graphs[False]
+    outs = b.fn(**b._views(2))
+    assert all(o.grad_fn is None for o in outs if o is not None)
