@@ -16,7 +16,9 @@ Per sublayer, for every token, with streams `S [hc, H]` and `F` the sublayer (no
 
 The mixing weights are computed in float32 and the streams are mixed in float32, then cast once to
 the stream dtype, as DeepSeek-V4's inference code does; the parameters are float32 in published
-checkpoints and these modules keep them float32 when the model is cast to bfloat16.
+checkpoints and these modules keep them float32 when the model is cast to bfloat16. On CUDA, with
+no gradient to track, a sublayer's residual runs as two Triton kernels around the mixes matmul
+(engine/hc_triton.py) instead of this module's torch code, which is a hundred small launches.
 
 API (all tensors token-flattened `[T, ...]`; any leading dims work, `[B, S, ...]` included):
 
@@ -58,6 +60,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specdeploy.engine.layers import fused_kernels
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]  # [*, H] -> [*, H]
 
@@ -220,6 +224,12 @@ class HyperConnection(_Float32Params):
 
     def forward(self, streams: torch.Tensor, sublayer: Sublayer) -> torch.Tensor:
         """streams [*, hc, H] -> [*, hc, H]; `sublayer` maps [*, H] -> [*, H] (norm included)."""
+        fast = fused_kernels(streams, self.fn, module="hc_triton")
+        if fast is not None:  # CUDA: two launches around the mixes matmul (engine/hc_triton.py)
+            mixes = F.linear(flatten_streams(streams).float(), self.fn)
+            x, _, post, comb = fast.hc_pre(streams, mixes, self.base, self.scale, self.sinkhorn_iters,
+                                           self.norm_eps, self.hc_eps)
+            return fast.hc_expand(sublayer(x), streams, post, comb)
         pre, post, comb = self.mixing_weights(streams)
         return hc_expand(sublayer(hc_collapse(streams, pre)), streams, post, comb)
 
@@ -242,6 +252,10 @@ class HyperHead(_Float32Params):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = flatten_streams(streams).float()  # [*, hc * H]
+        fast = fused_kernels(streams, self.fn, module="hc_triton")
+        if fast is not None:
+            return fast.hc_pre(streams, F.linear(flat, self.fn), self.base, self.scale, 1, self.norm_eps,
+                               self.hc_eps, head=True)[0]
         mixes = F.linear(flat, self.fn.float()) * _rms_scale(flat, self.norm_eps)  # [*, hc]
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
         return hc_collapse(streams, pre)

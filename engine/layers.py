@@ -10,6 +10,7 @@ places where a later issue adds all-reduce / all-gather are marked `TP:`.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import torch
@@ -153,23 +154,23 @@ class ParallelLMHead(ColumnParallelLinear):
 
 
 @functools.cache
-def _elementwise_triton():
+def _triton_module(name: str):
     try:
-        from specdeploy.engine import elementwise_triton
-    except ImportError:
+        return importlib.import_module(f"specdeploy.engine.{name}")
+    except ImportError:  # no Triton
         return None
-    return elementwise_triton
 
 
-def fused_kernels(x: torch.Tensor, *params: torch.Tensor):
-    """The Triton element-wise kernels (engine/elementwise_triton.py) where they apply: CUDA
-    tensors, Triton installed, and no gradient to track (they have no backward; training runs
-    the torch code). None otherwise: the caller runs its torch code."""
+def fused_kernels(x: torch.Tensor, *params: torch.Tensor, module: str = "elementwise_triton"):
+    """A Triton kernel module (engine/elementwise_triton.py by default; engine/hc_triton.py for
+    the hyper-connections) where it applies: CUDA tensors, Triton installed, and no gradient to
+    track (the kernels have no backward; training runs the torch code). None otherwise: the
+    caller runs its torch code."""
     if not x.is_cuda:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None
-    return _elementwise_triton()
+    return _triton_module(module)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

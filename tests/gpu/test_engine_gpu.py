@@ -105,6 +105,34 @@ def test_fused_elementwise_kernels_match_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hyper_connection_kernels_match_torch(dtype):
+    """A DeepSeek-V4-wide hyper-connection sublayer and head (hc 4, H 7168) take the Triton
+    kernels on CUDA without autograd and the torch code with it: both must agree."""
+    from specdeploy.engine.hc import HCConfig, HyperConnection, HyperHead
+    g = torch.Generator(device=DEV).manual_seed(4)
+    cfg = HCConfig(hidden_size=7168, hc_mult=4)
+    hc, head = HyperConnection(cfg).to(DEV), HyperHead(cfg).to(DEV)
+    for p in [*hc.parameters(), *head.parameters()]:
+        p.copy_(torch.randn(p.shape, device=DEV, generator=g) * (0.02 if p.dim() == 2 else 1.0))
+    streams = torch.randn(3, 5, 4, 7168, device=DEV, generator=g).to(dtype)
+    proj = torch.randn(7168, 7168, device=DEV, generator=g).to(dtype) * 7168 ** -0.5
+
+    def sublayer(x):
+        return x @ proj
+
+    with torch.no_grad():
+        fast, fast_head = hc(streams, sublayer), head(streams)
+    for p in [*hc.parameters(), *head.parameters()]:
+        p.requires_grad_()   # autograd: the torch code
+    slow, slow_head = hc(streams, sublayer), head(streams)
+    assert slow.requires_grad and slow_head.requires_grad
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = slow.detach().float().abs().max().item()
+    assert (fast.float() - slow.detach().float()).abs().max().item() < tol * scale
+    assert (fast_head.float() - slow_head.detach().float()).abs().max().item() < tol * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_kernel_matches_torch(dtype):
     """The attention block's fused rope + K/V write (CUDA, no autograd) against its torch code
     (taken when a gradient is tracked): the same pool contents and output."""
