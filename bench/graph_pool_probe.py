@@ -23,10 +23,15 @@ from common import bootstrap_specdeploy, free_device_memory, log  # noqa: E402
 bootstrap_specdeploy()
 
 from harness import mtp_head_config, eagle_head_config, random_head, random_target  # noqa: E402
-from run import HC4_TARGET  # noqa: E402
+from run import LLAMA_31_8B  # noqa: E402
 from specdeploy.engine.runner import Runner, SpecConfig  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16)
+# A small hc_mult 4 target (Llama-shaped, 2048 wide, 8 layers): what the pool holds beyond the
+# activations shows at any size.
+HC4_TARGET = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2, "hc_mult": 4}
 
 
 def _frame(block) -> str:

@@ -154,8 +154,8 @@ def s3(r: dict) -> str:
              "tree building and acceptance eagerly between them, which lets CUDA events split the step "
              "into phases; *off* runs without graphs. Overhead is the step minus its model calls, in "
              "brackets (tree build, acceptance). The decode step is the Runner's plain decode step, "
-             "graphed for fused and split. hc4 is a smaller hc_mult 4 target (stated in its row) so that "
-             "its eager hyper-connection mixing fits a short benchmark run.", ""]
+             "graphed for fused and split. hc4 is the same Llama-3.1-8B shape with hc_mult 4 (four "
+             "residual streams, spec_hidden_size 16384).", ""]
     lines.append(_table(["target", "head", "shape (steps,topk,tokens)", "graphs", "draft", "verify", "extend",
                          "overhead", "step", "decode step", "step / decode", "goal"], rows))
     return "\n".join(lines)

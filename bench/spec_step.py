@@ -16,8 +16,9 @@ split the step (harness.instrument):
     overhead  the rest of the step: tree building, acceptance, slot bookkeeping, host syncs
 
 Configurations: chain (steps 3, topk 1, draft tokens 4) and tree (steps 3, topk 4, draft tokens
-8), and section 5's deeper tree (steps 5, topk 4, draft tokens 16; fused only, no goal); EAGLE and EAGLE-3 heads on the Llama-3.1-8B shape (hc_mult 1); EAGLE and MTP heads on a
-smaller hc_mult 4 target (EAGLE-3 is defined for hc_mult 1 only). Batch 1, 1K context.
+8), and section 5's deeper tree (steps 5, topk 4, draft tokens 16; fused only, no goal); EAGLE
+and EAGLE-3 heads on the Llama-3.1-8B shape (hc_mult 1); EAGLE and MTP heads on the same shape
+with hc_mult 4 (EAGLE-3 is defined for hc_mult 1 only). Batch 1, 1K context.
 
 "One target decode step" is the Runner's own plain-decode step in the same graph mode (what a
 target-only request pays per token); the bare graphed decode call is shown beside it. Goals

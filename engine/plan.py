@@ -80,18 +80,20 @@ PREFILL_CHUNK_TOKENS = 8192
 
 # Hidden-width tensors alive at once inside a layer during a forward pass, measured at the MLP's
 # peak of a prefill chunk (docs/benchmarks.md, planner truth): the residual stream and the delta
-# it has not absorbed yet, the normed input, the attention output and its projection, the fused
-# q/k/v projection (about 1.5 widths).
+# it has not absorbed yet (LIVE_RESIDUAL_WIDTHS of them), the normed input, the attention output
+# and its projection, the fused q/k/v projection (about 1.5 widths).
 LIVE_HIDDEN_WIDTHS = 7
+LIVE_RESIDUAL_WIDTHS = 2
 
 # MLP-intermediate-width tensors alive at the MLP's peak: the fused gate/up output (two) and the
 # activated product.
 LIVE_MLP_WIDTHS = 3
 
-# With hyper-connections (hc_mult > 1) the streams are mixed in float32 (engine/hc.py): float32
-# copies of all hc_mult streams alive at once in a sublayer's expand (the streams upcast, the
-# carried mix, the sublayer output spread over the streams, their sum, the mixing input).
-LIVE_HC_FLOAT32_STREAMS = 5
+# With hyper-connections (hc_mult > 1) the residual widths are the hc_mult streams (the sublayer
+# input and the expanded output, hc * H each); the sublayer itself is H wide. The mixes matmul
+# reads a float32 copy of the flattened streams (engine/hc.py; on CUDA the gates, Sinkhorn, the
+# collapse and the expand are Triton kernels that keep nothing else stream-wide).
+LIVE_HC_FLOAT32_STREAMS = 1
 
 # Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
 # batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
@@ -403,7 +405,10 @@ def _mlp_width_per_token(shapes: ModelShapes) -> int:
 def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
     """Transient activations of `tokens` rows through one layer, on one GPU (layers run one at a
     time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product."""
-    per_token = LIVE_HIDDEN_WIDTHS * shapes.spec_hidden_size + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp
+    # hc_mult = 1: spec_hidden_size is hidden_size, and the residual widths are plain hidden widths.
+    per_token = ((LIVE_HIDDEN_WIDTHS - LIVE_RESIDUAL_WIDTHS) * shapes.hidden_size
+                 + LIVE_RESIDUAL_WIDTHS * shapes.spec_hidden_size
+                 + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp)
     hc_float32 = LIVE_HC_FLOAT32_STREAMS * shapes.spec_hidden_size * 4 if shapes.hc_mult > 1 else 0
     return tokens * (per_token * shapes.dtype_bytes + hc_float32)
 
