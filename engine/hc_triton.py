@@ -21,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Columns one program handles at a time.
-HC_BLOCK = 1024
+# Columns one program handles at a time: hc_pre (one program per token) walks the flattened
+# streams in PRE_BLOCK steps; hc_expand spreads each token's columns over EXPAND_BLOCK-wide programs.
+PRE_BLOCK = 1024
+EXPAND_BLOCK = 1024
 
 
 @triton.jit
@@ -121,7 +123,7 @@ def hc_pre(streams: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale
     if t:
         _hc_pre_kernel[(t,)](rows, mix, base, scale, pre, pre if head else post, pre if head else comb, x,
                              h, hc, mix.shape[1], sinkhorn_iters, norm_eps, hc_eps, HEAD=head,
-                             HC_P=triton.next_power_of_2(hc), BLOCK=min(HC_BLOCK, triton.next_power_of_2(h)))
+                             HC_P=triton.next_power_of_2(hc), BLOCK=min(PRE_BLOCK, triton.next_power_of_2(h)))
     if head:
         return x.view(*lead, h), pre.view(*lead, hc), None, None
     return x.view(*lead, h), pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
@@ -136,7 +138,7 @@ def hc_expand(sublayer_out: torch.Tensor, streams: torch.Tensor, post: torch.Ten
     f = sublayer_out.reshape(t, h).contiguous()
     out = torch.empty_like(rows)
     if t:
-        block = min(HC_BLOCK, triton.next_power_of_2(h))
+        block = min(EXPAND_BLOCK, triton.next_power_of_2(h))
         _hc_expand_kernel[(t, triton.cdiv(h, block))](
             out, f, rows, post.reshape(t, hc).contiguous(), comb.reshape(t, hc, hc).contiguous(),
             h, hc, HC_P=triton.next_power_of_2(hc), BLOCK=block)
