@@ -224,12 +224,15 @@ class HyperConnection(_Float32Params):
 
     def forward(self, streams: torch.Tensor, sublayer: Sublayer) -> torch.Tensor:
         """streams [*, hc, H] -> [*, hc, H]; `sublayer` maps [*, H] -> [*, H] (norm included)."""
-        fast = fused_kernels(streams, self.fn, module="hc_triton")
+        fast = fused_kernels(streams, self.fn, self.base, self.scale, module="hc_triton")
         if fast is not None:  # CUDA: two launches around the mixes matmul (engine/hc_triton.py)
             mixes = F.linear(flatten_streams(streams).float(), self.fn)
             x, _, post, comb = fast.hc_pre(streams, mixes, self.base, self.scale, self.sinkhorn_iters,
                                            self.norm_eps, self.hc_eps)
-            return fast.hc_expand(sublayer(x), streams, post, comb)
+            out = sublayer(x)
+            if torch.is_grad_enabled() and out.requires_grad:  # the sublayer trains: keep its gradient
+                return hc_expand(out, streams, post, comb)
+            return fast.hc_expand(out, streams, post, comb)
         pre, post, comb = self.mixing_weights(streams)
         return hc_expand(sublayer(hc_collapse(streams, pre)), streams, post, comb)
 
@@ -252,7 +255,7 @@ class HyperHead(_Float32Params):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = flatten_streams(streams).float()  # [*, hc * H]
-        fast = fused_kernels(streams, self.fn, module="hc_triton")
+        fast = fused_kernels(streams, self.fn, self.base, self.scale, module="hc_triton")
         if fast is not None:
             return fast.hc_pre(streams, F.linear(flat, self.fn), self.base, self.scale, 1, self.norm_eps,
                                self.hc_eps, head=True)[0]

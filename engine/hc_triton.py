@@ -60,7 +60,7 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, pre_ptr, post_pt
         both = valid[:, None] & valid[None, :]
         logits = tl.load(mixes + 2 * hc + ij, mask=both, other=0.0) * inv_rms
         logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * hc + ij, mask=both, other=0.0)
-        logits = tl.where(both, logits, float("-inf"))
+        logits = tl.where(both, logits, -1e30)  # padded lanes: finite, so no NaN, masked below
         e = tl.exp(logits - tl.max(logits, 1)[:, None])
         comb = tl.where(both, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)
         comb = comb / (tl.sum(comb, 0)[None, :] + hc_eps)
@@ -114,7 +114,7 @@ def hc_pre(streams: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale
     lead, (hc, h) = streams.shape[:-2], streams.shape[-2:]
     rows = _rows(streams)
     t = rows.shape[0]
-    mix = mixes.reshape(t, -1).float().contiguous()
+    mix = mixes.reshape(t, mixes.shape[-1]).float().contiguous()
     dev = streams.device
     x = torch.empty(t, h, dtype=streams.dtype, device=dev)
     pre = torch.empty(t, hc, dtype=torch.float32, device=dev)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import math
 
 import torch
@@ -155,10 +156,11 @@ class ParallelLMHead(ColumnParallelLinear):
 
 @functools.cache
 def _triton_module(name: str):
-    try:
-        return importlib.import_module(f"specdeploy.engine.{name}")
-    except ImportError:  # no Triton
+    if importlib.util.find_spec("triton") is None:
         return None
+    # Triton is there: a kernel module that fails to import is a bug to see, not a reason to fall
+    # back to the torch code quietly.
+    return importlib.import_module(f"specdeploy.engine.{name}")
 
 
 def fused_kernels(x: torch.Tensor, *params: torch.Tensor, module: str = "elementwise_triton"):

@@ -120,8 +120,15 @@ def test_hyper_connection_kernels_match_torch(dtype):
     def sublayer(x):
         return x @ proj
 
+    from specdeploy.engine.layers import fused_kernels
     with torch.no_grad():
+        assert fused_kernels(streams, hc.fn, module="hc_triton") is not None  # the kernels do run
         fast, fast_head = hc(streams, sublayer), head(streams)
+    # Frozen mixing, trainable sublayer: the kernels mix, and the sublayer still gets its gradient.
+    proj.requires_grad_()
+    hc(streams, sublayer).float().square().mean().backward()
+    assert proj.grad is not None and proj.grad.abs().sum() > 0
+    proj.requires_grad_(False)
     for p in [*hc.parameters(), *head.parameters()]:
         p.requires_grad_()   # autograd: the torch code
     slow, slow_head = hc(streams, sublayer), head(streams)
