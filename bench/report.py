@@ -437,7 +437,9 @@ def figures(sections: dict, fig_dir: Path) -> list[str]:
             ax.invert_yaxis()
             ax.set_xlabel("speculative step / target decode step (same graph mode)")
             ax.tick_params(axis="y", labelsize=7)
-            ax.legend(fontsize=7, loc="lower right")
+            # Below the axes: inside, it would cover the longest bars.
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (0.35 * len(rows) + 1.2)),
+                      ncol=4, frameon=False)
             fig.tight_layout()
             fig.savefig(fig_dir / "spec_step.png", dpi=120)
             plt.close(fig)
