@@ -77,8 +77,8 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, pre_ptr, post_pt
     mix_pre = tl.zeros([HC_P], dtype=tl.float32)
     mix_post = tl.zeros([HC_P], dtype=tl.float32)
     mix_comb = tl.zeros([HC_P, HC_P], dtype=tl.float32)
-    for sp in range(0, num_splits):
-        mixes = mixes_ptr + (t * num_splits + sp) * num_mixes
+    for s in range(0, num_splits):
+        mixes = mixes_ptr + (t * num_splits + s) * num_mixes
         mix_pre += tl.load(mixes + i, mask=valid, other=0.0)
         if not HEAD:
             mix_post += tl.load(mixes + hc + i, mask=valid, other=0.0)
