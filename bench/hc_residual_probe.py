@@ -1,8 +1,7 @@
 """What one hyper-connection residual (engine/hc.py, hc_mult 4, H 4096: the Llama-3.1-8B shape
 with four streams) costs per sublayer: the torch code against the Triton kernels
-(engine/hc_triton.py), their mixes projection either cuBLAS over a float32 copy of the streams or
-hc_mixes at several split widths; at decode / verify sizes (8 sublayers in a row captured in one
-CUDA graph, medians of replays) and at a prefill chunk (eager).
+(engine/hc_triton.py) at several block sizes, at decode / verify sizes (8 sublayers in a row
+captured in one CUDA graph, medians of replays) and at a prefill chunk (eager).
 
     python3 bench/hc_residual_probe.py [--out DIR]        (CUDA only)
 """
@@ -16,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
 
@@ -25,24 +23,15 @@ from common import bootstrap_specdeploy, log  # noqa: E402
 bootstrap_specdeploy()
 
 from specdeploy.engine import hc_triton  # noqa: E402
-from specdeploy.engine.hc import (HCConfig, HyperConnection, flatten_streams, hc_collapse,  # noqa: E402
-                                  hc_expand)
+from specdeploy.engine.hc import HCConfig, HyperConnection, hc_collapse, hc_expand  # noqa: E402
 
 H, HC, LAYERS = 4096, 4, 8
-# The mixes projection: cuBLAS on a float32 copy, or hc_mixes with this many columns per split.
-VARIANTS = ("cublas", 256, 512, 1024)
+VARIANTS = ((1024, 1024), (2048, 256), (4096, 512), (1024, 256), (512, 128))
 
 
 def torch_forward(mod, streams, sublayer):
     pre, post, comb = mod.mixing_weights(streams)
     return hc_expand(sublayer(hc_collapse(streams, pre)), streams, post, comb)
-
-
-def cublas_forward(mod, streams, sublayer):
-    mixes = F.linear(flatten_streams(streams).float(), mod.fn)
-    x, _, post, comb = hc_triton.hc_pre(streams, mixes, mod.base, mod.scale, mod.sinkhorn_iters,
-                                        mod.norm_eps, mod.hc_eps)
-    return hc_triton.hc_expand(sublayer(x), streams, post, comb)
 
 
 def timed(fn, graph: bool, reps: int = 30) -> float:
@@ -98,15 +87,12 @@ def main() -> None:
             return run
 
         row = {"tokens": t, "graphed": graph, "torch_us": timed(chain(torch_forward), graph)}
-        for v in VARIANTS:
-            if v == "cublas":
-                row["triton_cublas_mixes_us"] = timed(chain(cublas_forward), graph)
-            else:
-                hc_triton.MIXES_SPLIT = v
-                row[f"triton_split{v}_us"] = timed(chain(lambda m, s, f: m(s, f)), graph)
+        for pre, expand in VARIANTS:
+            hc_triton.PRE_BLOCK, hc_triton.EXPAND_BLOCK = pre, expand
+            row[f"triton_{pre}_{expand}_us"] = timed(chain(lambda m, s, f: m(s, f)), graph)
         rows.append(row)
         log(f"T={t:5d} per sublayer: torch {row['torch_us']:8.1f} µs | " + " | ".join(
-            f"{k[7:-3]} {v:7.1f} µs" for k, v in row.items() if k.startswith("triton_")))
+            f"triton {p}/{e} {row[f'triton_{p}_{e}_us']:7.1f} µs" for p, e in VARIANTS))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "hc_residual_probe.json").write_text(json.dumps(rows, indent=1))

@@ -17,8 +17,8 @@ Per sublayer, for every token, with streams `S [hc, H]` and `F` the sublayer (no
 The mixing weights are computed in float32 and the streams are mixed in float32, then cast once to
 the stream dtype, as DeepSeek-V4's inference code does; the parameters are float32 in published
 checkpoints and these modules keep them float32 when the model is cast to bfloat16. On CUDA, with
-no gradient to track, a sublayer's residual runs as three Triton kernels (engine/hc_triton.py)
-instead of this module's torch code, which is a hundred small launches.
+no gradient to track, a sublayer's residual runs as two Triton kernels around the mixes matmul
+(engine/hc_triton.py) instead of this module's torch code, which is a hundred small launches.
 
 API (all tensors token-flattened `[T, ...]`; any leading dims work, `[B, S, ...]` included):
 
@@ -225,8 +225,9 @@ class HyperConnection(_Float32Params):
     def forward(self, streams: torch.Tensor, sublayer: Sublayer) -> torch.Tensor:
         """streams [*, hc, H] -> [*, hc, H]; `sublayer` maps [*, H] -> [*, H] (norm included)."""
         fast = fused_kernels(streams, self.fn, self.base, self.scale, module="hc_triton")
-        if fast is not None:  # CUDA: three launches (engine/hc_triton.py)
-            x, _, post, comb = fast.hc_pre(streams, fast.hc_mixes(streams, self.fn), self.base, self.scale, self.sinkhorn_iters,
+        if fast is not None:  # CUDA: two launches around the mixes matmul (engine/hc_triton.py)
+            mixes = F.linear(flatten_streams(streams).float(), self.fn)
+            x, _, post, comb = fast.hc_pre(streams, mixes, self.base, self.scale, self.sinkhorn_iters,
                                            self.norm_eps, self.hc_eps)
             out = sublayer(x)
             if torch.is_grad_enabled() and out.requires_grad:  # the sublayer trains: keep its gradient
@@ -253,11 +254,11 @@ class HyperHead(_Float32Params):
         self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = flatten_streams(streams).float()  # [*, hc * H]
         fast = fused_kernels(streams, self.fn, self.base, self.scale, module="hc_triton")
         if fast is not None:
-            return fast.hc_pre(streams, fast.hc_mixes(streams, self.fn), self.base, self.scale, 1,
-                               self.norm_eps, self.hc_eps, head=True)[0]
-        flat = flatten_streams(streams).float()  # [*, hc * H]
+            return fast.hc_pre(streams, F.linear(flat, self.fn), self.base, self.scale, 1, self.norm_eps,
+                               self.hc_eps, head=True)[0]
         mixes = F.linear(flat, self.fn.float()) * _rms_scale(flat, self.norm_eps)  # [*, hc]
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
         return hc_collapse(streams, pre)

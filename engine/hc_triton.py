@@ -4,12 +4,9 @@ CUDA only: hc.py calls them where no autograd is involved and runs its torch cod
 The torch code of one sublayer's mixing is about a hundred kernel launches, most of them the
 Sinkhorn iterations over a [hc, hc] matrix per token; at decode and verify sizes each costs a
 launch (a few microseconds) and moves almost nothing. Here the whole residual of a sublayer is
-three launches:
+two launches around the mixes projection (one cuBLAS matmul on the float32 streams):
 
-    hc_mixes   the mixes projection flatten(streams) @ fnᵀ in float32, split along the stream
-               width into partial sums (no float32 copy of the streams, no separate reduction)
-    hc_pre     per token: the partial sums added up, 1 / rms of the flattened streams, the pre /
-               post gates, Sinkhorn on the
+    hc_pre     per token: 1 / rms of the flattened streams, the pre / post gates, Sinkhorn on the
                comb logits in registers, and the collapse of the streams into the sublayer input
                (or, for the head after the last block, the pre gate and the collapse only)
     hc_expand  per token and column block: post ⊗ sublayer output + combᵀ · streams, cast once
@@ -28,35 +25,11 @@ import triton.language as tl
 # streams in PRE_BLOCK steps; hc_expand spreads each token's columns over EXPAND_BLOCK-wide programs.
 PRE_BLOCK = 1024
 EXPAND_BLOCK = 1024
-# hc_mixes: stream-width columns per program (each writes one partial sum) and per step, and the
-# tokens one program takes (fewer for decode and verify sizes).
-MIXES_SPLIT = 512
-MIXES_BLOCK_K = 64
-
-
-@triton.jit
-def _hc_mixes_kernel(streams_ptr, fn_ptr, part_ptr, tokens, width, num_mixes, num_splits,
-                     SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     M_P: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    split = tl.program_id(1)
-    m = tl.arange(0, M_P)
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_T, M_P], dtype=tl.float32)
-    for start in range(split * SPLIT, split * SPLIT + SPLIT, BLOCK_K):
-        k = start + kk
-        a = tl.load(streams_ptr + rows[:, None].to(tl.int64) * width + k[None, :],
-                    mask=(rows[:, None] < tokens) & (k[None, :] < width), other=0.0).to(tl.float32)
-        b = tl.load(fn_ptr + m[None, :] * width + k[:, None],
-                    mask=(m[None, :] < num_mixes) & (k[:, None] < width), other=0.0)
-        acc += tl.dot(a, b, input_precision="ieee")  # float32 products, as the torch code's matmul
-    out = part_ptr + (rows[:, None].to(tl.int64) * num_splits + split) * num_mixes + m[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < tokens) & (m[None, :] < num_mixes))
 
 
 @triton.jit
 def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, x_ptr,
-                   hidden, hc, num_mixes, num_splits, sinkhorn_iters, norm_eps, hc_eps,
+                   hidden, hc, num_mixes, sinkhorn_iters, norm_eps, hc_eps,
                    HEAD: tl.constexpr, HC_P: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = streams_ptr + t * hc * hidden
@@ -71,30 +44,21 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, pre_ptr, post_pt
 
     i = tl.arange(0, HC_P)
     valid = i < hc
-    ij = i[:, None] * hc + i[None, :]
-    both = valid[:, None] & valid[None, :]
-    # The mixes: the sum of the token's partial sums (one per split of the stream width).
-    mix_pre = tl.zeros([HC_P], dtype=tl.float32)
-    mix_post = tl.zeros([HC_P], dtype=tl.float32)
-    mix_comb = tl.zeros([HC_P, HC_P], dtype=tl.float32)
-    for s in range(0, num_splits):
-        mixes = mixes_ptr + (t * num_splits + s) * num_mixes
-        mix_pre += tl.load(mixes + i, mask=valid, other=0.0)
-        if not HEAD:
-            mix_post += tl.load(mixes + hc + i, mask=valid, other=0.0)
-            mix_comb += tl.load(mixes + 2 * hc + ij, mask=both, other=0.0)
+    mixes = mixes_ptr + t * num_mixes
     # pre = sigmoid(mix * scale[0] + base) + eps
-    pre = mix_pre * inv_rms
+    pre = tl.load(mixes + i, mask=valid, other=0.0) * inv_rms
     pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=valid, other=0.0)) + hc_eps
     pre = tl.where(valid, pre, 0.0)
     tl.store(pre_ptr + t * hc + i, pre, mask=valid)
     if not HEAD:
         # post = 2 * sigmoid(mix * scale[1] + base)
-        post = mix_post * inv_rms
+        post = tl.load(mixes + hc + i, mask=valid, other=0.0) * inv_rms
         post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + hc + i, mask=valid, other=0.0))
         tl.store(post_ptr + t * hc + i, post, mask=valid)
         # comb: Sinkhorn on [hc, hc] logits (rows i, columns j), as hc.sinkhorn.
-        logits = mix_comb * inv_rms
+        ij = i[:, None] * hc + i[None, :]
+        both = valid[:, None] & valid[None, :]
+        logits = tl.load(mixes + 2 * hc + ij, mask=both, other=0.0) * inv_rms
         logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * hc + ij, mask=both, other=0.0)
         logits = tl.where(both, logits, -1e30)  # padded lanes: finite, so no NaN, masked below
         e = tl.exp(logits - tl.max(logits, 1)[:, None])
@@ -141,33 +105,16 @@ def _rows(streams: torch.Tensor) -> torch.Tensor:
     return streams.reshape(-1, hc, h).contiguous()
 
 
-def hc_mixes(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """streams [*, hc, H], fn [M, hc * H] (float32) -> partial sums [T, S, M] (float32) of
-    flatten(streams).float() @ fnᵀ over S splits of the stream width: hc_pre adds them up."""
-    hc, h = streams.shape[-2:]
-    rows = _rows(streams)
-    t, width, m = rows.shape[0], hc * h, fn.shape[0]
-    splits = triton.cdiv(width, MIXES_SPLIT)
-    part = torch.empty(t, splits, m, dtype=torch.float32, device=streams.device)
-    if t:
-        block_t = 16 if t <= 16 else 64  # tl.dot takes 16 rows at least
-        _hc_mixes_kernel[(triton.cdiv(t, block_t), splits)](
-            rows, fn.contiguous(), part, t, width, m, splits, SPLIT=MIXES_SPLIT, BLOCK_K=MIXES_BLOCK_K,
-            BLOCK_T=block_t, M_P=max(16, triton.next_power_of_2(m)))
-    return part
-
-
 def hc_pre(streams: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, norm_eps: float, hc_eps: float, head: bool = False):
-    """streams [*, hc, H]; mixes = flatten(streams).float() @ fnᵀ (not yet scaled by the rms),
-    whole [*, M] or as hc_mixes' partial sums [T, S, M]; base [M], scale [3] (float32) -> (x [*, H]
-    in the streams' dtype, pre [*, hc], post [*, hc], comb [*, hc, hc]) as HyperConnection.
-    head=True (HyperHead: M = hc, scale [1]) -> (x, pre, None, None)."""
+    """streams [*, hc, H]; mixes [*, M] = flatten(streams).float() @ fnᵀ (not yet scaled by the
+    rms); base [M], scale [3] (float32) -> (x [*, H] in the streams' dtype, pre [*, hc],
+    post [*, hc], comb [*, hc, hc]) as HyperConnection. head=True (HyperHead: M = hc, scale [1])
+    -> (x, pre, None, None)."""
     lead, (hc, h) = streams.shape[:-2], streams.shape[-2:]
     rows = _rows(streams)
     t = rows.shape[0]
-    m = base.shape[0]
-    mix = (mixes.reshape(t, -1, m) if t else mixes.reshape(0, 1, m)).float().contiguous()  # [T, S, M]
+    mix = mixes.reshape(t, mixes.shape[-1]).float().contiguous()
     dev = streams.device
     x = torch.empty(t, h, dtype=streams.dtype, device=dev)
     pre = torch.empty(t, hc, dtype=torch.float32, device=dev)
@@ -175,7 +122,7 @@ def hc_pre(streams: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale
     comb = None if head else torch.empty(t, hc, hc, dtype=torch.float32, device=dev)
     if t:
         _hc_pre_kernel[(t,)](rows, mix, base, scale, pre, pre if head else post, pre if head else comb, x,
-                             h, hc, mix.shape[2], mix.shape[1], sinkhorn_iters, norm_eps, hc_eps, HEAD=head,
+                             h, hc, mix.shape[1], sinkhorn_iters, norm_eps, hc_eps, HEAD=head,
                              HC_P=triton.next_power_of_2(hc), BLOCK=min(PRE_BLOCK, triton.next_power_of_2(h)))
     if head:
         return x.view(*lead, h), pre.view(*lead, hc), None, None

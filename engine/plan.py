@@ -90,9 +90,10 @@ LIVE_RESIDUAL_WIDTHS = 2
 LIVE_MLP_WIDTHS = 3
 
 # With hyper-connections (hc_mult > 1) the residual widths are the hc_mult streams (the sublayer
-# input and the expanded output, hc * H each); the sublayer itself is H wide. The mixing (the
-# mixes projection, gates, Sinkhorn, collapse and expand) runs as Triton kernels on CUDA that
-# read the streams in place and keep nothing else stream-wide (engine/hc_triton.py).
+# input and the expanded output, hc * H each); the sublayer itself is H wide. The mixes matmul
+# reads a float32 copy of the flattened streams (engine/hc.py; on CUDA the gates, Sinkhorn, the
+# collapse and the expand are Triton kernels that keep nothing else stream-wide).
+LIVE_HC_FLOAT32_STREAMS = 1
 
 # Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
 # batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
@@ -408,7 +409,8 @@ def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
     per_token = ((LIVE_HIDDEN_WIDTHS - LIVE_RESIDUAL_WIDTHS) * shapes.hidden_size
                  + LIVE_RESIDUAL_WIDTHS * shapes.spec_hidden_size
                  + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp)
-    return tokens * per_token * shapes.dtype_bytes
+    hc_float32 = LIVE_HC_FLOAT32_STREAMS * shapes.spec_hidden_size * 4 if shapes.hc_mult > 1 else 0
+    return tokens * (per_token * shapes.dtype_bytes + hc_float32)
 
 
 def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
