@@ -11,10 +11,10 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from specdeploy.engine import attention_triton, elementwise_triton  # noqa: E402
+from specdeploy.engine import attention_triton, elementwise_triton, hc_triton  # noqa: E402
 
 INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}
-FLOAT_SCALARS = {"eps", "sm_scale"}
+FLOAT_SCALARS = {"eps", "sm_scale", "norm_eps", "hc_eps"}
 
 
 def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> None:
@@ -89,3 +89,14 @@ def test_argmax_compiles(logits):
                   {"BLOCK": elementwise_triton.ARGMAX_CHUNK})
     lower_to_ttir(elementwise_triton._argmax_combine_kernel, {"*": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
                   {"BLOCK_C": 32})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("head", [False, True])
+def test_hyper_connection_compiles(act, head):
+    # Streams, the collapsed input and the sublayer output in the activation dtype; the mixes,
+    # gates and comb in float32.
+    lower_to_ttir(hc_triton._hc_pre_kernel, {"*": "*fp32", "streams_ptr": act, "x_ptr": act},
+                  {"HEAD": head, "HC_P": 4, "BLOCK": hc_triton.PRE_BLOCK})
+    lower_to_ttir(hc_triton._hc_expand_kernel, {"*": act, "post_ptr": "*fp32", "comb_ptr": "*fp32"},
+                  {"HC_P": 4, "BLOCK": hc_triton.EXPAND_BLOCK})
