@@ -248,6 +248,18 @@ def write_json(name: str, data, directory: Path | None = None) -> Path:
     return path
 
 
+def cuda_probe_args(description: str | None = None):
+    """The command line of a CUDA-only diagnostic (bench/*_probe.py): --out DIR for its JSON;
+    exits with a message on a machine without CUDA."""
+    import argparse
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the JSON (none: log only)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("CUDA only")
+    return args
+
+
 def argv_command() -> str:
     return " ".join(["python3", *sys.argv])
 

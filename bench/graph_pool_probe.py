@@ -8,9 +8,7 @@ during capture: frees requested but not completed).
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
@@ -18,12 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
 
-from common import bootstrap_specdeploy, free_device_memory, log  # noqa: E402
+from common import (LLAMA_31_8B, bootstrap_specdeploy, cuda_probe_args, free_device_memory, log,  # noqa: E402
+                    write_json)
 
 bootstrap_specdeploy()
 
 from harness import mtp_head_config, eagle_head_config, random_head, random_target  # noqa: E402
-from run import LLAMA_31_8B  # noqa: E402
 from specdeploy.engine.runner import Runner, SpecConfig  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -104,17 +102,12 @@ def probe(name: str, config: dict, algorithm: str, fused: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("CUDA only")
+    args = cuda_probe_args(__doc__)
     hc1 = {**HC4_TARGET, "hc_mult": 1}
     rows = [probe("hc4-mtp", HC4_TARGET, "MTP", True), probe("hc1-mtp", hc1, "MTP", True),
             probe("hc4-mtp", HC4_TARGET, "MTP", False)]
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "graph_pool_probe.json").write_text(json.dumps(rows, indent=1))
+        write_json("graph_pool_probe.json", rows, args.out)
 
 
 if __name__ == "__main__":

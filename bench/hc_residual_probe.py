@@ -8,8 +8,6 @@ captured in one CUDA graph, medians of replays) and at a prefill chunk (eager).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -18,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
 
-from common import bootstrap_specdeploy, log  # noqa: E402
+from common import bootstrap_specdeploy, cuda_probe_args, log, write_json  # noqa: E402
 
 bootstrap_specdeploy()
 
@@ -63,11 +61,7 @@ def timed(fn, graph: bool, reps: int = 30) -> float:
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("CUDA only")
+    args = cuda_probe_args(__doc__)
     g = torch.Generator(device="cuda").manual_seed(0)
     mods = [HyperConnection(HCConfig(hidden_size=H, hc_mult=HC)).cuda() for _ in range(LAYERS)]
     for m in mods:
@@ -94,8 +88,7 @@ def main() -> None:
         log(f"T={t:5d} per sublayer: torch {row['torch_us']:8.1f} µs | " + " | ".join(
             f"triton {p}/{e} {row[f'triton_{p}_{e}_us']:7.1f} µs" for p, e in VARIANTS))
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "hc_residual_probe.json").write_text(json.dumps(rows, indent=1))
+        write_json("hc_residual_probe.json", rows, args.out)
 
 
 if __name__ == "__main__":
