@@ -17,11 +17,12 @@ for CUDA tensors when Triton is installed and the head size suits the kernel.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specdeploy.engine.layers import triton_module
 
 
 @dataclass
@@ -67,22 +68,13 @@ def set_backend(name: str) -> None:
     _BACKEND = name
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        from specdeploy.engine import attention_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def get_backend() -> str:
     return _BACKEND
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            batch: AttnBatch, scale: float) -> torch.Tensor:
-    if _BACKEND != "reference" and q.is_cuda and (_BACKEND == "fast" or _triton_available()):
+    if _BACKEND != "reference" and q.is_cuda and (_BACKEND == "fast" or triton_module("attention_triton") is not None):
         from specdeploy.engine import attention_triton
         if attention_triton.supported(q):
             return attention_triton.attend(q, k_cache, v_cache, batch, scale)

@@ -155,7 +155,7 @@ class ParallelLMHead(ColumnParallelLinear):
 
 
 @functools.cache
-def _triton_module(name: str):
+def triton_module(name: str):
     if importlib.util.find_spec("triton") is None:
         return None
     # Triton is there: a kernel module that fails to import is a bug to see, not a reason to fall
@@ -172,7 +172,7 @@ def fused_kernels(x: torch.Tensor, *params: torch.Tensor, module: str = "element
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None
-    return _triton_module(module)
+    return triton_module(module)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -125,17 +125,18 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         deployment = kube.apply_children(children)
     except ChildConflict as err:
         logger.warning(f"not applied (will retry): {err}")
-        _event(sdd, warning=True, reason="ChildConflict", message=str(err))
+        conflict = str(err)
+        _event(sdd, warning=True, reason="ChildConflict", message=conflict)
 
         def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
             new = status.plan_ready(
                 current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
                 message=summary, now=now(),
             )
-            return status.apply_blocked(new, generation=generation, reason="ChildConflict", message=str(err), now=now())
+            return status.apply_blocked(new, generation=generation, reason="ChildConflict", message=conflict, now=now())
 
         kube.update_status(namespace, name, blocked)
-        raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S)
+        raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S)
     gpus = planned.tensor_parallel_size
     logger.info(
         f"applied ConfigMap, Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
