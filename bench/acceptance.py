@@ -3,7 +3,7 @@
 On the device, within the run and against a stated time budget:
   1. corpus: the Python sources of the installed torch package (real text every such machine has);
      every tenth file is held out for evaluation prompts;
-  2. a byte-level BPE tokenizer trained on it (engine/train.py, `tokenizers`);
+  2. a byte-level BPE tokenizer trained on it (engine/demo/train.py, `tokenizers`);
   3. a small Llama target trained from scratch with the engine's own model code (train_target;
      on the GPU bf16 autocast per step over float32 master weights);
   4. an EAGLE head trained on that target's own hidden states and next-token distributions
@@ -31,9 +31,9 @@ import torch
 import hf_baseline
 from common import free_device_memory, log, sync
 from harness import use_fast_attention
-from specdeploy.engine import attention as attention_mod
-from specdeploy.engine import train
-from specdeploy.engine.runner import Request, Runner, SpecConfig
+from specdeploy.engine.models import attention as attention_mod
+from specdeploy.engine.demo import train
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
 # Device sizes fit the whole section in about 2.5 minutes of an H200: corpus and tokenizer
 # ~10 s, target 55 s, the target's generations a few seconds, head 25 s, assisted-generation
@@ -108,7 +108,7 @@ class _Progress:
 
 
 def _call(fn, **kwargs):
-    """Call a training function of engine/train.py with the keywords it takes: the time budget
+    """Call a training function of engine/demo/train.py with the keywords it takes: the time budget
     governs (a step cap, where the function has one, is set out of reach)."""
     params = inspect.signature(fn).parameters
     if "max_steps" in params:
@@ -118,7 +118,7 @@ def _call(fn, **kwargs):
 
 def _amp_dtype(device):
     """bf16 matrix products on the GPU over float32 master weights (autocast applied per step
-    inside engine/train.py); float32 throughout on CPU, where bf16 autocast is slower."""
+    inside engine/demo/train.py); float32 throughout on CPU, where bf16 autocast is slower."""
     return torch.bfloat16 if device.type == "cuda" else None
 
 
@@ -237,8 +237,8 @@ def head_agreement(target, head, stream: torch.Tensor, windows: int, seq_len: in
 def _prefill(model, shape_ids: torch.Tensor, *args):
     """One forward of the target (args: ids) or a head (args: ids, features) over [B, T] rows,
     causal, on a fresh KV pool."""
-    from specdeploy.engine.attention import causal_batch
-    from specdeploy.engine.kv import KVPool
+    from specdeploy.engine.models.attention import causal_batch
+    from specdeploy.engine.runtime.kv import KVPool
 
     c = model.cfg
     b, t = shape_ids.shape
@@ -315,7 +315,7 @@ def run(ctx) -> dict:
     log(f"target held-out loss {tt['held_out_loss']:.3f} nats/token (training windows {tt['train_windows_loss']:.3f}, "
         f"unigram {result['corpus']['unigram_held_out_loss']:.3f})")
 
-    # The head learns what the target says: where engine/train.py offers it, half its batches
+    # The head learns what the target says: where engine/demo/train.py offers it, half its batches
     # are the target's own greedy continuations of corpus prompts (made here, timed apart).
     t0 = time.perf_counter()
     generations = None

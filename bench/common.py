@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def bootstrap_specdeploy(root: Path = REPO_ROOT) -> None:
     """Make `specdeploy` and `specdeploy.engine` importable from this checkout without installing
     it (a GPU machine may have the sources but not the installed package): register both packages from their
-    folders so that `import specdeploy.engine.model` resolves to engine/model.py next to us."""
+    folders so that `import specdeploy.engine.models.llama` resolves to engine/models/llama.py next to us."""
     if "specdeploy.engine" in sys.modules:
         return
     top = root / "specdeploy"

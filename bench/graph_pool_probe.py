@@ -22,7 +22,7 @@ from common import (LLAMA_31_8B, bootstrap_specdeploy, cuda_probe_args, free_dev
 bootstrap_specdeploy()
 
 from harness import mtp_head_config, eagle_head_config, random_head, random_target  # noqa: E402
-from specdeploy.engine.runner import Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner, SpecConfig  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16)
 # A small hc_mult 4 target (Llama-shaped, 2048 wide, 8 layers): what the pool holds beyond the

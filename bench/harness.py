@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from common import Mark, is_cuda, log, sync
-from specdeploy.engine import attention as attention_mod
-from specdeploy.engine import calls as calls_mod
-from specdeploy.engine.attention import AttnBatch
-from specdeploy.engine.draft import build_draft
-from specdeploy.engine.kv import KVPool
-from specdeploy.engine.model import ModelConfig, build_target
+from specdeploy.engine.models import attention as attention_mod
+from specdeploy.engine.runtime import calls as calls_mod
+from specdeploy.engine.models.attention import AttnBatch
+from specdeploy.engine.models.draft import build_draft
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.models.llama import ModelConfig, build_target
 
 # ---- models ---------------------------------------------------------------------------------
 
@@ -28,7 +28,7 @@ from specdeploy.engine.model import ModelConfig, build_target
 def random_init_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights made where the module lives (an 8B model in about a second on the GPU):
     matrices N(0, std), norms near 1, biases small, hyper-connection mixers small (the same
-    conventions as engine/toy.py's init). Never zeros: zeros can run faster than real data."""
+    conventions as engine/demo/toy.py's init). Never zeros: zeros can run faster than real data."""
     gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     for name, p in module.named_parameters():
         if not p.is_floating_point():
@@ -219,7 +219,7 @@ class EngineDecode:
 
     def __init__(self, target, batch_size: int, context: int, graph: bool,
                  share: "EngineDecode | None" = None, seed: int = 0):
-        from specdeploy.engine.calls import ModelCalls
+        from specdeploy.engine.runtime.calls import ModelCalls
 
         cfg = target.cfg
         dev = target.embed_tokens.weight.device
@@ -242,7 +242,7 @@ class EngineDecode:
         self.calls = ModelCalls(target, None, self.kv, None, 0, 1, 1)
         self.graphed = False
         if graph:
-            from specdeploy.engine.graphs import GraphedCalls
+            from specdeploy.engine.runtime.graphs import GraphedCalls
 
             self.graphed = is_cuda(dev)
             with torch.inference_mode():
@@ -348,7 +348,7 @@ def timed_steps(runner, steps: int, warmup: int, device, instrumented: bool) -> 
 def decode_runner(target, batch: int, context: int, max_new: int, device, graph_mode: str):
     """A plain-decode Runner with B requests of a `context`-token prompt each, prefilled: every
     later step() is one decode step for all B (for max_new - 1 steps)."""
-    from specdeploy.engine.runner import Request, Runner
+    from specdeploy.engine.runtime.runner import Request, Runner
 
     runner = Runner(target, max_total_tokens=batch * (context + max_new + 2) + 8,
                     max_running_requests=batch, context_length=context + max_new + 8, device=device,

@@ -1,6 +1,6 @@
-"""What one hyper-connection residual (engine/hc.py, hc_mult 4, H 4096: the Llama-3.1-8B shape
+"""What one hyper-connection residual (engine/models/hc.py, hc_mult 4, H 4096: the Llama-3.1-8B shape
 with four streams) costs per sublayer: the torch code against the Triton kernels
-(engine/hc_triton.py) at several block sizes, at decode / verify sizes (8 sublayers in a row
+(engine/kernels/hc.py) at several block sizes, at decode / verify sizes (8 sublayers in a row
 captured in one CUDA graph, medians of replays) and at a prefill chunk (eager).
 
     python3 bench/hc_residual_probe.py [--out DIR]        (CUDA only)
@@ -20,8 +20,8 @@ from common import bootstrap_specdeploy, cuda_probe_args, log, write_json  # noq
 
 bootstrap_specdeploy()
 
-from specdeploy.engine import hc_triton  # noqa: E402
-from specdeploy.engine.hc import HCConfig, HyperConnection, hc_collapse, hc_expand  # noqa: E402
+from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
+from specdeploy.engine.models.hc import HCConfig, HyperConnection, hc_collapse, hc_expand  # noqa: E402
 
 H, HC, LAYERS = 4096, 4, 8
 VARIANTS = ((1024, 1024), (2048, 256), (4096, 512), (1024, 256), (512, 128))

@@ -1,5 +1,5 @@
 """Section 6: planner truth. For each benchmarked configuration, the plan's per-GPU memory
-(engine/plan.py, plan_from_configs) against what the engine really holds:
+(engine/planner/plan.py, plan_from_configs) against what the engine really holds:
 
     weights      parameter bytes of the target and head as built      vs plan weight_bytes
     KV pools     the Runner's target + draft pools, sized by the plan   vs plan kv_cache_bytes
@@ -32,9 +32,9 @@ import torch
 from common import (LLAMA_31_8B, device_memory, free_device_memory, log, param_bytes)
 from harness import (eagle3_head_config, eagle_head_config, mtp_head_config, random_head,
                      random_target)
-from specdeploy.engine import plan as plan_mod
-from specdeploy.engine.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
-from specdeploy.engine.runner import Request, Runner, SpecConfig
+from specdeploy.engine.planner import plan as plan_mod
+from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
 
 # Second attempt when the plan's KV pool leaves the engine too little room (see measure()).

@@ -34,7 +34,7 @@ import torch
 from common import free_device_memory, log, time_ms
 from harness import (EngineDecode, eagle3_head_config, eagle_head_config, mtp_head_config, profile_top,
                      random_head, random_target, runner_decode_ms, timed_steps, use_fast_attention)
-from specdeploy.engine.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
 GOALS = {"chain": 1.35, "tree": 1.6}

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any
 
-from specdeploy.operator import config_source
+from specdeploy.operator.cluster import config_source
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/specdeploy/engine:latest"
 DEFAULT_LIVENESS_PORT = 8080

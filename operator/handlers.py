@@ -24,10 +24,12 @@ from typing import Any
 
 import kopf
 
-from specdeploy.operator import config_source, serving_metrics, status
-from specdeploy.operator.kube import ChildConflict, KubeClient, controller_owner, new_api_client, plain
-from specdeploy.operator.planning import PlanningError, plan_engine, plan_summary
-from specdeploy.operator.render import (
+from specdeploy.operator.cluster import config_source
+from specdeploy.operator.cluster import serving_metrics
+from specdeploy.operator.desired import status
+from specdeploy.operator.cluster.kube import ChildConflict, KubeClient, controller_owner, new_api_client, plain
+from specdeploy.operator.desired.planning import PlanningError, plan_engine, plan_summary
+from specdeploy.operator.desired.render import (
     GROUP,
     LABEL_MANAGED_BY,
     MANAGED_BY,

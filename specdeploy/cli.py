@@ -12,13 +12,13 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdeploy", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    from specdeploy.engine import plan_cli
+    from specdeploy.engine.planner import cli as plan_cli
 
     plan_cli.add_parser(sub)
-    from specdeploy.engine import serve_cli
+    from specdeploy.engine.serving import cli as serve_cli
 
     serve_cli.add_parser(sub)
-    from specdeploy.engine import demo
+    from specdeploy.engine.demo import cli as demo
 
     demo.add_parser(sub)
     from specdeploy.operator import cli as operator_cli

@@ -115,7 +115,7 @@ def model_configs(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
 
 def operator_plan(path: Path) -> dict[str, Any]:
-    from specdeploy.operator.planning import plan_engine
+    from specdeploy.operator.desired.planning import plan_engine
 
     target, draft = model_configs(path)
     return plan_engine(load_sdd(path)["spec"], target, draft).plan

@@ -357,7 +357,7 @@ def test_cluster_wide_install_serves_any_namespace(kube_cluster, kube_namespace,
 
 def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, must_be_ready: bool) -> None:
     """The operator planned the example as its comment says and created the engine's children."""
-    from specdeploy.operator.status import camel_case
+    from specdeploy.operator.desired.status import camel_case
 
     name = examples.load_sdd(path)["metadata"]["name"]
 

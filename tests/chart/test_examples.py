@@ -65,7 +65,7 @@ def test_examples_cover_the_promised_cases():
 
 def test_tensor_parallel_example_needs_more_than_two_gpus():
     """The 70B example's comment: two H200s hold the weights but not the KV tokens it asks for."""
-    from specdeploy.operator.planning import PlanningError, plan_engine
+    from specdeploy.operator.desired.planning import PlanningError, plan_engine
 
     path = EXAMPLES / "llama-3.3-70b-eagle3-tp.yaml"
     target, draft = model_configs(path)
@@ -80,8 +80,8 @@ def test_tensor_parallel_example_needs_more_than_two_gpus():
 def test_demo_example_serves_the_pair_the_engine_image_bakes():
     """tiny-cpu-demo.yaml: its inline configs are what the demo recipe writes, at the paths
     Dockerfile.engine trains the pair into."""
-    from specdeploy.engine import train
-    from specdeploy.engine.demo import Recipe
+    from specdeploy.engine.demo import train
+    from specdeploy.engine.demo.cli import Recipe
 
     spec = load_sdd(EXAMPLES / "tiny-cpu-demo.yaml")["spec"]
     recipe = Recipe()

@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 SCRIPT = r"""
 import torch
 import torch.nn.functional as F
-from specdeploy.engine import elementwise_triton as ew
-from specdeploy.engine.layers import RMSNorm
+from specdeploy.engine.kernels import elementwise as ew
+from specdeploy.engine.models.layers import RMSNorm
 
 torch.manual_seed(0)
 
@@ -63,11 +63,12 @@ def test_elementwise_kernels_match_torch_interpreted(run_interpreted):
 
 ROPE_SCRIPT = r"""
 import torch
-from specdeploy.engine import elementwise_triton, model as model_module
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.model import Attention, rope_tables
-from specdeploy.engine.layers import rope_inv_freq
-from specdeploy.engine.toy import init_random_, tiny_config
+from specdeploy.engine.kernels import elementwise as elementwise_triton
+from specdeploy.engine.models import llama as model_module
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.models.llama import Attention, rope_tables
+from specdeploy.engine.models.layers import rope_inv_freq
+from specdeploy.engine.demo.toy import init_random_, tiny_config
 
 torch.manual_seed(0)
 for dtype, heads, kv_heads, head_dim in [(torch.float32, 4, 2, 8), (torch.bfloat16, 8, 2, 16),
@@ -105,10 +106,13 @@ def test_rope_store_kernel_matches_torch_interpreted(run_interpreted):
 
 MODEL_SCRIPT = r"""
 import torch
-from specdeploy.engine import attention_triton, elementwise_triton, layers, model as model_module
-from specdeploy.engine.attention import AttnBatch
-from specdeploy.engine.kv import KVPool
-from specdeploy.engine.toy import predictable_target, tiny_config
+from specdeploy.engine.kernels import attention as attention_triton
+from specdeploy.engine.kernels import elementwise as elementwise_triton
+from specdeploy.engine.models import layers
+from specdeploy.engine.models import llama as model_module
+from specdeploy.engine.models.attention import AttnBatch
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.demo.toy import predictable_target, tiny_config
 
 def use_kernels(on):
     # What CUDA would take: the Triton kernels wherever no gradient is tracked.
@@ -157,7 +161,7 @@ def test_model_forward_on_the_kernel_path_matches_torch_interpreted(run_interpre
 
 ARGMAX_SCRIPT = r"""
 import torch
-from specdeploy.engine import elementwise_triton as ew
+from specdeploy.engine.kernels import elementwise as ew
 
 g = torch.Generator().manual_seed(1)
 # Rows longer than a chunk and not a multiple of it, a leading batch shape, bf16 and float32;

@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import torch
-from specdeploy.engine.attention import AttnBatch, reference
-from specdeploy.engine import attention_triton
+from specdeploy.engine.models.attention import AttnBatch, reference
+from specdeploy.engine.kernels import attention as attention_triton
 
 torch.manual_seed(0)
 SLOTS = 400
@@ -49,7 +49,7 @@ def test_triton_kernel_matches_reference_interpreted(run_interpreted):
 
 
 def test_split_count_depends_on_shapes_only():
-    from specdeploy.engine.attention_triton import MAX_SPLITS, num_kv_splits
+    from specdeploy.engine.kernels.attention import MAX_SPLITS, num_kv_splits
     # Batch 1, 8 kv heads, 132 SMs: fill the device, bounded by MAX_SPLITS.
     assert num_kv_splits(8, 2048, 132) == MAX_SPLITS
     # The table's width bounds it: 1024 keys / 64 per split = 16.

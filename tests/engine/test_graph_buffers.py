@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from specdeploy.engine.plan import GPUS, Limits, SpecSettings, plan_from_configs
-from specdeploy.engine.runner import Runner
-from specdeploy.engine.toy import (copy_draft, predictable_target, random_requests,
+from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs
+from specdeploy.engine.runtime.runner import Runner
+from specdeploy.engine.demo.toy import (copy_draft, predictable_target, random_requests,
                                    run_to_completion, tiny_config)
 
 H = 32
@@ -102,7 +102,7 @@ def test_fused_step_switches_between_sampling_and_greedy(topk, n):
     """Seeded sampling requests beside greedy ones, finishing at different times: the fused step
     moves from its sampling form to its greedy form (which reads none of the sampling inputs) and
     emits exactly what the eager runner emits with the same seeds."""
-    from specdeploy.engine.runner import Request
+    from specdeploy.engine.runtime.runner import Request
     cfg = tiny_config()
     target, perm = predictable_target(cfg, seed=0, layer_scale=0.5)
     draft = copy_draft("EAGLE", target, perm)

@@ -1,4 +1,4 @@
-"""engine/hc.py against transformers' DeepSeek-V4 modules on tiny configs.
+"""engine/models/hc.py against transformers' DeepSeek-V4 modules on tiny configs.
 
 The references are the real `DeepseekV4HyperConnection`, `DeepseekV4HyperHead` and
 `DeepseekV4Model` (its own forward: stream expansion, per-layer mixing, head, final norm), with
@@ -23,7 +23,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
-from specdeploy.engine.hc import (
+from specdeploy.engine.models.hc import (
     HCConfig,
     HyperConnection,
     HyperHead,

@@ -1,5 +1,5 @@
-"""The hyper-connection Triton kernels (engine/hc_triton.py, used on CUDA only) against the
-torch code of engine/hc.py, on CPU through Triton's interpreter (tests/engine/conftest.py):
+"""The hyper-connection Triton kernels (engine/kernels/hc.py, used on CUDA only) against the
+torch code of engine/models/hc.py, on CPU through Triton's interpreter (tests/engine/conftest.py):
 the gates, Sinkhorn, the collapse and the expand of a sublayer, and the head."""
 
 import pytest
@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 SCRIPT = r"""
 import torch
 import torch.nn.functional as F
-from specdeploy.engine import hc_triton
-from specdeploy.engine.hc import (HCConfig, HyperConnection, HyperHead, flatten_streams, hc_collapse,
+from specdeploy.engine.kernels import hc as hc_triton
+from specdeploy.engine.models.hc import (HCConfig, HyperConnection, HyperHead, flatten_streams, hc_collapse,
                                   hc_expand)
 
 torch.manual_seed(0)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.draft import load_draft
-from specdeploy.engine.kv import KVPool
-from specdeploy.engine.model import load_target
-from specdeploy.engine.toy import copy_draft, predictable_target, tiny_config
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.models.draft import load_draft
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.models.llama import load_target
+from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 
 
 def _config_json(cfg, **extra):
@@ -103,7 +103,7 @@ def test_fused_projections_keep_checkpoint_names():
     assert not any("qkv_proj" in n or "gate_up_proj" in n for n in state)
     assert state["layers.2.self_attn.k_proj.weight"].shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
     fresh, _ = predictable_target(cfg, seed=6)
-    from specdeploy.engine.layers import load_state
+    from specdeploy.engine.models.layers import load_state
     load_state(fresh, state.items())
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, state[name]), name

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.kv import KVPool, SlotTable
-from specdeploy.engine.model import load_target
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.runtime.kv import KVPool, SlotTable
+from specdeploy.engine.models.llama import load_target
 
 TOL = 1e-4
 
@@ -102,7 +102,7 @@ def test_decode_with_kv_matches_full_forward(tmp_path):
 
 
 def test_bad_config_is_refused(tmp_path):
-    from specdeploy.engine.model import ModelConfig
+    from specdeploy.engine.models.llama import ModelConfig
     with pytest.raises(ValueError, match="not supported"):
         ModelConfig.from_hf(dict(BASE, model_type="gpt2", num_hidden_layers=1))
     with pytest.raises(ValueError, match="lacks 'hidden_size'"):
@@ -110,7 +110,7 @@ def test_bad_config_is_refused(tmp_path):
 
 
 def test_default_eagle3_aux_layers():
-    from specdeploy.engine.model import default_aux_layers
+    from specdeploy.engine.models.llama import default_aux_layers
     assert default_aux_layers(32) == (1, 15, 28)   # Llama-3.1-8B
     assert default_aux_layers(8) == (1, 3, 4)
     with pytest.raises(ValueError, match="at least 5"):

@@ -1,15 +1,15 @@
 """At start-up on a GPU the engine measures the memory its weights, pools and graphs left and fits
-the prefill chunk to it (engine/serve_cli.py: _fit_prefill_chunk)."""
+the prefill chunk to it (engine/serving/cli.py: _fit_prefill_chunk)."""
 
 import logging
 from types import SimpleNamespace
 
 import pytest
 
-from specdeploy.engine.plan import MIB, PREFILL_FIT_MARGIN_BYTES
-from specdeploy.engine.runner import Runner
-from specdeploy.engine.serve_cli import _fit_prefill_chunk
-from specdeploy.engine.toy import predictable_target, tiny_config
+from specdeploy.engine.planner.plan import MIB, PREFILL_FIT_MARGIN_BYTES
+from specdeploy.engine.runtime.runner import Runner
+from specdeploy.engine.serving.cli import _fit_prefill_chunk
+from specdeploy.engine.demo.toy import predictable_target, tiny_config
 
 
 def runner_and_plan(workspace_bytes):

@@ -2,9 +2,9 @@
 
 import torch
 
-from specdeploy.engine.layers import rope_inv_freq
-from specdeploy.engine.model import build_target
-from specdeploy.engine.toy import tiny_config
+from specdeploy.engine.models.layers import rope_inv_freq
+from specdeploy.engine.models.llama import build_target
+from specdeploy.engine.demo.toy import tiny_config
 
 
 def test_bf16_model_keeps_exact_float32_rope_frequencies():

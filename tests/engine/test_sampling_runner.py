@@ -6,11 +6,11 @@ P(t2) = sum_t1 P(t1 | prompt) P(t2 | prompt, t1), both after temperature / top-p
 import pytest
 import torch
 
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.kv import KVPool
-from specdeploy.engine.runner import Request, Runner, SpecConfig
-from specdeploy.engine.toy import copy_draft, predictable_target, run_to_completion, tiny_config
-from specdeploy.engine.verify import warp_probs
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.demo.toy import copy_draft, predictable_target, run_to_completion, tiny_config
+from specdeploy.engine.speculative.verify import warp_probs
 
 PROMPT = [3, 17, 42, 8]
 DRAWS = 3000

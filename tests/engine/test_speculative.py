@@ -7,10 +7,10 @@ both accepted and rejected drafts. KV slots must all come back after every reque
 import pytest
 import torch
 
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.kv import KVPool
-from specdeploy.engine.runner import NoCapacity, Request, Runner, SpecConfig
-from specdeploy.engine.toy import copy_draft, predictable_target, random_target, tiny_config
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
+from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_target, tiny_config
 
 PROMPT_LENS = (5, 12, 1, 9)
 MAX_TOKENS = 20
@@ -104,8 +104,8 @@ def test_greedy_speculative_equals_target(algorithm, hc_mult, topk, num_draft_to
 
 def test_random_draft_is_still_lossless():
     """An untrained (random) EAGLE head is rarely right; output must not change."""
-    from specdeploy.engine.draft import build_draft
-    from specdeploy.engine.toy import init_random_
+    from specdeploy.engine.models.draft import build_draft
+    from specdeploy.engine.demo.toy import init_random_
     target, _ = target_for(1)
     draft = build_draft("EAGLE", target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1}),
                         target, torch.float32, "cpu")
@@ -224,7 +224,7 @@ def test_engine_models_are_frozen(algorithm, hc_mult):
     """No engine parameter requires grad (the hyper-connection mixing weights included): a forward
     outside inference mode, such as a CUDA-graph capture, must not record autograd state, which
     would keep every intermediate of the captured forward alive in the graph's pool."""
-    from specdeploy.engine.draft import build_draft
+    from specdeploy.engine.models.draft import build_draft
     target = random_target(tiny_config(hc_mult=hc_mult), seed=0)
     cfg = target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1})
     draft = build_draft(algorithm, cfg, target, torch.float32, "cpu")

@@ -6,8 +6,8 @@ are the runner's own."""
 import pytest
 import torch
 
-from specdeploy.engine.runner import NoCapacity, Request, Runner, SpecConfig
-from specdeploy.engine.toy import copy_draft, predictable_target, run_to_completion, tiny_config
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
+from specdeploy.engine.demo.toy import copy_draft, predictable_target, run_to_completion, tiny_config
 
 _TARGET = {}
 

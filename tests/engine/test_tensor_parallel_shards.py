@@ -5,11 +5,11 @@ reproduces the single-rank model exactly."""
 
 import torch
 
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.kv import KVPool
-from specdeploy.engine.layers import load_state
-from specdeploy.engine.model import LlamaModel, rope_tables
-from specdeploy.engine.toy import random_target, tiny_config
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.models.layers import load_state
+from specdeploy.engine.models.llama import LlamaModel, rope_tables
+from specdeploy.engine.demo.toy import random_target, tiny_config
 
 TP = 2
 

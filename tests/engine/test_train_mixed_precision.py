@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdeploy.engine import train
-from specdeploy.engine.attention import causal_batch
-from specdeploy.engine.kv import KVPool
+from specdeploy.engine.demo import train
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.runtime.kv import KVPool
 
 VOCAB, SEQ = 64, 32
 

@@ -4,8 +4,8 @@ top-k drafts)."""
 
 import torch
 
-from specdeploy.engine.tree import build_tree, chain_tree, expand_step, tree_from_parents
-from specdeploy.engine.verify import verify_greedy, verify_sampling, warp_probs
+from specdeploy.engine.speculative.tree import build_tree, chain_tree, expand_step, tree_from_parents
+from specdeploy.engine.speculative.verify import verify_greedy, verify_sampling, warp_probs
 
 
 def test_build_tree_keeps_best_paths_in_list_order():
@@ -180,7 +180,7 @@ def test_tree_climbed_by_generation_equals_node_by_node():
 def test_greedy_tree_verification_equals_the_walk():
     """The vectorised greedy verification against the sibling-by-sibling walk, on random trees
     whose siblings may repeat a token (the walk takes the first)."""
-    from specdeploy.engine import verify
+    from specdeploy.engine.speculative import verify
     g = torch.Generator().manual_seed(13)
     b, n, v = 512, 10, 3
     parents = torch.full((b, n), -1, dtype=torch.int64)

@@ -11,7 +11,9 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from specdeploy.engine import attention_triton, elementwise_triton, hc_triton  # noqa: E402
+from specdeploy.engine.kernels import attention as attention_triton
+from specdeploy.engine.kernels import elementwise as elementwise_triton
+from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
 
 INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}
 FLOAT_SCALARS = {"eps", "sm_scale", "norm_eps", "hc_eps"}

@@ -8,10 +8,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from specdeploy.engine import attention  # noqa: E402
-from specdeploy.engine.attention import AttnBatch, reference  # noqa: E402
-from specdeploy.engine.runner import Runner, SpecConfig  # noqa: E402
-from specdeploy.engine.toy import (copy_draft, predictable_target, random_requests,  # noqa: E402
+from specdeploy.engine.models import attention  # noqa: E402
+from specdeploy.engine.models.attention import AttnBatch, reference  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.demo.toy import (copy_draft, predictable_target, random_requests,  # noqa: E402
                                    run_to_completion, tiny_config)
 
 DEV = "cuda"
@@ -50,7 +50,7 @@ def _attention_inputs(b, num_q, hq, hkv, d, prefix_max, dtype, seed=0, slots=409
     (64, 1, 32, 8, 1024, None), (2, 300, 8, 2, 100, 2)])
 def test_fast_attention_matches_reference(dtype, b, num_q, hq, hkv, prefix_max, splits):
     """Decode, verify (tree mask) and prefill shapes; GQA 1, 4, 8; chosen and forced splits."""
-    from specdeploy.engine import attention_triton
+    from specdeploy.engine.kernels import attention as attention_triton
     d = 64 if hq < 32 else 128
     q, k, v, batch = _attention_inputs(b, num_q, hq, hkv, d, prefix_max, dtype)
     ref = reference(q.float(), k.float(), v.float(), batch, d ** -0.5)
@@ -62,7 +62,7 @@ def test_fast_attention_matches_reference(dtype, b, num_q, hq, hkv, prefix_max, 
 def test_fast_attention_graph_replays_for_other_lengths():
     """The split count and partials depend on shapes only: a graph captured at one set of prefix
     lengths gives the reference answer after the lengths and slots change in place."""
-    from specdeploy.engine import attention_triton
+    from specdeploy.engine.kernels import attention as attention_triton
     q, k, v, batch = _attention_inputs(2, 4, 32, 8, 128, 1024, torch.bfloat16)
     attention_triton.attend(q, k, v, batch, 0.1)  # compile outside the capture
     torch.cuda.synchronize()
@@ -81,7 +81,7 @@ def test_fast_attention_graph_replays_for_other_lengths():
 def test_fused_elementwise_kernels_match_torch(dtype):
     """RMSNorm (also after a residual add) and SiLU-times-up take the Triton kernels on CUDA
     without autograd; with a gradient to track (or on CPU) the torch code. Both must agree."""
-    from specdeploy.engine.layers import GatedMLP, RMSNorm
+    from specdeploy.engine.models.layers import GatedMLP, RMSNorm
     g = torch.Generator(device=DEV).manual_seed(3)
     norm = RMSNorm(4096, 1e-5).to(DEV, dtype)
     norm.weight.copy_(1 + 0.1 * torch.randn(4096, device=DEV, generator=g))
@@ -108,7 +108,7 @@ def test_fused_elementwise_kernels_match_torch(dtype):
 def test_hyper_connection_kernels_match_torch(dtype):
     """A DeepSeek-V4-wide hyper-connection sublayer and head (hc 4, H 7168) take the Triton
     kernels on CUDA without autograd and the torch code with it: both must agree."""
-    from specdeploy.engine.hc import HCConfig, HyperConnection, HyperHead
+    from specdeploy.engine.models.hc import HCConfig, HyperConnection, HyperHead
     g = torch.Generator(device=DEV).manual_seed(4)
     cfg = HCConfig(hidden_size=7168, hc_mult=4)
     hc, head = HyperConnection(cfg).to(DEV), HyperHead(cfg).to(DEV)
@@ -120,7 +120,7 @@ def test_hyper_connection_kernels_match_torch(dtype):
     def sublayer(x):
         return x @ proj
 
-    from specdeploy.engine.layers import fused_kernels
+    from specdeploy.engine.models.layers import fused_kernels
     with torch.no_grad():
         assert fused_kernels(streams, hc.fn, module="hc_triton") is not None  # the kernels do run
         fast, fast_head = hc(streams, sublayer), head(streams)
@@ -143,8 +143,8 @@ def test_hyper_connection_kernels_match_torch(dtype):
 def test_rope_store_kernel_matches_torch(dtype):
     """The attention block's fused rope + K/V write (CUDA, no autograd) against its torch code
     (taken when a gradient is tracked): the same pool contents and output."""
-    from specdeploy.engine.model import Attention, rope_tables
-    from specdeploy.engine.toy import init_random_
+    from specdeploy.engine.models.llama import Attention, rope_tables
+    from specdeploy.engine.demo.toy import init_random_
     cfg = tiny_config(hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128, qkv_bias=True)
     attn = Attention(cfg)
     init_random_(attn, torch.Generator().manual_seed(1), std=0.05)
@@ -171,7 +171,7 @@ def test_rope_store_kernel_matches_torch(dtype):
 
 
 def attn_inv_freq(cfg):
-    from specdeploy.engine.layers import rope_inv_freq
+    from specdeploy.engine.models.layers import rope_inv_freq
     return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
@@ -322,7 +322,7 @@ def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, b
 
 @pytest.mark.parametrize("shape", [(1, 128256), (4, 128256), (64, 8, 128256), (3, 64), (2, 32000)])
 def test_argmax_kernel_matches_torch(shape):
-    from specdeploy.engine import elementwise_triton
+    from specdeploy.engine.kernels import elementwise as elementwise_triton
     g = torch.Generator(device=DEV).manual_seed(6)
     x = torch.randn(shape, device=DEV, generator=g)
     assert torch.equal(elementwise_triton.argmax(x), x.argmax(-1))

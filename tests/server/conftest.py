@@ -1,6 +1,6 @@
 """A real engine server on loopback for the tests in this folder.
 
-The model pair is tiny and random but built so drafts are often accepted (engine/toy.py), with a
+The model pair is tiny and random but built so drafts are often accepted (engine/demo/toy.py), with a
 byte-level BPE tokenizer trained in a second on this package's own sources. Both are saved as
 HF-style directories, so the server loads them through the same path as `specdeploy engine serve`.
 """
@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from specdeploy.engine import train
-from specdeploy.engine.toy import copy_draft, predictable_target, tiny_config
+from specdeploy.engine.demo import train
+from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 
 MODEL_NAME = "tiny-target"
 CONTEXT_LENGTH = 256
@@ -97,8 +97,8 @@ class Server:
 @pytest.fixture(scope="session")
 def server(model_dirs) -> Server:
     """The engine server in this process (uvicorn in a thread), built as `specdeploy engine serve` builds it."""
-    from specdeploy.engine.serve_cli import ServerThread
-    from specdeploy.engine.tokenizer import Tokenizer
+    from specdeploy.engine.serving.cli import ServerThread
+    from specdeploy.engine.serving.tokenizer import Tokenizer
 
     running = ServerThread(serve_argv(*model_dirs, free_port())).start(timeout_s=120)
     yield Server(url=running.base_url, model=MODEL_NAME,
@@ -111,7 +111,7 @@ def server(model_dirs) -> Server:
 def start_server(model_dirs):
     """Start another in-process server with extra `engine serve` flags: -> its base URL. It stops
     when the test ends."""
-    from specdeploy.engine.serve_cli import ServerThread
+    from specdeploy.engine.serving.cli import ServerThread
 
     started = []
 

@@ -3,7 +3,7 @@ few training steps, so it cannot rot. Its numbers are meaningless at this size; 
 
 from __future__ import annotations
 
-from specdeploy.engine import demo
+from specdeploy.engine.demo import cli as demo
 
 
 def test_demo_trains_caches_serves_and_compares(tmp_path, capsys):

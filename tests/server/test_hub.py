@@ -15,8 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from specdeploy.engine import hub
-from specdeploy.engine.serve_cli import ServerThread, free_port
+from specdeploy.engine.serving import hub
+from specdeploy.engine.serving.cli import ServerThread, free_port
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # main
 PINNED = "fedcba9876543210fedcba9876543210fedcba98"  # an older commit a resource may pin

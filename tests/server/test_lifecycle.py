@@ -150,7 +150,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_process):
 
 
 def test_a_model_that_cannot_load_stops_the_server_with_the_reason(tmp_path):
-    from specdeploy.engine.serve_cli import ServerThread, free_port
+    from specdeploy.engine.serving.cli import ServerThread, free_port
 
     broken = ServerThread(["engine", "serve", "--target", str(tmp_path), "--algorithm", "NONE",
                            "--host", "127.0.0.1", "--port", str(free_port())])
@@ -167,9 +167,9 @@ def test_health_answers_while_loading_and_ready_waits_for_the_engine(model_dirs)
 
     import uvicorn
 
-    from specdeploy.engine import serve_cli
-    from specdeploy.engine.metrics import EngineMetrics
-    from specdeploy.engine.server import DrainingServer, EngineState, create_app
+    from specdeploy.engine.serving import cli as serve_cli
+    from specdeploy.engine.serving.metrics import EngineMetrics
+    from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
 
     parser = argparse.ArgumentParser()
     serve_cli.add_parser(parser.add_subparsers())

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specdeploy.engine import train
-from specdeploy.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from specdeploy.engine.demo import train
+from specdeploy.engine.serving.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 TEXT = "def add(a, b):\n    return a + b  # naïve → ünïcode 日本語 🚀\n"
 

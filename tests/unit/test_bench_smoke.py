@@ -16,8 +16,8 @@ SECTIONS = ("1_roofline", "2_decode", "3_spec_step", "4_graphs_vs_eager", "5_acc
 
 
 def _missing_engine_pieces() -> list[str]:
-    needed = ["torch", "transformers", "tokenizers", "specdeploy.engine.runner", "specdeploy.engine.calls",
-              "specdeploy.engine.graphs", "specdeploy.engine.train", "specdeploy.engine.plan"]
+    needed = ["torch", "transformers", "tokenizers", "specdeploy.engine.runtime.runner", "specdeploy.engine.runtime.calls",
+              "specdeploy.engine.runtime.graphs", "specdeploy.engine.demo.train", "specdeploy.engine.planner.plan"]
     missing = []
     for name in needed:
         try:

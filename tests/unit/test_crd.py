@@ -9,9 +9,10 @@ import yaml
 
 import pytest
 
-from specdeploy.engine.plan import GPUS, TENSOR_PARALLEL_SIZES, PlanError, SpecSettings
-from specdeploy.engine.shapes import ALGORITHMS
-from specdeploy.operator import render, status
+from specdeploy.engine.planner.plan import GPUS, TENSOR_PARALLEL_SIZES, PlanError, SpecSettings
+from specdeploy.engine.planner.shapes import ALGORITHMS
+from specdeploy.operator.desired import render
+from specdeploy.operator.desired import status
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "manifests" / "crd" / "specdeploy.dev_specdecodedeployments.yaml"
 
@@ -119,7 +120,7 @@ def test_num_draft_tokens_bound_table(steps, topk, n, accepted):
 def test_crd_and_plan_agree_on_num_draft_tokens():
     """The CEL rules on numDraftTokens and SpecSettings (the plan, the runner) accept the same
     (numSteps, topk, numDraftTokens) over a grid around every bound."""
-    from specdeploy.engine.plan import max_draft_tokens
+    from specdeploy.engine.planner.plan import max_draft_tokens
 
     for steps in range(1, 6):
         for topk in range(1, 6):

@@ -152,7 +152,7 @@ def test_operator_handlers_import_without_the_engine_dependencies(tmp_path):
 
     code = _WITHOUT_ENGINE_DEPS.replace(
         "from specdeploy.cli import main\nsys.exit(main(sys.argv[1:]))",
-        "import specdeploy.operator.handlers, specdeploy.operator.planning",
+        "import specdeploy.operator.handlers, specdeploy.operator.desired.planning",
     )
     result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

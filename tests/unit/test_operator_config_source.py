@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specdeploy.operator import config_source as cs
+from specdeploy.operator.cluster import config_source as cs
 
 LLAMA_CONFIG = {"model_type": "llama", "hidden_size": 4096, "torch_dtype": "bfloat16"}
 PINNED_CONFIG = {"model_type": "llama", "hidden_size": 2048, "torch_dtype": "bfloat16"}

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specdeploy.engine.metrics import EngineMetrics
-from specdeploy.operator import serving_metrics as sm
-from specdeploy.operator import status
+from specdeploy.engine.serving.metrics import EngineMetrics
+from specdeploy.operator.cluster import serving_metrics as sm
+from specdeploy.operator.desired import status
 
 
 def serve(metrics: EngineMetrics):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from specdeploy.engine import plan as planmod
-from specdeploy.engine.plan import (
+from specdeploy.engine.planner import plan as planmod
+from specdeploy.engine.planner.plan import (
     GIB,
     GPUS,
     Limits,
@@ -20,7 +20,7 @@ from specdeploy.engine.plan import (
     plan,
     plan_from_configs,
 )
-from specdeploy.engine.shapes import derive_draft_shapes, derive_shapes
+from specdeploy.engine.planner.shapes import derive_draft_shapes, derive_shapes
 
 CONFIGS = Path(__file__).parent / "configs"
 MIB = 1024**2

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specdeploy.operator import render
-from specdeploy.operator.planning import PlanningError, plan_engine, plan_summary
+from specdeploy.operator.desired import render
+from specdeploy.operator.desired.planning import PlanningError, plan_engine, plan_summary
 
 CONFIGS = Path(__file__).parent / "configs"
 DEFAULTS = render.EngineDefaults(image="registry.local/specdeploy-engine:test", hub_endpoint="https://hub.local")
@@ -136,7 +136,7 @@ def test_a_dtype_the_engine_cannot_compute_in_is_refused():
 
 
 def test_unexpected_planner_errors_are_config_invalid(monkeypatch):
-    from specdeploy.operator import planning
+    from specdeploy.operator.desired import planning
 
     def broken(*_args, **_kwargs):
         raise ZeroDivisionError("division by zero")
@@ -354,8 +354,8 @@ def test_gpu_mode_is_unchanged_by_cpu_mode(sdd, children):
 def test_operator_modules_do_not_import_torch():
     code = (
         "import sys\n"
-        "import specdeploy.operator.render, specdeploy.operator.status, specdeploy.operator.planning\n"
-        "import specdeploy.operator.config_source, specdeploy.operator.kube, specdeploy.operator.serving_metrics\n"
+        "import specdeploy.operator.desired.render, specdeploy.operator.desired.status, specdeploy.operator.desired.planning\n"
+        "import specdeploy.operator.cluster.config_source, specdeploy.operator.cluster.kube, specdeploy.operator.cluster.serving_metrics\n"
         "import specdeploy.operator.handlers, specdeploy.operator.cli, specdeploy.cli\n"
         "specdeploy.operator.handlers.build_registry(specdeploy.operator.handlers.OperatorOptions())\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

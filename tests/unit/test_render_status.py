@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdeploy.operator import status as st
+from specdeploy.operator.desired import status as st
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
 PLAN = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specdeploy.engine.shapes import (
+from specdeploy.engine.planner.shapes import (
     ConfigError,
     derive_draft_shapes,
     derive_shapes,

@@ -1,0 +1,50 @@
+"""Triton kernels: the only package that imports triton.
+
+Each kernel module imports triton at its top, so importing one without Triton fails. Callers
+never import them directly: they ask the loaders below, which return the module where Triton is
+installed and None where it is not (CPU-only installs, CI). A kernel module that fails to import
+with Triton present raises: a broken kernel is a bug to see, never a reason to fall back to the
+torch code quietly.
+
+- `elementwise`: fused RMSNorm (+residual add), SiLU-and-mul, rope on q/k, two-stage argmax.
+- `attention`: paged decode/verify/extend attention over the KV slot pool.
+- `hc`: the hyper-connection residual (mHC pre-mix with Sinkhorn, post expand).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def elementwise_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import elementwise
+
+    return elementwise
+
+
+@functools.cache
+def attention_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import attention
+
+    return attention
+
+
+@functools.cache
+def hc_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import hc
+
+    return hc

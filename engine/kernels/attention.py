@@ -1,0 +1,225 @@
+"""Triton attention over the slot pool (the `fast` backend of attention.py).
+
+Split-KV ("flash-decoding") layout, built for small batches, where one program per
+(request, query head) leaves most of the GPU idle while it walks a long prefix alone:
+
+- one program per (request b, kv head, block of query rows, key split). Its rows are every
+  (query token, query head) pair of that kv head's GQA group, so K/V are loaded once per group
+  instead of once per query head: row r is query token r // G of query head kv_head * G + r % G
+  (G = Hq / Hkv).
+- the committed prefix `prefix_slots[b, :prefix_lens[b]]` is cut into `num_splits` equal chunks
+  (sized in the kernel from the request's own length, so a short request still spreads over all
+  splits); each program streams its chunk straight from the pool through the slot table, and the
+  last split also reads the in-flight keys under `new_mask` (causal, tree or ancestor mask).
+- each program keeps an online softmax in float32 and writes its unnormalised partial
+  (running max m, sum l, accumulator acc); `_combine_kernel` rescales and adds the partials.
+  With one split the first kernel normalises and writes the output itself.
+
+CUDA graphs: the split count and the partials' shapes depend only on tensor shapes (batch,
+queries, heads, prefix width: the graph's static buffers), never on the lengths inside them, so a
+captured graph replays for any lengths. Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from specdeploy.engine.models.attention import AttnBatch
+
+
+BLOCK_K = 32                # keys per inner step
+MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combine than it saves
+MAX_SPLITS = 32             # bounds the partials buffer and the combine's width
+PROGRAMS_PER_SM = 2         # enough resident programs to keep the loads in flight
+
+
+@triton.jit
+def _split_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    prefix_slots_ptr, prefix_lens_ptr, new_slots_ptr, new_mask_ptr,
+    sm_scale,
+    stride_qb, stride_qq, stride_qh,
+    stride_ks, stride_kh,
+    stride_ob, stride_oq, stride_oh,
+    num_queries, num_heads, prefix_width, num_new, group, num_row_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // num_row_blocks
+    row_block = tl.program_id(1) % num_row_blocks
+    split = tl.program_id(2)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_idx = rows // group                                   # [BLOCK_M] query token
+    head = kv_head * group + rows % group                   # [BLOCK_M] query head
+    row_valid = q_idx < num_queries
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + q_idx[:, None] * stride_qq + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_valid[:, None], other=0.0)      # [BLOCK_M, D]
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2
+    kv_off = kv_head * stride_kh
+
+    # This split's share of the prefix: [lo, hi), a whole number of BLOCK_K steps.
+    prefix_len = tl.load(prefix_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_K) * BLOCK_K
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+    for start in range(lo, hi, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < hi
+        slots = tl.load(prefix_slots_ptr + b * prefix_width + offs_k, mask=k_valid, other=0)
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
+                    mask=k_valid[:, None], other=0.0)                   # [BLOCK_K, D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(k_valid[None, :], s, float("-inf"))                # [BLOCK_M, BLOCK_K]
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a valid key
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
+                    mask=k_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # The in-flight keys belong to the last split (a loop bound, not a branch).
+    new_end = tl.where(split == NUM_SPLITS - 1, num_new, 0)
+    for start in range(0, new_end, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < num_new
+        slots = tl.load(new_slots_ptr + b * num_new + offs_k, mask=k_valid, other=0)
+        allowed = tl.load(new_mask_ptr + b * num_queries * num_new + q_idx[:, None] * num_new
+                          + offs_k[None, :], mask=row_valid[:, None] & k_valid[None, :],
+                          other=0) != 0                                 # [BLOCK_M, BLOCK_K]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
+                    mask=k_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet keep m = -inf; shift by 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
+                    mask=k_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        # Partials [B, NUM_SPLITS, Q, Hq] (m, l) and [B, NUM_SPLITS, Q, Hq, D] (acc), float32.
+        part = ((b * NUM_SPLITS + split) * num_queries + q_idx) * num_heads + head   # [BLOCK_M]
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_valid[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    stride_ob, stride_oq, stride_oh,
+    num_queries, num_heads,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One program per (request, query token x query head): out = sum_s w_s acc_s / sum_s w_s l_s
+    with w_s = 2^(m_s - max_s m_s); splits that saw no key have m_s = -inf, so w_s = 0."""
+    b = tl.program_id(0)
+    qh = tl.program_id(1)                                   # query token * Hq + query head
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part = (b * NUM_SPLITS + offs_s) * num_queries * num_heads + qh   # [S]
+    m = tl.load(part_m_ptr + part)
+    l_s = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])   # [S, D]
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    den = tl.sum(l_s * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    q_idx = qh // num_heads
+    head = qh % num_heads
+    tl.store(out_ptr + b * stride_ob + q_idx * stride_oq + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def supported(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return d >= 16 and d & (d - 1) == 0
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton's CPU interpreter (tests): small, so that small prefixes split too
+
+
+def num_kv_splits(programs: int, prefix_width: int, sm_count: int) -> int:
+    """Splits of the prefix per (request, kv head, row block): enough programs to occupy every
+    SM about PROGRAMS_PER_SM times, none shorter than MIN_KEYS_PER_SPLIT keys of the prefix
+    table's width, at most MAX_SPLITS. A power of two (few kernel variants across widths).
+    Depends on shapes only, so a CUDA graph captures one value."""
+    want = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sm_count, programs),
+               triton.cdiv(prefix_width, MIN_KEYS_PER_SPLIT))
+    return 1 << (max(want, 1).bit_length() - 1)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
+           scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].
+    num_splits (a power of two) overrides the choice of `num_kv_splits` (tests)."""
+    b, num_q, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    if q.dtype != k_cache.dtype:
+        # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
+        # dtype, and the pool's is the wider one here.
+        return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits).to(q.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its
+    # strides; the output is dense.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    prefix_slots = batch.prefix_slots.contiguous()
+    new_slots = batch.new_slots.contiguous()
+    new_mask = batch.new_mask.contiguous()
+    block_m = max(16, min(64, triton.next_power_of_2(num_q * group)))
+    row_blocks = triton.cdiv(num_q * group, block_m)
+    if num_splits is None:
+        num_splits = num_kv_splits(b * hkv * row_blocks, prefix_slots.shape[1], _sm_count(q.device))
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits={num_splits} is not a power of two")
+    if num_splits > 1:
+        part_m = torch.empty(b, num_splits, num_q, hq, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(b, num_splits, num_q, hq, d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # not touched by the kernel
+    _split_attention_kernel[(b, hkv * row_blocks, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        prefix_slots, batch.prefix_lens, new_slots, new_mask, scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=BLOCK_K, NUM_SPLITS=num_splits,
+        # float32 models get float32 products (TF32 would round away the reference's precision).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _combine_kernel[(b, num_q * hq)](
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
+            num_q, hq, HEAD_DIM=d, NUM_SPLITS=num_splits)
+    return out

@@ -1,0 +1,233 @@
+"""Draft heads: EAGLE-1/2, EAGLE-3 and MTP. All share one calling convention:
+
+    out = head(input_ids [B, Q], hidden [B, Q, W], positions [B, Q], batch, kv)   # [B, Q, Hc]
+    logits = head.logits(out)                                                     # [B, Q, Vd]
+
+Entry j of a draft sequence pairs the token at position j + 1 with the target's (or, deeper in
+the draft, the head's own) hidden state at position j and predicts the token at position j + 2.
+W is the target feature width (`input_size`) on extend and the carried width (`carried_size`,
+the head's own output) during multi-step drafting. Vd is the draft vocabulary; `to_target_ids`
+maps draft ids to target ids (identity except for EAGLE-3 heads with a reduced vocabulary).
+
+Widths (H = hidden_size, Hs = spec_hidden_size = hc_mult * H):
+    EAGLE  on hc_mult = 1: input H   (post-norm last hidden), carried H
+    EAGLE  on hc_mult > 1: input Hs  (flattened streams),     carried Hs (streams of its block)
+    EAGLE-3:               input 3H  (three target layers),   carried H
+    MTP:                   input Hs  (pre-norm last state),   carried Hs
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdeploy.engine.models.attention import AttnBatch
+from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
+                                  unflatten_streams)
+from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.models.layers import ColumnParallelLinear, GatedMLP, RMSNorm, load_state
+from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, iter_safetensors,
+                                     read_config, rope_tables)
+
+ALGORITHMS = ("EAGLE", "EAGLE3", "MTP")
+
+
+class DraftHead(nn.Module):
+    algorithm: str
+    input_size: int
+    carried_size: int
+    draft_vocab_size: int
+
+    def bind_target(self, target: LlamaModel) -> None:
+        # Shared modules are held outside the module tree so that they are neither saved,
+        # loaded nor counted twice.
+        self.__dict__["target"] = target
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def num_kv_layers(self) -> int:
+        return self.cfg.num_layers
+
+
+class EagleHead(DraftHead):
+    """EAGLE-1/2: fc over [embedding; hidden] then decoder layer(s) whose first has no input
+    norm; embedding and lm_head are the target's. No final norm (the head regresses the target's
+    post-norm feature)."""
+
+    algorithm = "EAGLE"
+
+    def __init__(self, cfg: ModelConfig, target: LlamaModel, fc_bias: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        hs = target.cfg.spec_hidden_size
+        self.hc_mult = target.cfg.hc_mult
+        self.input_size = self.carried_size = hs
+        self.draft_vocab_size = target.cfg.vocab_size
+        # hc_mult > 1: the fc writes all hc streams at once, [T, H + Hs] -> [T, Hs].
+        self.fc = ColumnParallelLinear(cfg.hidden_size + hs, hs, fc_bias)
+        layer_cfg = _with(cfg, hc_mult=self.hc_mult)
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, input_norm=i > 0)
+                                    for i in range(cfg.num_layers))
+        self.bind_target(target)
+
+    def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
+        target = self.__dict__["target"]
+        x = self.fc(torch.cat([target.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
+        if self.hc_mult > 1:
+            x = unflatten_streams(x, self.hc_mult)                        # [B, Q, hc, H]
+        cos, sin = rope_tables(target.inv_freq, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
+        return flatten_streams(x) if self.hc_mult > 1 else x
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        target = self.__dict__["target"]
+        if self.hc_mult > 1:
+            return target.logits_from_feature(out)
+        return target.logits(out)
+
+
+class Eagle3Head(DraftHead):
+    """EAGLE-3: fc (3H -> H) over three target layers' states; one decoder layer whose attention
+    reads [norm(embedding); norm(hidden)] (2H); own norm and lm_head over the draft vocabulary;
+    d2t maps draft ids to target ids (target = draft + d2t[draft])."""
+
+    algorithm = "EAGLE3"
+
+    def __init__(self, cfg: ModelConfig, target: LlamaModel, draft_vocab_size: int | None = None):
+        super().__init__()
+        if target.cfg.hc_mult > 1:
+            raise ValueError("EAGLE-3 heads are defined for hc_mult = 1 targets only; "
+                             "use EAGLE or MTP for hc_mult > 1")
+        if cfg.hidden_size != target.cfg.hidden_size:
+            raise ValueError(f"EAGLE-3 head hidden_size {cfg.hidden_size} != target's "
+                             f"{target.cfg.hidden_size}")
+        self.cfg = _with(cfg, num_layers=1)
+        h = cfg.hidden_size
+        self.input_size = 3 * h
+        self.carried_size = h
+        self.draft_vocab_size = draft_vocab_size or cfg.vocab_size
+        self.fc = ColumnParallelLinear(3 * h, h, False)
+        self.midlayer = nn.Module()
+        self.midlayer.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.midlayer.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.midlayer.self_attn = Attention(cfg, in_features=2 * h)
+        self.midlayer.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.midlayer.mlp = GatedMLP(h, cfg.intermediate_size, cfg.mlp_bias)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = ColumnParallelLinear(h, self.draft_vocab_size, False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool))
+        self.bind_target(target)
+
+    def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
+        target = self.__dict__["target"]
+        m = self.midlayer
+        if hidden.shape[-1] == self.input_size:                             # target aux states
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        elif hidden.shape[-1] != self.carried_size:
+            raise ValueError(f"EAGLE-3 hidden width {hidden.shape[-1]}: expected the target's "
+                             f"{self.input_size} or the head's own {self.carried_size}")
+        cos, sin = rope_tables(target.inv_freq, positions)
+        x = torch.cat([m.input_layernorm(target.embed_tokens(input_ids)), m.hidden_norm(hidden)], -1)
+        h = hidden + m.self_attn(x, cos, sin, kv.k[0], kv.v[0], batch)
+        return h + m.mlp(m.post_attention_layernorm(h))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+class MTPHead(DraftHead):
+    """Next-token-prediction layer (DeepSeek style) consuming and emitting [T, Hs]:
+    hc_mult = 1: x = eh_proj([enorm(e); hnorm(h)]);
+    hc_mult > 1: streams = e_proj(enorm(e)) (broadcast to every stream) + h_proj(hnorm(streams)),
+    then one decoder block (with hyper-connections), its own head collapse and norm, and the
+    target's lm_head."""
+
+    algorithm = "MTP"
+
+    def __init__(self, cfg: ModelConfig, target: LlamaModel):
+        super().__init__()
+        self.cfg = _with(cfg, num_layers=1, hc_mult=target.cfg.hc_mult)
+        h = cfg.hidden_size
+        self.hc_mult = target.cfg.hc_mult
+        self.input_size = self.carried_size = target.cfg.spec_hidden_size
+        self.draft_vocab_size = target.cfg.vocab_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        if self.hc_mult == 1:
+            self.eh_proj = ColumnParallelLinear(2 * h, h, False)
+        else:
+            self.e_proj = ColumnParallelLinear(h, h, False)
+            self.h_proj = ColumnParallelLinear(h, h, False)
+            self.hc_head = HyperHead(self.cfg.hc)
+        self.layers = nn.ModuleList([DecoderLayer(self.cfg)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.bind_target(target)
+
+    def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
+        target = self.__dict__["target"]
+        e = self.enorm(target.embed_tokens(input_ids))                      # [B, Q, H]
+        if self.hc_mult == 1:
+            x = self.eh_proj(torch.cat([e, self.hnorm(hidden.to(e.dtype))], -1))
+        else:
+            streams = unflatten_streams(hidden.to(e.dtype), self.hc_mult)   # [B, Q, hc, H]
+            x = expand_embeddings(self.e_proj(e), self.hc_mult) + self.h_proj(self.hnorm(streams))
+        cos, sin = rope_tables(target.inv_freq, positions)
+        x = self.layers[0](x, cos, sin, kv.k[0], kv.v[0], batch)
+        return flatten_streams(x) if self.hc_mult > 1 else x
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.hc_mult > 1:
+            out = self.hc_head(unflatten_streams(out, self.hc_mult))
+        return self.__dict__["target"].logits(self.norm(out))
+
+
+def _with(cfg: ModelConfig, **changes) -> ModelConfig:
+    from dataclasses import replace
+    return replace(cfg, **changes)
+
+
+def build_draft(algorithm: str, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
+                device, **kwargs) -> DraftHead:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown draft algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    cls = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head, "MTP": MTPHead}[algorithm]
+    with torch.device(device):
+        head = cls(cfg, target, **kwargs)
+    return head.to(dtype).eval()
+
+
+# Checkpoint names that belong to the target (shared) and are skipped when a head ships them.
+_SHARED_NAMES = ("embed_tokens.weight",)
+
+
+def load_draft(path: str, algorithm: str, target: LlamaModel, dtype: torch.dtype = torch.bfloat16,
+               device="cpu") -> DraftHead:
+    """Load a published head layout from an HF-style directory (for MTP also the target's own
+    directory, whose `mtp.0.*` tensors are the head):
+    EAGLE: fc.{weight,bias}, layers.{i}.*; EAGLE-3: fc.weight, midlayer.*, norm.weight,
+    lm_head.weight, d2t, t2d; MTP: enorm, hnorm, eh_proj | e_proj/h_proj, layers.0.*, hc_head.*,
+    norm. A leading `model.` is dropped; the target's embedding/lm_head are shared, not loaded."""
+    raw = read_config(path)
+    cfg = ModelConfig.from_hf(raw, allow_any_type=True)
+    tensors = [(canonical_hc_key(n.removeprefix("model.")), t) for n, t in iter_safetensors(path)]
+    if algorithm == "MTP" and any(n.startswith("mtp.") for n, _ in tensors):
+        # The MTP layer shipped inside the target checkpoint (mtp.0.*): take only that layer.
+        tensors = [(n.removeprefix("mtp.0."), t) for n, t in tensors if n.startswith("mtp.0.")]
+    names = {n for n, _ in tensors}
+    kwargs = {}
+    if algorithm == "EAGLE":
+        kwargs["fc_bias"] = "fc.bias" in names
+    if algorithm == "EAGLE3":
+        kwargs["draft_vocab_size"] = int(raw.get("draft_vocab_size") or cfg.vocab_size)
+        if "d2t" not in names:
+            tensors.append(("d2t", torch.zeros(kwargs["draft_vocab_size"], dtype=torch.int64)))
+            tensors.append(("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool)))
+    head = build_draft(algorithm, cfg, target, dtype, device, **kwargs)
+    load_state(head, tensors, ignore=_SHARED_NAMES + ("rotary_emb.inv_freq",))
+    return head

@@ -1,0 +1,135 @@
+"""`specdeploy plan`: print the memory plan for a target + draft on one node's GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdeploy.engine.planner.plan import (
+    GIB,
+    GPUS,
+    Limits,
+    Plan,
+    PlanError,
+    SpecSettings,
+    custom_gpu,
+    load_model_path,
+    plan_from_configs,
+)
+from specdeploy.engine.planner.shapes import ALGORITHMS, ConfigError
+
+DEFAULTS = SpecSettings()
+DEFAULT_LIMITS = Limits()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan GPU memory for a target + draft model",
+        description="Derive both models' shapes from config.json and plan per-GPU memory: weights, "
+        "KV cache, CUDA-graph and disaggregation buffers, tensor-parallel size, max_total_tokens.",
+    )
+    parser.add_argument("--target", required=True, metavar="PATH", help="config.json, or a model directory (config.json + *.safetensors)")
+    parser.add_argument("--draft", metavar="PATH", help="the draft's config.json or directory (required for EAGLE/EAGLE3; MTP defaults to the target's own layers)")
+    parser.add_argument("--algorithm", required=True, choices=ALGORITHMS)
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU model (default h200)")
+    gpu.add_argument("--gpu-memory-gib", type=float, metavar="X", help="GPU memory in GiB, for GPUs outside the catalog")
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs one node offers (default 8)")
+    parser.add_argument("--steps", type=int, default=DEFAULTS.num_steps, metavar="S", help=f"draft steps (default {DEFAULTS.num_steps})")
+    parser.add_argument("--topk", type=int, default=DEFAULTS.topk, metavar="K", help=f"branches per draft step (default {DEFAULTS.topk})")
+    parser.add_argument("--draft-tokens", type=int, metavar="N", help="tokens verified per request (default steps + 1)")
+    parser.add_argument(
+        "--max-running-requests", type=int, default=DEFAULT_LIMITS.max_running_requests, metavar="R",
+        help=f"concurrent requests, also the largest CUDA-graph batch (default {DEFAULT_LIMITS.max_running_requests})",
+    )
+    parser.add_argument(
+        "--context-length", type=int, default=DEFAULT_LIMITS.context_length, metavar="L",
+        help=f"tokens per request the KV pool must hold for all R at once (default {DEFAULT_LIMITS.context_length})",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (the operator's plan.json)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = _plan(args)
+    except (ConfigError, PlanError) as err:
+        print(f"specdeploy plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_plan(result))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    if args.algorithm in ("EAGLE", "EAGLE3") and not args.draft:
+        raise ConfigError(f"--draft: required for algorithm {args.algorithm}")
+    if args.algorithm == "NONE" and args.draft:
+        raise ConfigError("--draft: not used with algorithm NONE")
+    target_config, target_weights = load_model_path(args.target)
+    draft_config, draft_weights = load_model_path(args.draft) if args.draft else (None, None)
+    gpu = custom_gpu(args.gpu_memory_gib) if args.gpu_memory_gib is not None else GPUS[args.gpu]
+    if args.algorithm == "NONE":
+        spec = SpecSettings("NONE", 0, 0, 0)
+    else:
+        draft_tokens = args.draft_tokens if args.draft_tokens is not None else args.steps + 1
+        spec = SpecSettings(args.algorithm, args.steps, args.topk, draft_tokens)
+    limits = Limits(args.max_running_requests, args.context_length, args.max_running_requests)
+    return plan_from_configs(
+        target_config, draft_config, spec, gpu, limits,
+        target_weight_bytes=target_weights, draft_weight_bytes=draft_weights,
+        gpus_per_node=args.gpus_per_node,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(p: Plan) -> str:
+    """The human table: every term of the plan with its value."""
+    m, b = p.memory_per_gpu, p.buffers
+    rows: list[tuple[str, str]] = [
+        ("algorithm", f"{p.algorithm}" + (f" (steps {p.num_steps}, topk {p.topk}, draft tokens {p.num_draft_tokens})" if p.draft else "")),
+        ("gpu", f"{p.gpus_per_node} x {p.gpu} ({_gib(m.gpu_memory_bytes)} each){' ' + p.gpu_product_label if p.gpu_product_label else ''}"),
+        ("spec_hidden_size", f"{p.spec_hidden_size} (hidden {p.target.hidden_size} x hc_mult {p.target.hc_mult})"),
+        ("draft_input_hidden_size", str(p.draft_input_hidden_size)),
+        ("tensor_parallel_size", str(p.tensor_parallel_size)),
+        ("max_total_tokens", f"{p.max_total_tokens} (needs {p.required_tokens} = {p.context_length} context x {p.max_running_requests} requests)"),
+    ]
+    for label, t in (("target", p.target), ("draft", p.draft)):
+        if t is None:
+            continue
+        rows += [
+            (label, f"{t.architecture or t.model_type} as {t.role}, {t.dtype}, {t.num_layers} layer{'s' if t.num_layers != 1 else ''}, {t.attention} attention"),
+            ("  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}), {_gib(t.weight_bytes_per_gpu)} per GPU"),
+            ("  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"),
+        ]
+        if t.kv_cache_bytes_per_request_per_gpu:
+            rows.append(("  KV bytes per request", f"{t.kv_cache_bytes_per_request_per_gpu} (sliding windows, per GPU)"))
+    rows += [
+        ("buffers (cuda_graph_max_bs)", str(b.max_bs)),
+        ("  draft hidden_states", str(list(b.draft_hidden_states_shape))),
+        ("  draft-extend hidden_states", str(list(b.draft_extend_hidden_states_shape))),
+        ("  verify hidden_states", str(list(b.verify_hidden_states_shape))),
+        ("  cuda_graph_hidden_states_bytes", str(b.cuda_graph_hidden_states_bytes)),
+        ("  metadata per request", f"{b.metadata_hidden_states_bytes_per_request} hidden + {b.metadata_fixed_fields_bytes_per_request} fixed bytes"),
+        ("per GPU: memory", _gib(m.gpu_memory_bytes)),
+        ("  - weights", _gib(m.weight_bytes)),
+        ("  - CUDA-graph pool", _gib(m.cuda_graph_pool_bytes)),
+        ("  - activation workspace", _gib(m.activation_workspace_bytes)),
+        ("  - static buffers", _gib(m.static_buffer_bytes)),
+        ("  - per-request state", _gib(m.per_request_state_bytes)),
+        ("  - reserve", _gib(m.reserve_bytes)),
+        ("  = KV budget", _gib(m.kv_cache_budget_bytes)),
+        ("  / KV bytes per token", f"{m.kv_cache_bytes_per_token} (target + draft)"),
+        ("cuda_graph_batch_sizes", " ".join(map(str, p.cuda_graph_batch_sizes))),
+    ]
+    rows += [("note", note) for note in p.notes]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -1,0 +1,649 @@
+"""The memory plan: how a target + draft deployment fits on a node's GPUs.
+
+One pure function, `plan()`, called by the operator (to size the Deployment and fill
+`status.plan`), by the engine (to size its KV pools and static buffers, and to log what it expects)
+and by `specdeploy plan`. Every term of the arithmetic is kept in the returned `Plan`, so each
+number can be explained. Per GPU, at tensor-parallel size TP:
+
+    weights            = (target_weight_bytes + draft_weight_bytes) / TP
+    kv_per_token       = target KV bytes/token/GPU + draft KV bytes/token/GPU
+                         (the draft pool has as many token slots as the target's; GQA heads are
+                         split by TP, replicated when fewer than TP; MLA latents and DeepSeek-V4's
+                         shared head are replicated)
+    per_request_state  = max_running_requests * (fixed per-request KV: V4 sliding windows)
+    static_buffers     = CUDA-graph hidden-state buffers + disaggregation metadata buffer
+    budget             = gpu_memory - weights - cuda_graph_pool - activation_workspace
+                         - static_buffers - per_request_state - reserve
+    max_total_tokens   = floor(budget / kv_per_token)
+
+TP is the smallest of 1, 2, 4, 8 (at most gpus_per_node, dividing the heads it must split) for
+which max_total_tokens >= context_length * max_running_requests; none fitting is a PlanError.
+
+Static buffers (H_s = target spec_hidden_size, H_in = draft input width, bs = cuda_graph_max_bs):
+    draft CUDA-graph hidden_states   [bs * topk, H_s]
+    draft-extend hidden_states       [bs * (steps + 1), H_in]
+    verify captured hidden_states    [bs * num_draft_tokens, H_in]
+    disaggregation metadata          [max_running_requests, H_s] + fixed fields per request
+Using hidden_size for any of them would be wrong by hc_mult for DeepSeek-V4 (H_s = 4 * H).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from specdeploy.engine.planner.shapes import (
+    ALGORITHMS,
+    ConfigError,
+    ModelShapes,
+    derive_draft_shapes,
+    derive_shapes,
+    draft_input_hidden_size,
+    kv_cache_bytes_per_token_per_gpu,
+    load_model_path,
+)
+
+__all__ = [
+    "ConfigError",
+    "GPU",
+    "GPUS",
+    "Limits",
+    "ModelTerms",
+    "BufferPlan",
+    "MemoryTerms",
+    "Plan",
+    "PlanError",
+    "SpecSettings",
+    "cuda_graph_batch_sizes",
+    "load_model_path",
+    "plan",
+    "plan_from_configs",
+]
+
+MIB = 1024**2
+GIB = 1024**3
+
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+
+# Bytes that are on the GPU but not in any tensor the plan sizes: the CUDA context and its module
+# images, cuBLAS/cuDNN workspaces, NCCL communicator buffers, the index buffers of the graphs
+# (input ids, positions, cache locations: int64 per token), allocator fragmentation, and memory
+# nvidia-smi counts in the total that the driver never lets a process allocate (615 MiB of an
+# H200's 143771 MiB, measured: docs/benchmarks.md, planner truth).
+RESERVE_BYTES = 2 * GIB
+
+# Tokens one prefill chunk carries through the model at once (chunked prefill): the activation
+# workspace is sized for it.
+PREFILL_CHUNK_TOKENS = 8192
+
+# Hidden-width tensors alive at once inside a layer during a forward pass, measured at the MLP's
+# peak of a prefill chunk (docs/benchmarks.md, planner truth): the residual stream and the delta
+# it has not absorbed yet (LIVE_RESIDUAL_WIDTHS of them), the normed input, the attention output
+# and its projection, the fused q/k/v projection (about 1.5 widths).
+LIVE_HIDDEN_WIDTHS = 7
+LIVE_RESIDUAL_WIDTHS = 2
+
+# MLP-intermediate-width tensors alive at the MLP's peak: the fused gate/up output (two) and the
+# activated product.
+LIVE_MLP_WIDTHS = 3
+
+# With hyper-connections (hc_mult > 1) the residual widths are the hc_mult streams (the sublayer
+# input and the expanded output, hc * H each); the sublayer itself is H wide. The mixes matmul
+# reads a float32 copy of the flattened streams (engine/models/hc.py; on CUDA the gates, Sinkhorn, the
+# collapse and the expand are Triton kernels that keep nothing else stream-wide).
+LIVE_HC_FLOAT32_STREAMS = 1
+
+# Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
+# batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
+# and graph kinds (0.20-0.29 GiB measured on Llama-3.1-8B plans with 5 to 11 buckets).
+CUDA_GRAPH_POOL_BASE_BYTES = 320 * MIB
+
+# Logits are computed in float32 for sampling and verification.
+LOGITS_DTYPE_BYTES = 4
+
+# Logits-sized float32 buffers alive at once inside a speculative-step graph that accepts by
+# rejection sampling: the logits, the sorted values and their int64 order (two), the sorted
+# probabilities and their running mass, plus the sort's own scratch (verify.warp_probs).
+SAMPLING_LOGITS_COPIES = 8
+
+# Fixed fields the prefill server sends the decode server per request next to the hidden state
+# (disaggregation metadata): (name, bytes per element, elements; "topk" means SpecSettings.topk).
+METADATA_FIXED_FIELDS = (
+    ("output_token_id", 8, 1),
+    ("cached_tokens", 8, 1),
+    ("output_token_logprob", 4, 1),
+    ("topk_p", 4, "topk"),
+    ("topk_index", 8, "topk"),
+)
+
+# cuda_graph_batch_sizes: every power of two up to this, then multiples of the step.
+CUDA_GRAPH_SMALL_BATCH_LIMIT = 8
+CUDA_GRAPH_BATCH_STEP = 8
+
+
+class PlanError(ValueError):
+    """A deployment the plan refuses; `reason` is a CamelCase condition reason for status."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int  # what nvidia-smi reports as total memory
+    product_label: str  # value of the node label nvidia.com/gpu.product
+
+
+GPUS = {
+    "h100": GPU("h100", 81559 * MIB, "NVIDIA-H100-80GB-HBM3"),
+    "h200": GPU("h200", 143771 * MIB, "NVIDIA-H200"),
+    "a100-80g": GPU("a100-80g", 81920 * MIB, "NVIDIA-A100-SXM4-80GB"),
+    "l40s": GPU("l40s", 46068 * MIB, "NVIDIA-L40S"),
+}
+
+
+def custom_gpu(memory_gib: float) -> GPU:
+    """A GPU known only by its memory (GiB), for hardware outside the catalog."""
+    if not memory_gib > 0:
+        raise PlanError("InvalidGPU", f"gpu memory must be positive, got {memory_gib} GiB")
+    return GPU("custom", int(memory_gib * GIB), "")
+
+
+# The smallest prefill chunk worth serving with: below it, prompts crawl in through many steps.
+MIN_PREFILL_CHUNK_TOKENS = 256
+
+# Kept free beyond the workspace when fitting the prefill chunk to measured memory (fragmentation).
+PREFILL_FIT_MARGIN_BYTES = 256 * MIB
+
+
+def prefill_chunk_that_fits(available_bytes: int, workspace_bytes: int,
+                            chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    """The prefill chunk (tokens) whose activations fit in `available_bytes`, measured once the
+    engine holds its weights, KV pools and CUDA graphs. `workspace_bytes` is the plan's workspace
+    for `chunk_tokens`; activations scale with the chunk, so when another term took more than
+    planned the chunk shrinks in proportion instead of a later prefill running out of memory.
+    chunk_tokens when the plan's workspace fits; 0 when not even MIN_PREFILL_CHUNK_TOKENS does."""
+    room = available_bytes - PREFILL_FIT_MARGIN_BYTES
+    if workspace_bytes <= 0 or room >= workspace_bytes:
+        return chunk_tokens
+    fit = max(room, 0) * chunk_tokens // workspace_bytes
+    return fit if fit >= MIN_PREFILL_CHUNK_TOKENS else 0
+
+
+def max_draft_tokens(num_steps: int, topk: int) -> int:
+    """The most tokens one verify step can check: the root plus every draft candidate. The first
+    draft step proposes topk children of the root; each later step expands its topk best nodes
+    by topk children each, so the pool is topk + (num_steps - 1) * topk^2 (topk 1: a chain of
+    num_steps). The CRD's CEL rule on numDraftTokens states the same bound."""
+    return topk + (num_steps - 1) * topk * topk + 1
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Speculative decoding settings: draft `num_steps` deep, `topk` branches per step, verifying
+    `num_draft_tokens` tokens per request (topk 1: a chain, so num_steps + 1)."""
+
+    algorithm: str = "EAGLE3"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise PlanError("InvalidSpeculativeSettings", f"algorithm: unknown {self.algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+        if self.algorithm == "NONE":
+            return
+        if self.num_steps < 1 or self.topk < 1:
+            raise PlanError("InvalidSpeculativeSettings", f"num_steps and topk must be >= 1, got {self.num_steps} and {self.topk}")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise PlanError(
+                "InvalidSpeculativeSettings",
+                f"num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} when topk is 1, got {self.num_draft_tokens}",
+            )
+        most = max_draft_tokens(self.num_steps, self.topk)
+        if not 2 <= self.num_draft_tokens <= most:
+            raise PlanError(
+                "InvalidSpeculativeSettings",
+                f"num_draft_tokens must be in [2, topk + (num_steps - 1) * topk^2 + 1 = {most}], "
+                f"got {self.num_draft_tokens}",
+            )
+
+    @property
+    def tokens_per_request_step(self) -> int:
+        """Token rows per request in the widest graph: verify (draft tokens), or one for NONE."""
+        return 1 if self.algorithm == "NONE" else self.num_draft_tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_running_requests: int = 32
+    context_length: int = 8192
+    cuda_graph_max_bs: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "context_length", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise PlanError("InvalidLimits", f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ModelTerms:
+    """One model's share of the plan."""
+
+    model_type: str
+    architecture: str
+    role: str
+    dtype: str
+    hidden_size: int
+    hc_mult: int
+    spec_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention: str
+    num_params: int
+    weight_bytes: int
+    weight_source: str  # "safetensors" (checkpoint headers), "shapes" (counted), "target checkpoint" (MTP)
+    weight_bytes_per_gpu: int
+    kv_cache_bytes_per_token: int  # whole model
+    kv_cache_bytes_per_token_per_gpu: int
+    kv_cache_bytes_per_request_per_gpu: int
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Static buffer shapes (rows, columns) the engine allocates once, and their bytes."""
+
+    max_bs: int
+    dtype_bytes: int
+    draft_hidden_states_shape: tuple[int, int]
+    draft_extend_hidden_states_shape: tuple[int, int]
+    verify_hidden_states_shape: tuple[int, int]
+    cuda_graph_hidden_states_bytes: int
+    metadata_hidden_states_shape: tuple[int, int]
+    metadata_hidden_states_bytes_per_request: int
+    metadata_fixed_fields_bytes_per_request: int
+    metadata_bytes: int
+
+    @property
+    def static_bytes(self) -> int:
+        return self.cuda_graph_hidden_states_bytes + self.metadata_bytes
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Per-GPU memory, each term in bytes; budget is what is left for the KV pools."""
+
+    gpu_memory_bytes: int
+    weight_bytes: int
+    cuda_graph_pool_bytes: int
+    activation_workspace_bytes: int
+    static_buffer_bytes: int
+    per_request_state_bytes: int
+    reserve_bytes: int
+    kv_cache_budget_bytes: int
+    kv_cache_bytes_per_token: int  # target + draft
+    kv_cache_bytes: int  # max_total_tokens * kv_cache_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Plan:
+    algorithm: str
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    gpu: str
+    gpu_product_label: str
+    gpus_per_node: int
+    spec_hidden_size: int
+    draft_input_hidden_size: int
+    tensor_parallel_size: int
+    max_total_tokens: int
+    max_running_requests: int
+    context_length: int
+    required_tokens: int  # context_length * max_running_requests
+    target: ModelTerms
+    draft: ModelTerms | None
+    buffers: BufferPlan
+    memory_per_gpu: MemoryTerms
+    cuda_graph_batch_sizes: tuple[int, ...]
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of `specdeploy plan --json`, of the ConfigMap's plan.json and of status.plan."""
+        return _jsonable(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Inverse of to_dict; a missing or unknown key is a PlanError naming it."""
+        try:
+            fields = dict(data)
+            fields["target"] = _build(ModelTerms, data["target"])
+            fields["draft"] = None if data.get("draft") is None else _build(ModelTerms, data["draft"])
+            buffers = dict(data["buffers"])
+            for key in buffers:
+                if key.endswith("_shape"):
+                    buffers[key] = tuple(buffers[key])
+            fields["buffers"] = _build(BufferPlan, buffers)
+            fields["memory_per_gpu"] = _build(MemoryTerms, data["memory_per_gpu"])
+            fields["cuda_graph_batch_sizes"] = tuple(data["cuda_graph_batch_sizes"])
+            fields["notes"] = tuple(data["notes"])
+            return _build(cls, fields)
+        except KeyError as missing:
+            raise PlanError("InvalidPlan", f"plan: missing key {missing.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
+            raise PlanError("InvalidPlan", f"plan: {err}") from None
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise PlanError("InvalidPlan", f"plan: unknown key {sorted(unknown)[0]!r} in {cls.__name__}")
+    return cls(**{name: data[name] for name in names})
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def cuda_graph_batch_sizes(max_bs: int) -> tuple[int, ...]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, and max_bs itself."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= min(max_bs, CUDA_GRAPH_SMALL_BATCH_LIMIT)]
+    sizes += range(CUDA_GRAPH_SMALL_BATCH_LIMIT + CUDA_GRAPH_BATCH_STEP, max_bs + 1, CUDA_GRAPH_BATCH_STEP)
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return tuple(sizes)
+
+
+def buffer_plan(target: ModelShapes, spec: SpecSettings, limits: Limits) -> BufferPlan:
+    """Shapes of the static hidden-state buffers (the seed's list; see module docstring)."""
+    bs = limits.cuda_graph_max_bs
+    hs = target.spec_hidden_size
+    b = target.dtype_bytes
+    if spec.algorithm == "NONE":
+        draft_shape = extend_shape = verify_shape = (0, hs)
+        topk = 0
+    else:
+        hin = draft_input_hidden_size(spec.algorithm, target)
+        draft_shape = (bs * spec.topk, hs)
+        extend_shape = (bs * (spec.num_steps + 1), hin)
+        verify_shape = (bs * spec.num_draft_tokens, hin)
+        topk = spec.topk
+    graph_bytes = sum(rows * cols * b for rows, cols in (draft_shape, extend_shape, verify_shape))
+    fixed = sum(size * (topk if count == "topk" else count) for _, size, count in METADATA_FIXED_FIELDS)
+    hidden_per_request = hs * b
+    return BufferPlan(
+        max_bs=bs,
+        dtype_bytes=b,
+        draft_hidden_states_shape=draft_shape,
+        draft_extend_hidden_states_shape=extend_shape,
+        verify_hidden_states_shape=verify_shape,
+        cuda_graph_hidden_states_bytes=graph_bytes,
+        metadata_hidden_states_shape=(limits.max_running_requests, hs),
+        metadata_hidden_states_bytes_per_request=hidden_per_request,
+        metadata_fixed_fields_bytes_per_request=fixed,
+        metadata_bytes=limits.max_running_requests * (hidden_per_request + fixed),
+    )
+
+
+def _mlp_width_per_token(shapes: ModelShapes) -> int:
+    """Widest MLP intermediate one token produces: dense width, or its routed experts' combined."""
+    routed = shapes.num_experts_per_tok * shapes.moe_intermediate_size + shapes.shared_expert_intermediate_size
+    return max(shapes.intermediate_size, routed)
+
+
+def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
+    """Transient activations of `tokens` rows through one layer, on one GPU (layers run one at a
+    time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product."""
+    # hc_mult = 1: spec_hidden_size is hidden_size, and the residual widths are plain hidden widths.
+    per_token = ((LIVE_HIDDEN_WIDTHS - LIVE_RESIDUAL_WIDTHS) * shapes.hidden_size
+                 + LIVE_RESIDUAL_WIDTHS * shapes.spec_hidden_size
+                 + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp)
+    hc_float32 = LIVE_HC_FLOAT32_STREAMS * shapes.spec_hidden_size * 4 if shapes.hc_mult > 1 else 0
+    return tokens * (per_token * shapes.dtype_bytes + hc_float32)
+
+
+def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
+    return rows * math.ceil(vocab_size / tp) * LOGITS_DTYPE_BYTES
+
+
+def _tp_refusal(shapes: ModelShapes, tp: int) -> str | None:
+    """Why `tp` cannot split this model's attention, or None."""
+    if shapes.attention == "compressed":
+        return None  # V4 attention stays replicated on every rank; only experts are split
+    if shapes.num_heads % tp:
+        return f"{shapes.role} num_attention_heads {shapes.num_heads} is not divisible by {tp}"
+    if shapes.attention == "gqa" and shapes.num_kv_heads % tp and tp % shapes.num_kv_heads:
+        return f"{shapes.role} num_key_value_heads {shapes.num_kv_heads} neither divides nor is divisible by {tp}"
+    return None
+
+
+def _weight_source(shapes: ModelShapes, weight_bytes: int | None) -> str:
+    if weight_bytes is None:
+        return "shapes"
+    if shapes.role == "MTP" and weight_bytes == 0:
+        return "target checkpoint"
+    return "safetensors"
+
+
+def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int) -> ModelTerms:
+    weights = shapes.weight_bytes if weight_bytes is None else weight_bytes
+    return ModelTerms(
+        model_type=shapes.model_type,
+        architecture=shapes.architecture,
+        role=shapes.role,
+        dtype=shapes.dtype,
+        hidden_size=shapes.hidden_size,
+        hc_mult=shapes.hc_mult,
+        spec_hidden_size=shapes.spec_hidden_size,
+        num_layers=shapes.num_layers,
+        num_heads=shapes.num_heads,
+        num_kv_heads=shapes.num_kv_heads,
+        head_dim=shapes.head_dim,
+        attention=shapes.attention,
+        num_params=shapes.num_params,
+        weight_bytes=weights,
+        weight_source=_weight_source(shapes, weight_bytes),
+        weight_bytes_per_gpu=math.ceil(weights / tp),
+        kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
+        kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
+        # V4's sliding windows live in its single shared K=V head, replicated on every rank
+        kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request,
+    )
+
+
+def _memory_terms(
+    target: ModelTerms, draft: ModelTerms | None, target_shapes: ModelShapes, draft_shapes: ModelShapes | None,
+    spec: SpecSettings, gpu: GPU, limits: Limits, buffers: BufferPlan, tp: int,
+) -> MemoryTerms:
+    models = [target] + ([draft] if draft else [])
+    weights = sum(m.weight_bytes_per_gpu for m in models)
+    kv_per_token = sum(m.kv_cache_bytes_per_token_per_gpu for m in models)
+    per_request = limits.max_running_requests * sum(m.kv_cache_bytes_per_request_per_gpu for m in models)
+    # The graphs of every batch size and kind share one private pool, sized by the widest capture:
+    # the target verifying max_bs * num_draft_tokens rows, with float32 logits for all of them,
+    # which a speculative step that samples warps into probabilities inside the same graph.
+    graph_rows = limits.cuda_graph_max_bs * spec.tokens_per_request_step
+    logits_copies = SAMPLING_LOGITS_COPIES if draft_shapes is not None else 1
+    graph_pool = (
+        CUDA_GRAPH_POOL_BASE_BYTES
+        + _activation_bytes(target_shapes, graph_rows, tp)
+        + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
+    )
+    # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
+    # narrower and runs after it); logits only for the last token of each request in the chunk.
+    workspace = _activation_bytes(target_shapes, PREFILL_CHUNK_TOKENS, tp) + _logits_bytes(
+        limits.max_running_requests, target_shapes.vocab_size, tp
+    )
+    if draft_shapes is not None:
+        # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3).
+        features = PREFILL_CHUNK_TOKENS * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
+        workspace = max(workspace, _activation_bytes(draft_shapes, PREFILL_CHUNK_TOKENS, tp) + features)
+    budget = (
+        gpu.memory_bytes - weights - graph_pool - workspace - buffers.static_bytes - per_request - RESERVE_BYTES
+    )
+    tokens = max(0, budget // kv_per_token) if kv_per_token else 0
+    return MemoryTerms(
+        gpu_memory_bytes=gpu.memory_bytes,
+        weight_bytes=weights,
+        cuda_graph_pool_bytes=graph_pool,
+        activation_workspace_bytes=workspace,
+        static_buffer_bytes=buffers.static_bytes,
+        per_request_state_bytes=per_request,
+        reserve_bytes=RESERVE_BYTES,
+        kv_cache_budget_bytes=budget,
+        kv_cache_bytes_per_token=kv_per_token,
+        kv_cache_bytes=tokens * kv_per_token,
+    )
+
+
+def _notes(
+    target: ModelShapes, draft: ModelShapes | None, target_weight_bytes: int | None,
+    draft_weight_bytes: int | None, limits: Limits, tp: int,
+) -> tuple[str, ...]:
+    notes = []
+    for shapes in (target, draft):
+        if shapes is not None and shapes.attention == "gqa" and shapes.num_kv_heads < tp:
+            notes.append(
+                f"{shapes.role} has {shapes.num_kv_heads} KV heads for TP {tp}: its k/v projections "
+                "and KV heads are replicated, so weights / TP slightly undercounts"
+            )
+    for shapes, weights in ((target, target_weight_bytes), (draft, draft_weight_bytes)):
+        if shapes is None:
+            continue
+        if shapes.quantization and weights is None:
+            notes.append(
+                f"{shapes.role} checkpoint is quantized ({shapes.quantization}); weights counted at "
+                f"{shapes.dtype}, give the model directory for its real size"
+            )
+    if draft is not None and draft.role == "MTP" and draft_weight_bytes == 0:
+        notes.append("MTP layers' weights are in the target checkpoint and counted there")
+    if target.has_vision_tower and target_weight_bytes is None:
+        notes.append("vision tower weights are not counted from shapes; give the model directory for them")
+    if target.max_position_embeddings and limits.context_length > target.max_position_embeddings:
+        notes.append(
+            f"context_length {limits.context_length} exceeds the target's max_position_embeddings "
+            f"{target.max_position_embeddings}"
+        )
+    if target.attention == "compressed":
+        notes.append("weights / TP is approximate: DeepSeek-V4 attention and shared experts are replicated")
+    return tuple(notes)
+
+
+def plan(
+    target: ModelShapes,
+    draft: ModelShapes | None,
+    spec: SpecSettings,
+    gpu: GPU,
+    limits: Limits,
+    *,
+    target_weight_bytes: int | None = None,
+    draft_weight_bytes: int | None = None,
+    gpus_per_node: int = 8,
+) -> Plan:
+    """Plan memory for `target` + `draft` on `gpu` (see the module docstring for the formula).
+
+    Weight bytes come from the checkpoints' safetensors headers when given, else from the shapes.
+    Raises PlanError: reason "DraftRequired" (EAGLE/EAGLE3/MTP without a draft),
+    "InsufficientGPUMemory" (with the bytes needed and available per GPU at the largest TP tried,
+    and the TP sizes refused because they do not divide the heads).
+    """
+    if spec.algorithm != "NONE" and draft is None:
+        raise PlanError("DraftRequired", f"draft: algorithm {spec.algorithm} needs a draft model")
+    if spec.algorithm == "NONE":
+        draft = None
+    if gpus_per_node < 1:
+        raise PlanError("InvalidGPU", f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    buffers = buffer_plan(target, spec, limits)
+    required = limits.context_length * limits.max_running_requests
+    refusals: list[str] = []  # TP sizes that cannot split the heads, and why
+    last: tuple[int, MemoryTerms] | None = None
+    for tp in TENSOR_PARALLEL_SIZES:
+        if tp > gpus_per_node:
+            break
+        refusal = _tp_refusal(target, tp) or (draft and _tp_refusal(draft, tp))
+        if refusal:
+            refusals.append(f"TP {tp}: {refusal}")
+            continue
+        target_terms = _model_terms(target, target_weight_bytes, tp)
+        draft_terms = _model_terms(draft, draft_weight_bytes, tp) if draft else None
+        memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp)
+        max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
+        last = (tp, memory)
+        if max_total_tokens >= required:
+            return Plan(
+                algorithm=spec.algorithm,
+                num_steps=spec.num_steps if draft else 0,
+                topk=spec.topk if draft else 0,
+                num_draft_tokens=spec.num_draft_tokens if draft else 0,
+                gpu=gpu.name,
+                gpu_product_label=gpu.product_label,
+                gpus_per_node=gpus_per_node,
+                spec_hidden_size=target.spec_hidden_size,
+                draft_input_hidden_size=draft_input_hidden_size(spec.algorithm, target),
+                tensor_parallel_size=tp,
+                max_total_tokens=max_total_tokens,
+                max_running_requests=limits.max_running_requests,
+                context_length=limits.context_length,
+                required_tokens=required,
+                target=target_terms,
+                draft=draft_terms,
+                buffers=buffers,
+                memory_per_gpu=memory,
+                cuda_graph_batch_sizes=cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
+                notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
+            )
+    assert last is not None  # TP 1 divides every head count and gpus_per_node >= 1
+    tp, memory = last
+    fixed = memory.gpu_memory_bytes - memory.kv_cache_budget_bytes
+    needed = fixed + required * memory.kv_cache_bytes_per_token
+    hint = ""
+    if target.quantization and target_weight_bytes is None:
+        hint = (
+            f"; weights were counted at {target.dtype} but the checkpoint is {target.quantization}: "
+            "give the model directory to read its real size"
+        )
+    raise PlanError(
+        "InsufficientGPUMemory",
+        f"does not fit on {tp} x {gpu.name}: at TP {tp} each GPU needs "
+        f"{needed / GIB:.1f} GiB (weights {memory.weight_bytes / GIB:.1f} GiB + other fixed "
+        f"{(fixed - memory.weight_bytes) / GIB:.1f} GiB + KV {required} tokens x "
+        f"{memory.kv_cache_bytes_per_token} B) but has {memory.gpu_memory_bytes / GIB:.1f} GiB{hint}"
+        + "".join(f"; {refusal}" for refusal in refusals),
+    )
+
+
+def plan_from_configs(
+    target_config: dict[str, Any],
+    draft_config: dict[str, Any] | None,
+    spec: SpecSettings,
+    gpu: GPU,
+    limits: Limits,
+    *,
+    target_weight_bytes: int | None = None,
+    draft_weight_bytes: int | None = None,
+    gpus_per_node: int = 8,
+) -> Plan:
+    """derive_shapes for both models (the draft in the target's dtype), then plan()."""
+    target = derive_shapes(target_config, role="target")
+    draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype)
+    if spec.algorithm == "MTP" and draft_config is None:
+        # The MTP layers ship inside the target checkpoint: with its headers read they are already
+        # in target_weight_bytes; without them they are counted from the shapes.
+        draft_weight_bytes = 0 if target_weight_bytes is not None else None
+    return plan(
+        target, draft, spec, gpu, limits,
+        target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
+        gpus_per_node=gpus_per_node,
+    )
+

@@ -1,0 +1,491 @@
+"""The batched engine loop: prefill, then speculative (or plain) decoding for all running requests.
+
+One `step()`:
+  1. prefill waiting requests, one chunk of at most prefill_chunk_tokens padded tokens (long
+     prompts take several steps): the target writes their prompt K/V and, where a prompt ends,
+     samples the first token; the draft head runs over the same positions (draft extend) with
+     the target's features;
+  2. for the requests already running, one speculative iteration:
+       draft    num_steps x topk candidates (draft pool, scratch slots)
+       tree     keep num_draft_tokens nodes (tree.py)
+       verify   one target forward over the tree with its ancestor mask (tree slots)
+       accept   greedy or rejection sampling (verify.py)
+       extend   the draft runs over the accepted tokens with the target's true features, which
+                rewrites the draft K/V of those positions and yields the next root's hidden
+       commit   the accepted nodes' slots join the request; every other slot is freed.
+     Without a draft head, one plain decode step.
+
+A request's committed tokens own the same slot in the target and the draft pool. State kept per
+request between steps: its committed length, the last emitted token (the next tree root, not yet
+in the KV) and the draft's hidden state after that token (`draft_hidden`, one row per request).
+HTTP, tokenization, stop strings and queueing live elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.runtime.calls import ModelCalls
+from specdeploy.engine.models.draft import DraftHead
+from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, SlotTable
+from specdeploy.engine.models.layers import argmax
+from specdeploy.engine.models.llama import LlamaModel
+from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
+from specdeploy.engine.speculative.verify import sample_from, warp_probs
+
+_FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0          # 0 = off
+    seed: int | None = None
+    stop_token_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class StepOutput:
+    req_id: str
+    token_ids: list[int]            # tokens emitted by this step (a stop token is included)
+    num_accepted_drafts: int
+    finished: bool
+    finish_reason: str | None       # "stop" | "length" | None
+
+
+class NoCapacity(RuntimeError):
+    """The request fits the engine but not right now: retry after requests finish."""
+
+
+@dataclass
+class SpecConfig:
+    """The speculative settings the runner needs (plan.SpecSettings has the same fields)."""
+    algorithm: str = "NONE"
+    num_steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 1
+
+
+@dataclass
+class _Seq:
+    req: Request
+    row: int
+    length: int                     # committed tokens (in both KV pools)
+    root: int = -1                  # last emitted token: not yet in the KV
+    num_generated: int = 0
+    reserved: int = 0
+    generator: torch.Generator | None = None
+
+
+class Runner:
+    def __init__(self, target: LlamaModel, draft: DraftHead | None = None, spec=None, *,
+                 plan=None, max_total_tokens: int | None = None,
+                 max_running_requests: int | None = None, context_length: int | None = None,
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True):
+        """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
+        "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
+        "off" (plain eager calls; the default on CPU).
+        prefill_chunk_tokens: padded tokens one prefill forward carries (the plan sizes the
+        activation workspace for this many); longer prompts are prefilled over several steps.
+        fused_spec_step: with graphs, one graph per speculative iteration (the default); False
+        graphs each model call alone, with tree building and acceptance eager in between."""
+        if plan is not None:
+            max_total_tokens = plan.max_total_tokens
+            max_running_requests = plan.max_running_requests
+            context_length = plan.context_length
+            cuda_graph_batch_sizes = cuda_graph_batch_sizes or tuple(plan.cuda_graph_batch_sizes)
+            if spec is None:
+                spec = SpecConfig(plan.algorithm, plan.num_steps, plan.topk, plan.num_draft_tokens)
+        if max_total_tokens is None or max_running_requests is None:
+            raise ValueError("give a plan or both max_total_tokens and max_running_requests")
+        spec = spec or SpecConfig()
+        algorithm = getattr(spec, "algorithm", "NONE")
+        if (draft is None) != (algorithm == "NONE"):
+            raise ValueError(f"algorithm {algorithm!r} and draft head {type(draft).__name__} disagree")
+        if draft is not None and draft.algorithm != algorithm:
+            raise ValueError(f"draft head is {draft.algorithm}, settings say {algorithm}")
+        self.target, self.draft, self.spec = target, draft, spec
+        self.device = torch.device(device)
+        self.context_length = context_length or target.cfg.max_position_embeddings
+        self.num_steps = spec.num_steps if draft is not None else 0
+        self.topk = spec.topk if draft is not None else 1
+        self.num_draft_tokens = spec.num_draft_tokens if draft is not None else 1
+        if draft is not None:
+            if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+                raise ValueError("topk 1 needs num_draft_tokens = num_steps + 1")
+            most = max_draft_tokens(self.num_steps, self.topk)
+            if not 2 <= self.num_draft_tokens <= most:
+                raise ValueError(f"num_draft_tokens must be in [2, {most}]")
+            target.set_feature(_FEATURE_KIND[algorithm], getattr(target, "aux_layers", None) or None)
+            # What this runner's draft consumes; re-applied each step in case another user of
+            # the same target (a second runner, a training loop) switched it meanwhile.
+            self._feature = (target.feature_kind, target.aux_layers)
+            if target.feature_size != draft.input_size:
+                raise ValueError(f"target feature width {target.feature_size} != draft input "
+                                 f"width {draft.input_size}")
+        # The pad slot is extra: max_total_tokens usable slots.
+        num_slots = max_total_tokens + 1
+        tc = target.cfg
+        dtype = target.embed_tokens.weight.dtype
+        self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, dtype, self.device)
+        self.max_running_requests = max_running_requests
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.table = SlotTable(num_slots, max_running_requests, self.context_length, self.device)
+        self.draft_kv = None
+        if draft is not None:
+            dc = draft.cfg
+            self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
+                                   dtype, self.device)
+            # [max_running_requests, carried width]: the draft state after each request's root.
+            self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
+                                            device=self.device)
+        self.calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, self.num_steps,
+                                self.topk, self.num_draft_tokens)
+        if graph_mode is None:
+            graph_mode = "capture" if self.device.type == "cuda" and cuda_graph_batch_sizes else "off"
+        if graph_mode not in ("capture", "padded", "off"):
+            raise ValueError(f"graph_mode {graph_mode!r}: use 'capture', 'padded' or 'off'")
+        if graph_mode != "off":
+            if not cuda_graph_batch_sizes:
+                raise ValueError(f"graph_mode {graph_mode!r} needs cuda_graph_batch_sizes (or a plan)")
+            from specdeploy.engine.runtime.graphs import GraphedCalls
+            self.calls = GraphedCalls(self.calls, cuda_graph_batch_sizes, self.context_length,
+                                      capture=graph_mode == "capture", fused=fused_spec_step)
+            if plan is not None and draft is not None:
+                _check_buffers_against_plan(self.calls.buffer_shapes(), plan.buffers)
+        self._pending: list[_Seq] = []
+        self._running: dict[str, _Seq] = {}
+        self._reserved = 0
+        # What the step in progress took and has not committed yet, given back if it fails:
+        # slot tensors, (row, start, end) req_to_slot entries written, requests given a row.
+        self._step_slots: list[torch.Tensor] = []
+        self._step_entries: list[tuple[int, int, int]] = []
+        self._step_rows: list[_Seq] = []
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Staging for the per-step index copy (pinned, so it need not wait for the device).
+        self._pinned = self._h2d_done = None
+        if self.device.type == "cuda":
+            self._pinned = torch.empty(3, max_running_requests, dtype=torch.int64, pin_memory=True)
+            self._h2d_done = torch.cuda.Event()
+        # Greedy requests' sampling parameters and (unused) uniform draws, as device constants.
+        m = max_running_requests
+        self._greedy = (torch.zeros(m, device=self.device),
+                        torch.zeros(m, dtype=torch.int64, device=self.device),
+                        torch.ones(m, device=self.device))
+        self._greedy_uniforms = torch.full((m, self.num_draft_tokens + 1 + self.num_steps), 0.5,
+                                           device=self.device)
+        self.num_draft_tokens_proposed = 0
+        self.num_draft_tokens_accepted = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def slots_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """Slots a request can hold at its peak: prompt + output, plus one iteration's scratch
+        (the draft's (num_steps - 1) x topk and the verify tree's num_draft_tokens; 1 without a draft)."""
+        scratch = (max(self.num_steps - 1, 0) * self.topk + self.num_draft_tokens) if self.draft else 1
+        return prompt_len + max_tokens + scratch
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most prompt + max_tokens one request may have: the context minus the positions
+        one draft tree looks ahead past the committed tokens."""
+        return self.context_length - self.num_steps - 1
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The largest max_tokens a request with this prompt can be admitted with (by context
+        and by pool size); 0 or less when the prompt alone does not fit."""
+        return min(self.max_sequence_tokens - prompt_len,
+                   self.table.capacity - self.slots_needed(prompt_len, 0))
+
+    def add(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.id}: empty prompt")
+        if req.max_tokens < 1:
+            raise ValueError(f"request {req.id}: max_tokens must be >= 1, got {req.max_tokens}")
+        if req.id in self._running or any(s.req.id == req.id for s in self._pending):
+            raise ValueError(f"request {req.id}: id already in use")
+        vocab = self.target.cfg.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"request {req.id}: prompt token id outside [0, {vocab})")
+        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+            raise ValueError(f"request {req.id}: bad sampling parameters (temperature >= 0, "
+                             f"0 < top_p <= 1, top_k >= 0)")
+        if len(req.prompt_ids) + req.max_tokens > self.max_sequence_tokens:
+            raise ValueError(f"request {req.id}: prompt ({len(req.prompt_ids)}) + max_tokens "
+                             f"({req.max_tokens}) exceeds the context length {self.context_length}")
+        need = self.slots_needed(len(req.prompt_ids), req.max_tokens)
+        if need > self.table.capacity:
+            raise ValueError(f"request {req.id}: needs {need} KV slots, the pool has "
+                             f"{self.table.capacity} (max_total_tokens)")
+        if self._reserved + need > self.table.capacity or \
+                len(self._running) + len(self._pending) >= self.max_running_requests:
+            raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
+        gen = None
+        if req.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(req.seed)
+        self._reserved += need
+        self._pending.append(_Seq(req, row=-1, length=0, reserved=need, generator=gen))
+
+    def abort(self, req_id: str) -> None:
+        for i, seq in enumerate(self._pending):
+            if seq.req.id == req_id:
+                self._pending.pop(i)
+                self._reserved -= seq.reserved
+                if seq.row >= 0:  # partly prefilled
+                    self.table.free_row(seq.row, seq.length)
+                return
+        seq = self._running.get(req_id)
+        if seq is None:
+            raise KeyError(f"no request {req_id!r}")
+        self._release(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        self.table.free_row(seq.row, seq.length)
+        self._reserved -= seq.reserved
+        del self._running[seq.req.id]
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.table.num_free
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running) + len(self._pending)
+
+    # ---- one iteration -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        if self.draft is not None and (self.target.feature_kind, self.target.aux_layers) != self._feature:
+            self.target.set_feature(*self._feature)
+        decoding = list(self._running.values())
+        outputs: dict[str, StepOutput] = {}
+        try:
+            if self._pending:
+                for out in self._prefill(self._prefill_batch()):
+                    outputs[out.req_id] = out
+            if decoding:
+                outs = self._spec_decode(decoding) if self.draft is not None else self._plain_decode(decoding)
+                for out in outs:
+                    outputs[out.req_id] = out
+        except BaseException:
+            # A failed forward (e.g. out of memory) leaves every request as it was before the
+            # failed phase: retrying or aborting it is exact and no slot is lost.
+            self._undo_step()
+            raise
+        return list(outputs.values())
+
+    def _take_slots(self, n: int) -> torch.Tensor:
+        slots = self.table.alloc(n)
+        self._step_slots.append(slots)
+        return slots
+
+    def _commit_step(self) -> None:
+        """The phase's slots now belong to requests (or were freed by it): nothing to undo."""
+        self._step_slots.clear()
+        self._step_entries.clear()
+        self._step_rows.clear()
+
+    def _undo_step(self) -> None:
+        for slots in self._step_slots:
+            self.table.free(slots)
+        for row, start, end in self._step_entries:
+            self.table.req_to_slot[row, start:end] = PAD_SLOT
+        for seq in self._step_rows:  # no committed tokens yet: the row goes back empty
+            self.table.free_row(seq.row, 0)
+            seq.row = -1
+        self._commit_step()
+
+    # ---- prefill -----------------------------------------------------------------------------
+
+    def _prefill_batch(self) -> list[tuple[_Seq, int]]:
+        """(request, tokens to prefill now) in arrival order, as many as fit one chunk of
+        prefill_chunk_tokens padded tokens (B x longest piece); a longer prompt is cut."""
+        budget, chosen, q = self.prefill_chunk_tokens, [], 0
+        for seq in self._pending:
+            take = min(len(seq.req.prompt_ids) - seq.length, budget)
+            if chosen and (len(chosen) + 1) * max(q, take) > budget:
+                break
+            chosen.append((seq, take))
+            q = max(q, take)
+        return chosen
+
+    def _prefill(self, chosen: list[tuple[_Seq, int]]) -> list[StepOutput]:
+        """One chunk: each chosen request's next `take` prompt tokens, after its earlier chunks
+        (the prefix). A request whose prompt ends here samples its first token and starts
+        running; the others stay pending with their prefix written."""
+        dev = self.device
+        b, q = len(chosen), max(take for _, take in chosen)
+        tokens = torch.zeros(b, q, dtype=torch.int64, device=dev)
+        shifted = torch.zeros(b, q, dtype=torch.int64, device=dev)        # token after each entry
+        slots = torch.full((b, q), PAD_SLOT, dtype=torch.int64, device=dev)
+        starts = torch.tensor([seq.length for seq, _ in chosen], device=dev)
+        takes = torch.tensor([take for _, take in chosen], device=dev)
+        for i, (seq, take) in enumerate(chosen):
+            if seq.row < 0:
+                seq.row = self.table.alloc_row()
+                self._step_rows.append(seq)
+            start, prompt = seq.length, seq.req.prompt_ids
+            tokens[i, :take] = torch.tensor(prompt[start:start + take], device=dev)
+            # The last prompt entry pairs with the first sampled token, filled in below.
+            nxt = prompt[start + 1:start + take + 1]
+            shifted[i, :len(nxt)] = torch.tensor(nxt, dtype=torch.int64, device=dev)
+            slots[i, :take] = self._take_slots(take)
+            self.table.req_to_slot[seq.row, start:start + take] = slots[i, :take]
+            self._step_entries.append((seq.row, start, start + take))
+        rows = torch.tensor([seq.row for seq, _ in chosen], device=dev)
+        prefix = self.table.req_to_slot[rows, :max(seq.length for seq, _ in chosen)]
+        positions = starts[:, None] + torch.arange(q, device=dev)
+        positions = torch.where(torch.arange(q, device=dev) < takes[:, None], positions, 0)
+        batch = causal_batch(slots, takes, prefix, starts)
+        out = self.target(tokens, positions, batch, self.target_kv)
+        done = [i for i, (seq, take) in enumerate(chosen) if seq.length + take == len(seq.req.prompt_ids)]
+        finished = [chosen[i][0] for i in done]
+        first = None
+        if done:
+            idx = torch.tensor(done, device=dev)
+            first = self._sample(finished, self.target.logits(out.hidden[idx, takes[idx] - 1]))
+            shifted[idx, takes[idx] - 1] = first
+        if self.draft is not None:
+            hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
+            if done:
+                self.draft_hidden[rows[idx]] = hidden[idx]
+        for seq, take in chosen:
+            seq.length += take
+        self._commit_step()
+        for seq in finished:
+            self._pending.remove(seq)
+            self._running[seq.req.id] = seq
+        if not done:
+            return []
+        return self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished))
+
+    # ---- speculative decoding ------------------------------------------------------------------
+
+    def _spec_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
+        steps, n = self.num_steps, self.num_draft_tokens
+        b = len(seqs)
+        rows, lens, roots = self._seq_tensors(seqs)
+        prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
+        sampling = any(s.req.temperature > 0 for s in seqs)
+        params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
+        # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
+        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else self._greedy_uniforms[:b]
+        scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)  # draft K/V, steps 1..S-1
+        tree_slots = self._take_slots(b * n).view(b, n)                      # target K/V of the tree
+        hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
+        num_acc, bonus, path_tokens, path_slots, positions, to_free, draft_hidden = \
+            self.calls.spec_step(roots, lens, prefix, hidden, scratch, tree_slots, *params, uniforms,
+                                 sampling)
+        host = torch.cat([num_acc[:, None], bonus[:, None], path_tokens], 1).tolist()  # the one sync
+        accepted = [h[0] for h in host]
+
+        # Commit (after the last model call, so a failure above leaves the requests as they
+        # were): the accepted nodes' slots (root first) join the requests, every other slot is
+        # freed. All S + 1 columns are written; those past the new length hold the pad slot and
+        # are never read (prefix_lens bounds every read) before being overwritten.
+        self.table.req_to_slot[rows[:, None], positions] = path_slots
+        self.table.free(to_free.view(-1)[:b * (n - 1) - sum(accepted)])
+        self.table.free(scratch)
+        self.draft_hidden[rows] = draft_hidden
+        for s, a in zip(seqs, accepted):
+            s.length += a + 1
+        self._commit_step()
+
+        self.num_draft_tokens_proposed += b * steps
+        self.num_draft_tokens_accepted += sum(accepted)
+        emitted = [h[3:a + 3] + [h[1]] for h, a in zip(host, accepted)]
+        return self._emit(seqs, emitted, accepted)
+
+    # ---- plain decoding --------------------------------------------------------------------------
+
+    def _plain_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
+        b = len(seqs)
+        rows, lens, roots = self._seq_tensors(seqs)
+        slots = self._take_slots(b).view(b, 1)
+        prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
+        logits = self.calls.target_decode(roots[:, None], lens[:, None], slots, prefix, lens)   # [B, V]
+        tokens = self._sample(seqs, logits)
+        self.table.req_to_slot[rows, lens] = slots[:, 0]
+        for s in seqs:
+            s.length += 1
+        self._commit_step()
+        return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)
+
+    # ---- sampling and bookkeeping ---------------------------------------------------------------
+
+    def _seq_tensors(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows, committed lengths and roots [B] of the decoding requests, in one host-to-device
+        copy (on CUDA from pinned memory, without waiting for it)."""
+        packed = torch.tensor([[s.row for s in seqs], [s.length for s in seqs], [s.root for s in seqs]],
+                              dtype=torch.int64)
+        if self._pinned is not None:
+            self._h2d_done.synchronize()  # the previous step's copy has left the pinned buffer
+            staged = self._pinned[:, :len(seqs)]
+            staged.copy_(packed)
+            packed = staged.to(self.device, non_blocking=True)
+            self._h2d_done.record()
+        else:
+            packed = packed.to(self.device)
+        return packed[0], packed[1], packed[2]
+
+    def _greedy_params(self, b: int):
+        """Sampling parameters of B greedy requests (device constants made once)."""
+        return tuple(x[:b] for x in self._greedy)
+
+    def _sampling_params(self, seqs):
+        dev = self.device
+        return (torch.tensor([s.req.temperature for s in seqs], device=dev),
+                torch.tensor([s.req.top_k for s in seqs], device=dev),
+                torch.tensor([s.req.top_p for s in seqs], device=dev))
+
+    def _uniforms(self, seqs, n: int) -> torch.Tensor:
+        """[B, n] uniform draws, from each request's own generator when it has a seed."""
+        return torch.stack([torch.rand(n, generator=s.generator or self._generator, device=self.device)
+                            for s in seqs])
+
+    def _sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
+        if all(s.req.temperature == 0 for s in seqs):
+            return argmax(logits)
+        probs = warp_probs(logits, *self._sampling_params(seqs))
+        return sample_from(probs, self._uniforms(seqs, 1)[:, 0])
+
+    def _emit(self, seqs, emitted: list[list[int]], accepted: list[int]) -> list[StepOutput]:
+        outputs = []
+        for s, tokens, acc in zip(seqs, emitted, accepted):
+            kept, reason = [], None
+            for t in tokens:
+                kept.append(t)
+                s.num_generated += 1
+                if t in s.req.stop_token_ids:
+                    reason = "stop"
+                elif s.num_generated >= s.req.max_tokens:
+                    reason = "length"
+                if reason:
+                    break
+            s.root = kept[-1]
+            if reason:
+                self._release(s)
+            outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason))
+        return outputs
+
+
+def _check_buffers_against_plan(allocated: dict, planned) -> None:
+    """The engine allocates the plan's static buffers exactly; any difference is a bug in one of
+    them (e.g. a buffer sized with hidden_size where spec_hidden_size is meant)."""
+    for name, shape in allocated.items():
+        want = tuple(getattr(planned, name))
+        if shape != want:
+            raise ValueError(f"{name}: allocated {shape}, the plan says {want}")
+

@@ -1,0 +1,388 @@
+"""`specdeploy engine serve`: what the operator's Deployment runs.
+
+Start-up, as `kubectl logs` shows it: the plan (read from --plan, i.e. the operator's ConfigMap,
+or computed here from the same function), weight loading with timings, KV-pool allocation checked
+against the plan, a warm-up step, then ready. Loading happens after the HTTP server is up, so
+/health answers at once and /ready turns 200 only when the engine can serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("specdeploy.engine")
+
+ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Requests waiting for admission, per running-request slot, before new ones get 429.
+QUEUE_PER_RUNNING_REQUEST = 4
+DEFAULT_NUM_STEPS = 3
+DEFAULT_MAX_RUNNING_REQUESTS = 32
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    engine = subparsers.add_parser("engine", help="the inference engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    p = engine_sub.add_parser(
+        "serve", help="serve a target (+ draft) model over an OpenAI-compatible API",
+        description="Load a target and draft model, allocate the memory plan, and serve "
+                    "/v1/completions, /v1/chat/completions, /health, /ready and /metrics.")
+    p.add_argument("--target", required=True, help="target model: a local HF-style directory or an HF id in the local HF cache")
+    p.add_argument("--draft", help="draft head: a local directory or an HF id (required for EAGLE and EAGLE3)")
+    p.add_argument("--target-revision", default="main",
+                   help="hub revision (branch, tag or commit sha) of an HF-id --target (default: main)")
+    p.add_argument("--draft-revision", default="main",
+                   help="hub revision (branch, tag or commit sha) of an HF-id --draft (default: main)")
+    # Defaults are None so that, with --plan, only what was really given is compared with the plan.
+    p.add_argument("--algorithm", choices=ALGORITHMS, help="default: the plan's, else NONE")
+    p.add_argument("--num-steps", type=int, help=f"draft depth per iteration (default: {DEFAULT_NUM_STEPS})")
+    p.add_argument("--topk", type=int, help="branches per draft step (default: 1)")
+    p.add_argument("--num-draft-tokens", type=int, help="tokens verified per request per iteration (default: num_steps + 1)")
+    p.add_argument("--plan", help="plan.json from the operator; without it the plan is computed here")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-running-requests", type=int, help=f"default: {DEFAULT_MAX_RUNNING_REQUESTS}")
+    p.add_argument("--context-length", type=int, help="default: the target's max_position_embeddings")
+    p.add_argument("--max-total-tokens", type=int, help="cap the KV pool at this many token slots (default: the plan's)")
+    p.add_argument("--max-queued-requests", type=int, help=f"waiting requests before 429 (default: {QUEUE_PER_RUNNING_REQUEST} x max running)")
+    p.add_argument("--served-model-name", help="the `model` clients send (default: --target as given)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: how long in-flight requests may take to finish")
+    p.add_argument("--log-interval-s", type=float, default=5.0, help="seconds between throughput log lines")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+    return p
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdeploy.engine.serving.metrics import EngineMetrics
+    from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
+
+    configure_logging()
+    try:
+        check_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    model_name = args.served_model_name or args.target
+    state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name))
+    config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None,
+                            access_log=args.access_log, timeout_keep_alive=30)
+    server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
+    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics), on_load_failure=server.fail)
+    server.run()
+    return server.exit_code
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.algorithm in ("EAGLE", "EAGLE3") and not args.draft:
+        raise ValueError(f"--draft is required for --algorithm {args.algorithm}")
+    if args.algorithm == "NONE" and args.draft:
+        raise ValueError("--draft given with --algorithm NONE; pick EAGLE, EAGLE3 or MTP")
+    if args.draft and args.algorithm is None and not args.plan:
+        raise ValueError("--draft needs --algorithm (EAGLE, EAGLE3 or MTP) or a --plan that names it")
+
+
+def _spec_settings(args: argparse.Namespace):
+    """SpecSettings from the command line (no --plan)."""
+    from specdeploy.engine.planner.plan import SpecSettings
+
+    algorithm = args.algorithm or "NONE"
+    if algorithm == "NONE":
+        return SpecSettings("NONE", 0, 0, 0)
+    steps = args.num_steps or DEFAULT_NUM_STEPS
+    return SpecSettings(algorithm, steps, args.topk or 1, args.num_draft_tokens or steps + 1)
+
+
+def resolve_model_path(name: str, revision: str = "main") -> Path:
+    """A local directory, else an HF id at `revision`: from the local HF cache, else fetched from
+    $HF_ENDPOINT into that cache (a volume in the cluster, so a restarted pod does not fetch again)."""
+    from specdeploy.engine.serving import hub
+
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if path.is_absolute() or name.startswith("."):
+        raise FileNotFoundError(f"{name}: no such directory")
+    snapshot = hub.cached_snapshot(name, revision)
+    if snapshot is not None:
+        log.info("%s@%s: found in the HF cache at %s", name, revision, snapshot)
+        return snapshot
+    return hub.fetch_model(name, revision)
+
+
+def _torch_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _host_gpu(device: str):
+    """The device the plan is made for: the GPU as torch sees it; on CPU, the machine's RAM."""
+    import torch
+
+    from specdeploy.engine.planner.plan import GIB, custom_gpu
+
+    if device == "cuda":
+        return custom_gpu(torch.cuda.get_device_properties(0).total_memory / GIB)
+    return custom_gpu(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
+
+
+def _require_single_gpu(tensor_parallel_size: int) -> None:
+    if tensor_parallel_size != 1:
+        raise RuntimeError(f"the plan needs tensor_parallel_size {tensor_parallel_size}; this engine "
+                           f"runs on one GPU (TP 1) per pod")
+
+
+def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
+    from specdeploy.engine.planner.plan import Limits, Plan, plan_from_configs
+    from specdeploy.engine.planner.cli import format_plan
+    from specdeploy.engine.planner.shapes import load_model_path
+
+    if args.plan:
+        plan = Plan.from_dict(json.loads(Path(args.plan).read_text()))
+        log.info("plan: read from %s", args.plan)
+        asked = {"algorithm": args.algorithm, "num_steps": args.num_steps, "topk": args.topk,
+                 "num_draft_tokens": args.num_draft_tokens, "max_running_requests": args.max_running_requests,
+                 "context_length": args.context_length}
+        for key, value in asked.items():
+            if value is not None and getattr(plan, key) != value:
+                log.warning("plan: %s is %s in the plan and %s on the command line; using the plan's",
+                            key, getattr(plan, key), value)
+    else:
+        target_config, target_weight_bytes = load_model_path(target_dir)
+        draft_config, draft_weight_bytes = load_model_path(draft_dir) if draft_dir else (None, None)
+        spec = _spec_settings(args)
+        context_length = args.context_length or int(
+            target_config.get("text_config", target_config).get("max_position_embeddings", 4096))
+        running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        limits = Limits(running, context_length, running)
+        plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
+                                 target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
+                                 gpus_per_node=1)
+        log.info("plan: computed for this %s (no --plan given)", "GPU" if device == "cuda" else "CPU host")
+    for line in format_plan(plan).splitlines():
+        log.info("plan | %s", line)
+    return plan
+
+
+def _checkpoint_size(path: Path) -> str:
+    files = sorted(path.glob("*.safetensors"))
+    return f"{len(files)} safetensors file(s), {human_bytes(sum(f.stat().st_size for f in files))}"
+
+
+def _param_bytes(module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _compare(what: str, measured: int, planned: int) -> None:
+    diff = (measured - planned) / planned * 100 if planned else float("inf")
+    level = logging.WARNING if abs(diff) > 10 else logging.INFO
+    log.log(level, "plan check: %s %s measured vs %s planned (%+.1f%%)",
+            what, human_bytes(measured), human_bytes(planned), diff)
+
+
+def _fit_prefill_chunk(runner, plan, available_bytes: int) -> None:
+    """Shrink the prefill chunk if the memory left after start-up cannot hold the plan's
+    workspace (another term took more than planned); refuse to start if not even a small chunk
+    fits, rather than run out of memory on the first long prompt."""
+    from specdeploy.engine.planner.plan import MIN_PREFILL_CHUNK_TOKENS, prefill_chunk_that_fits
+
+    workspace = plan.memory_per_gpu.activation_workspace_bytes
+    chunk = prefill_chunk_that_fits(available_bytes, workspace, runner.prefill_chunk_tokens)
+    if chunk == runner.prefill_chunk_tokens:
+        return
+    if chunk == 0:
+        raise RuntimeError(
+            f"only {available_bytes / 2**30:.2f} GiB of GPU memory is left after loading and graph "
+            f"capture; the plan's prefill workspace needs {workspace / 2**30:.2f} GiB and even a "
+            f"{MIN_PREFILL_CHUNK_TOKENS}-token chunk does not fit: lower --max-total-tokens (or the "
+            f"resource's context length or concurrency)")
+    log.warning("GPU memory left after start-up (%.2f GiB) is less than the plan's prefill workspace "
+                "(%.2f GiB): prefill chunk reduced from %d to %d tokens", available_bytes / 2**30,
+                workspace / 2**30, runner.prefill_chunk_tokens, chunk)
+    runner.prefill_chunk_tokens = chunk
+
+
+def load_engine(args: argparse.Namespace, metrics):
+    """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread."""
+    import torch
+
+    from specdeploy.engine.models.draft import load_draft
+    from specdeploy.engine.models.llama import load_target
+    from specdeploy.engine.runtime.runner import Request, Runner
+    from specdeploy.engine.serving.scheduler import Scheduler
+    from specdeploy.engine.serving.tokenizer import Tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    if args.plan:
+        # Refuse before any download: a tensor-parallel plan would otherwise fetch the whole
+        # checkpoint (131 GiB for a 70B target) only to stop at the check below.
+        _require_single_gpu(json.loads(Path(args.plan).read_text()).get("tensor_parallel_size", 1))
+    target_dir = resolve_model_path(args.target, args.target_revision)
+    draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
+    plan = make_plan(args, target_dir, draft_dir, device)
+    if plan.algorithm == "MTP" and draft_dir is None:
+        draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
+    if plan.algorithm != "NONE" and draft_dir is None:
+        raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
+    _require_single_gpu(plan.tensor_parallel_size)
+    dtype = _torch_dtype(args.dtype, device)
+
+    t0 = time.monotonic()
+    log.info("loading target from %s: %s (%s, %s)", target_dir, _checkpoint_size(target_dir),
+             str(dtype).removeprefix("torch."), device)
+    target = load_target(str(target_dir), dtype, device)
+    weight_bytes = _param_bytes(target)
+    log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
+             time.monotonic() - t0)
+    draft = None
+    if plan.algorithm != "NONE":
+        t1 = time.monotonic()
+        log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir, _checkpoint_size(draft_dir))
+        draft = load_draft(str(draft_dir), plan.algorithm, target, dtype, device)
+        weight_bytes += _param_bytes(draft)
+        log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
+                 human_bytes(_param_bytes(draft)), time.monotonic() - t1)
+    planned_weights = plan.target.weight_bytes_per_gpu + (plan.draft.weight_bytes_per_gpu if plan.draft else 0)
+    _compare("weights", weight_bytes, planned_weights)
+
+    max_total_tokens = plan.max_total_tokens
+    if args.max_total_tokens is not None and args.max_total_tokens < max_total_tokens:
+        max_total_tokens = args.max_total_tokens
+        log.info("KV pool: capped at %d token slots by --max-total-tokens (plan: %d)", max_total_tokens,
+                 plan.max_total_tokens)
+    elif device == "cpu" and not args.plan and plan.required_tokens < max_total_tokens:
+        # A plan made here on CPU counts the host's RAM as "GPU memory": the pool gets what the
+        # limits need, not all of it. A given --plan is allocated as it is.
+        max_total_tokens = plan.required_tokens
+        log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
+                 max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
+    t2 = time.monotonic()
+    if device == "cuda":
+        calls = "target decode" if plan.algorithm == "NONE" else "the speculative step, greedy and sampling"
+        log.info("allocating KV pools and capturing CUDA graphs (%s) for batch sizes %s ...", calls,
+                 " ".join(map(str, plan.cuda_graph_batch_sizes)))
+    # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
+    # buffers against it); only the slot count may be smaller than planned (see above).
+    runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
+                    device=device, seed=args.seed)
+    kv_bytes = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
+    log.info("KV pools allocated: %d token slots, %s (target + draft)", max_total_tokens, human_bytes(kv_bytes))
+    if device == "cuda":
+        log.info("CUDA graphs captured for %d batch sizes in %.1f s", len(plan.cuda_graph_batch_sizes),
+                 time.monotonic() - t2)
+    else:
+        log.info("CUDA graphs: none on CPU; the same calls run eagerly")
+    _compare("KV cache", kv_bytes, max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
+    if device == "cuda":
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+        log.info("GPU memory after start-up: %.2f GiB used, %.2f GiB free of %.2f GiB",
+                 (total_bytes - free_bytes) / 2**30, free_bytes / 2**30, total_bytes / 2**30)
+        _fit_prefill_chunk(runner, plan, free_bytes + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+
+    tokenizer = Tokenizer.from_dir(target_dir)
+    t3 = time.monotonic()
+    # One short request through every code path (prefill, draft, verify) before taking traffic:
+    # a broken checkpoint fails here, in the log, not on a user's request.
+    runner.add(Request(id="warmup", prompt_ids=[0, 1, 2, 3], max_tokens=4))
+    while runner.num_running:
+        runner.step()
+    log.info("warm-up step done in %.2f s", time.monotonic() - t3)
+
+    queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
+    scheduler = Scheduler(runner, tokenizer, metrics, max_queued_requests=queued,
+                          log_interval_s=args.log_interval_s)
+    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots",
+             plan.max_running_requests, queued, plan.context_length, max_total_tokens)
+    return scheduler, tokenizer
+
+
+class ServerThread:
+    """`specdeploy engine serve` in a background thread of this process (the demo, the tests).
+    Signals stay with the main thread; `stop()` ends it."""
+
+    def __init__(self, argv: list[str]):
+        import uvicorn
+
+        from specdeploy.engine.serving.metrics import EngineMetrics
+        from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
+
+        # Only this module's parser: serving needs none of the other subcommands' imports.
+        parser = argparse.ArgumentParser(prog="specdeploy")
+        add_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
+        check_args(args)
+        self.args = args
+        model_name = args.served_model_name or args.target
+        self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name))
+        config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None, access_log=args.access_log)
+        self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
+        config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics),
+                                on_load_failure=self.server.fail)
+        self.base_url = f"http://{args.host}:{args.port}"
+        self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
+
+    def start(self, timeout_s: float = 300.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.state.ready:
+            if self.server.exit_code or not self._thread.is_alive():
+                raise RuntimeError(f"the engine failed to start: {self.state.not_ready_reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine was not ready after {timeout_s} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and release the engine's memory (the KV pools may fill a GPU: a second
+        server in this process needs it back)."""
+        import gc
+
+        import torch
+
+        self.server.should_exit = True
+        self._thread.join(timeout=60)
+        self.state.scheduler = self.state.tokenizer = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,455 @@
+"""Continuous batching around the Runner.
+
+The scheduler owns requests: a bounded waiting queue, admission into the running batch, per-request
+output state (detokenization, stop strings, stop token ids, max_tokens), aborts, and draining.
+The runner owns buffers: it prefills what it is given and decodes everything running, one `step()`
+at a time. Neither knows HTTP.
+
+Threads: the runner's step loop runs in one dedicated thread (torch would otherwise block the
+event loop). Requests are submitted from the event loop; their outputs come back through a
+per-request asyncio.Queue fed with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from specdeploy.engine.serving.metrics import EngineMetrics
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, StepOutput
+from specdeploy.engine.serving.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("specdeploy.scheduler")
+
+
+class SchedulerError(Exception):
+    """A request refused before admission; `status_code` is what HTTP should answer."""
+
+    status_code = 400
+
+
+class QueueFullError(SchedulerError):
+    status_code = 429
+
+
+class DrainingError(SchedulerError):
+    status_code = 503
+
+
+class RequestTooLargeError(SchedulerError):
+    status_code = 400
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    """What one engine step produced for one request, as the HTTP layer streams it."""
+
+    text: str
+    num_new_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _RequestState:
+    id: str
+    endpoint: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: set[int]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
+    arrival_s: float
+    first_token_s: float | None = None
+    num_output_tokens: int = 0
+    num_runner_outputs: int = 0
+    text: str = ""
+    emitted_chars: int = 0
+    finished: bool = False
+
+
+class RequestHandle:
+    """The event-loop side of one request: iterate its deltas, or abort it."""
+
+    def __init__(self, scheduler: Scheduler, state: _RequestState):
+        self._scheduler = scheduler
+        self._state = state
+        self.id = state.id
+        self.prompt_tokens = len(state.prompt_ids)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while True:
+            delta = await self._state.queue.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def abort(self) -> None:
+        self._scheduler.abort(self.id)
+
+
+class Scheduler:
+    """Owns requests and drives `runner.step()` in its own thread."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, metrics: EngineMetrics, *,
+                 max_queued_requests: int, log_interval_s: float = 5.0):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        # The runner reserves each request's worst case when it is added (prompt + max_tokens +
+        # one iteration's draft scratch) and refuses with NoCapacity when that does not fit now;
+        # so a running request never runs out of KV slots and nothing needs preempting.
+        # check_fits applies the runner's two limits (max_sequence_tokens, slots_needed) up front,
+        # so a request that could *never* run is refused with a 400 instead of waiting in the queue.
+        self.capacity_slots = runner.table.capacity
+        # The most prompt + max_tokens a request may have (what clients see as the context).
+        self.context_length = runner.max_sequence_tokens
+        self.log_interval_s = log_interval_s
+
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_RequestState] = collections.deque()  # guarded by _cv
+        self._aborts: list[str] = []  # guarded by _cv
+        self._stop = False  # guarded by _cv
+        self._num_unfinished = 0  # guarded by _cv: submitted and not yet finished, wherever they are
+        self._running: dict[str, _RequestState] = {}  # engine thread only
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Delta]] = []  # engine thread only
+        self._draft_counts = (runner.num_draft_tokens_proposed, runner.num_draft_tokens_accepted)
+        self._num_running_published = 0  # read by the event loop (an int store is atomic)
+        self.draining = False
+        self._rejection_logged_s = 0.0  # event loop only
+        self._rejected_since_log = 0
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+        # Totals for the periodic log line (engine thread only).
+        self._log_last_s = time.monotonic()
+        self._log_tokens = 0
+        self._log_steps = 0
+        self._log_accepted = 0
+
+    # ---- event-loop side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def start_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            log.info("draining: refusing new requests, %d running and %d queued will finish",
+                     self._num_running_published, len(self._waiting))
+
+    @property
+    def is_idle(self) -> bool:
+        with self._cv:
+            return self._num_unfinished == 0
+
+    def max_new_tokens(self, prompt_tokens: int) -> int:
+        """The largest max_tokens that fits with this prompt (0 or less: the prompt alone does not)."""
+        return self.runner.max_new_tokens(prompt_tokens)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLargeError for a request that could never run, whatever the load."""
+        if prompt_tokens == 0:
+            raise RequestTooLargeError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.context_length:
+            raise RequestTooLargeError(
+                f"this model's context length is {self.context_length} tokens; the request asks for "
+                f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt + {max_tokens} to generate)")
+        need = self.runner.slots_needed(prompt_tokens, max_tokens)
+        if need > self.capacity_slots:
+            raise RequestTooLargeError(
+                f"the request needs {need} KV slots but the cache holds {self.capacity_slots}")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, endpoint: str) -> RequestHandle:
+        if self.draining:
+            self.metrics.request_rejected("draining")
+            raise DrainingError("the server is shutting down")
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.eos_token_ids
+        loop = asyncio.get_running_loop()
+        state = _RequestState(
+            id=f"req-{next(self._ids)}", endpoint=endpoint, prompt_ids=list(prompt_ids), params=params,
+            stop_token_ids=stop_ids,
+            loop=loop, queue=asyncio.Queue(), detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            arrival_s=time.monotonic())
+        with self._cv:
+            if len(self._waiting) >= self.max_queued_requests:
+                self.metrics.request_rejected("queue_full")
+                self._log_rejection()
+                raise QueueFullError(
+                    f"the server is at capacity ({self._num_running_published} running, "
+                    f"{len(self._waiting)} queued); retry later")
+            self._waiting.append(state)
+            self._num_unfinished += 1
+            self.metrics.num_requests_waiting.set(len(self._waiting))
+            self._cv.notify()
+        return RequestHandle(self, state)
+
+    def _log_rejection(self) -> None:
+        # Under overload every request is a rejection: one line per interval, with the count.
+        self._rejected_since_log += 1
+        now = time.monotonic()
+        if now - self._rejection_logged_s >= self.log_interval_s:
+            log.warning("overloaded: refused %d request(s) with 429 (%d running, %d queued, queue limit %d)",
+                        self._rejected_since_log, self._num_running_published, len(self._waiting),
+                        self.max_queued_requests)
+            self._rejection_logged_s, self._rejected_since_log = now, 0
+
+    def abort(self, req_id: str) -> None:
+        with self._cv:
+            self._aborts.append(req_id)
+            self._cv.notify()
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not (self._stop or self._waiting or self._aborts or self._running):
+                    # Wake up now and then while idle so the throughput gauge decays to zero.
+                    self._cv.wait(timeout=self.log_interval_s)
+                if self._stop:
+                    break
+                aborts, self._aborts = self._aborts, []
+            try:
+                self._apply_aborts(aborts)
+                self._admit()
+                if self._running:
+                    self._process(self.runner.step())
+            except Exception as e:  # a broken batch must not kill the server: fail what ran in it
+                log.exception("engine step failed; failing %d running requests", len(self._running))
+                for state in list(self._running.values()):
+                    self._safe_runner_abort(state.id)
+                    self._finish(state, "error", error=f"engine error: {type(e).__name__}: {e}")
+            self._deliver()
+            self._publish_gauges()
+            self._maybe_log()
+        # Shutdown: whatever is left gets an abort so no client waits forever.
+        for state in list(self._running.values()) + list(self._waiting):
+            self._finish(state, "abort")
+        self._deliver()
+
+    def _apply_aborts(self, aborts: list[str]) -> None:
+        for req_id in aborts:
+            state = self._running.get(req_id)
+            if state is not None:
+                self._safe_runner_abort(req_id)
+                self._finish(state, "abort")
+                log.info("aborted %s (client went away); its KV slots are free", req_id)
+                continue
+            with self._cv:
+                queued = next((s for s in self._waiting if s.id == req_id), None)
+                if queued is not None:
+                    self._waiting.remove(queued)
+            if queued is not None:
+                self._finish(queued, "abort")
+
+    def _admit(self) -> None:
+        # FIFO: the head of the queue waits for room rather than being overtaken by smaller
+        # requests forever.
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return
+                state = self._waiting[0]
+            p = state.params
+            try:
+                self.runner.add(Request(
+                    id=state.id, prompt_ids=state.prompt_ids, max_tokens=p.max_tokens,
+                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                    stop_token_ids=state.stop_token_ids))
+            except NoCapacity:
+                return  # full (running requests or KV slots): it stays at the head of the queue
+            except ValueError as e:
+                log.warning("runner refused %s: %s", state.id, e)
+                with self._cv:
+                    self._waiting.popleft()
+                self._finish(state, "error", error=str(e))
+                continue
+            with self._cv:
+                self._waiting.popleft()
+            self._running[state.id] = state
+            self.metrics.prompt_tokens.inc(len(state.prompt_ids))
+
+    def _process(self, outputs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        proposed, accepted = self.runner.num_draft_tokens_proposed, self.runner.num_draft_tokens_accepted
+        self.metrics.spec_decode_num_draft_tokens.inc(proposed - self._draft_counts[0])
+        self.metrics.spec_decode_num_accepted_tokens.inc(accepted - self._draft_counts[1])
+        self._draft_counts = (proposed, accepted)
+        for out in outputs:
+            state = self._running.get(out.req_id)
+            if state is None or state.finished:
+                continue
+            state.num_runner_outputs += 1
+            if state.num_runner_outputs > 1 and self.runner.draft is not None:
+                # The first output of a request comes from its prefill; later ones are decode
+                # steps, where accepted drafts + 1 tokens were committed.
+                self._log_steps += 1
+                self._log_accepted += out.num_accepted_drafts
+                self.metrics.spec_decode_num_steps.inc()
+                self.metrics.spec_decode_acceptance_length.observe(out.num_accepted_drafts + 1)
+            if state.first_token_s is None and out.token_ids:
+                state.first_token_s = now
+                self.metrics.time_to_first_token_s.observe(now - state.arrival_s)
+            self._consume(state, out)
+
+    def _consume(self, state: _RequestState, out: StepOutput) -> None:
+        """Apply max_tokens, stop token ids and stop strings to one step's tokens; stream the text."""
+        p = state.params
+        visible: list[int] = []
+        finish_reason = None
+        num_new = 0
+        for tok in out.token_ids:
+            num_new += 1
+            state.num_output_tokens += 1
+            if tok in state.stop_token_ids:
+                finish_reason = "stop"  # the stop token itself is not part of the text
+                break
+            visible.append(tok)
+            if state.num_output_tokens >= p.max_tokens:
+                finish_reason = "length"
+                break
+        if finish_reason is None and out.finished:
+            finish_reason = out.finish_reason or "stop"
+        self._log_tokens += num_new
+        self.metrics.generation_tokens.inc(num_new)
+
+        state.text += state.detokenizer.add(visible)
+        if finish_reason is not None:
+            state.text += state.detokenizer.flush()
+        if p.stop:
+            # Only the new text (plus the longest stop's length) can hold a new match.
+            search_from = max(0, state.emitted_chars - max(len(s) for s in p.stop))
+            hits = [i for i in (state.text.find(s, search_from) for s in p.stop) if i >= 0]
+            if hits:
+                state.text = state.text[:min(hits)]
+                finish_reason = "stop"
+
+        if finish_reason is None:
+            # Hold back a tail that may be the start of a stop string, so none is ever streamed.
+            end = len(state.text) - _stop_prefix_overlap(state.text, p.stop)
+            if end > state.emitted_chars:
+                self._emit(state, Delta(text=state.text[state.emitted_chars:end], num_new_tokens=num_new))
+                state.emitted_chars = end
+            return
+        if not out.finished:
+            # We stopped it (stop string, or a stop token the runner did not see): free its slots now.
+            self._safe_runner_abort(state.id)
+        self._finish(state, finish_reason, num_new_tokens=num_new)
+
+    def _finish(self, state: _RequestState, finish_reason: str, *, num_new_tokens: int = 0,
+                error: str | None = None) -> None:
+        if state.finished:
+            return
+        state.finished = True
+        self._running.pop(state.id, None)
+        self._emit(state, Delta(text=state.text[state.emitted_chars:], num_new_tokens=num_new_tokens,
+                                finish_reason=finish_reason, prompt_tokens=len(state.prompt_ids),
+                                completion_tokens=state.num_output_tokens, error=error))
+        state.emitted_chars = len(state.text)
+        self.metrics.request_finished(state.endpoint, finish_reason)
+        self.metrics.request_latency_s.observe(time.monotonic() - state.arrival_s)
+        with self._cv:  # last: a drain may end once this reaches zero
+            self._num_unfinished -= 1
+
+    def _emit(self, state: _RequestState, delta: Delta) -> None:
+        self._outbox.append((state.loop, state.queue, delta))
+
+    def _deliver(self) -> None:
+        """Hand this iteration's deltas to the event loop: one wake-up per loop per step, not one
+        per request (each call_soon_threadsafe writes to the loop's self-pipe)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+        for loop, queue, delta in self._outbox:
+            by_loop.setdefault(loop, []).append((queue, delta))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+                pass
+
+    def _safe_runner_abort(self, req_id: str) -> None:
+        try:
+            self.runner.abort(req_id)
+        except KeyError:  # the runner already retired it
+            pass
+
+    def _publish_gauges(self) -> None:
+        self._num_running_published = len(self._running)
+        self.metrics.num_requests_running.set(len(self._running))
+        self.metrics.num_requests_waiting.set(len(self._waiting))
+        if self.capacity_slots:
+            self.metrics.kv_slot_usage.set(1.0 - self.runner.num_free_slots / self.capacity_slots)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        elapsed_s = now - self._log_last_s
+        if elapsed_s < self.log_interval_s:
+            return
+        if self._log_tokens or self._running or self._waiting:
+            tok_per_s = self._log_tokens / elapsed_s
+            kv_usage = 1.0 - self.runner.num_free_slots / self.capacity_slots if self.capacity_slots else 0.0
+            self.metrics.generation_throughput.set(tok_per_s)
+            # Without a draft every step commits one token: no acceptance length to report.
+            accept = (f" accept_len={1.0 + self._log_accepted / self._log_steps:.2f}"
+                      if self.runner.draft is not None and self._log_steps else "")
+            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s kv_usage=%.1f%%",
+                     len(self._running), len(self._waiting), tok_per_s, accept, 100 * kv_usage)
+        else:
+            self.metrics.generation_throughput.set(0.0)
+        self._log_last_s, self._log_tokens, self._log_steps, self._log_accepted = now, 0, 0, 0
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+
+
+def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,448 @@
+"""The engine's HTTP face: an OpenAI-compatible API, health/readiness probes and Prometheus metrics.
+
+This module only translates: JSON in → (prompt ids, SamplingParams) → Scheduler → JSON/SSE out.
+Everything about batching lives in the scheduler, everything about tensors in the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import uvicorn
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdeploy.engine.serving.metrics import EngineMetrics
+from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
+from specdeploy.engine.serving.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("specdeploy.server")
+
+# How often a non-streaming request checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+# OpenAI's default for /v1/completions.
+_DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Names pydantic puts into an error's location for the member of a union it tried.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+              500: "internal_error", 503: "service_unavailable"}
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.param, self.code = status_code, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self._TYPES.get(self.status_code, "error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+# ---- request bodies ------------------------------------------------------------------------
+# strict: OpenAI rejects "max_tokens": "10"; so do we. Unknown fields are ignored (clients send
+# `user`, `logit_bias`, ... that change nothing here).
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 and -1 both mean off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    # Accepted so that clients sending the defaults work; anything else is refused, not ignored.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class CompletionBody(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # templates may read name, tool_calls, ...
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatBody(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+
+# ---- the app -------------------------------------------------------------------------------
+
+@dataclass
+class EngineState:
+    """What the routes need; `scheduler` and `tokenizer` arrive when loading finishes."""
+
+    model_name: str
+    metrics: EngineMetrics
+    tokenizer: Tokenizer | None = None
+    scheduler: Scheduler | None = None
+    not_ready_reason: str = "loading weights"
+    started_s: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and not self.scheduler.draining
+
+
+Loader = Callable[[EngineMetrics], tuple[Scheduler, Tokenizer]]
+
+
+def create_app(state: EngineState, loader: Loader | None = None,
+               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """Build the app. With `loader`, it runs in a worker thread after start-up, so /health answers
+    (and the pod is not killed) while weights load and graphs are captured; /ready turns 200 after."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        load_task = None
+        if loader is not None:
+            async def load():
+                try:
+                    scheduler, tokenizer = await asyncio.to_thread(loader, state.metrics)
+                except Exception as e:
+                    log.exception("loading failed")
+                    state.not_ready_reason = f"loading failed: {e}"
+                    if on_load_failure is not None:
+                        on_load_failure(e)
+                    return
+                state.tokenizer = tokenizer
+                scheduler.start()
+                state.scheduler = scheduler
+                log.info("ready: serving %s", state.model_name)
+            load_task = asyncio.create_task(load())
+        elif state.scheduler is not None and not state.scheduler.started:
+            state.scheduler.start()
+        yield
+        if load_task is not None and not load_task.done():
+            load_task.cancel()
+        if state.scheduler is not None:
+            state.scheduler.shutdown()
+
+    app = FastAPI(title="specdeploy engine", lifespan=lifespan)
+    app.state.engine = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                            code="invalid_json").response()
+        # loc is ("body", field, index | nested field | union member tag, ...): the top-level field
+        # is the param; the path without pydantic's union tags ("str", "list[int]") goes in the message.
+        loc = [str(x) for x in first.get("loc", ())[1:]
+               if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))]
+        param = loc[0] if loc else None
+        message = first.get("msg", "invalid value")
+        if len(loc) < len(first.get("loc", ())) - 1:  # a union: say what it got, not one member's complaint
+            message = f"has the wrong type ({type(first.get('input')).__name__})"
+        return APIError(400, f"{'.'.join(loc) or 'body'}: {message}", param=param,
+                        code="invalid_value").response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.ready:
+            return {"status": "ready"}
+        reason = "draining" if state.scheduler is not None else state.not_ready_reason
+        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.started_s, "owned_by": "specdeploy",
+                "max_model_len": state.scheduler.context_length if state.scheduler else None}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        check_model(model)
+        return model_card()
+
+    def check_model(model: str) -> None:
+        if model != state.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+                           param="model", code="model_not_found")
+
+    def serving() -> tuple[Scheduler, Tokenizer]:
+        if state.scheduler is None or state.tokenizer is None:
+            raise APIError(503, f"the server is not ready ({state.not_ready_reason})", code="not_ready")
+        if state.scheduler.draining:
+            raise APIError(503, "the server is shutting down", code="draining")
+        return state.scheduler, state.tokenizer
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        check_model(body.model)
+        scheduler, tokenizer = serving()
+        if body.echo:
+            raise APIError(400, "echo is not supported by this server", param="echo")
+        prompt_ids = completion_prompt_ids(body.prompt, tokenizer)
+        max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
+        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+        if body.stream:
+            return sse_response(handle, chunk, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        text, last = await collect(handle, request)
+        out = chunk(text, last.finish_reason)
+        out["usage"] = usage(last)
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request):
+        check_model(body.model)
+        scheduler, tokenizer = serving()
+        messages = [chat_message_dict(m) for m in body.messages]
+        try:
+            prompt_ids = tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
+            max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
+        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "chat_completions")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                delta["content"] = text
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+        if body.stream:
+            return sse_response(handle, chunk, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                first_chunk=chunk("", None, first=True))
+        text, last = await collect(handle, request)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": last.finish_reason}],
+                "usage": usage(last)}
+
+    def sse_response(handle: RequestHandle, chunk, include_usage: bool, first_chunk: dict | None = None):
+        async def events() -> AsyncIterator[str]:
+            finished = False
+            try:
+                if first_chunk is not None:
+                    yield sse(first_chunk)
+                async for delta in handle.deltas():
+                    if delta.finish_reason is None:
+                        if delta.text:
+                            yield sse(chunk(delta.text, None))
+                        continue
+                    finished = True
+                    if delta.error is not None:
+                        yield sse(APIError(500, delta.error, code="engine_error").body())
+                        break
+                    if delta.text:
+                        yield sse(chunk(delta.text, None))
+                    yield sse(chunk("", delta.finish_reason))
+                    if include_usage:
+                        tail = chunk("", None)
+                        tail["choices"] = []
+                        tail["usage"] = usage(delta)
+                        yield sse(tail)
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:  # the client went away (or the server is stopping): free its slots
+                    handle.abort()
+
+        # no-cache / no buffering: proxies must pass tokens through as they come.
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(delta: Delta) -> dict[str, int]:
+    return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
+            "total_tokens": delta.prompt_tokens + delta.completion_tokens}
+
+
+def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, endpoint: str) -> RequestHandle:
+    try:
+        return scheduler.submit(prompt_ids, params, endpoint)
+    except SchedulerError as e:
+        code = {429: "queue_full", 503: "draining"}.get(e.status_code, "context_length_exceeded")
+        raise APIError(e.status_code, str(e), code=code) from None
+
+
+async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
+    """Gather a whole response; abort it if the client disconnects while it is generated."""
+    parts: list[str] = []
+    last: list[Delta] = []
+
+    async def consume():
+        async for delta in handle.deltas():
+            parts.append(delta.text)
+            last.append(delta)
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                handle.abort()
+                await task
+    finally:
+        if not task.done():  # cancelled ourselves (server stopping)
+            handle.abort()
+            task.cancel()
+    final = last[-1]
+    if final.error is not None:
+        raise APIError(500, final.error, code="engine_error")
+    return "".join(parts), final
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
+    unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(body, name)]
+    unsupported += ["logprobs"] if getattr(body, "logprobs", None) else []
+    if unsupported:
+        raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(s == "" for s in stop):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    stop_token_ids = set(body.stop_token_ids or [])
+    check_token_ids(stop_token_ids, tokenizer, "stop_token_ids")
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=max(body.top_k, 0), seed=body.seed, stop=stop,
+                          stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
+
+
+def check_token_ids(ids, tokenizer: Tokenizer, param: str) -> None:
+    bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+    if bad:
+        raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                       param=param)
+
+
+def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:
+    # One prompt per request: a string, token ids, or a one-element batch of either.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        check_token_ids(prompt, tokenizer, "prompt")
+        ids = list(prompt)
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return ids
+
+
+def chat_message_dict(message: ChatMessage) -> dict[str, Any]:
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):  # OpenAI content parts: only text is understood here
+        out["content"] = "".join(part.text for part in message.content)
+    out.setdefault("content", "")
+    return out
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with Kubernetes-friendly termination.
+
+    The first SIGTERM/SIGINT starts a drain: /ready answers 503 (the Service stops routing here),
+    new generation requests get 503, requests already admitted or queued run to completion; when
+    none is left (or `drain_timeout_s` passed) the server stops and the process exits 0.
+    A second signal stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: EngineState, drain_timeout_s: float = 600.0):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self.exit_code = 0
+        self._drain_started_s: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Unlike uvicorn's own handler, the signal is not re-raised after shutdown: a drained
+        # server exits 0, which is what the Deployment's rollout expects.
+        if self._drain_started_s is not None or self.state.scheduler is None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        log.info("received signal %d: draining before exit (up to %.0f s)", sig, self.drain_timeout_s)
+        self._drain_started_s = time.monotonic()
+        self.state.scheduler.start_drain()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop with exit code 1 (loading failed: the pod should restart and say why)."""
+        self.exit_code = 1
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_started_s is not None and not self.should_exit:
+            waited_s = time.monotonic() - self._drain_started_s
+            if self.state.scheduler.is_idle:
+                log.info("drained in %.1f s; stopping", waited_s)
+                self.should_exit = True
+            elif waited_s > self.drain_timeout_s:
+                log.warning("drain timeout (%.0f s) passed with requests still running; stopping", waited_s)
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -1,1 +1,0 @@
-"""The kopf operator for SpecDecodeDeployment (imported as specdeploy.operator)."""

@@ -1,0 +1,256 @@
+"""The operator's side effects on the cluster, in one place: reads, server-side apply, deletes and
+optimistic-concurrency status writes, through the official Kubernetes client."""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from specdeploy.operator.desired.render import (
+    GROUP,
+    KIND,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+    Children,
+    config_map_name,
+    deployment_name,
+)
+
+FIELD_MANAGER = MANAGED_BY
+APPLY_PATCH = "application/apply-patch+yaml"
+# Status writers conflict while a rollout streams Deployment events; each retry re-reads, so
+# many cheap attempts with a little jitter converge quickly.
+STATUS_WRITE_ATTEMPTS = 30
+STATUS_WRITE_BACKOFF_S = 0.05
+
+
+class ChildConflict(Exception):
+    """An object with a child's name exists but another owner controls it; the operator never
+    takes over what it did not create."""
+
+
+def plain(value: Any) -> Any:
+    """Deep copy of a kopf body (read-only mapping views) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(v) for v in value]
+    return value
+
+
+def controller_owner(obj: Mapping[str, Any], kind: str = KIND) -> Mapping[str, Any] | None:
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == kind:
+            return ref
+    return None
+
+
+def new_api_client() -> kubernetes.client.ApiClient:
+    """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+    try:
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+        return kubernetes.client.ApiClient(configuration)
+    except kubernetes.config.ConfigException:
+        # Read KUBECONFIG now: the client's own default was frozen when it was first imported.
+        return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
+
+
+class KubeClient:
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self.api_client = api_client
+        self.core = kubernetes.client.CoreV1Api(api_client)
+        self.apps = kubernetes.client.AppsV1Api(api_client)
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+
+    def _dict(self, model: Any) -> dict[str, Any]:
+        return self.api_client.sanitize_for_serialization(model)
+
+    # -- reads (config_source.ClusterReader) -------------------------------------------------
+
+    def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            return self.core.read_namespaced_config_map(name, namespace).data or {}
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        decoded = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+        decoded.update(secret.string_data or {})
+        return decoded
+
+    def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._dict(self.apps.read_namespaced_deployment(name, namespace))
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return self._dict(self.core.list_namespaced_pod(namespace, label_selector=label_selector))["items"]
+
+    def list_sdds(self, namespaces: list[str] | None) -> list[dict[str, Any]]:
+        if not namespaces:
+            return self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return [
+            item
+            for ns in namespaces
+            for item in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+        ]
+
+    def get_sdd(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    # -- children ------------------------------------------------------------------------------
+
+    def _existing(self, obj: dict[str, Any]) -> Any:
+        meta = obj["metadata"]
+        read = {
+            "ConfigMap": self.core.read_namespaced_config_map,
+            "Service": self.core.read_namespaced_service,
+            "Deployment": self.apps.read_namespaced_deployment,
+        }[obj["kind"]]
+        try:
+            return self._dict(read(meta["name"], meta["namespace"]))
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def check_not_foreign(self, obj: dict[str, Any]) -> None:
+        """ChildConflict if an object of this name exists and the same owner does not control it."""
+        meta = obj["metadata"]
+        existing = self._existing(obj)
+        if existing is not None:
+            ours = controller_owner(obj)
+            theirs = controller_owner(existing)
+            if theirs is None or theirs.get("uid") != ours.get("uid"):
+                owner = f"{theirs['kind']} {theirs['name']}" if theirs else "no controller"
+                raise ChildConflict(
+                    f"{obj['kind']} {meta['namespace']}/{meta['name']} already exists and is owned by"
+                    f" {owner}; rename the SpecDecodeDeployment or remove that object"
+                )
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply with this operator's field manager: creates or converges, so a
+        restarted operator re-applying the same children changes nothing and duplicates nothing."""
+        self.check_not_foreign(obj)
+        return self._apply_unchecked(obj)
+
+    def _apply_unchecked(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        patch = {
+            "ConfigMap": self.core.patch_namespaced_config_map,
+            "Service": self.core.patch_namespaced_service,
+            "Deployment": self.apps.patch_namespaced_deployment,
+        }[obj["kind"]]
+        result = patch(
+            meta["name"], meta["namespace"], obj,
+            field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH,
+        )
+        return self._dict(result)
+
+    def apply_children(self, children: Children) -> dict[str, Any]:
+        """Apply ConfigMap, Deployment, Service; returns the Deployment as the server has it.
+        Ownership of all three is checked before any is applied: a conflict found midway would
+        leave GPU pods running without their Service (or their ConfigMap)."""
+        for child in children.all():
+            self.check_not_foreign(child)
+        applied = {child["kind"]: self._apply_unchecked(child) for child in children.all()}
+        return applied["Deployment"]
+
+    def owned_deployment(self, namespace: str, name: str, owner_uid: str) -> dict[str, Any] | None:
+        """The engine Deployment if this resource controls it (None for absent or foreign)."""
+        deployment = self.get_deployment(namespace, deployment_name(name))
+        owner = controller_owner(deployment) if deployment else None
+        return deployment if owner is not None and owner.get("uid") == owner_uid else None
+
+    def delete_engine(self, namespace: str, name: str, owner_uid: str) -> list[str]:
+        """Delete the engine Deployment and its ConfigMap, if this resource controls them (the
+        Service stays: its name is the stable address clients use, and it has no endpoints
+        without pods). Returns what went."""
+        deleted = []
+        for kind, read, delete, child_name in (
+            ("Deployment", self.apps.read_namespaced_deployment, self.apps.delete_namespaced_deployment, deployment_name(name)),
+            ("ConfigMap", self.core.read_namespaced_config_map, self.core.delete_namespaced_config_map, config_map_name(name)),
+        ):
+            try:
+                child = self._dict(read(child_name, namespace))
+                owner = controller_owner(child)
+                if owner is None or owner.get("uid") != owner_uid:
+                    continue  # not ours: never delete what the resource does not control
+                # The uid precondition guards against a same-named replacement in between.
+                delete(
+                    child_name, namespace,
+                    body=kubernetes.client.V1DeleteOptions(
+                        propagation_policy="Background",
+                        preconditions=kubernetes.client.V1Preconditions(uid=child["metadata"]["uid"]),
+                    ),
+                )
+                deleted.append(f"{kind} {child_name}")
+            except ApiException as err:
+                if err.status not in (404, 409):
+                    raise
+        return deleted
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def update_status(
+        self,
+        namespace: str,
+        name: str,
+        compute: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """Read the resource, `compute(current_status, resource)` the new status, write it with
+        the read resourceVersion; on a conflict read and compute again.
+
+        Both the reconciler and the Deployment watcher write status; the version check keeps
+        either from overwriting what the other wrote from a newer view. Returns (old, new)
+        status, or None when the resource is gone.
+        """
+        for attempt in range(STATUS_WRITE_ATTEMPTS):
+            if attempt:
+                time.sleep(random.uniform(0, STATUS_WRITE_BACKOFF_S * min(attempt, 10)))
+            obj = self.get_sdd(namespace, name)
+            if obj is None:
+                return None
+            old = obj.get("status") or {}
+            new = compute(old, obj)
+            if "kopf" in old:
+                new = {**new, "kopf": old["kopf"]}
+            if new == old:
+                return old, new
+            obj["status"] = new
+            try:
+                self.custom.replace_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, PLURAL, name, obj, field_manager=FIELD_MANAGER
+                )
+                return old, new
+            except ApiException as err:
+                if err.status == 404:
+                    return None
+                if err.status != 409:
+                    raise
+        raise RuntimeError(f"status of {namespace}/{name}: still conflicting after {STATUS_WRITE_ATTEMPTS} attempts")

@@ -1,0 +1,92 @@
+"""Serving figures for `status.serving` from the engine pods' Prometheus `/metrics`.
+
+mean accept length = 1 + accepted draft tokens / verify steps, summed over ready pods (each
+counter is cumulative since its pod started, so this is the lifetime mean of the current pods);
+tokens per second = the sum of the pods' generation throughput gauges.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from specdeploy.operator.desired.render import ENGINE_PORT
+
+ACCEPTED_TOKENS = "specdeploy_spec_decode_num_accepted_tokens_total"
+VERIFY_STEPS = "specdeploy_spec_decode_num_steps_total"
+TOKENS_PER_SECOND = "specdeploy_generation_tokens_per_second"
+SCRAPE_TIMEOUT_S = 2.0
+
+# name{labels} value  (timestamps, if any, follow the value and are ignored)
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    accepted_tokens: float
+    verify_steps: float
+    tokens_per_second: float
+
+
+def parse_engine_metrics(text: str) -> EngineSample:
+    """Sum each wanted metric over its label sets; absent metrics count as 0."""
+    totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in totals:
+            try:
+                totals[match.group(1)] += float(match.group(3))
+            except ValueError:
+                continue
+    return EngineSample(totals[ACCEPTED_TOKENS], totals[VERIFY_STEPS], totals[TOKENS_PER_SECOND])
+
+
+def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
+    """The status.serving fields the samples support (none without samples or steps)."""
+    samples = list(samples)
+    if not samples:
+        return {}
+    steps = sum(s.verify_steps for s in samples)
+    result = {"tokensPerSecond": round(sum(s.tokens_per_second for s in samples), 1)}
+    if steps > 0:
+        result["meanAcceptLength"] = round(1 + sum(s.accepted_tokens for s in samples) / steps, 2)
+    return result
+
+
+def _url_host(ip: str) -> str:
+    """An IPv6 address goes in brackets in a URL (http://[fd00::1]:8000); anything else as is."""
+    try:
+        return f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    except ValueError:
+        return ip
+
+
+def ready_pod_metrics_urls(pods: Iterable[dict[str, Any]]) -> list[str]:
+    urls = []
+    for pod in pods:
+        st = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        if ready and st.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
+            urls.append(f"http://{_url_host(st['podIP'])}:{ENGINE_PORT}/metrics")
+    return urls
+
+
+def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple[list[EngineSample], list[str]]:
+    """(samples of the pods that answered, one error line per pod that did not)."""
+    samples, errors = [], []
+    with httpx.Client(timeout=timeout_s) as client:
+        for url in urls:
+            try:
+                response = client.get(url)
+                response.raise_for_status()
+                samples.append(parse_engine_metrics(response.text))
+            # One pod's failure (unreachable, bad URL, garbled answer) must not end the round for
+            # the others: InvalidURL and decoding errors are not HTTPErrors.
+            except Exception as err:
+                errors.append(f"GET {url}: {type(err).__name__}: {err}")
+    return samples, errors

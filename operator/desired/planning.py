@@ -1,0 +1,142 @@
+"""Spec + resolved config.json files -> shapes -> the memory plan (pure; the same `plan()` that
+`specdeploy plan` and the engine call)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from specdeploy.engine.planner import plan as planner
+from specdeploy.engine.serving.cli import DTYPES
+from specdeploy.engine.planner.shapes import ConfigError, derive_draft_shapes, derive_shapes
+from specdeploy.operator.desired.render import PlannedEngine, engine_settings
+
+REASON_CONFIG_INVALID = "ConfigInvalid"
+ENGINE_DTYPES = tuple(d for d in DTYPES if d != "auto")
+
+
+class PlanningError(Exception):
+    """The spec cannot be planned; `reason` is the PlanReady condition reason. Always permanent:
+    the same spec and configs give the same answer."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def gpu_for_spec(gpu_spec: dict[str, Any]) -> planner.GPU:
+    product = gpu_spec["product"]
+    if product not in planner.GPUS:
+        raise PlanningError(
+            "UnknownGPU",
+            f"spec.gpu.product: {product!r} is not in the catalog ({', '.join(sorted(planner.GPUS))})",
+        )
+    gpu = planner.GPUS[product]
+    if gpu_spec.get("memoryGiB"):
+        # Same product label (scheduling), less or more memory (planning).
+        return planner.GPU(gpu.name, int(gpu_spec["memoryGiB"] * planner.GIB), gpu.product_label)
+    return gpu
+
+
+def cpu_device(cpu_spec: dict[str, Any]) -> planner.GPU:
+    """CPU mode: the memory budget of spec.cpu as the one device the plan sizes (no product label,
+    nothing to schedule on)."""
+    return dataclasses.replace(planner.custom_gpu(cpu_spec["memoryGiB"]), name="cpu")
+
+
+def plan_engine(
+    spec: dict[str, Any],
+    target_config: dict[str, Any],
+    draft_config: dict[str, Any] | None,
+) -> PlannedEngine:
+    """The plan for one spec, or PlanningError. Anything else the planner raises is a config.json
+    it did not foresee: refused as ConfigInvalid, never a retry that can only fail again (the
+    resource would sit in phase Planning forever)."""
+    try:
+        return _plan_engine(spec, target_config, draft_config)
+    except PlanningError:
+        raise
+    except Exception as err:
+        raise PlanningError(
+            REASON_CONFIG_INVALID,
+            f"the planner failed on these config.json files: {type(err).__name__}: {err}",
+        ) from err
+
+
+def _plan_engine(
+    spec: dict[str, Any],
+    target_config: dict[str, Any],
+    draft_config: dict[str, Any] | None,
+) -> PlannedEngine:
+    settings = engine_settings(spec)
+    algorithm = settings["algorithm"]
+    try:
+        # derive_shapes normalises fields in the dict it reads: give it copies.
+        target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"))
+    except ConfigError as err:
+        raise PlanningError(REASON_CONFIG_INVALID, f"spec.target config.json: {err}") from err
+    if target.dtype not in ENGINE_DTYPES:
+        # The engine is started with the planned dtype (render.engine_args); one it cannot compute
+        # in would be sized here and then crash at start-up.
+        raise PlanningError(
+            REASON_CONFIG_INVALID,
+            f"spec.target config.json: torch_dtype {target.dtype} is not a dtype the engine computes in"
+            f" ({', '.join(ENGINE_DTYPES)}); set spec.engine.dtype",
+        )
+    try:
+        draft = derive_draft_shapes(
+            algorithm,
+            copy.deepcopy(target_config),
+            copy.deepcopy(draft_config) if draft_config is not None else None,
+            dtype=target.dtype,
+        )
+    except ConfigError as err:
+        field = "spec.draft" if draft_config is not None else "spec.target (MTP layers)"
+        raise PlanningError(REASON_CONFIG_INVALID, f"{field} config.json: {err}") from err
+
+    cpu_spec = spec.get("cpu")
+    if cpu_spec:
+        # One device, so tensor parallel 1 (the engine runs one process per pod on CPU).
+        gpu, per_node = cpu_device(cpu_spec), 1
+    else:
+        gpu_spec = spec["gpu"]
+        gpu, per_node = gpu_for_spec(gpu_spec), gpu_spec.get("perNode", 8)
+    try:
+        speculative = planner.SpecSettings(
+            algorithm=algorithm,
+            num_steps=settings.get("num_steps", 0),
+            topk=settings.get("topk", 0),
+            num_draft_tokens=settings.get("num_draft_tokens", 0),
+        )
+        limits = planner.Limits(
+            max_running_requests=settings["max_running_requests"],
+            context_length=settings["context_length"],
+            cuda_graph_max_bs=settings["cuda_graph_max_batch_size"],
+        )
+        plan = planner.plan(
+            target, draft, speculative, gpu, limits, gpus_per_node=per_node
+        )
+    except planner.PlanError as err:
+        raise PlanningError(err.reason, str(err)) from err
+    except ConfigError as err:
+        raise PlanningError(REASON_CONFIG_INVALID, str(err)) from err
+    return PlannedEngine(
+        plan=plan.to_dict(),
+        tensor_parallel_size=plan.tensor_parallel_size,
+        gpu_product_label=gpu.product_label,
+        cpu=bool(cpu_spec),
+        target_config=target_config,
+        draft_config=draft_config,
+    )
+
+
+def plan_summary(planned: PlannedEngine) -> str:
+    """One line for events and logs."""
+    p = planned.plan
+    return (
+        f"TP {p['tensor_parallel_size']} x {p['gpu']}, max_total_tokens {p['max_total_tokens']}"
+        f" (needs {p['required_tokens']}), spec_hidden_size {p['spec_hidden_size']},"
+        f" draft_input_hidden_size {p['draft_input_hidden_size']}"
+    )

@@ -1,0 +1,330 @@
+"""Status of a SpecDecodeDeployment as pure functions of (current status, what just happened).
+
+Conditions (each with reason, message, lastTransitionTime, observedGeneration):
+  PlanReady    the configs were read and the plan fits (False: the reason says why not)
+  Progressing  the engine Deployment is rolling out the current spec
+  Ready        every replica of the current spec is ready to serve
+  Degraded     something that served or should serve is not well (failed rollout, lost replicas,
+               or a transient failure while the previous spec keeps serving)
+
+Phase, one word for humans: Pending (waiting to retry a transient failure), Planning, Deploying,
+Ready, Failed (the spec cannot be served as written), Paused.
+
+lastTransitionTime moves only when a condition's status flips, as Kubernetes API conventions ask.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timezone
+from typing import Any
+
+from specdeploy.operator.desired.render import CONFIG_HASH_ANNOTATION
+
+PLAN_READY = "PlanReady"
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (PLAN_READY, READY, PROGRESSING, DEGRADED)
+
+PHASE_PENDING = "Pending"
+PHASE_PLANNING = "Planning"
+PHASE_DEPLOYING = "Deploying"
+PHASE_READY = "Ready"
+PHASE_FAILED = "Failed"
+PHASE_PAUSED = "Paused"
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def camel_case(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def camelize(value: Any) -> Any:
+    """snake_case keys of the plan JSON -> camelCase, as Kubernetes status fields are spelled."""
+    if isinstance(value, dict):
+        return {camel_case(str(k)): camelize(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [camelize(v) for v in value]
+    return value
+
+
+
+
+def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """`status.plan`: the plan JSON in camelCase, plus three headline figures per replica.
+
+    weightBytes and kvBytesPerToken sum target and draft over the whole model (before tensor
+    parallelism); the per-model and per-GPU terms stay under target, draft and memoryPerGpu.
+    gpusPerReplica is the tensor-parallel size, or 0 in CPU mode (spec.cpu: the plan sizes one
+    device, the CPU's memory).
+    """
+    result = camelize(plan)
+    result["gpusPerReplica"] = 0 if result.get("gpu") == "cpu" else int(result.get("tensorParallelSize") or 0)
+    models = [m for m in (result.get("target"), result.get("draft")) if m]
+    result["weightBytes"] = sum(int(m.get("weightBytes") or 0) for m in models)
+    result["kvBytesPerToken"] = sum(int(m.get("kvCacheBytesPerToken") or 0) for m in models)
+    return result
+
+
+def get_condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == type_:
+            return condition
+    return None
+
+
+def set_condition(
+    status: dict[str, Any],
+    type_: str,
+    value: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+) -> None:
+    """Insert or update one condition in `status` (in place), keeping the others' order."""
+    conditions = status.setdefault("conditions", [])
+    new_status = "True" if value else "False"
+    old = get_condition(status, type_)
+    entry = {
+        "type": type_,
+        "status": new_status,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": (
+            old["lastTransitionTime"]
+            if old and old.get("status") == new_status and old.get("lastTransitionTime")
+            else now
+        ),
+    }
+    if old is None:
+        conditions.append(entry)
+    else:
+        conditions[conditions.index(old)] = entry
+    conditions.sort(key=lambda c: CONDITION_TYPES.index(c["type"]) if c["type"] in CONDITION_TYPES else 99)
+
+
+def _base(current: dict[str, Any] | None) -> dict[str, Any]:
+    status = copy.deepcopy(current or {})
+    status.pop("kopf", None)  # kopf's own bookkeeping is not ours to rewrite
+    return status
+
+
+def planning(current: dict[str, Any] | None, *, generation: int, now: str) -> dict[str, Any]:
+    """Reconciling a new generation has begun."""
+    status = _base(current)
+    if status.get("phase") != PHASE_READY or status.get("observedGeneration") != generation:
+        status["phase"] = PHASE_PLANNING
+    return status
+
+
+def plan_ready(
+    current: dict[str, Any] | None,
+    *,
+    generation: int,
+    plan: dict[str, Any],
+    config_hash: str,
+    message: str,
+    now: str,
+) -> dict[str, Any]:
+    status = _base(current)
+    status["observedGeneration"] = generation
+    status["plan"] = status_plan(plan)
+    status["configHash"] = config_hash
+    status.pop("message", None)
+    set_condition(status, PLAN_READY, True, "Planned", message, generation=generation, now=now)
+    return status
+
+
+def plan_failed(
+    current: dict[str, Any] | None,
+    *,
+    generation: int,
+    reason: str,
+    message: str,
+    transient: bool,
+    engine_kept: bool,
+    now: str,
+) -> dict[str, Any]:
+    """The configs could not be read or the plan does not fit.
+
+    Permanent failures (the spec must change) leave no engine: the status drops the old plan and
+    serving figures. Transient ones keep whatever serves the previous spec and retry.
+    """
+    status = _base(current)
+    status["observedGeneration"] = generation
+    status["message"] = message
+    set_condition(status, PLAN_READY, False, reason, message, generation=generation, now=now)
+    if transient and engine_kept:
+        status["phase"] = PHASE_PENDING
+        set_condition(
+            status, DEGRADED, True, reason,
+            f"serving the previous spec until this is resolved: {message}",
+            generation=generation, now=now,
+        )
+        return status
+    status["phase"] = PHASE_PENDING if transient else PHASE_FAILED
+    if not transient:
+        status.pop("plan", None)
+        status.pop("configHash", None)
+        status["serving"] = {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+    no_engine = "no engine is deployed: " + message
+    set_condition(status, READY, False, reason, no_engine, generation=generation, now=now)
+    set_condition(status, PROGRESSING, False, reason, no_engine, generation=generation, now=now)
+    set_condition(status, DEGRADED, False, reason, no_engine, generation=generation, now=now)
+    return status
+
+
+def apply_blocked(
+    current: dict[str, Any] | None, *, generation: int, reason: str, message: str, now: str
+) -> dict[str, Any]:
+    """The plan is fine but the children could not be applied (e.g. a foreign object holds a
+    child's name); retried."""
+    status = _base(current)
+    status["phase"] = PHASE_PENDING
+    status["message"] = message
+    set_condition(status, READY, False, reason, message, generation=generation, now=now)
+    set_condition(status, PROGRESSING, False, reason, message, generation=generation, now=now)
+    set_condition(status, DEGRADED, True, reason, message, generation=generation, now=now)
+    return status
+
+
+def paused(current: dict[str, Any] | None, *, generation: int, now: str) -> dict[str, Any]:
+    status = _base(current)
+    status["phase"] = PHASE_PAUSED
+    status["message"] = "reconciliation paused by the specdeploy.dev/paused annotation"
+    return status
+
+
+def rollout(deployment: dict[str, Any]) -> dict[str, Any]:
+    """Where a Deployment's rollout stands, read as `kubectl rollout status` does."""
+    spec, st = deployment.get("spec") or {}, deployment.get("status") or {}
+    wanted = spec.get("replicas", 1)
+    observed = st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+    updated = st.get("updatedReplicas", 0)
+    total = st.get("replicas", 0)
+    available = st.get("availableReplicas", 0)
+    ready = st.get("readyReplicas", 0)
+    deadline_exceeded = any(
+        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in st.get("conditions") or []
+    )
+    replica_failure = next(
+        (c for c in st.get("conditions") or []
+         if c.get("type") == "ReplicaFailure" and c.get("status") == "True"),
+        None,
+    )
+    complete = observed and updated >= wanted and total == updated and available >= updated
+    return {
+        "wanted": wanted,
+        "replicas": total,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "availableReplicas": available,
+        "complete": complete,
+        "deadlineExceeded": deadline_exceeded,
+        "replicaFailure": (replica_failure or {}).get("message"),
+        "configHash": (deployment["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION),
+        # The scale subresource's labelSelectorPath wants the selector as a string.
+        "selector": ",".join(
+            f"{k}={v}" for k, v in sorted(((spec.get("selector") or {}).get("matchLabels") or {}).items())
+        ),
+    }
+
+
+def serving(
+    current: dict[str, Any] | None,
+    deployment: dict[str, Any] | None,
+    *,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    """Fold the engine Deployment's state into the status.
+
+    Counts are always refreshed. Ready/Progressing/Degraded and the phase follow the Deployment
+    only while the current spec has a plan (PlanReady=True) and the resource is not paused: a
+    failed plan's conditions stay as plan_failed wrote them.
+    """
+    status = _base(current)
+    serving_status = {
+        k: v for k, v in (status.get("serving") or {}).items()
+        if k in ("meanAcceptLength", "tokensPerSecond")
+    }
+    plan_condition = get_condition(status, PLAN_READY)
+    planned = (
+        plan_condition is not None
+        and plan_condition["status"] == "True"
+        and status.get("observedGeneration") == generation
+    )
+    def condition(type_: str, value: bool, reason: str, message: str) -> None:
+        set_condition(status, type_, value, reason, message, generation=generation, now=now)
+
+    if deployment is None:
+        status["serving"] = {**serving_status, "replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+        if planned and status.get("phase") != PHASE_PAUSED:
+            condition(READY, False, "DeploymentMissing", "the engine Deployment does not exist yet")
+            condition(PROGRESSING, True, "DeploymentMissing", "waiting for the engine Deployment")
+            status["phase"] = PHASE_DEPLOYING
+        return status
+
+    r = rollout(deployment)
+    status["serving"] = {
+        **serving_status,
+        "deployment": deployment["metadata"]["name"],
+        "selector": r["selector"],
+        "replicas": r["replicas"],
+        "readyReplicas": r["readyReplicas"],
+        "updatedReplicas": r["updatedReplicas"],
+    }
+    if not planned or status.get("phase") == PHASE_PAUSED:
+        return status
+
+    if r["configHash"] is None or r["configHash"] != status.get("configHash"):
+        condition(READY, False, "RolloutPending", "the Deployment does not carry the current spec yet")
+        condition(PROGRESSING, True, "RolloutPending", "applying the current spec")
+        status["phase"] = PHASE_DEPLOYING
+        return status
+
+    counts = f"{r['readyReplicas']}/{r['wanted']} replicas ready, {r['updatedReplicas']} updated"
+    was_ready = (get_condition(status, READY) or {}).get("status") == "True"
+    ready = r["complete"] and r["readyReplicas"] >= r["wanted"]
+    # Every replica runs the current spec, yet fewer are ready than before: pods were lost, as
+    # opposed to a rollout still starting them.
+    lost_replicas = was_ready and not ready and r["updatedReplicas"] >= r["wanted"] and r["replicas"] == r["updatedReplicas"]
+    if ready:
+        condition(READY, True, "AllReplicasReady", counts)
+        condition(PROGRESSING, False, "RolloutComplete", counts)
+    elif r["deadlineExceeded"]:
+        condition(READY, False, "ReplicasNotReady", counts)
+        condition(PROGRESSING, False, "ProgressDeadlineExceeded", counts)
+    else:
+        condition(READY, False, "ReplicasNotReady", counts)
+        condition(PROGRESSING, True, "RollingOut", counts)
+
+    if r["deadlineExceeded"]:
+        condition(DEGRADED, True, "ProgressDeadlineExceeded", f"rollout stalled: {counts}")
+    elif r["replicaFailure"]:
+        condition(DEGRADED, True, "ReplicaFailure", r["replicaFailure"])
+    elif lost_replicas:
+        condition(DEGRADED, True, "ReplicasUnavailable", counts)
+    else:
+        condition(DEGRADED, False, "AsExpected", counts)
+    status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
+    return status
+
+
+def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) -> dict[str, Any]:
+    """Record the engines' own figures (meanAcceptLength, tokensPerSecond) under serving."""
+    status = _base(current)
+    serving_status = dict(status.get("serving") or {})
+    for key in ("meanAcceptLength", "tokensPerSecond"):
+        if key in figures:
+            serving_status[key] = figures[key]
+    status["serving"] = serving_status
+    return status
