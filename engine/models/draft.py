@@ -18,18 +18,24 @@ Widths (H = hidden_size, Hs = spec_hidden_size = hc_mult * H):
 
 from __future__ import annotations
 
+import itertools
+import logging
+
 import torch
 from torch import nn
 
 from specdeploy.engine.models.attention import AttnBatch
+from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
                                   unflatten_streams)
 from specdeploy.engine.runtime.kv import KVPool
 from specdeploy.engine.models.layers import ColumnParallelLinear, GatedMLP, RMSNorm, load_state
-from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, iter_safetensors,
-                                     read_config, rope_tables)
+from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, read_config,
+                                     rope_tables)
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "MTP")
+
+log = logging.getLogger("specdeploy.engine.load")
 
 
 class DraftHead(nn.Module):
@@ -202,32 +208,61 @@ def build_draft(algorithm: str, cfg: ModelConfig, target: LlamaModel, dtype: tor
     return head.to(dtype).eval()
 
 
-# Checkpoint names that belong to the target (shared) and are skipped when a head ships them.
-_SHARED_NAMES = ("embed_tokens.weight",)
+# Tensors a published head carries but does not use: EAGLE-1/2 heads ship a copy of the target's
+# embedding (`embed_tokens.weight`), the engine uses the target's own. Not read, logged at debug.
+_UNUSED_HEAD_TENSORS = ("embed_tokens.weight",)
+
+
+def _unused(name: str) -> bool:
+    if name.removeprefix("model.") in _UNUSED_HEAD_TENSORS:
+        log.debug("weights: %s skipped (the head uses the target's)", name)
+        return True
+    return False
 
 
 def load_draft(path: str, algorithm: str, target: LlamaModel, dtype: torch.dtype = torch.bfloat16,
                device="cpu") -> DraftHead:
-    """Load a published head layout from an HF-style directory (for MTP also the target's own
-    directory, whose `mtp.0.*` tensors are the head):
-    EAGLE: fc.{weight,bias}, layers.{i}.*; EAGLE-3: fc.weight, midlayer.*, norm.weight,
-    lm_head.weight, d2t, t2d; MTP: enorm, hnorm, eh_proj | e_proj/h_proj, layers.0.*, hc_head.*,
-    norm. A leading `model.` is dropped; the target's embedding/lm_head are shared, not loaded."""
+    """Load a published head layout from an HF-style directory, any checkpoint format
+    (engine/models/checkpoint.py; for MTP also the target's own directory, whose `mtp.0.*`
+    tensors are the head):
+    EAGLE: fc.{weight,bias}, layers.{i}.* (the copy of embed_tokens is skipped); EAGLE-3:
+    fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d; MTP: enorm, hnorm, eh_proj |
+    e_proj/h_proj, layers.0.*, hc_head.*, norm. A leading `model.` is dropped; the target's
+    embedding/lm_head are shared, not loaded. Each tensor is cast into its parameter's dtype as it
+    is copied (heads are published in float32, float16 or bfloat16)."""
     raw = read_config(path)
     cfg = ModelConfig.from_hf(raw, allow_any_type=True)
-    tensors = [(canonical_hc_key(n.removeprefix("model.")), t) for n, t in iter_safetensors(path)]
-    if algorithm == "MTP" and any(n.startswith("mtp.") for n, _ in tensors):
-        # The MTP layer shipped inside the target checkpoint (mtp.0.*): take only that layer.
-        tensors = [(n.removeprefix("mtp.0."), t) for n, t in tensors if n.startswith("mtp.0.")]
-    names = {n for n, _ in tensors}
+    ckpt = Checkpoint(path)
+    names = [canonical_hc_key(n.removeprefix("model.")) for n in ckpt.names()]
+    mtp_in_target = algorithm == "MTP" and any(n.startswith("mtp.") for n in names)
+
+    def renamed(pairs):
+        for n, t in pairs:
+            n = canonical_hc_key(n.removeprefix("model."))
+            if mtp_in_target:
+                # The MTP layer shipped inside the target checkpoint (mtp.0.*): take only that layer.
+                if not n.startswith("mtp.0."):
+                    continue
+                n = n.removeprefix("mtp.0.")
+            yield n, t
+
+    def skip(name: str) -> bool:
+        if mtp_in_target:
+            return not canonical_hc_key(name.removeprefix("model.")).startswith("mtp.0.")
+        return _unused(name)
+
+    if mtp_in_target:
+        names = [n.removeprefix("mtp.0.") for n in names if n.startswith("mtp.0.")]
     kwargs = {}
+    extra: list[tuple[str, torch.Tensor]] = []
     if algorithm == "EAGLE":
         kwargs["fc_bias"] = "fc.bias" in names
     if algorithm == "EAGLE3":
         kwargs["draft_vocab_size"] = int(raw.get("draft_vocab_size") or cfg.vocab_size)
         if "d2t" not in names:
-            tensors.append(("d2t", torch.zeros(kwargs["draft_vocab_size"], dtype=torch.int64)))
-            tensors.append(("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool)))
+            extra.append(("d2t", torch.zeros(kwargs["draft_vocab_size"], dtype=torch.int64)))
+            extra.append(("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool)))
     head = build_draft(algorithm, cfg, target, dtype, device, **kwargs)
-    load_state(head, tensors, ignore=_SHARED_NAMES + ("rotary_emb.inv_freq",))
+    tensors = itertools.chain(renamed(ckpt.tensors(skip=skip)), extra)
+    load_state(head, tensors, ignore=("rotary_emb.inv_freq",))
     return head

@@ -333,4 +333,4 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match "
                          f"the model's {tuple(dst.shape)}")
     with torch.no_grad():
-        dst.copy_(src.to(dst.dtype))
+        dst.copy_(src)  # casts to dst's dtype element by element: no second full-size copy

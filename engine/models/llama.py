@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from specdeploy.engine.models.attention import AttnBatch, attend
+from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.models.hc import (HCConfig, HyperHead, PlainResidual, canonical_hc_key,
                                   expand_embeddings, flatten_streams, make_residual,
                                   unflatten_streams)
@@ -326,22 +326,8 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
-def iter_safetensors(path: str):
-    """Yield (name, tensor) from every *.safetensors file in `path` (sharded or not)."""
-    from safetensors import safe_open
-
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files")
-    t0 = time.perf_counter()
-    for i, fname in enumerate(files, 1):
-        file = os.path.join(path, fname)
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-        # Progress for `kubectl logs` while a large checkpoint loads, one line per shard.
-        log.info("weights: %s read (%d/%d, %.1f GiB, %.1f s)", fname, i, len(files),
-                 os.path.getsize(file) / 2**30, time.perf_counter() - t0)
+def _is_mtp(name: str) -> bool:
+    return name.removeprefix("model.").startswith("mtp.")
 
 
 def build_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -374,11 +360,14 @@ def check_against_shapes(cfg: ModelConfig, config: dict) -> None:
 def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                 feature_kind: str | None = None, aux_layers=None,
                 tp_rank: int = 0, tp_size: int = 1) -> LlamaModel:
-    """Build the target from an HF directory (config.json + safetensors, HF weight names)."""
+    """Build the target from an HF directory (config.json + weights in any published layout,
+    engine/models/checkpoint.py; HF weight names), each tensor cast into the parameter's dtype."""
     raw = read_config(path)
     cfg = ModelConfig.from_hf(raw)
     check_against_shapes(cfg, raw)
     model = build_target(cfg, dtype, device, feature_kind, aux_layers, tp_rank, tp_size)
-    tensors = ((canonical_hc_key(name.removeprefix("model.")), t) for name, t in iter_safetensors(path))
-    load_state(model, tensors, ignore=("rotary_emb.inv_freq", "mtp."))
+    # The MTP layer some targets ship (mtp.*) is the draft's: not read here.
+    tensors = ((canonical_hc_key(name.removeprefix("model.")), t)
+               for name, t in Checkpoint(path).tensors(skip=_is_mtp))
+    load_state(model, tensors, ignore=("rotary_emb.inv_freq",))
     return model

@@ -186,8 +186,9 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
 
 
 def _checkpoint_size(path: Path) -> str:
-    files = sorted(path.glob("*.safetensors"))
-    return f"{len(files)} safetensors file(s), {human_bytes(sum(f.stat().st_size for f in files))}"
+    from specdeploy.engine.models.checkpoint import Checkpoint
+
+    return Checkpoint(path).describe()
 
 
 def _param_bytes(module) -> int:
