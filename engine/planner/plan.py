@@ -10,7 +10,8 @@ number can be explained. Per GPU, at tensor-parallel size TP:
                          (the draft pool has as many token slots as the target's; GQA heads are
                          split by TP, replicated when fewer than TP; MLA latents and DeepSeek-V4's
                          shared head are replicated)
-    per_request_state  = max_running_requests * (fixed per-request KV: V4 sliding windows)
+    per_request_state  = max_running_requests * (fixed per-request KV: DeepSeek-V4's recent-token
+                         rows, the committed ones plus one row per in-flight token of a step)
     static_buffers     = CUDA-graph hidden-state buffers + disaggregation metadata buffer
     budget             = gpu_memory - weights - cuda_graph_pool - activation_workspace
                          - static_buffers - per_request_state - reserve
@@ -436,7 +437,15 @@ def _weight_source(shapes: ModelShapes, weight_bytes: int | None) -> str:
     return "safetensors"
 
 
-def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int) -> ModelTerms:
+def in_flight_tokens_per_request(spec: SpecSettings) -> int:
+    """Token slots one request holds beyond its committed tokens during a step: the decode token
+    (NONE), or the verify tree's nodes plus the draft's multi-step scratch."""
+    if spec.algorithm == "NONE":
+        return 1
+    return spec.num_draft_tokens + (spec.num_steps - 1) * spec.topk
+
+
+def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int, spec: SpecSettings) -> ModelTerms:
     weights = shapes.weight_bytes if weight_bytes is None else weight_bytes
     return ModelTerms(
         model_type=shapes.model_type,
@@ -457,8 +466,10 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int) -> Mode
         weight_bytes_per_gpu=math.ceil(weights / tp),
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
-        # V4's sliding windows live in its single shared K=V head, replicated on every rank
-        kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request,
+        # V4's recent rows (windows of its single shared K=V head, compressor state) are
+        # replicated on every rank
+        kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request
+        + (in_flight_tokens_per_request(spec) - 1) * shapes.kv_cache_bytes_per_in_flight_token,
     )
 
 
@@ -492,7 +503,7 @@ def _memory_terms(
     budget = (
         gpu.memory_bytes - weights - graph_pool - workspace - buffers.static_bytes - per_request - RESERVE_BYTES
     )
-    tokens = max(0, budget // kv_per_token) if kv_per_token else 0
+    tokens = max(0, budget // kv_per_token)
     return MemoryTerms(
         gpu_memory_bytes=gpu.memory_bytes,
         weight_bytes=weights,
@@ -575,8 +586,8 @@ def plan(
         if refusal:
             refusals.append(f"TP {tp}: {refusal}")
             continue
-        target_terms = _model_terms(target, target_weight_bytes, tp)
-        draft_terms = _model_terms(draft, draft_weight_bytes, tp) if draft else None
+        target_terms = _model_terms(target, target_weight_bytes, tp, spec)
+        draft_terms = _model_terms(draft, draft_weight_bytes, tp, spec) if draft else None
         memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
         last = (tp, memory)

@@ -13,25 +13,23 @@ concatenates auxiliary hidden states of three target layers: see `draft_input_hi
 KV cache bytes per token, by attention kind (b = dtype bytes, L = layers):
   gqa         2 * L * num_kv_heads * head_dim * b               (K and V per KV head)
   mla         L * (kv_lora_rank + qk_rope_head_dim) * b         (one latent, shared by all heads)
-  compressed  sum over layers of (head_dim [+ index_head_dim if the layer has an indexer]) / ratio * b
-              plus, per running request, L * sliding_window * head_dim * b
-The `compressed` kind is DeepSeek-V4's: one shared K=V head of `head_dim` per layer, a sliding
-window of the last `sliding_window` tokens in every layer (a fixed per-request cost, not per token),
-and per-layer compression `compress_ratios[i]`: 0 = window only; 4 = compressed sparse attention
-(CSA: one `head_dim` entry per 4 tokens plus one `index_head_dim` indexer key per 4 tokens);
-128 = heavily compressed attention (HCA: one `head_dim` entry per 128 tokens).
+  compressed  DeepSeek-V4: compressed entries per token, plus a bounded number of recent-token
+              rows per request (sliding windows, compressor state) and per in-flight token;
+              engine/planner/deepseek_v4.py says what each layer kind stores. Both of V4's
+              field-naming schemes are read there, into one V4Config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import struct
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+from specdeploy.engine.planner.deepseek_v4 import CSA, HASH_MOE, V4Config, is_deepseek_v4, read_v4_config, v4_kv_bytes
+from specdeploy.engine.planner.errors import ConfigError
 
 # Bytes per element of every dtype a config may name. Anything else is refused: a wrong guess
 # here halves or doubles every memory figure downstream.
@@ -59,26 +57,10 @@ ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
 # high), so its fc layer and its input buffers are this many target hidden sizes wide.
 EAGLE3_AUX_LAYERS = 3
 
-# DeepSeek-V4 names its attention schedule either per layer as compression ratios (the published
-# checkpoint's `compress_ratios`) or as layer types with a ratio table (`layer_types` +
-# `compress_rates`). Ratio 0 means "sliding window only".
-V4_LAYER_TYPE_DEFAULT_RATIO = {
-    "sliding_attention": 0,
-    "compressed_sparse_attention": 4,
-    "heavily_compressed_attention": 128,
-}
-# Compressed-sparse-attention layers carry the Lightning Indexer (its own compressed keys in the
-# cache); V4 marks them by this ratio.
-V4_CSA_RATIO = 4
-
 # Model types whose attention q/k/v projections carry a bias though the config has no flag for it.
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text"})
 # Model types with per-head RMSNorm on q and k (one head_dim-wide weight each).
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe"})
-
-
-class ConfigError(ValueError):
-    """A config.json (or model directory) that cannot be planned; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +109,8 @@ class ModelShapes:
     lm_head_params: int
     num_params: int
     kv_cache_bytes_per_token: int  # whole model, before tensor parallelism
-    kv_cache_bytes_per_request: int  # fixed per running request (sliding windows), before TP
+    kv_cache_bytes_per_request: int  # fixed per running request at one in-flight token (V4's recent rows), before TP
+    kv_cache_bytes_per_in_flight_token: int  # V4: each further in-flight token of a request (tree, draft scratch)
     quantization: str  # quant_method of the checkpoint, "" when unquantized
     has_vision_tower: bool  # a multimodal checkpoint; its vision encoder is not in num_params
 
@@ -228,27 +211,6 @@ def _architecture(c: dict[str, Any]) -> str:
     return str(archs[0]) if isinstance(archs, list) and archs else ""
 
 
-def _compress_ratios(c: dict[str, Any], num_hidden_layers: int, total_layers: int) -> tuple[int, ...]:
-    """DeepSeek-V4's per-layer compression ratio, for the decoder layers and then the MTP layers."""
-    ratios = c.get("compress_ratios")
-    if ratios is None and isinstance(c.get("layer_types"), list):
-        rates = {**V4_LAYER_TYPE_DEFAULT_RATIO, **(c.get("compress_rates") or {})}
-        try:
-            ratios = [rates[t] for t in c["layer_types"]]
-        except KeyError as missing:
-            raise ConfigError(f"layer_types: unknown layer type {missing.args[0]!r}") from None
-    if ratios is None:
-        return (0,) * total_layers
-    if not isinstance(ratios, list) or not all(isinstance(r, int) and r >= 0 for r in ratios):
-        raise ConfigError("compress_ratios: expected a list of non-negative integers")
-    if len(ratios) < num_hidden_layers:
-        raise ConfigError(f"compress_ratios: has {len(ratios)} entries for {num_hidden_layers} layers")
-    # The published list may be longer than decoder + MTP layers (padding); layers past its end
-    # are window-only.
-    ratios = list(ratios[:total_layers]) + [0] * max(0, total_layers - len(ratios))
-    return tuple(ratios)
-
-
 def _is_moe_layer(c: dict[str, Any], layer: int, num_experts: int) -> bool:
     """Whether decoder layer `layer` has a routed-expert MLP, DeepSeek and Qwen conventions."""
     if num_experts == 0:
@@ -327,10 +289,11 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     # attention kind and its dims
     kv_lora = _int(c, "kv_lora_rank", 0)
     q_lora = _int(c, "q_lora_rank", 0)
-    compressed = model_type.startswith("deepseek_v4") or "compress_ratios" in c or "compress_rates" in c
-    if compressed:
+    compressed = is_deepseek_v4(c)
+    v4 = read_v4_config(c) if compressed else None
+    if v4 is not None:
         attention = "compressed"
-        rope_dim = _int(c, "qk_rope_head_dim", 0)  # informational: RoPE is inside head_dim here
+        rope_dim = v4.qk_rope_head_dim  # RoPE is inside head_dim here: the trailing rope_dim dims
         nope_dim, v_dim = head_dim - rope_dim, head_dim
     elif kv_lora:
         attention = "mla"
@@ -340,8 +303,8 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     else:
         attention = "gqa"
         rope_dim = nope_dim = v_dim = 0
-    sliding_window = _int(c, "sliding_window", 0) if compressed else 0
-    index_head_dim = _int(c, "index_head_dim", 0) if compressed else 0
+    sliding_window = v4.sliding_window if v4 else 0
+    index_head_dim = v4.index_head_dim if v4 else 0
 
     # Which layers this role runs: the decoder stack, a draft head's own layers, or the MTP layers
     # that follow the decoder stack (indices num_hidden_layers .. +nextn).
@@ -351,14 +314,14 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         layer_ids = range(num_hidden_layers, num_hidden_layers + nextn)
     else:
         layer_ids = range(num_hidden_layers)
-    ratios = _compress_ratios(c, num_hidden_layers, num_hidden_layers + nextn) if compressed else ()
+    ratios = v4.compress_ratios if v4 else ()
 
     dims = _Dims(
         c=c, model_type=model_type, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         intermediate=intermediate, attention=attention, q_lora=q_lora, kv_lora=kv_lora,
         rope_dim=rope_dim, nope_dim=nope_dim, v_dim=v_dim, index_head_dim=index_head_dim,
         num_experts=num_experts, moe_inter=moe_inter, shared_inter=shared_inter, hc_mult=hc_mult,
-        ratios=ratios,
+        ratios=ratios, v4=v4, vocab=vocab, experts_per_tok=experts_per_tok,
     )
     attn_input = 2 * hidden if role == "EAGLE3" else hidden
     layers_params = sum(_decoder_layer_params(dims, i, attn_input) for i in layer_ids)
@@ -382,7 +345,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         params = layers_params + len(layer_ids) * (3 * hidden + 2 * hidden * hidden + hc_head)
         embedding = lm_head = 0
 
-    kv_per_token, kv_per_request = _kv_cache_bytes(dims, layer_ids, b, sliding_window)
+    kv_per_token, kv_per_request, kv_per_in_flight = _kv_cache_bytes(dims, layer_ids, b, role)
     return ModelShapes(
         model_type=model_type,
         architecture=arch,
@@ -423,6 +386,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         num_params=params,
         kv_cache_bytes_per_token=kv_per_token,
         kv_cache_bytes_per_request=kv_per_request,
+        kv_cache_bytes_per_in_flight_token=kv_per_in_flight,
         quantization=str(quantization_config.get("quant_method", "")),
         has_vision_tower=isinstance(config.get("vision_config"), dict),
     )
@@ -468,6 +432,9 @@ class _Dims:
     shared_inter: int
     hc_mult: int
     ratios: tuple[int, ...]
+    v4: V4Config | None = None
+    vocab: int = 0
+    experts_per_tok: int = 0
 
 
 def _attention_params(d: _Dims, layer: int, attn_input: int) -> int:
@@ -491,8 +458,8 @@ def _attention_params(d: _Dims, layer: int, attn_input: int) -> int:
     o_lora = _int(d.c, "o_lora_rank", 1, minimum=1)
     params = h * d.q_lora + d.q_lora + d.q_lora * nh * hd + h * hd + hd
     params += nh * hd * o_lora + o_groups * o_lora * h + nh
-    ratio = d.ratios[layer] if layer < len(d.ratios) else 0
-    if ratio == V4_CSA_RATIO:
+    ratio = d.ratios[layer]
+    if d.v4.attention_kinds[layer] == CSA:
         # CSA compressor: overlapping windows, so kv/gate project to 2 * head_dim; plus the indexer
         ihd = d.index_head_dim
         index_heads = _int(d.c, "index_n_heads", 1, minimum=1)
@@ -508,6 +475,10 @@ def _mlp_params(d: _Dims, layer: int) -> int:
     if not _is_moe_layer(d.c, layer, d.num_experts):
         return 3 * h * d.intermediate  # gated MLP: gate, up, down
     params = d.num_experts * 3 * h * d.moe_inter + d.num_experts * h  # experts + router
+    if d.v4 is not None:
+        # V4: hash-routed layers look their experts up per token id (tid2eid); the others carry
+        # the noaux_tc score-correction bias
+        params += d.vocab * d.experts_per_tok if d.v4.mlp_kinds[layer] == HASH_MOE else d.num_experts
     if d.shared_inter:
         params += 3 * h * d.shared_inter
         if d.c.get("shared_expert_intermediate_size"):
@@ -526,20 +497,15 @@ def _decoder_layer_params(d: _Dims, layer: int, attn_input: int) -> int:
     return params
 
 
-def _kv_cache_bytes(d: _Dims, layer_ids: range, dtype_bytes: int, sliding_window: int) -> tuple[int, int]:
-    """(bytes per token, fixed bytes per request) of the KV cache of `layer_ids`, before TP."""
+def _kv_cache_bytes(d: _Dims, layer_ids: range, dtype_bytes: int, role: str) -> tuple[int, int, int]:
+    """(bytes per token, per request, per in-flight token) of the KV cache of `layer_ids`, before TP."""
     n = len(layer_ids)
     if d.attention == "gqa":
-        return 2 * n * d.kv_heads * d.head_dim * dtype_bytes, 0
+        return 2 * n * d.kv_heads * d.head_dim * dtype_bytes, 0, 0
     if d.attention == "mla":
-        return n * (d.kv_lora + d.rope_dim) * dtype_bytes, 0
-    per_token = Fraction(0)
-    for layer in layer_ids:
-        ratio = d.ratios[layer]
-        if ratio:
-            width = d.head_dim + (d.index_head_dim if ratio == V4_CSA_RATIO else 0)
-            per_token += Fraction(width, ratio)
-    return math.ceil(per_token * dtype_bytes), n * sliding_window * d.head_dim * dtype_bytes
+        return n * (d.kv_lora + d.rope_dim) * dtype_bytes, 0, 0
+    kv = v4_kv_bytes(d.v4, "MTP" if role == "MTP" else "target", dtype_bytes)
+    return kv.per_token, kv.per_request, kv.per_in_flight_token
 
 
 # --------------------------------------------------------------------------------------------

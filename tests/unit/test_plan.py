@@ -123,9 +123,19 @@ def test_deepseek_v4_flash_mtp_plan():
     tp = p.tensor_parallel_size
     weights = (p.target.num_params + p.draft.num_params) * 2
     assert p.memory_per_gpu.weight_bytes == pytest.approx(weights / tp, abs=2)
-    # sliding windows: every running request holds 43 + 1 layers x 128 tokens x 512 x 2 bytes
-    assert p.memory_per_gpu.per_request_state_bytes == 32 * (43 + 1) * 128 * 512 * 2
-    assert p.memory_per_gpu.kv_cache_bytes_per_token == 6880  # the MTP layer is window-only
+    # Recent rows per running request: 127 committed tokens + 2 in-flight ones (a chain of one
+    # draft token: root + draft) in every layer's window (43 target + 1 MTP layers, one 512-wide
+    # K=V head); the compressor state of the 21 CSA layers (7 committed + 2 in flight, kv and
+    # gate of 2 x 512 and of the indexer's 2 x 128) and of the 20 HCA layers (127 + 2, kv and gate
+    # of 512); one compressed-entry row per in-flight token in each CSA (512 + 128) and HCA (512)
+    # layer, since any of them may close a window.
+    d = 2
+    per_request = ((43 + 1) * (127 + d) * 512 + 21 * (7 + d) * (4 * 512 + 4 * 128) + 20 * (127 + d) * 2 * 512
+                   + d * (21 * (512 + 128) + 20 * 512)) * 2
+    assert p.memory_per_gpu.per_request_state_bytes == 32 * per_request
+    # compressed entries (6880 B) + the engine's slot maps: position + one row per pool, 5 pools
+    # for the target, 1 for the window-only MTP layer
+    assert p.memory_per_gpu.kv_cache_bytes_per_token == 6880 + (6 + 2) * 8
     assert any("replicated" in note for note in p.notes)
 
 

@@ -45,6 +45,14 @@ def test_deepseek_v4_mtp_json(capsys):
     assert d["num_draft_tokens"] == 2
 
 
+def test_deepseek_v4_both_naming_schemes_plan_alike(capsys):
+    newer = str(CONFIGS / "deepseek-v4-flash-layer-types.json")
+    argv = ("--algorithm", "MTP", "--steps", "2", "--topk", "2", "--draft-tokens", "4", "--context-length", "65536")
+    a, b = run_json(capsys, "--target", V4, *argv), run_json(capsys, "--target", newer, *argv)
+    assert a == b
+    assert a["target"]["kv_cache_bytes_per_request_per_gpu"] > 0 and a["tensor_parallel_size"] == 8
+
+
 def test_options_reach_the_plan(capsys):
     d = run_json(
         capsys, "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3", "--gpu-memory-gib", "40",
@@ -90,6 +98,12 @@ def llama_without(field: str) -> str:
     return json.dumps(config)
 
 
+def v4_without(key: str) -> str:
+    config = json.loads(Path(V4).read_text())
+    del config[key]
+    return json.dumps(config)
+
+
 BAD = [
     (lambda t: ["--target", str(t / "missing.json"), "--algorithm", "NONE"], "no such file"),
     (lambda t: ["--target", write(t, "bad.json", "{oops"), "--algorithm", "NONE"], "not valid JSON"),
@@ -101,6 +115,9 @@ BAD = [
     (lambda t: ["--target", str(CONFIGS / "deepseek-v3.json"), "--algorithm", "MTP"], "does not fit"),
     (lambda t: ["--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3", "--draft-tokens", "9"], "num_draft_tokens"),
     (lambda t: ["--target", LLAMA, "--algorithm", "NONE", "--gpu-memory-gib", "-1"], "positive"),
+    # a DeepSeek-V4 config with no attention schedule once crashed the plan (division by zero)
+    (lambda t: ["--target", write(t, "v4.json", v4_without("compress_ratios")), "--algorithm", "MTP"], "compress_ratios"),
+    (lambda t: ["--target", write(t, "v4w.json", v4_without("sliding_window")), "--algorithm", "NONE"], "sliding_window"),
 ]
 
 

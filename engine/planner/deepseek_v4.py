@@ -1,0 +1,343 @@
+"""DeepSeek-V4's config in either field-naming scheme, and what its KV cache really stores.
+
+Two schemes name the same architecture (both are read; a test holds them to one result):
+
+    original (the published checkpoint)     newer (transformers 5.x DeepseekV4Config)
+    compress_ratios [0|4|128 per layer,     layer_types [sliding_attention | compressed_sparse_attention
+      decoder layers then MTP layers]         | heavily_compressed_attention] + compress_rates {type: ratio}
+    num_hash_layers                         mlp_layer_types [hash_moe | moe]
+    rope_theta, compress_rope_theta,        rope_parameters {main: {...}, compress: {...}}
+      rope_scaling (yarn)
+    qk_rope_head_dim                        partial_rotary_factor (x head_dim)
+
+`read_v4_config(config)` turns either into one `V4Config`. A field that decides the KV size and
+cannot be read (no layer schedule at all, an unknown layer type or ratio, a window of 0, ...)
+raises ConfigError naming it: guessing a schedule would silently misplan every byte.
+
+What one layer stores (hd = head_dim, ihd = index_head_dim, r = its compression ratio, W =
+sliding_window; every layer kind has the sliding-window branch of its single shared K=V head):
+
+    per token (compressed entries, kept for the whole request)
+        sliding  -
+        CSA      one hd entry + one ihd indexer key per r tokens (the Lightning Indexer's keys)
+        HCA      one hd entry per r tokens
+    per request (recent tokens, a bounded number of rows however long the request)
+        all      the window: the last W - 1 committed tokens' K (hd each); the next query is the
+                 W-th token of its window
+        CSA      the compressor's and the indexer's raw projections (kv and gate, 2 hd + 2 hd and
+                 2 ihd + 2 ihd) of the last 2 r - 1 committed tokens: entry w mixes windows w - 1
+                 and w (overlapping windows), so a window that is not closed yet needs the one
+                 before it
+        HCA      kv and gate (hd + hd) of the last r - 1 committed tokens (the open window)
+    per in-flight token (what one step adds on top: a decode token, the verify tree's nodes and
+    the draft's scratch) one row in every recent pool and one row in every entry pool (a tree
+    node may close a window; which one is known only on the device)
+
+The engine (engine/runtime/kv.py, DSV4 pools) allocates exactly `v4_pool_rows` of these widths,
+so the planner's bytes and the engine's bytes are one formula.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from specdeploy.engine.planner.errors import ConfigError
+
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+ATTENTION_KINDS = (SLIDING, CSA, HCA)
+
+# The newer scheme's layer type names, and the ratio each has when compress_rates is silent
+# (transformers' DeepseekV4Config defaults).
+LAYER_TYPE_KIND = {
+    "sliding_attention": SLIDING,
+    "compressed_sparse_attention": CSA,
+    "heavily_compressed_attention": HCA,
+}
+DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+# The original scheme names a layer by its ratio alone; these are the ratios it ships.
+RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
+
+HASH_MOE, MOE = "hash_moe", "moe"
+MLP_KINDS = (HASH_MOE, MOE)
+
+# Bytes of the per-slot maps the engine keeps for each V4 model: the slot's position (int64) and,
+# per recent pool and per entry pool, the row it owns (int64): see engine/runtime/kv.py.
+SLOT_INDEX_BYTES = 8
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary table: plain (rope_type "default") or YaRN-scaled."""
+
+    theta: float
+    rope_type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """DeepSeek-V4's architecture, one scheme. Per-layer tuples cover the decoder layers and then
+    the MTP layers (indices num_hidden_layers ..)."""
+
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    attention_kinds: tuple[str, ...]
+    compress_ratios: tuple[int, ...]  # 0 for sliding-window-only layers
+    mlp_kinds: tuple[str, ...]
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_main: RopeSpec  # sliding-window-only layers
+    rope_compress: RopeSpec  # CSA / HCA layers, their compressors and the indexer
+
+    def layers(self, role: str) -> range:
+        """Layer indices a role runs: the decoder stack ("target") or the MTP layers ("MTP")."""
+        n = self.num_hidden_layers
+        return range(n, n + self.num_nextn_predict_layers) if role == "MTP" else range(n)
+
+
+def is_deepseek_v4(c: dict[str, Any]) -> bool:
+    return str(c.get("model_type") or "").startswith("deepseek_v4") or any(
+        key in c for key in ("compress_ratios", "compress_rates")
+    )
+
+
+def _positive_int(c: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = c.get(name, default)
+    if value is None:
+        raise ConfigError(f"{name}: missing from config.json (DeepSeek-V4 needs it to size its KV cache)")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _schedule(c: dict[str, Any], n: int, nextn: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    total = n + nextn
+    ratios = c.get("compress_ratios")
+    types = c.get("layer_types")
+    if ratios is not None:
+        if not isinstance(ratios, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ratios):
+            raise ConfigError("compress_ratios: expected a list of integers")
+        if len(ratios) < n:
+            raise ConfigError(f"compress_ratios: has {len(ratios)} entries for {n} layers")
+        bad = [r for r in ratios if r not in RATIO_KIND]
+        if bad:
+            raise ConfigError(f"compress_ratios: unknown ratio {bad[0]}; expected one of {sorted(RATIO_KIND)}")
+        # The published list carries the MTP layers' entries after the decoder's; layers past
+        # its end are sliding-window only.
+        ratios = list(ratios[:total]) + [0] * max(0, total - len(ratios))
+        return tuple(RATIO_KIND[r] for r in ratios), tuple(ratios)
+    if types is None:
+        raise ConfigError("compress_ratios: missing (and no layer_types): the per-layer attention "
+                          "schedule decides DeepSeek-V4's KV size")
+    if not isinstance(types, list) or len(types) < n:
+        raise ConfigError(f"layer_types: expected a list of {n} layer types")
+    rates = c.get("compress_rates")
+    if rates is None:
+        rates = {}
+    if not isinstance(rates, dict):
+        raise ConfigError("compress_rates: expected an object {layer type: ratio}")
+    rates = {**DEFAULT_COMPRESS_RATES, **rates}
+    for key in ("compress_rate_csa", "compress_rate_hca"):  # scalar overrides some configs ship
+        if c.get(key) is not None:
+            name = "compressed_sparse_attention" if key.endswith("csa") else "heavily_compressed_attention"
+            rates[name] = c[key]
+    kinds, out = [], []
+    for t in list(types[:n]) + ["sliding_attention"] * nextn:
+        if t not in LAYER_TYPE_KIND:
+            raise ConfigError(f"layer_types: unknown layer type {t!r}; expected one of {', '.join(LAYER_TYPE_KIND)}")
+        kind = LAYER_TYPE_KIND[t]
+        ratio = 0 if kind == SLIDING else rates.get(t)
+        if kind != SLIDING and (isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1):
+            raise ConfigError(f"compress_rates: {t} needs a positive integer ratio, got {ratio!r}")
+        kinds.append(kind)
+        out.append(ratio)
+    return tuple(kinds), tuple(out)
+
+
+def _mlp_kinds(c: dict[str, Any], n: int, nextn: int) -> tuple[str, ...]:
+    types = c.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) < n or any(t not in MLP_KINDS for t in types[:n]):
+            raise ConfigError(f"mlp_layer_types: expected {n} entries of {', '.join(MLP_KINDS)}")
+        kinds = list(types[:n])
+    else:
+        hashed = c.get("num_hash_layers", 3)  # transformers' default when neither field is given
+        if isinstance(hashed, bool) or not isinstance(hashed, int) or hashed < 0:
+            raise ConfigError(f"num_hash_layers: expected a non-negative integer, got {hashed!r}")
+        kinds = [HASH_MOE] * min(n, hashed) + [MOE] * max(0, n - hashed)
+    return tuple(kinds) + (MOE,) * nextn  # MTP layers route by their learned gate
+
+
+def _rope(raw: dict[str, Any], theta: float, where: str) -> RopeSpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected an object")
+    rope_type = str(raw.get("rope_type", raw.get("type", "default")))
+    theta = float(raw.get("rope_theta", theta))
+    if rope_type == "default":
+        return RopeSpec(theta)
+    if rope_type != "yarn":
+        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported for DeepSeek-V4 (default or yarn)")
+    try:
+        return RopeSpec(
+            theta=theta,
+            rope_type="yarn",
+            factor=float(raw["factor"]),
+            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            beta_fast=float(raw.get("beta_fast", 32.0)),
+            beta_slow=float(raw.get("beta_slow", 1.0)),
+            # DeepSeek-V4 does not scale cos/sin by YaRN's mscale (transformers forces 1.0 too).
+            attention_factor=float(raw.get("attention_factor") or 1.0),
+            truncate=bool(raw.get("truncate", True)),
+        )
+    except KeyError as missing:
+        raise ConfigError(f"{where}.{missing.args[0]}: missing for yarn rope") from None
+
+
+def _ropes(c: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
+    main_theta = float(c.get("rope_theta", 10000.0))
+    compress_theta = float(c.get("compress_rope_theta", 160000.0))
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        return (_rope(params["main"], main_theta, "rope_parameters.main"),
+                _rope(params["compress"], compress_theta, "rope_parameters.compress"))
+    # Flat form: YaRN (rope_scaling, or a flat rope_parameters) applies to the compressed layers
+    # only; sliding-window layers use plain rope at rope_theta.
+    flat = params if isinstance(params, dict) else (c.get("rope_scaling") or {})
+    flat = {k: v for k, v in flat.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return RopeSpec(main_theta), _rope(flat, compress_theta, "rope_scaling")
+
+
+def read_v4_config(config: dict[str, Any]) -> V4Config:
+    """The one reading of a DeepSeek-V4 config.json (either scheme; see module docstring)."""
+    c = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    n = _positive_int(c, "num_hidden_layers")
+    nextn = c.get("num_nextn_predict_layers", 0) or 0
+    if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+        raise ConfigError(f"num_nextn_predict_layers: expected a non-negative integer, got {nextn!r}")
+    head_dim = _positive_int(c, "head_dim")
+    if c.get("qk_rope_head_dim") is not None:
+        rope_dim = _positive_int(c, "qk_rope_head_dim")
+    elif c.get("partial_rotary_factor") is not None:
+        rope_dim = int(head_dim * float(c["partial_rotary_factor"]))
+    else:
+        rope_dim = head_dim * 64 // 512  # transformers' default partial_rotary_factor, 64 / 512
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError(f"qk_rope_head_dim: {rope_dim} must be even and within head_dim {head_dim}")
+    kinds, ratios = _schedule(c, n, nextn)
+    main, compress = _ropes(c)
+    heads = _positive_int(c, "num_attention_heads")
+    o_groups = _positive_int(c, "o_groups", 1)
+    if heads % o_groups:
+        raise ConfigError(f"o_groups: {o_groups} does not divide num_attention_heads {heads}")
+    return V4Config(
+        num_hidden_layers=n,
+        num_nextn_predict_layers=nextn,
+        attention_kinds=kinds,
+        compress_ratios=ratios,
+        mlp_kinds=_mlp_kinds(c, n, nextn),
+        hidden_size=_positive_int(c, "hidden_size"),
+        num_heads=heads,
+        head_dim=head_dim,
+        qk_rope_head_dim=rope_dim,
+        q_lora_rank=_positive_int(c, "q_lora_rank"),
+        o_groups=o_groups,
+        o_lora_rank=_positive_int(c, "o_lora_rank"),
+        sliding_window=_positive_int(c, "sliding_window"),
+        index_n_heads=_positive_int(c, "index_n_heads", 1) if CSA in kinds else int(c.get("index_n_heads") or 0),
+        index_head_dim=_positive_int(c, "index_head_dim") if CSA in kinds else int(c.get("index_head_dim") or 0),
+        index_topk=_positive_int(c, "index_topk", 512) if CSA in kinds else int(c.get("index_topk") or 0),
+        rope_main=main,
+        rope_compress=compress,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the KV pools
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool of the engine: `layers` layers x rows x `width` elements of the model dtype.
+    kind "entries": rows grow with the tokens held (one per `ratio` tokens); kind "recent": a
+    bounded number of rows per request (`keep` committed tokens)."""
+
+    name: str
+    kind: str  # "entries" | "recent"
+    layers: tuple[int, ...]  # model layer indices that own a slice of this pool
+    width: int
+    ratio: int = 0  # entries: tokens per entry
+    keep: int = 0  # recent: committed tokens kept per request
+
+
+def v4_pools(v4: V4Config, role: str) -> tuple[PoolSpec, ...]:
+    """The pools one role's layers need (see module docstring); empty pools are left out."""
+    hd, ihd, w = v4.head_dim, v4.index_head_dim, v4.sliding_window
+    layers = list(v4.layers(role))
+    by_kind = {k: [i for i in layers if v4.attention_kinds[i] == k] for k in ATTENTION_KINDS}
+    pools = [PoolSpec("window", "recent", tuple(layers), hd, keep=w - 1)]
+    for kind in (CSA, HCA):
+        ids = by_kind[kind]
+        for ratio in sorted({v4.compress_ratios[i] for i in ids}):
+            group = tuple(i for i in ids if v4.compress_ratios[i] == ratio)
+            tag = f"{kind}{ratio}"
+            if kind == CSA:
+                pools.append(PoolSpec(f"{tag}_entries", "entries", group, hd + ihd, ratio=ratio))
+                pools.append(PoolSpec(f"{tag}_state", "recent", group, 4 * hd + 4 * ihd, keep=2 * ratio - 1))
+            else:
+                pools.append(PoolSpec(f"{tag}_entries", "entries", group, hd, ratio=ratio))
+                pools.append(PoolSpec(f"{tag}_state", "recent", group, 2 * hd, keep=ratio - 1))
+    return tuple(pools)
+
+
+def v4_pool_rows(pool: PoolSpec, max_total_tokens: int, max_running_requests: int, in_flight_per_request: int) -> int:
+    """Rows the engine allocates for `pool` (plus its one padding row, row 0)."""
+    in_flight = max_running_requests * in_flight_per_request
+    if pool.kind == "entries":
+        return 1 + math.ceil(max_total_tokens / pool.ratio) + in_flight
+    return 1 + max_running_requests * pool.keep + in_flight
+
+
+def v4_slot_maps(pools: tuple[PoolSpec, ...]) -> int:
+    """Per-slot index maps the engine keeps for a V4 model: the position, and one row per pool."""
+    return 1 + len(pools)
+
+
+@dataclass(frozen=True)
+class V4KVBytes:
+    per_token: int  # entries + slot maps, per token slot
+    per_request: int  # recent rows of one request at one in-flight token (a decode step)
+    per_in_flight_token: int  # one more in-flight token of one request
+
+
+def v4_kv_bytes(v4: V4Config, role: str, dtype_bytes: int) -> V4KVBytes:
+    pools = v4_pools(v4, role)
+    per_token = Fraction(v4_slot_maps(pools) * SLOT_INDEX_BYTES)
+    per_request = 0
+    in_flight = 0
+    for p in pools:
+        size = len(p.layers) * p.width * dtype_bytes
+        in_flight += size
+        if p.kind == "entries":
+            per_token += Fraction(size, p.ratio)
+        else:
+            per_request += p.keep * size
+    return V4KVBytes(math.ceil(per_token), per_request + in_flight, in_flight)
