@@ -110,13 +110,13 @@ LOGITS_DTYPE_BYTES = 4
 SAMPLING_LOGITS_COPIES = 8
 
 # Fixed fields the prefill server sends the decode server per request next to the hidden state
-# (disaggregation metadata): (name, bytes per element, elements; "topk" means SpecSettings.topk).
+# (disaggregation metadata, engine/runtime/transfer.py): (name, bytes per element, elements;
+# "topk" would mean SpecSettings.topk). No top-k of the draft's first step: the decode server
+# drafts from the carried hidden state itself.
 METADATA_FIXED_FIELDS = (
     ("output_token_id", 8, 1),
     ("cached_tokens", 8, 1),
     ("output_token_logprob", 4, 1),
-    ("topk_p", 4, "topk"),
-    ("topk_index", 8, "topk"),
 )
 
 # cuda_graph_batch_sizes: every power of two up to this, then multiples of the step.

@@ -19,6 +19,13 @@ A request's committed tokens own the same slot in the target and the draft pool.
 request between steps: its committed length, the last emitted token (the next tree root, not yet
 in the KV) and the draft's hidden state after that token (`draft_hidden`, one row per request).
 HTTP, tokenization, stop strings and queueing live elsewhere.
+
+Roles (prefill/decode disaggregation, docs/disaggregation.md): "both" does all of the above.
+"prefill" stops after step 1: a request (max_tokens 1) that has its first token is *held*, its
+slots and row kept, until `export_held` has put its state into the metadata buffer and the
+transfer is done (`release_held`). "decode" also `receive`s requests whose prompt KV another
+server writes into the slots `receive` took; `activate` then starts them from the metadata
+buffer's row exactly where a local prefill would have left them.
 """
 
 from __future__ import annotations
@@ -60,6 +67,9 @@ class StepOutput:
     finish_reason: str | None       # "stop" | "length" | None
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 class NoCapacity(RuntimeError):
     """The request fits the engine but not right now: retry after requests finish."""
 
@@ -90,14 +100,22 @@ class Runner:
                  max_running_requests: int | None = None, context_length: int | None = None,
                  device: torch.device | str = "cpu", seed: int = 0,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True):
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True,
+                 role: str = "both"):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
         prefill_chunk_tokens: padded tokens one prefill forward carries (the plan sizes the
         activation workspace for this many); longer prompts are prefilled over several steps.
         fused_spec_step: with graphs, one graph per speculative iteration (the default); False
-        graphs each model call alone, with tree building and acceptance eager in between."""
+        graphs each model call alone, with tree building and acceptance eager in between.
+        role: "both", "prefill" or "decode" (module docstring); the two split roles need a plan,
+        whose metadata buffer shape they allocate."""
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
+        if role != "both" and plan is None:
+            raise ValueError(f"role {role!r} needs a plan (its disaggregation metadata buffer)")
+        self.role = role
         if plan is not None:
             max_total_tokens = plan.max_total_tokens
             max_running_requests = plan.max_running_requests
@@ -150,6 +168,18 @@ class Runner:
             # [max_running_requests, carried width]: the draft state after each request's root.
             self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
                                             device=self.device)
+        self.metadata = None
+        if role != "both":
+            from specdeploy.engine.runtime.transfer import MetadataBuffers
+
+            # [max_running_requests, H_s] as the plan sizes it; the draft's carried state must fit
+            # a row exactly (H_s where hidden_size was meant would be 4x short for hc_mult 4).
+            self.metadata = MetadataBuffers(plan.buffers, dtype, self.device)
+            rows, width = plan.buffers.metadata_hidden_states_shape
+            carried = draft.carried_size if draft is not None else width
+            if width != carried or rows != max_running_requests:
+                raise ValueError(f"the plan's metadata buffer is [{rows}, {width}]; this engine "
+                                 f"needs [{max_running_requests}, {carried}] (the draft's carried width)")
         self.calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, self.num_steps,
                                 self.topk, self.num_draft_tokens)
         if graph_mode is None:
@@ -166,6 +196,8 @@ class Runner:
                 _check_buffers_against_plan(self.calls.buffer_shapes(), plan.buffers)
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
+        self._held: dict[str, _Seq] = {}        # prefill role: first token out, state not sent yet
+        self._receiving: dict[str, _Seq] = {}   # decode role: slots taken, KV arriving
         self._reserved = 0
         # What the step in progress took and has not committed yet, given back if it fails:
         # slot tensors, (row, start, end) req_to_slot entries written, requests given a row.
@@ -209,11 +241,19 @@ class Runner:
                    self.table.capacity - self.slots_needed(prompt_len, 0))
 
     def add(self, req: Request) -> None:
+        self._pending.append(self._admit(req))
+
+    def _admit(self, req: Request) -> _Seq:
+        """Check a request and reserve its worst case; -> its (unscheduled) sequence."""
         if not req.prompt_ids:
             raise ValueError(f"request {req.id}: empty prompt")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.id}: max_tokens must be >= 1, got {req.max_tokens}")
-        if req.id in self._running or any(s.req.id == req.id for s in self._pending):
+        if self.role == "prefill" and req.max_tokens != 1:
+            raise ValueError(f"request {req.id}: a prefill server computes the first token only "
+                             f"(max_tokens 1, got {req.max_tokens})")
+        if (req.id in self._running or req.id in self._held or req.id in self._receiving
+                or any(s.req.id == req.id for s in self._pending)):
             raise ValueError(f"request {req.id}: id already in use")
         vocab = self.target.cfg.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
@@ -228,14 +268,83 @@ class Runner:
         if need > self.table.capacity:
             raise ValueError(f"request {req.id}: needs {need} KV slots, the pool has "
                              f"{self.table.capacity} (max_total_tokens)")
-        if self._reserved + need > self.table.capacity or \
-                len(self._running) + len(self._pending) >= self.max_running_requests:
+        if self._reserved + need > self.table.capacity or self.num_running >= self.max_running_requests:
             raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
         gen = None
         if req.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.seed)
         self._reserved += need
-        self._pending.append(_Seq(req, row=-1, length=0, reserved=need, generator=gen))
+        return _Seq(req, row=-1, length=0, reserved=need, generator=gen)
+
+    # ---- disaggregation ------------------------------------------------------------------------
+
+    def receive(self, req: Request) -> tuple[int, list[int]]:
+        """Decode role: admit a request whose prompt another server prefills; -> (its row, the
+        slots its prompt tokens' KV must be written to, position by position). The request
+        holds them, and decodes nothing, until `activate` (or `abort`)."""
+        if self.role != "decode":
+            raise RuntimeError(f"receive() on a {self.role!r} runner")
+        seq = self._admit(req)
+        n = len(req.prompt_ids)
+        seq.row = self.table.alloc_row()
+        try:
+            slots = self.table.alloc(n)
+        except RuntimeError:
+            self.table.free_row(seq.row, 0)
+            self._reserved -= seq.reserved
+            raise
+        self.table.req_to_slot[seq.row, :n] = slots
+        seq.length = n
+        self._receiving[req.id] = seq
+        return seq.row, slots.tolist()
+
+    def activate(self, req_id: str) -> list[StepOutput]:
+        """Decode role: the prompt KV has arrived and the metadata buffer's row holds the first
+        token and the draft's carried state; the request runs from here, as after a local
+        prefill. -> the first token's output."""
+        seq = self._receiving[req_id]
+        md = self.metadata
+        cached = int(md.fixed["cached_tokens"][seq.row])
+        if cached != seq.length:
+            raise ValueError(f"request {req_id}: the prefill server sent {cached} prompt tokens, "
+                             f"the request has {seq.length}")
+        first = int(md.fixed["output_token_id"][seq.row])
+        if not 0 <= first < self.target.cfg.vocab_size:
+            raise ValueError(f"request {req_id}: first token {first} outside the vocabulary")
+        del self._receiving[req_id]
+        if self.draft is not None:
+            self.draft_hidden[seq.row] = md.hidden[seq.row]
+        if seq.generator is not None and seq.req.temperature > 0:
+            # The prefill server drew the first token's uniform from a generator with this seed;
+            # drawing it here too keeps a seeded request's stream what one server gives it.
+            self._uniforms([seq], 1)
+        self._running[req_id] = seq
+        return self._emit([seq], [[first]], [0])
+
+    def export_held(self, req_id: str) -> tuple[int, list[int]]:
+        """Prefill role: put a held request's first token, prompt length and the draft's carried
+        state into its metadata row; -> (row, the slots of its prompt tokens, position by
+        position). The slots stay the request's until `release_held`."""
+        seq = self._held[req_id]
+        md = self.metadata
+        md.fixed["output_token_id"][seq.row] = seq.root
+        md.fixed["cached_tokens"][seq.row] = seq.length
+        if self.draft is not None:
+            md.hidden[seq.row] = self.draft_hidden[seq.row]
+        return seq.row, self.table.req_to_slot[seq.row, :seq.length].tolist()
+
+    def release_held(self, req_id: str) -> None:
+        seq = self._held.pop(req_id)
+        self.table.free_row(seq.row, seq.length)
+        self._reserved -= seq.reserved
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self._receiving)
 
     def abort(self, req_id: str) -> None:
         for i, seq in enumerate(self._pending):
@@ -245,15 +354,26 @@ class Runner:
                 if seq.row >= 0:  # partly prefilled
                     self.table.free_row(seq.row, seq.length)
                 return
+        if req_id in self._held:
+            self.release_held(req_id)
+            return
+        seq = self._receiving.pop(req_id, None)
+        if seq is not None:
+            self.table.free_row(seq.row, seq.length)
+            self._reserved -= seq.reserved
+            return
         seq = self._running.get(req_id)
         if seq is None:
             raise KeyError(f"no request {req_id!r}")
         self._release(seq)
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: _Seq, hold: bool = False) -> None:
+        del self._running[seq.req.id]
+        if hold:  # prefill role: its state has yet to reach a decode server
+            self._held[seq.req.id] = seq
+            return
         self.table.free_row(seq.row, seq.length)
         self._reserved -= seq.reserved
-        del self._running[seq.req.id]
 
     @property
     def num_free_slots(self) -> int:
@@ -261,7 +381,13 @@ class Runner:
 
     @property
     def num_running(self) -> int:
-        return len(self._running) + len(self._pending)
+        """Requests holding a row: pending, running, held and receiving."""
+        return len(self._running) + len(self._pending) + len(self._held) + len(self._receiving)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether step() would compute anything."""
+        return bool(self._running or self._pending)
 
     # ---- one iteration -----------------------------------------------------------------------
 
@@ -355,8 +481,12 @@ class Runner:
         first = None
         if done:
             idx = torch.tensor(done, device=dev)
-            first = self._sample(finished, self.target.logits(out.hidden[idx, takes[idx] - 1]))
+            logits = self.target.logits(out.hidden[idx, takes[idx] - 1])
+            first = self._sample(finished, logits)
             shifted[idx, takes[idx] - 1] = first
+            if self.role == "prefill":
+                lp = torch.log_softmax(logits.float(), -1).gather(1, first[:, None])[:, 0]
+                self.metadata.fixed["output_token_logprob"][rows[idx]] = lp
         if self.draft is not None:
             hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
             if done:
@@ -476,7 +606,7 @@ class Runner:
                     break
             s.root = kept[-1]
             if reason:
-                self._release(s)
+                self._release(s, hold=self.role == "prefill")
             outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason))
         return outputs
 

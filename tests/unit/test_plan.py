@@ -85,7 +85,7 @@ def test_buffer_shapes_follow_the_seed():
     assert b.cuda_graph_hidden_states_bytes == (bs * hs + bs * 4 * hin + bs * 4 * hin) * 2
     assert b.metadata_hidden_states_shape == (48, hs)
     assert b.metadata_hidden_states_bytes_per_request == hs * 2
-    fixed = 8 + 8 + 4 + 4 * 1 + 8 * 1
+    fixed = 8 + 8 + 4  # first token, prompt tokens sent, its log-probability
     assert b.metadata_fixed_fields_bytes_per_request == fixed
     assert b.metadata_bytes == 48 * (hs * 2 + fixed)
     assert p.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)

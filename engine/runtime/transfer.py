@@ -1,0 +1,203 @@
+"""Moving one request's state from a prefill server's memory into a decode server's.
+
+What moves, per request (docs/disaggregation.md):
+    target KV   K and V of every layer, one slot row per prompt token:  2 x L_t x n x slot_bytes_t
+    draft KV    the same for the draft pool (the draft's extend over the prompt wrote it)
+    metadata    one row of the plan's metadata buffer (BufferPlan.metadata_hidden_states_shape,
+                [max_running_requests, H_s]): the draft's carried hidden state after the first
+                sampled token (H_s = spec_hidden_size; EAGLE-3 carries the target's hidden_size,
+                which the plan's H_s is for an hc_mult 1 target) and the fixed fields
+                (plan.METADATA_FIXED_FIELDS): the first token, the prompt tokens written, the
+                first token's log-probability.
+
+The bytes go through Mooncake's transfer engine (`mooncake-transfer-engine`, the extra
+`specdeploy[disagg]`): each side registers its KV pools and metadata buffer once; the prefill side
+writes straight from its slots into the slots the decode side took for the request (one-sided
+writes, as SGLang's Mooncake connector does), coalescing runs of consecutive slots. TCP is the
+transport on CPU and in CI; RDMA where the NICs are. The peer is named by its session id
+(`host:rpc_port`, Mooncake's P2P handshake: no metadata server).
+
+A pool's memory is `k, v [num_layers, num_slots, heads, head_dim]`, contiguous: the row of
+(layer l, slot s) starts at `base + (l * num_slots + s) * slot_bytes`. `PoolLayout` is that
+description as plain numbers (it travels in the prefill request); `kv_copies` is pure arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Mooncake's protocol names: "tcp" works on any host; "rdma" needs RDMA NICs.
+TRANSFER_PROTOCOLS = ("tcp", "rdma")
+
+
+class TransferError(RuntimeError):
+    """A transfer that did not complete (peer gone, unregistered memory, engine error)."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a KV pool's rows live in one process: base addresses of K and V, and strides."""
+
+    k: int
+    v: int
+    num_layers: int
+    num_slots: int
+    slot_bytes: int  # heads x head_dim x element size: one token of one layer
+
+    @classmethod
+    def of(cls, pool) -> PoolLayout:
+        k = pool.k
+        if not (k.is_contiguous() and pool.v.is_contiguous()):
+            raise ValueError("KV pools must be contiguous to be transferred")
+        return cls(k.data_ptr(), pool.v.data_ptr(), k.shape[0], k.shape[1], k[0, 0].numel() * k.element_size())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PoolLayout:
+        return cls(**{f: int(data[f]) for f in ("k", "v", "num_layers", "num_slots", "slot_bytes")})
+
+    def shape(self) -> tuple[int, int]:
+        """What must agree between the two sides (addresses and slot counts may differ)."""
+        return self.num_layers, self.slot_bytes
+
+
+def slot_runs(src_slots: list[int], dst_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs covering the pairs src_slots[i] -> dst_slots[i]: pairs
+    whose source and destination both advance by one are merged into one run."""
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"{len(src_slots)} source slots for {len(dst_slots)} destination slots")
+    runs: list[list[int]] = []
+    for s, d in sorted(zip(src_slots, dst_slots)):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def kv_copies(src: PoolLayout, src_slots: list[int], dst: PoolLayout,
+              dst_slots: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(source addresses, destination addresses, lengths) that copy K and V of every layer of
+    src_slots in `src` to dst_slots in `dst`: 2 x num_layers x (number of runs) entries."""
+    if src.shape() != dst.shape():
+        raise ValueError(f"KV layouts differ: {src.num_layers} layers x {src.slot_bytes} bytes per slot "
+                         f"here, {dst.num_layers} x {dst.slot_bytes} on the peer")
+    for slots, layout, side in ((src_slots, src, "source"), (dst_slots, dst, "destination")):
+        if slots and not all(0 < s < layout.num_slots for s in slots):
+            raise ValueError(f"{side} slot outside [1, {layout.num_slots})")
+    runs = slot_runs(src_slots, dst_slots)
+    srcs, dsts, lens = [], [], []
+    for base_src, base_dst in ((src.k, dst.k), (src.v, dst.v)):
+        for layer in range(src.num_layers):
+            for s, d, n in runs:
+                srcs.append(base_src + (layer * src.num_slots + s) * src.slot_bytes)
+                dsts.append(base_dst + (layer * dst.num_slots + d) * dst.slot_bytes)
+                lens.append(n * src.slot_bytes)
+    return srcs, dsts, lens
+
+
+# The metadata buffer's fields: (name, dtype). The hidden state's width and the row count come
+# from the plan; these are plan.METADATA_FIXED_FIELDS as tensors (checked in MetadataBuffers).
+_FIXED_DTYPES = {"output_token_id": torch.int64, "cached_tokens": torch.int64,
+                 "output_token_logprob": torch.float32}
+
+
+class MetadataBuffers:
+    """The plan's disaggregation metadata buffer: per request row r,
+    hidden [R, H_s] (the draft's carried state after the first token), output_token_id [R],
+    cached_tokens [R] (prompt tokens whose KV was sent), output_token_logprob [R].
+    R = max_running_requests; the decode side's row r is its request's slot-table row."""
+
+    def __init__(self, buffers, dtype: torch.dtype, device: torch.device | str):
+        from specdeploy.engine.planner.plan import METADATA_FIXED_FIELDS
+
+        rows, width = buffers.metadata_hidden_states_shape
+        planned = {name: size for name, size, count in METADATA_FIXED_FIELDS}
+        if set(planned) != set(_FIXED_DTYPES):
+            raise ValueError(f"the plan's metadata fields {sorted(planned)} are not the engine's "
+                             f"{sorted(_FIXED_DTYPES)}")
+        fixed = sum(torch.tensor([], dtype=dt).element_size() for dt in _FIXED_DTYPES.values())
+        if fixed != buffers.metadata_fixed_fields_bytes_per_request:
+            raise ValueError(f"metadata fixed fields: {fixed} bytes per request here, the plan says "
+                             f"{buffers.metadata_fixed_fields_bytes_per_request}")
+        self.hidden = torch.zeros(rows, width, dtype=dtype, device=device)
+        if self.hidden[0].numel() * self.hidden.element_size() != buffers.metadata_hidden_states_bytes_per_request:
+            raise ValueError(f"metadata hidden row: {width} x {self.hidden.element_size()} bytes here, the plan "
+                             f"says {buffers.metadata_hidden_states_bytes_per_request} bytes")
+        self.fixed = {name: torch.zeros(rows, dtype=dt, device=device) for name, dt in _FIXED_DTYPES.items()}
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden, *self.fixed.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def row_addresses(self, row: int) -> dict[str, int]:
+        """Address of each field's row `row` (what the decode side sends the prefill side)."""
+        out = {"hidden": self.hidden[row].data_ptr()}
+        out.update({name: t[row].data_ptr() for name, t in self.fixed.items()})
+        return out
+
+    def row_copies(self, row: int, dst: dict[str, int]) -> tuple[list[int], list[int], list[int]]:
+        """Copies of this side's row `row` to the peer's row addresses `dst`."""
+        src = self.row_addresses(row)
+        if set(dst) != set(src):
+            raise ValueError(f"metadata fields differ: {sorted(src)} here, {sorted(dst)} on the peer")
+        lens = {"hidden": self.hidden[row].numel() * self.hidden.element_size()}
+        lens.update({name: t.element_size() for name, t in self.fixed.items()})
+        names = sorted(src)
+        return [src[n] for n in names], [int(dst[n]) for n in names], [lens[n] for n in names]
+
+
+class MooncakeAgent:
+    """One process's Mooncake transfer engine: registered memory and one-sided writes.
+
+    hostname: the address peers reach this process at (the pod IP in a cluster).
+    """
+
+    def __init__(self, hostname: str, protocol: str = "tcp", device_name: str = ""):
+        if protocol not in TRANSFER_PROTOCOLS:
+            raise ValueError(f"transfer protocol {protocol!r}: use one of {', '.join(TRANSFER_PROTOCOLS)}")
+        # Mooncake logs through glog; INFO lines per connection would flood the engine's log.
+        os.environ.setdefault("GLOG_minloglevel", "1")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise RuntimeError("prefill/decode roles need Mooncake's transfer engine: "
+                               "pip install 'specdeploy[disagg]' (and libibverbs1 on Debian)") from e
+        self._engine = TransferEngine()
+        # P2PHANDSHAKE: peers exchange segment descriptors directly, no etcd/metadata server.
+        if self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name) != 0:
+            raise RuntimeError(f"Mooncake transfer engine failed to start on {hostname} ({protocol})")
+        self.protocol = protocol
+        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._registered: list[torch.Tensor] = []
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make a tensor's memory readable/writable by peers (kept alive by this agent)."""
+        if tensor.device.type != "cpu":
+            raise ValueError("the non-CUDA Mooncake build registers host memory only")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._engine.register_memory(tensor.data_ptr(), nbytes) != 0:
+            raise RuntimeError(f"Mooncake could not register {nbytes} bytes")
+        self._registered.append(tensor)
+
+    def write(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        """Write local srcs to the peer's dsts (blocking); -> bytes written."""
+        if not srcs:
+            return 0
+        if self._engine.batch_transfer_sync_write(session_id, srcs, dsts, lens) != 0:
+            raise TransferError(f"transfer of {sum(lens)} bytes to {session_id} failed")
+        return sum(lens)
+
+    def close(self) -> None:
+        for tensor in self._registered:
+            self._engine.unregister_memory(tensor.data_ptr())
+        self._registered.clear()

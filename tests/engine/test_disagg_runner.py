@@ -1,0 +1,196 @@
+"""Prefill/decode disaggregation at the runner level, through Mooncake's transfer engine (TCP on
+loopback): a prefill runner computes the prompt's KV, the first token and the draft's carried
+state; a decode runner receives them into the slots and the metadata row it took and finishes the
+request. Greedy tokens equal one runner's, for target-only, EAGLE, EAGLE-3 and MTP, hc_mult 1 and
+4; every slot comes back on both sides. The metadata row is the plan's spec_hidden_size wide: a
+plan with hidden_size there is refused for an hc_mult 4 target."""
+
+import dataclasses
+
+import pytest
+import torch
+from specdeploy.engine.demo.toy import (
+    copy_draft,
+    predictable_target,
+    random_requests,
+    tiny_config,
+)
+from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.runtime.transfer import (
+    MooncakeAgent,
+    PoolLayout,
+    kv_copies,
+    slot_runs,
+)
+
+
+def config_json(cfg, **extra):
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, torch_dtype="float32",
+                hc_mult=cfg.hc_mult, max_position_embeddings=cfg.max_position_embeddings, **extra)
+
+
+def tiny_plan(cfg, algorithm, steps=3, topk=1, n=4, slots=400):
+    draft_cfg = config_json(tiny_config(num_layers=1))
+    if algorithm == "EAGLE3":
+        draft_cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    target_cfg = config_json(cfg, num_nextn_predict_layers=1) if algorithm == "MTP" else config_json(cfg)
+    spec = SpecSettings("NONE", 0, 0, 0) if algorithm == "NONE" else SpecSettings(algorithm, steps, topk, n)
+    plan = plan_from_configs(target_cfg, None if algorithm in ("MTP", "NONE") else draft_cfg, spec,
+                             GPUS["h200"], Limits(max_running_requests=4, context_length=96, cuda_graph_max_bs=4))
+    return dataclasses.replace(plan, max_total_tokens=slots)
+
+
+_TARGETS = {}
+
+
+def target_for(hc_mult):
+    if hc_mult not in _TARGETS:
+        _TARGETS[hc_mult] = predictable_target(tiny_config(hc_mult=hc_mult), seed=0, layer_scale=0.5)
+    return _TARGETS[hc_mult]
+
+
+@pytest.fixture(scope="module")
+def agents():
+    prefill, decode = MooncakeAgent("127.0.0.1"), MooncakeAgent("127.0.0.1")
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def register(agent, runner):
+    for pool in (runner.target_kv, runner.draft_kv):
+        if pool is not None:
+            agent.register(pool.k)
+            agent.register(pool.v)
+    for t in runner.metadata.tensors:
+        agent.register(t)
+
+
+def transfer(prefill: Runner, decode: Runner, agent, session: str, req: Request) -> int:
+    """One request through both runners, as the two servers do it; -> bytes moved."""
+    row, dst_slots = decode.receive(req)
+    prefill.add(dataclasses.replace(req, max_tokens=1))
+    while prefill.num_held == 0:
+        prefill.step()
+    src_row, src_slots = prefill.export_held(req.id)
+    moved = 0
+    for src, dst in ((prefill.target_kv, decode.target_kv), (prefill.draft_kv, decode.draft_kv)):
+        if src is not None:
+            moved += agent.write(session, *kv_copies(PoolLayout.of(src), src_slots, PoolLayout.of(dst), dst_slots))
+    moved += agent.write(session, *prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row)))
+    prefill.release_held(req.id)
+    return moved
+
+
+CASES = [("NONE", 1), ("NONE", 4), ("EAGLE", 1), ("EAGLE", 4), ("EAGLE3", 1), ("MTP", 1), ("MTP", 4)]
+
+
+def state_after_prefill(runner: Runner, req_id: str):
+    """What a request's decoding starts from: its prompt's target and draft KV, the first token
+    (the next root) and the draft's carried row."""
+    seq = runner._running[req_id]
+    slots = runner.table.req_to_slot[seq.row, :seq.length]
+    kv = [torch.stack([pool.k[:, slots], pool.v[:, slots]]) for pool in (runner.target_kv, runner.draft_kv) if pool]
+    hidden = runner.draft_hidden[seq.row].clone() if runner.draft is not None else None
+    return kv, seq.root, hidden
+
+
+def assert_same_state(got, want):
+    (kv, root, hidden), (kv_want, root_want, hidden_want) = got, want
+    assert root == root_want
+    for a, b in zip(kv, kv_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if hidden_want is not None:
+        torch.testing.assert_close(hidden, hidden_want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm,hc_mult", CASES)
+def test_disaggregated_greedy_equals_one_runner(agents, algorithm, hc_mult):
+    target, perm = target_for(hc_mult)
+    draft = None if algorithm == "NONE" else copy_draft(algorithm, target, perm)
+    plan = tiny_plan(target.cfg, algorithm)
+    reqs = random_requests((5, 12, 1, 9), 12, 64)
+    single = Runner(target, draft, plan=plan)
+    for r in reqs:
+        single.add(r)
+    want = {o.req_id: list(o.token_ids) for o in single.step()}       # one chunk: every prefill
+    want_state = {r.id: state_after_prefill(single, r.id) for r in reqs}
+    while single.num_running:
+        for o in single.step():
+            want[o.req_id] += o.token_ids
+
+    prefill = Runner(target, draft, plan=plan, role="prefill")
+    decode = Runner(target, draft, plan=plan, role="decode")
+    register(agents[0], prefill)
+    register(agents[1], decode)
+    free = (prefill.num_free_slots, decode.num_free_slots)
+    got = {r.id: [] for r in reqs}
+    for r in reqs:
+        moved = transfer(prefill, decode, agents[0], agents[1].session_id, r)
+        kv_row = sum(2 * p.k.shape[0] * p.k[0, 0].numel() * 4 for p in (prefill.target_kv, prefill.draft_kv) if p)
+        assert moved == len(r.prompt_ids) * kv_row + plan.buffers.metadata_bytes // plan.max_running_requests
+        for o in decode.activate(r.id):
+            got[o.req_id] += o.token_ids
+        # The decode server starts exactly where one server's prefill leaves a request (the
+        # draft's KV and carried row included: greedy tokens alone would not show them, since
+        # a wrong draft state only costs acceptance).
+        assert_same_state(state_after_prefill(decode, r.id), want_state[r.id])
+    assert prefill.num_held == 0 and prefill.num_running == 0
+    while decode.num_running:
+        for o in decode.step():
+            got[o.req_id] += o.token_ids
+    assert got == want
+    assert (prefill.num_free_slots, decode.num_free_slots) == free
+    if draft is not None:
+        assert decode.num_draft_tokens_accepted > 0
+
+
+def test_metadata_row_is_spec_hidden_size_wide_for_hc_mult_4():
+    target, perm = target_for(4)
+    draft = copy_draft("MTP", target, perm)
+    plan = tiny_plan(target.cfg, "MTP")
+    assert plan.buffers.metadata_hidden_states_shape == (4, 4 * 32)
+    assert Runner(target, draft, plan=plan, role="decode").metadata.hidden.shape == (4, 128)
+    narrow = dataclasses.replace(plan, buffers=dataclasses.replace(
+        plan.buffers, metadata_hidden_states_shape=(4, 32), metadata_hidden_states_bytes_per_request=32 * 4))
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=r"metadata buffer is \[4, 32\]; this engine needs \[4, 128\]"):
+            Runner(target, draft, plan=narrow, role=role)
+
+
+def test_aborts_free_slots_on_both_sides():
+    target, perm = target_for(1)
+    draft = copy_draft("EAGLE", target, perm)
+    plan = tiny_plan(target.cfg, "EAGLE")
+    prefill = Runner(target, draft, plan=plan, role="prefill")
+    decode = Runner(target, draft, plan=plan, role="decode")
+    free = (prefill.num_free_slots, decode.num_free_slots)
+    req = random_requests((9,), 5, 64)[0]
+    decode.receive(req)
+    prefill.add(dataclasses.replace(req, max_tokens=1))
+    prefill.step()
+    assert prefill.num_held == 1 and decode.num_receiving == 1
+    prefill.abort(req.id)
+    decode.abort(req.id)
+    assert (prefill.num_free_slots, decode.num_free_slots) == free
+    assert prefill.num_running == decode.num_running == 0
+    with pytest.raises(ValueError, match="first token only"):
+        prefill.add(req)
+
+
+def test_slot_runs_and_copies_coalesce():
+    assert slot_runs([5, 4, 3, 9], [12, 11, 10, 2]) == [(3, 10, 3), (9, 2, 1)]
+    src = PoolLayout(k=1000, v=9000, num_layers=2, num_slots=16, slot_bytes=8)
+    dst = PoolLayout(k=50000, v=70000, num_layers=2, num_slots=32, slot_bytes=8)
+    srcs, dsts, lens = kv_copies(src, [3, 4], dst, [20, 21])
+    assert srcs == [1000 + 24, 1000 + 128 + 24, 9000 + 24, 9000 + 128 + 24]
+    assert dsts == [50000 + 160, 50000 + 256 + 160, 70000 + 160, 70000 + 256 + 160]
+    assert lens == [16] * 4
+    with pytest.raises(ValueError, match="KV layouts differ"):
+        kv_copies(src, [3], dataclasses.replace(dst, slot_bytes=16), [3])
+    with pytest.raises(ValueError, match="destination slot outside"):
+        kv_copies(src, [3], dst, [0])
