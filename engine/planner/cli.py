@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specdeploy.engine.planner.plan import (
     GIB,
@@ -14,10 +15,11 @@ from specdeploy.engine.planner.plan import (
     PlanError,
     SpecSettings,
     custom_gpu,
-    load_model_path,
     plan_from_configs,
 )
+from specdeploy.engine.planner.remote import is_hub_id, load_hub_model
 from specdeploy.engine.planner.shapes import ALGORITHMS, ConfigError
+from specdeploy.engine.planner.weights import CheckpointWeights, load_model
 
 DEFAULTS = SpecSettings()
 DEFAULT_LIMITS = Limits()
@@ -30,8 +32,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Derive both models' shapes from config.json and plan per-GPU memory: weights, "
         "KV cache, CUDA-graph and disaggregation buffers, tensor-parallel size, max_total_tokens.",
     )
-    parser.add_argument("--target", required=True, metavar="PATH", help="config.json, or a model directory (config.json + *.safetensors)")
-    parser.add_argument("--draft", metavar="PATH", help="the draft's config.json or directory (required for EAGLE/EAGLE3; MTP defaults to the target's own layers)")
+    parser.add_argument("--target", required=True, metavar="PATH",
+                        help="config.json, a model directory (config.json + *.safetensors), or a hub id ORG/NAME "
+                        "(config.json and safetensors headers read from the hub, no weights downloaded)")
+    parser.add_argument("--draft", metavar="PATH", help="the draft's config.json, directory or hub id (required for EAGLE/EAGLE3; MTP defaults to the target's own layers)")
+    parser.add_argument("--hub-endpoint", metavar="URL", help="hub for ORG/NAME ids (default $HF_ENDPOINT or https://huggingface.co; token from $HF_TOKEN)")
+    parser.add_argument("--target-revision", default="main", metavar="REV", help="hub revision of the target (default main)")
+    parser.add_argument("--draft-revision", default="main", metavar="REV", help="hub revision of the draft (default main)")
     parser.add_argument("--algorithm", required=True, choices=ALGORITHMS)
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU model (default h200)")
@@ -71,8 +78,8 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"--draft: required for algorithm {args.algorithm}")
     if args.algorithm == "NONE" and args.draft:
         raise ConfigError("--draft: not used with algorithm NONE")
-    target_config, target_weights = load_model_path(args.target)
-    draft_config, draft_weights = load_model_path(args.draft) if args.draft else (None, None)
+    target_config, target_weights = _load(args.target, args.target_revision, args.hub_endpoint)
+    draft_config, draft_weights = _load(args.draft, args.draft_revision, args.hub_endpoint) if args.draft else (None, None)
     gpu = custom_gpu(args.gpu_memory_gib) if args.gpu_memory_gib is not None else GPUS[args.gpu]
     if args.algorithm == "NONE":
         spec = SpecSettings("NONE", 0, 0, 0)
@@ -82,9 +89,19 @@ def _plan(args: argparse.Namespace) -> Plan:
     limits = Limits(args.max_running_requests, args.context_length, args.max_running_requests)
     return plan_from_configs(
         target_config, draft_config, spec, gpu, limits,
-        target_weight_bytes=target_weights, draft_weight_bytes=draft_weights,
+        target_weight_bytes=target_weights.total_bytes if target_weights else None,
+        draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
+        target_weight_source=target_weights.source if target_weights else None,
+        draft_weight_source=draft_weights.source if draft_weights else None,
         gpus_per_node=args.gpus_per_node,
     )
+
+
+def _load(path: str, revision: str, endpoint: str | None) -> tuple[dict, CheckpointWeights | None]:
+    """A local config.json or model directory; else, when `path` reads as ORG/NAME, the hub's."""
+    if not Path(path).exists() and is_hub_id(path):
+        return load_hub_model(path, revision, endpoint=endpoint)
+    return load_model(path)
 
 
 def _gib(n: int) -> str:

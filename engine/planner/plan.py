@@ -6,6 +6,9 @@ and by `specdeploy plan`. Every term of the arithmetic is kept in the returned `
 number can be explained. Per GPU, at tensor-parallel size TP:
 
     weights            = (target_weight_bytes + draft_weight_bytes) / TP
+                         (each from the checkpoint's safetensors headers or index when read,
+                         else as quantization_config implies, else parameters x dtype;
+                         ModelTerms.weight_source says which)
     kv_per_token       = target KV bytes/token/GPU + draft KV bytes/token/GPU
                          (the draft pool has as many token slots as the target's; GQA heads are
                          split by TP, replicated when fewer than TP; MLA latents and DeepSeek-V4's
@@ -47,13 +50,13 @@ from specdeploy.engine.planner.shapes import (
 )
 
 __all__ = [
-    "ConfigError",
     "GPU",
     "GPUS",
-    "Limits",
-    "ModelTerms",
     "BufferPlan",
+    "ConfigError",
+    "Limits",
     "MemoryTerms",
+    "ModelTerms",
     "Plan",
     "PlanError",
     "SpecSettings",
@@ -249,7 +252,11 @@ class ModelTerms:
     attention: str
     num_params: int
     weight_bytes: int
-    weight_source: str  # "safetensors" (checkpoint headers), "shapes" (counted), "target checkpoint" (MTP)
+    # where weight_bytes came from: "headers" (every safetensors header of the checkpoint), "index"
+    # (model.safetensors.index.json's total_size), "quantization_config" (estimated from the
+    # config's quantization), "shapes" (parameters x dtype), "target checkpoint" (MTP layers
+    # counted in the target's bytes)
+    weight_source: str
     weight_bytes_per_gpu: int
     kv_cache_bytes_per_token: int  # whole model
     kv_cache_bytes_per_token_per_gpu: int
@@ -429,12 +436,16 @@ def _tp_refusal(shapes: ModelShapes, tp: int) -> str | None:
     return None
 
 
-def _weight_source(shapes: ModelShapes, weight_bytes: int | None) -> str:
-    if weight_bytes is None:
-        return "shapes"
-    if shapes.role == "MTP" and weight_bytes == 0:
-        return "target checkpoint"
-    return "safetensors"
+def _weights(shapes: ModelShapes, weight_bytes: int | None, source: str | None) -> tuple[int, str]:
+    """(bytes, source) of one model's weights: the checkpoint's when read (its headers or index),
+    else what quantization_config implies, else the parameter count at the config's dtype."""
+    if weight_bytes is not None:
+        if shapes.role == "MTP" and weight_bytes == 0:
+            return 0, "target checkpoint"
+        return weight_bytes, source or "headers"
+    if shapes.quantized_weight_bytes:
+        return shapes.quantized_weight_bytes, "quantization_config"
+    return shapes.weight_bytes, "shapes"
 
 
 def in_flight_tokens_per_request(spec: SpecSettings) -> int:
@@ -445,8 +456,9 @@ def in_flight_tokens_per_request(spec: SpecSettings) -> int:
     return spec.num_draft_tokens + (spec.num_steps - 1) * spec.topk
 
 
-def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int, spec: SpecSettings) -> ModelTerms:
-    weights = shapes.weight_bytes if weight_bytes is None else weight_bytes
+def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | None, tp: int,
+                 spec: SpecSettings) -> ModelTerms:
+    weights, weight_source = _weights(shapes, weight_bytes, source)
     return ModelTerms(
         model_type=shapes.model_type,
         architecture=shapes.architecture,
@@ -462,7 +474,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, tp: int, spec: S
         attention=shapes.attention,
         num_params=shapes.num_params,
         weight_bytes=weights,
-        weight_source=_weight_source(shapes, weight_bytes),
+        weight_source=weight_source,
         weight_bytes_per_gpu=math.ceil(weights / tp),
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
@@ -533,10 +545,16 @@ def _notes(
         if shapes is None:
             continue
         if shapes.quantization and weights is None:
-            notes.append(
-                f"{shapes.role} checkpoint is quantized ({shapes.quantization}); weights counted at "
-                f"{shapes.dtype}, give the model directory for its real size"
-            )
+            if shapes.quantized_weight_bytes:
+                notes.append(
+                    f"{shapes.role} weights estimated from quantization_config ({shapes.quantization}); "
+                    "the checkpoint's safetensors headers give the exact bytes"
+                )
+            else:
+                notes.append(
+                    f"{shapes.role} checkpoint is quantized ({shapes.quantization}); weights counted at "
+                    f"{shapes.dtype}, give the model directory for its real size"
+                )
     if draft is not None and draft.role == "MTP" and draft_weight_bytes == 0:
         notes.append("MTP layers' weights are in the target checkpoint and counted there")
     if target.has_vision_tower and target_weight_bytes is None:
@@ -560,11 +578,14 @@ def plan(
     *,
     target_weight_bytes: int | None = None,
     draft_weight_bytes: int | None = None,
+    target_weight_source: str | None = None,
+    draft_weight_source: str | None = None,
     gpus_per_node: int = 8,
 ) -> Plan:
     """Plan memory for `target` + `draft` on `gpu` (see the module docstring for the formula).
 
-    Weight bytes come from the checkpoints' safetensors headers when given, else from the shapes.
+    Weight bytes come from the checkpoints when given (`*_weight_source` says how they were read:
+    "headers", the default, or "index"), else from quantization_config, else from the shapes.
     Raises PlanError: reason "DraftRequired" (EAGLE/EAGLE3/MTP without a draft),
     "InsufficientGPUMemory" (with the bytes needed and available per GPU at the largest TP tried,
     and the TP sizes refused because they do not divide the heads).
@@ -586,8 +607,8 @@ def plan(
         if refusal:
             refusals.append(f"TP {tp}: {refusal}")
             continue
-        target_terms = _model_terms(target, target_weight_bytes, tp, spec)
-        draft_terms = _model_terms(draft, draft_weight_bytes, tp, spec) if draft else None
+        target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp, spec)
+        draft_terms = _model_terms(draft, draft_weight_bytes, draft_weight_source, tp, spec) if draft else None
         memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
         last = (tp, memory)
@@ -621,6 +642,9 @@ def plan(
     hint = ""
     if target.quantization and target_weight_bytes is None:
         hint = (
+            f"; weights were estimated from quantization_config ({target.quantization}): the "
+            "checkpoint's safetensors headers give the exact bytes"
+            if target.quantized_weight_bytes else
             f"; weights were counted at {target.dtype} but the checkpoint is {target.quantization}: "
             "give the model directory to read its real size"
         )
@@ -643,6 +667,8 @@ def plan_from_configs(
     *,
     target_weight_bytes: int | None = None,
     draft_weight_bytes: int | None = None,
+    target_weight_source: str | None = None,
+    draft_weight_source: str | None = None,
     gpus_per_node: int = 8,
 ) -> Plan:
     """derive_shapes for both models (the draft in the target's dtype), then plan()."""
@@ -655,6 +681,7 @@ def plan_from_configs(
     return plan(
         target, draft, spec, gpu, limits,
         target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
+        target_weight_source=target_weight_source, draft_weight_source=draft_weight_source,
         gpus_per_node=gpus_per_node,
     )
 

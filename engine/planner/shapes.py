@@ -22,10 +22,7 @@ KV cache bytes per token, by attention kind (b = dtype bytes, L = layers):
 from __future__ import annotations
 
 import dataclasses
-import json
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from specdeploy.engine.planner.deepseek_v4 import CSA, HASH_MOE, V4Config, is_deepseek_v4, read_v4_config, v4_kv_bytes
@@ -112,6 +109,10 @@ class ModelShapes:
     kv_cache_bytes_per_request: int  # fixed per running request at one in-flight token (V4's recent rows), before TP
     kv_cache_bytes_per_in_flight_token: int  # V4: each further in-flight token of a request (tree, draft scratch)
     quantization: str  # quant_method of the checkpoint, "" when unquantized
+    # What quantization_config implies the checkpoint weighs (see quantized_weight_bytes); 0 when
+    # unquantized or a method this estimate does not know
+    quantized_weight_bytes: int
+    routed_expert_params: int  # elements of the routed experts' matrices (in num_params)
     has_vision_tower: bool  # a multimodal checkpoint; its vision encoder is not in num_params
 
     @property
@@ -346,6 +347,8 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         embedding = lm_head = 0
 
     kv_per_token, kv_per_request, kv_per_in_flight = _kv_cache_bytes(dims, layer_ids, b, role)
+    routed_experts = moe_layers * num_experts * 3 * hidden * moe_inter
+    lm_head_owned = 0 if (role == "target" and tie) else lm_head
     return ModelShapes(
         model_type=model_type,
         architecture=arch,
@@ -388,8 +391,90 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         kv_cache_bytes_per_request=kv_per_request,
         kv_cache_bytes_per_in_flight_token=kv_per_in_flight,
         quantization=str(quantization_config.get("quant_method", "")),
+        quantized_weight_bytes=quantized_weight_bytes(
+            c, quantization_config, params=params, embedding=embedding, lm_head=lm_head_owned,
+            routed_experts=routed_experts, hidden=hidden, dtype_bytes=b,
+        ),
+        routed_expert_params=routed_experts,
         has_vision_tower=isinstance(config.get("vision_config"), dict),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# weight bytes a quantization_config implies (when no checkpoint header can be read)
+
+# DeepSeek-V4's FP4 experts: two e2m1 values per byte and one E8M0 scale byte per 32 values
+# along the input dimension (weight I8 [out, in / 2], scale F8_E8M0 [out, in / 32]).
+FP4_GROUP = 32
+
+
+def _scales(elements: int, group: int, scale_bytes: int) -> int:
+    return -(-elements // group) * scale_bytes if group else 0
+
+
+def quantized_weight_bytes(
+    c: dict[str, Any], q: dict[str, Any], *, params: int, embedding: int, lm_head: int,
+    routed_experts: int, hidden: int, dtype_bytes: int,
+) -> int:
+    """Bytes of a checkpoint whose linears `quantization_config` (q) quantizes, or 0.
+
+    An estimate for when no safetensors header can be read: every parameter but the embedding
+    (and lm_head, unless the method quantizes it) is counted as a quantized linear, so the
+    norms and routers that really stay in 16/32 bits are counted at the quantized width (well
+    under 0.1% of a large model). Scales are counted per matrix group as if each linear were one
+    matrix (ceil per matrix ignored). Known methods:
+      fp8 (DeepSeek, Qwen3-FP8): e4m3 bytes + one scale per weight_block_size block (float32;
+          1 byte with scale_fmt ue8m0) or per tensor; expert_dtype "fp4": routed experts at
+          half a byte + one E8M0 per 32
+      compressed-tensors: num_bits per weight + bf16 scales by strategy (tensor, channel, group,
+          block); lm_head stays unquantized when listed in `ignore`
+      fbgemm_fp8: e4m3 bytes + one float32 scale per output row
+    """
+    method = str(q.get("quant_method", ""))
+    kept = embedding
+    linear = params - embedding
+    if method == "fp8":
+        linear -= lm_head
+        kept += lm_head
+        scale_bytes = 1 if q.get("scale_fmt") == "ue8m0" else 4
+        block = q.get("weight_block_size")
+        group = int(block[0]) * int(block[1]) if isinstance(block, list) and len(block) == 2 else 0
+        fp4 = (q.get("expert_dtype") or c.get("expert_dtype")) == "fp4"
+        fp8 = linear - (routed_experts if fp4 else 0)
+        total = fp8 + _scales(fp8, group, scale_bytes)
+        if fp4:
+            total += routed_experts // 2 + _scales(routed_experts, FP4_GROUP, 1)
+        return total + kept * dtype_bytes
+    if method == "fbgemm_fp8":
+        linear -= lm_head
+        kept += lm_head
+        return linear + _scales(linear, hidden, 4) + kept * dtype_bytes
+    if method == "compressed-tensors":
+        groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
+        if not groups:
+            return 0
+        weights = groups[0]["weights"]
+        bits = int(weights.get("num_bits") or 0)
+        if not bits:
+            return 0
+        if any(str(name).endswith("lm_head") for name in q.get("ignore") or []):
+            linear -= lm_head
+            kept += lm_head
+        strategy = weights.get("strategy") or "tensor"
+        if strategy == "channel":
+            group = hidden  # one scale per output row: rows ~ elements / input width
+        elif strategy == "group":
+            group = int(weights.get("group_size") or 128)
+        elif strategy == "block":
+            block = weights.get("block_structure") or [128, 128]
+            group = int(block[0]) * int(block[1])
+        else:
+            group = 0
+        scales = _scales(linear, group, dtype_bytes)
+        if weights.get("symmetric") is False:
+            scales *= 2  # a zero point beside every scale
+        return -(-linear * bits // 8) + scales + kept * dtype_bytes
+    return 0
 
 
 def derive_draft_shapes(
@@ -508,105 +593,32 @@ def _kv_cache_bytes(d: _Dims, layer_ids: range, dtype_bytes: int, role: str) -> 
     return kv.per_token, kv.per_request, kv.per_in_flight_token
 
 
-# --------------------------------------------------------------------------------------------
-# model paths: config.json and safetensors headers
-
-# A safetensors header larger than this is not a header: refuse it rather than read gigabytes.
-MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def safetensors_weight_bytes(path: str | Path) -> int:
-    """Tensor payload bytes of one .safetensors file, from its header alone.
-
-    Format: 8-byte little-endian header length N, then N bytes of JSON mapping each tensor name to
-    {dtype, shape, data_offsets: [begin, end]} (plus an optional "__metadata__" entry).
-    """
-    path = Path(path)
-    try:
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise ConfigError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_SAFETENSORS_HEADER_BYTES:
-                raise ConfigError(f"{path}: safetensors header length {length} is implausible")
-            raw = f.read(length)
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
-    if len(raw) < length:
-        raise ConfigError(f"{path}: safetensors header is truncated")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{path}: safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{path}: safetensors header is not a JSON object")
-    total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise ConfigError(f"{path}: tensor {name!r} has no data_offsets") from None
-        total += int(end) - int(begin)
-    return total
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected {what}") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read {what} ({err.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path}: {what} is not valid JSON ({err})") from None
-
-
-def load_model_path(path: str | Path) -> tuple[dict[str, Any], int | None]:
-    """(config dict, weight bytes or None) for a config.json file or a model directory.
-
-    A directory's weights come from safetensors headers: the shards a
-    `model.safetensors.index.json` lists (its `metadata.total_size` when the shards are not at
-    hand), else every `*.safetensors` file. None when the directory has no weights.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: no such file or directory")
-    if path.is_file():
-        config = _read_json(path, "config.json")
-        if not isinstance(config, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        return config, None
-    config = _read_json(path / "config.json", "config.json")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path / 'config.json'}: expected a JSON object")
-    index_path = path / SAFETENSORS_INDEX
-    if index_path.exists():
-        index = _read_json(index_path, SAFETENSORS_INDEX)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError(f"{index_path}: has no weight_map")
-        shards = sorted(set(weight_map.values()))
-        if all((path / shard).is_file() for shard in shards):
-            return config, sum(safetensors_weight_bytes(path / shard) for shard in shards)
-        total = (index.get("metadata") or {}).get("total_size")
-        if isinstance(total, int) and total > 0:
-            return config, total
-        missing = next(shard for shard in shards if not (path / shard).is_file())
-        raise ConfigError(f"{path / missing}: shard listed in {SAFETENSORS_INDEX} is missing")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return config, None
-    return config, sum(safetensors_weight_bytes(f) for f in files)
-
-
 def shapes_to_dict(shapes: ModelShapes) -> dict[str, Any]:
     """JSON-ready dict of every field (tuples as lists)."""
     out = dataclasses.asdict(shapes)
     out["compress_ratios"] = list(shapes.compress_ratios)
     return out
+
+
+# Model paths and checkpoint headers live in weights.py; these names stay importable from here.
+from specdeploy.engine.planner.weights import (
+    MAX_SAFETENSORS_HEADER_BYTES,
+    SAFETENSORS_INDEX,
+    load_model_path,
+    safetensors_weight_bytes,
+)
+
+__all__ = [
+    "MAX_SAFETENSORS_HEADER_BYTES",
+    "SAFETENSORS_INDEX",
+    "ConfigError",
+    "ModelShapes",
+    "derive_draft_shapes",
+    "derive_shapes",
+    "draft_input_hidden_size",
+    "kv_cache_bytes_per_token_per_gpu",
+    "kv_heads_per_gpu",
+    "load_model_path",
+    "safetensors_weight_bytes",
+    "shapes_to_dict",
+]

@@ -121,8 +121,11 @@ def test_deepseek_v4_flash_mtp_plan():
     assert p.spec_hidden_size == p.draft_input_hidden_size == 16384
     assert p.target.hc_mult == 4 and p.draft.spec_hidden_size == 16384
     tp = p.tensor_parallel_size
-    weights = (p.target.num_params + p.draft.num_params) * 2
+    # no checkpoint at hand: FP8 linears and FP4 experts as quantization_config says, not bf16
+    weights = derive_shapes(load("deepseek-v4-flash")).quantized_weight_bytes + p.draft.weight_bytes
+    assert p.target.weight_source == p.draft.weight_source == "quantization_config"
     assert p.memory_per_gpu.weight_bytes == pytest.approx(weights / tp, abs=2)
+    assert tp == 2
     # Recent rows per running request: 127 committed tokens + 2 in-flight ones (a chain of one
     # draft token: root + draft) in every layer's window (43 target + 1 MTP layers, one 512-wide
     # K=V head); the compressor state of the 21 CSA layers (7 committed + 2 in flight, kv and
@@ -153,11 +156,11 @@ def test_smallest_tp_that_fits_is_chosen():
 
 def test_does_not_fit_names_the_numbers():
     with pytest.raises(PlanError) as err:
-        plan_from_configs(load("deepseek-v3"), None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], Limits())
+        plan_from_configs(load("deepseek-v3"), None, SpecSettings("MTP", 1, 1, 2), GPUS["h100"], Limits())
     message = str(err.value)
     assert err.value.reason == "InsufficientGPUMemory"
     assert "TP 8" in message and "GiB" in message and "262144 tokens" in message
-    assert "fp8" in message  # counted at bf16: the hint to give the checkpoint's real size
+    assert "quantization_config (fp8)" in message  # an estimate: the hint to read the real size
 
 
 def test_safetensors_weights_replace_counted_ones():
@@ -166,7 +169,7 @@ def test_safetensors_weights_replace_counted_ones():
     draft = derive_draft_shapes("MTP", load("deepseek-v3"), None, dtype="bfloat16")
     p = plan(target, draft, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], Limits(), target_weight_bytes=fp8_bytes, draft_weight_bytes=0)
     assert p.tensor_parallel_size == 8
-    assert p.target.weight_source == "safetensors" and p.draft.weight_source == "target checkpoint"
+    assert p.target.weight_source == "headers" and p.draft.weight_source == "target checkpoint"
     assert p.memory_per_gpu.weight_bytes == -(-fp8_bytes // 8)
 
 
