@@ -66,7 +66,6 @@ def run(
 ) -> None:
     """Run the operator until `stop_flag` is set (or forever). Tests call this in a thread."""
     import kopf
-
     from specdeploy.operator.handlers import OperatorOptions, build_registry
 
     options = OperatorOptions(
@@ -99,7 +98,6 @@ class _RoutineSuccessFilter(logging.Filter):
 
 def configure_logging(verbose: bool) -> None:
     import kopf
-
     from specdeploy.operator.handlers import ROUTINE_HANDLER_IDS
 
     # One line per decision for `kubectl logs`: "[namespace/name] message", no colour, no JSON.

@@ -23,18 +23,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-
-from specdeploy.operator.cluster import config_source
-from specdeploy.operator.cluster import serving_metrics
+from specdeploy.operator import api
+from specdeploy.operator.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from specdeploy.operator.cluster import config_source, serving_metrics
+from specdeploy.operator.cluster.kube import (
+    ChildConflict,
+    KubeClient,
+    controller_owner,
+    new_api_client,
+    plain,
+)
 from specdeploy.operator.desired import status
-from specdeploy.operator.cluster.kube import ChildConflict, KubeClient, controller_owner, new_api_client, plain
-from specdeploy.operator.desired.planning import PlanningError, plan_engine, plan_summary
+from specdeploy.operator.desired.planning import (
+    PlanningError,
+    plan_engine,
+    plan_summary,
+)
 from specdeploy.operator.desired.render import (
-    GROUP,
-    LABEL_MANAGED_BY,
-    MANAGED_BY,
-    PLURAL,
-    VERSION,
     EngineDefaults,
     PlannedEngine,
     is_paused,
@@ -104,7 +109,7 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     if is_paused(meta):
         kube.update_status(namespace, name, lambda cur, _o: status.paused(cur, generation=generation, now=now()))
         logger.info("paused by annotation: children left untouched")
-        _event(sdd, warning=False, reason="Paused", message="reconciliation paused; children left untouched")
+        _event(sdd, warning=False, reason=api.EVENT_PAUSED, message="reconciliation paused; children left untouched")
         return
 
     kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
@@ -115,12 +120,12 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         transient = getattr(err, "transient", False)
         _refuse(kube, sdd, err.reason, err.message, transient=transient, logger=logger)
         if transient:
-            raise kopf.TemporaryError(f"{err.reason}: {err.message}", delay=options.transient_retry_delay_s)
-        raise kopf.PermanentError(f"{err.reason}: {err.message}")
+            raise kopf.TemporaryError(f"{err.reason}: {err.message}", delay=options.transient_retry_delay_s) from err
+        raise kopf.PermanentError(f"{err.reason}: {err.message}") from err
 
     summary = plan_summary(planned)
     logger.info(f"planned from {', '.join(origins)}: {summary}")
-    _event(sdd, warning=False, reason="Planned", message=summary)
+    _event(sdd, warning=False, reason=api.EVENT_PLANNED, message=summary)
 
     children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
     try:
@@ -128,23 +133,23 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     except ChildConflict as err:
         logger.warning(f"not applied (will retry): {err}")
         conflict = str(err)
-        _event(sdd, warning=True, reason="ChildConflict", message=conflict)
+        _event(sdd, warning=True, reason=api.EVENT_CHILD_CONFLICT, message=conflict)
 
         def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
             new = status.plan_ready(
                 current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
                 message=summary, now=now(),
             )
-            return status.apply_blocked(new, generation=generation, reason="ChildConflict", message=conflict, now=now())
+            return status.apply_blocked(new, generation=generation, reason=api.REASON_CHILD_CONFLICT, message=conflict, now=now())
 
         kube.update_status(namespace, name, blocked)
-        raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S)
+        raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
     gpus = planned.tensor_parallel_size
     logger.info(
         f"applied ConfigMap, Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
         f" {children.config_hash}) and Service {name}"
     )
-    _event(sdd, warning=False, reason="Applied", message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
+    _event(sdd, warning=False, reason=api.EVENT_APPLIED, message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
 
     def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
         new = status.plan_ready(
@@ -203,12 +208,12 @@ def deployment_event(
         return
     old, new = result
     if old.get("phase") != new.get("phase"):
-        ready = (status.get_condition(new, status.READY) or {}).get("message", "")
+        ready = (status.get_condition(new, api.READY) or {}).get("message", "")
         # The Deployment carries the resource's name, so kopf's "[namespace/name]" prefix fits.
         logger.info(f"status: phase {old.get('phase')} -> {new.get('phase')} ({ready})")
         sdd = kube.get_sdd(namespace, owner["name"])
-        if sdd is not None and new.get("phase") == status.PHASE_READY:
-            _event(sdd, warning=False, reason="Ready", message=ready)
+        if sdd is not None and new.get("phase") == api.PHASE_READY:
+            _event(sdd, warning=False, reason=api.EVENT_READY, message=ready)
     if deployment is None:
         _restore_deleted_engine(namespace, owner, kube, memo.options, logger)
 
@@ -222,7 +227,7 @@ def _restore_deleted_engine(
     if sdd is None or sdd["metadata"].get("uid") != owner.get("uid") or sdd["metadata"].get("deletionTimestamp"):
         return
     current = sdd.get("status") or {}
-    plan_ready = status.get_condition(current, status.PLAN_READY) or {}
+    plan_ready = status.get_condition(current, api.PLAN_READY) or {}
     if (
         is_paused(sdd["metadata"])
         or plan_ready.get("status") != "True"
@@ -230,7 +235,7 @@ def _restore_deleted_engine(
     ):
         return
     logger.warning("engine Deployment deleted from outside; applying it again")
-    _event(sdd, warning=True, reason="DeploymentDeleted", message="engine Deployment deleted from outside; applying it again")
+    _event(sdd, warning=True, reason=api.EVENT_DEPLOYMENT_DELETED, message="engine Deployment deleted from outside; applying it again")
     try:
         converge(sdd, kube, options, logger)
     except (kopf.TemporaryError, kopf.PermanentError):
@@ -243,7 +248,7 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None) -> No
     finalizer on each resource, and deleting a resource must never wait for the operator."""
     for sdd in kube.list_sdds(namespaces):
         meta = sdd["metadata"]
-        if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (status.PHASE_READY, status.PHASE_DEPLOYING):
+        if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
             continue
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(meta["name"]).items())
         urls = serving_metrics.ready_pod_metrics_urls(kube.list_pods(meta["namespace"], selector))

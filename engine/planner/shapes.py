@@ -49,6 +49,9 @@ DTYPE_ALIASES = {
 
 ROLES = ("target", "EAGLE", "EAGLE3", "MTP")
 ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
+DRAFT_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "NONE")
+# Dtypes the engine computes in (weights stored otherwise are cast while loading).
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 # EAGLE-3 feeds the draft the concatenated hidden states of three target layers (low, middle,
 # high), so its fc layer and its input buffers are this many target hidden sizes wide.

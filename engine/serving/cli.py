@@ -19,10 +19,11 @@ import threading
 import time
 from pathlib import Path
 
+from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
+
 log = logging.getLogger("specdeploy.engine")
 
-ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("auto", *COMPUTE_DTYPES)
 # Requests waiting for admission, per running-request slot, before new ones get 429.
 QUEUE_PER_RUNNING_REQUEST = 4
 DEFAULT_NUM_STEPS = 3

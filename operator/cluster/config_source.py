@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+from specdeploy.operator import api
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
@@ -23,12 +24,6 @@ DEFAULT_CONFIG_KEY = "config.json"
 DEFAULT_TOKEN_KEY = "token"
 HUB_TIMEOUT_S = 10.0
 
-# Condition reasons (PlanReady=False) for config resolution.
-REASON_NOT_FOUND = "ConfigNotFound"
-REASON_INVALID = "ConfigInvalid"
-REASON_HUB_UNREACHABLE = "HubUnreachable"
-REASON_HUB_UNAUTHORIZED = "HubUnauthorized"
-REASON_TOKEN_NOT_FOUND = "HubTokenNotFound"
 
 
 class ConfigSourceError(Exception):
@@ -79,12 +74,12 @@ def resolve_hub_token(
     data = reader.secret_data(namespace, name)
     if data is None:
         raise ConfigSourceError(
-            REASON_TOKEN_NOT_FOUND, f"{field}: Secret {namespace}/{name} not found", transient=True
+            api.REASON_TOKEN_NOT_FOUND, f"{field}: Secret {namespace}/{name} not found", transient=True
         )
     token = data.get(key)
     if not token:
         raise ConfigSourceError(
-            REASON_TOKEN_NOT_FOUND,
+            api.REASON_TOKEN_NOT_FOUND,
             f"{field}: Secret {namespace}/{name} has no key {key!r}",
             transient=True,
         )
@@ -106,7 +101,7 @@ def resolve_model_config(
         config = model_spec["config"]
         if not isinstance(config, dict) or not config:
             raise ConfigSourceError(
-                REASON_INVALID, f"{field}.config: must be a non-empty object", transient=False
+                api.REASON_CONFIG_INVALID, f"{field}.config: must be a non-empty object", transient=False
             )
         return ResolvedConfig(config, f"{field}.config")
     if "configMapRef" in model_spec:
@@ -129,13 +124,13 @@ def _from_config_map(
     # A ConfigMap may be created or fixed after the resource: retry rather than give up.
     if data is None:
         raise ConfigSourceError(
-            REASON_NOT_FOUND,
+            api.REASON_CONFIG_NOT_FOUND,
             f"{field}.configMapRef: ConfigMap {namespace}/{name} not found",
             transient=True,
         )
     if key not in data:
         raise ConfigSourceError(
-            REASON_NOT_FOUND,
+            api.REASON_CONFIG_NOT_FOUND,
             f"{field}.configMapRef: ConfigMap {namespace}/{name} has no key {key!r}",
             transient=True,
         )
@@ -159,30 +154,30 @@ def _from_hub(
             response = http.get(url, headers=headers)
     except httpx.HTTPError as exc:
         raise ConfigSourceError(
-            REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}", transient=True
+            api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}", transient=True
         ) from exc
     status = response.status_code
     if status == 404:
         raise ConfigSourceError(
-            REASON_NOT_FOUND,
+            api.REASON_CONFIG_NOT_FOUND,
             f"GET {url}: 404 (no such model {model!r} or revision {revision!r})",
             transient=False,
         )
     if status in (401, 403):
         # Gated or private models; the token lives in a Secret that may be fixed at any time.
         raise ConfigSourceError(
-            REASON_HUB_UNAUTHORIZED,
+            api.REASON_HUB_UNAUTHORIZED,
             f"GET {url}: {status} ({'token rejected' if token else 'no token given'};"
             " set spec.hub.tokenSecretRef to a token with access)",
             transient=True,
         )
     if status >= 500 or status == 429:
         raise ConfigSourceError(
-            REASON_HUB_UNREACHABLE, f"GET {url}: {status} from hub", transient=True
+            api.REASON_HUB_UNREACHABLE, f"GET {url}: {status} from hub", transient=True
         )
     if status != 200:
         raise ConfigSourceError(
-            REASON_NOT_FOUND, f"GET {url}: unexpected status {status}", transient=False
+            api.REASON_CONFIG_NOT_FOUND, f"GET {url}: unexpected status {status}", transient=False
         )
     return ResolvedConfig(_parse_json_object(response.text, url, transient=False), url)
 
@@ -192,11 +187,11 @@ def _parse_json_object(text: str, origin: str, *, transient: bool) -> dict[str, 
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigSourceError(
-            REASON_INVALID, f"{origin}: not JSON ({exc})", transient=transient
+            api.REASON_CONFIG_INVALID, f"{origin}: not JSON ({exc})", transient=transient
         ) from exc
     if not isinstance(value, dict):
         raise ConfigSourceError(
-            REASON_INVALID,
+            api.REASON_CONFIG_INVALID,
             f"{origin}: expected a JSON object, got {type(value).__name__}",
             transient=transient,
         )

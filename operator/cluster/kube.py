@@ -12,13 +12,8 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
-
+from specdeploy.operator.api import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
 from specdeploy.operator.desired.render import (
-    GROUP,
-    KIND,
-    MANAGED_BY,
-    PLURAL,
-    VERSION,
     Children,
     config_map_name,
     deployment_name,

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-
 from specdeploy.operator.desired.render import ENGINE_PORT
 
 ACCEPTED_TOKENS = "specdeploy_spec_decode_num_accepted_tokens_total"

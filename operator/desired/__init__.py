@@ -1,0 +1,1 @@
+"""Pure desired state: spec + configs -> plan -> children -> status. Imports neither kopf, kubernetes nor httpx."""

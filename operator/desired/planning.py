@@ -8,12 +8,15 @@ import dataclasses
 from typing import Any
 
 from specdeploy.engine.planner import plan as planner
-from specdeploy.engine.serving.cli import DTYPES
-from specdeploy.engine.planner.shapes import ConfigError, derive_draft_shapes, derive_shapes
+from specdeploy.engine.planner.shapes import (
+    COMPUTE_DTYPES,
+    ConfigError,
+    derive_draft_shapes,
+    derive_shapes,
+)
+from specdeploy.operator import api
+from specdeploy.operator.api import REASON_CONFIG_INVALID
 from specdeploy.operator.desired.render import PlannedEngine, engine_settings
-
-REASON_CONFIG_INVALID = "ConfigInvalid"
-ENGINE_DTYPES = tuple(d for d in DTYPES if d != "auto")
 
 
 class PlanningError(Exception):
@@ -30,7 +33,7 @@ def gpu_for_spec(gpu_spec: dict[str, Any]) -> planner.GPU:
     product = gpu_spec["product"]
     if product not in planner.GPUS:
         raise PlanningError(
-            "UnknownGPU",
+            api.REASON_UNKNOWN_GPU,
             f"spec.gpu.product: {product!r} is not in the catalog ({', '.join(sorted(planner.GPUS))})",
         )
     gpu = planner.GPUS[product]
@@ -77,13 +80,13 @@ def _plan_engine(
         target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"))
     except ConfigError as err:
         raise PlanningError(REASON_CONFIG_INVALID, f"spec.target config.json: {err}") from err
-    if target.dtype not in ENGINE_DTYPES:
+    if target.dtype not in COMPUTE_DTYPES:
         # The engine is started with the planned dtype (render.engine_args); one it cannot compute
         # in would be sized here and then crash at start-up.
         raise PlanningError(
             REASON_CONFIG_INVALID,
             f"spec.target config.json: torch_dtype {target.dtype} is not a dtype the engine computes in"
-            f" ({', '.join(ENGINE_DTYPES)}); set spec.engine.dtype",
+            f" ({', '.join(COMPUTE_DTYPES)}); set spec.engine.dtype",
         )
     try:
         draft = derive_draft_shapes(

@@ -12,23 +12,19 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import kopf
-
-GROUP = "specdeploy.dev"
-VERSION = "v1alpha1"
-PLURAL = "specdecodedeployments"
-KIND = "SpecDecodeDeployment"
-
-PAUSED_ANNOTATION = f"{GROUP}/paused"
-CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
-
-MANAGED_BY = "specdeploy-operator"
-ENGINE_APP_NAME = "specdeploy-engine"
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_PART_OF = "app.kubernetes.io/part-of"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+from specdeploy.operator.api import (
+    API_VERSION,
+    CONFIG_HASH_ANNOTATION,
+    ENGINE_APP_NAME,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    MANAGED_BY,
+    PAUSED_ANNOTATION,
+)
 
 ENGINE_CONTAINER = "engine"
 ENGINE_PORT = 8000
@@ -47,6 +43,19 @@ STARTUP_PROBE_FAILURES = 180
 PRE_STOP_SLEEP_S = 5
 DEFAULT_TERMINATION_GRACE_S = 120
 CONFIG_HASH_CHARS = 16
+
+
+def owner_reference(sdd: dict[str, Any]) -> dict[str, Any]:
+    """The controller owner reference a child of `sdd` carries."""
+    meta = sdd["metadata"]
+    return {
+        "apiVersion": sdd.get("apiVersion", API_VERSION),
+        "kind": sdd.get("kind", KIND),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 @dataclass(frozen=True)
@@ -358,9 +367,12 @@ def render_children(
     children = [config_map, deployment, service]
     # Owner references (controller=true) make the garbage collector delete the children with the
     # resource, and let a restarted operator recognise them as its own.
-    kopf.adopt(children, owner=sdd)
+    owner = owner_reference(sdd)
+    inherited = dict((sdd.get("metadata") or {}).get("labels") or {})
     for child in children:
-        # adopt() copies the owner's labels without overwriting; ours must win.
-        child["metadata"]["labels"].update(labels)
-        child["metadata"]["namespace"] = namespace
+        meta = child["metadata"]
+        meta["ownerReferences"] = [owner]
+        # The resource's own labels are inherited; ours win where both set one.
+        meta["labels"] = {**inherited, **meta["labels"], **labels}
+        meta["namespace"] = namespace
     return Children(config_map, deployment, service, hash_value)

@@ -19,20 +19,22 @@ import copy
 from datetime import datetime, timezone
 from typing import Any
 
-from specdeploy.operator.desired.render import CONFIG_HASH_ANNOTATION
+from specdeploy.operator import api
+from specdeploy.operator.api import (
+    CONDITION_TYPES,
+    CONFIG_HASH_ANNOTATION,
+    DEGRADED,
+    PHASE_DEPLOYING,
+    PHASE_FAILED,
+    PHASE_PAUSED,
+    PHASE_PENDING,
+    PHASE_PLANNING,
+    PHASE_READY,
+    PLAN_READY,
+    PROGRESSING,
+    READY,
+)
 
-PLAN_READY = "PlanReady"
-READY = "Ready"
-PROGRESSING = "Progressing"
-DEGRADED = "Degraded"
-CONDITION_TYPES = (PLAN_READY, READY, PROGRESSING, DEGRADED)
-
-PHASE_PENDING = "Pending"
-PHASE_PLANNING = "Planning"
-PHASE_DEPLOYING = "Deploying"
-PHASE_READY = "Ready"
-PHASE_FAILED = "Failed"
-PHASE_PAUSED = "Paused"
 
 def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -138,7 +140,7 @@ def plan_ready(
     status["plan"] = status_plan(plan)
     status["configHash"] = config_hash
     status.pop("message", None)
-    set_condition(status, PLAN_READY, True, "Planned", message, generation=generation, now=now)
+    set_condition(status, PLAN_READY, True, api.REASON_PLANNED, message, generation=generation, now=now)
     return status
 
 
@@ -268,8 +270,8 @@ def serving(
     if deployment is None:
         status["serving"] = {**serving_status, "replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
         if planned and status.get("phase") != PHASE_PAUSED:
-            condition(READY, False, "DeploymentMissing", "the engine Deployment does not exist yet")
-            condition(PROGRESSING, True, "DeploymentMissing", "waiting for the engine Deployment")
+            condition(READY, False, api.REASON_DEPLOYMENT_MISSING, "the engine Deployment does not exist yet")
+            condition(PROGRESSING, True, api.REASON_DEPLOYMENT_MISSING, "waiting for the engine Deployment")
             status["phase"] = PHASE_DEPLOYING
         return status
 
@@ -286,8 +288,8 @@ def serving(
         return status
 
     if r["configHash"] is None or r["configHash"] != status.get("configHash"):
-        condition(READY, False, "RolloutPending", "the Deployment does not carry the current spec yet")
-        condition(PROGRESSING, True, "RolloutPending", "applying the current spec")
+        condition(READY, False, api.REASON_ROLLOUT_PENDING, "the Deployment does not carry the current spec yet")
+        condition(PROGRESSING, True, api.REASON_ROLLOUT_PENDING, "applying the current spec")
         status["phase"] = PHASE_DEPLOYING
         return status
 
@@ -298,23 +300,23 @@ def serving(
     # opposed to a rollout still starting them.
     lost_replicas = was_ready and not ready and r["updatedReplicas"] >= r["wanted"] and r["replicas"] == r["updatedReplicas"]
     if ready:
-        condition(READY, True, "AllReplicasReady", counts)
-        condition(PROGRESSING, False, "RolloutComplete", counts)
+        condition(READY, True, api.REASON_ALL_REPLICAS_READY, counts)
+        condition(PROGRESSING, False, api.REASON_ROLLOUT_COMPLETE, counts)
     elif r["deadlineExceeded"]:
-        condition(READY, False, "ReplicasNotReady", counts)
-        condition(PROGRESSING, False, "ProgressDeadlineExceeded", counts)
+        condition(READY, False, api.REASON_REPLICAS_NOT_READY, counts)
+        condition(PROGRESSING, False, api.REASON_PROGRESS_DEADLINE_EXCEEDED, counts)
     else:
-        condition(READY, False, "ReplicasNotReady", counts)
-        condition(PROGRESSING, True, "RollingOut", counts)
+        condition(READY, False, api.REASON_REPLICAS_NOT_READY, counts)
+        condition(PROGRESSING, True, api.REASON_ROLLING_OUT, counts)
 
     if r["deadlineExceeded"]:
-        condition(DEGRADED, True, "ProgressDeadlineExceeded", f"rollout stalled: {counts}")
+        condition(DEGRADED, True, api.REASON_PROGRESS_DEADLINE_EXCEEDED, f"rollout stalled: {counts}")
     elif r["replicaFailure"]:
-        condition(DEGRADED, True, "ReplicaFailure", r["replicaFailure"])
+        condition(DEGRADED, True, api.REASON_REPLICA_FAILURE, r["replicaFailure"])
     elif lost_replicas:
-        condition(DEGRADED, True, "ReplicasUnavailable", counts)
+        condition(DEGRADED, True, api.REASON_REPLICAS_UNAVAILABLE, counts)
     else:
-        condition(DEGRADED, False, "AsExpected", counts)
+        condition(DEGRADED, False, api.REASON_AS_EXPECTED, counts)
     status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
     return status
 

@@ -1,0 +1,72 @@
+"""The SpecDecodeDeployment API's vocabulary: group, version, kind, annotations, labels, condition
+types, phases and reasons. One home for each; every other module imports them from here
+(kubebuilder keeps the same in api/<group>/<version>/*_types.go).
+
+The CRD itself is written once, in manifests/crd/; tests hold it to these names.
+"""
+
+from __future__ import annotations
+
+GROUP = "specdeploy.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+PLURAL = "specdecodedeployments"
+KIND = "SpecDecodeDeployment"
+
+# Annotations on the resource and its children.
+PAUSED_ANNOTATION = f"{GROUP}/paused"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+
+# Recommended labels (kubernetes.io/docs/concepts/overview/working-with-objects/common-labels).
+MANAGED_BY = "specdeploy-operator"
+ENGINE_APP_NAME = "specdeploy-engine"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+
+# Condition types.
+PLAN_READY = "PlanReady"
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (PLAN_READY, READY, PROGRESSING, DEGRADED)
+
+# Phases: one word for humans.
+PHASE_PENDING = "Pending"
+PHASE_PLANNING = "Planning"
+PHASE_DEPLOYING = "Deploying"
+PHASE_READY = "Ready"
+PHASE_FAILED = "Failed"
+PHASE_PAUSED = "Paused"
+
+# PlanReady=False reasons: the configs could not be read or planned.
+REASON_CONFIG_NOT_FOUND = "ConfigNotFound"
+REASON_CONFIG_INVALID = "ConfigInvalid"
+REASON_HUB_UNREACHABLE = "HubUnreachable"
+REASON_HUB_UNAUTHORIZED = "HubUnauthorized"
+REASON_TOKEN_NOT_FOUND = "HubTokenNotFound"
+REASON_UNKNOWN_GPU = "UnknownGPU"
+REASON_PLANNED = "Planned"
+REASON_CHILD_CONFLICT = "ChildConflict"
+
+# Ready / Progressing / Degraded reasons, from the engine Deployment's state.
+REASON_DEPLOYMENT_MISSING = "DeploymentMissing"
+REASON_ROLLOUT_PENDING = "RolloutPending"
+REASON_ALL_REPLICAS_READY = "AllReplicasReady"
+REASON_ROLLOUT_COMPLETE = "RolloutComplete"
+REASON_REPLICAS_NOT_READY = "ReplicasNotReady"
+REASON_PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+REASON_ROLLING_OUT = "RollingOut"
+REASON_REPLICA_FAILURE = "ReplicaFailure"
+REASON_REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
+REASON_AS_EXPECTED = "AsExpected"
+
+# Event reasons (kubectl describe / kubectl get events).
+EVENT_PAUSED = "Paused"
+EVENT_PLANNED = "Planned"
+EVENT_APPLIED = "Applied"
+EVENT_READY = "Ready"
+EVENT_CHILD_CONFLICT = "ChildConflict"
+EVENT_DEPLOYMENT_DELETED = "DeploymentDeleted"
