@@ -82,7 +82,7 @@ def corpus(max_bytes: int) -> tuple[list[str], list[str], dict]:
     test folders skipped; every tenth file held out."""
     root = Path(torch.__file__).resolve().parent
     train_texts, held_out, total, files = [], [], 0, 0
-    for i, path in enumerate(sorted(root.rglob("*.py"))):
+    for path in sorted(root.rglob("*.py")):
         if any("test" in part for part in path.relative_to(root).parts):
             continue
         try:

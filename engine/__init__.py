@@ -1,1 +1,1 @@
-"""The engine. `shapes` and `plan` are pure Python (no torch) so the operator can import them."""
+"""The engine: planner/ (pure Python, the operator imports it), models/, kernels/, speculative/, runtime/, serving/, demo/."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy the CRDs from their single source, manifests/crd/, into the Helm chart's crds/ folder.
-# tests/unit/test_chart_crds.py fails when the two differ; run this after changing the CRD. It also
+# tests/manifests/test_chart_crds.py fails when the two differ; run this after changing the CRD. It also
 # re-renders manifests/install.yaml (which carries the CRD) when helm is available.
 #
 # Usage: hack/sync-crds.sh [--check]

@@ -1,0 +1,1 @@
+"""nn.Modules of the target models and draft heads, and the layers they share."""

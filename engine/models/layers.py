@@ -322,7 +322,7 @@ def _fused_part_names(module: nn.Module) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for path, sub in module.named_modules():
         for part_name, (fused_child, _) in getattr(sub, "fused_parts", {}).items():
-            for pname, p in getattr(sub, fused_child).named_parameters(recurse=False):
+            for pname, _ in getattr(sub, fused_child).named_parameters(recurse=False):
                 pre = f"{path}." if path else ""
                 out.setdefault(f"{pre}{fused_child}.{pname}", set()).add(f"{pre}{part_name}.{pname}")
     return out

@@ -1,0 +1,1 @@
+"""One process's device state: KV slots, the model calls of the decode loop, CUDA graphs, the step loop."""

@@ -1,0 +1,1 @@
+"""The speculative algorithm as pure tensor functions: draft trees and their verification."""

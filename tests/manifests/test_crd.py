@@ -11,7 +11,7 @@ import pytest
 
 from specdeploy.engine.planner.plan import GPUS, TENSOR_PARALLEL_SIZES, PlanError, SpecSettings
 from specdeploy.engine.planner.shapes import ALGORITHMS
-from specdeploy.operator.desired import render
+from specdeploy.operator import api
 from specdeploy.operator.desired import status
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "manifests" / "crd" / "specdeploy.dev_specdecodedeployments.yaml"
@@ -25,10 +25,10 @@ def load():
 
 def test_names_and_version():
     crd, version, _ = load()
-    assert crd["metadata"]["name"] == f"{render.PLURAL}.{render.GROUP}"
-    assert crd["spec"]["names"]["kind"] == render.KIND
+    assert crd["metadata"]["name"] == f"{api.PLURAL}.{api.GROUP}"
+    assert crd["spec"]["names"]["kind"] == api.KIND
     assert crd["spec"]["names"]["shortNames"] == ["sdd"]
-    assert version["name"] == render.VERSION and version["served"] and version["storage"]
+    assert version["name"] == api.VERSION and version["served"] and version["storage"]
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"] == {
         "specReplicasPath": ".spec.replicas",

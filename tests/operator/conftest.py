@@ -26,7 +26,7 @@ from specdeploy.operator import cli as operator_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "manifests" / "crd" / "specdeploy.dev_specdecodedeployments.yaml"
-CONFIGS = REPO / "tests" / "unit" / "configs"
+CONFIGS = REPO / "tests" / "configs"
 HUB_TOKEN = "hf_test_token"
 
 # model id -> config file served at {hub}/{model}/resolve/main/config.json

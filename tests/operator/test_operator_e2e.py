@@ -14,7 +14,7 @@ import yaml
 
 from testcluster import wait_for
 
-EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "unit" / "configs" / "eagle3-llama3.1-instruct-8b.json"
+EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eagle3-llama3.1-instruct-8b.json"
 
 TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 

@@ -11,8 +11,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from specdeploy.engine.kernels import attention as attention_triton
-from specdeploy.engine.kernels import elementwise as elementwise_triton
+from specdeploy.engine.kernels import attention as attention_triton  # noqa: E402
+from specdeploy.engine.kernels import elementwise as elementwise_triton  # noqa: E402
 from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
 
 INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 from specdeploy.engine.planner.shapes import ConfigError, load_model_path, safetensors_weight_bytes
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # two tensors: float16 [3, 4] and int64 [5] -> 3*4*2 + 5*8 bytes of payload
 TENSORS = {"a.weight": np.zeros((3, 4), dtype=np.float16), "b.index": np.arange(5, dtype=np.int64)}

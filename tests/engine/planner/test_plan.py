@@ -22,7 +22,7 @@ from specdeploy.engine.planner.plan import (
 )
 from specdeploy.engine.planner.shapes import derive_draft_shapes, derive_shapes
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MIB = 1024**2
 
 

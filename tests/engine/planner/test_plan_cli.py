@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 
 from specdeploy.cli import main
 
-CONFIGS = Path(__file__).parent / "configs"
-REPO = Path(__file__).resolve().parents[2]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPO = Path(__file__).resolve().parents[3]
 LLAMA = str(CONFIGS / "llama-3.1-8b-instruct.json")
 EAGLE3 = str(CONFIGS / "eagle3-llama3.1-instruct-8b.json")
 V4 = str(CONFIGS / "deepseek-v4-flash.json")

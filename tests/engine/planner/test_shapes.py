@@ -17,7 +17,7 @@ from specdeploy.engine.planner.shapes import (
     shapes_to_dict,
 )
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BF16 = 2
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from specdeploy.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = sorted((REPO / "manifests" / "models").glob("*/config.json"))
-FIXTURES = Path(__file__).parent / "configs"
+FIXTURES = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_models_are_shipped():

@@ -13,7 +13,7 @@ import pytest
 from specdeploy.operator.desired import render
 from specdeploy.operator.desired.planning import PlanningError, plan_engine, plan_summary
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULTS = render.EngineDefaults(image="registry.local/specdeploy-engine:test", hub_endpoint="https://hub.local")
 
 
