@@ -28,7 +28,7 @@ from specdeploy.engine.planner.weights import (
     safetensors_header_summary,
 )
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 V4_CONFIG = json.loads((CONFIGS / "deepseek-v4-flash.json").read_text())
 GIB = 1024**3
 
