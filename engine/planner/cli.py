@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--target", required=True, metavar="PATH",
                         help="config.json, a model directory (config.json + *.safetensors), or a hub id ORG/NAME "
                         "(config.json and safetensors headers read from the hub, no weights downloaded)")
-    parser.add_argument("--draft", metavar="PATH", help="the draft's config.json, directory or hub id (required for EAGLE/EAGLE3; MTP defaults to the target's own layers)")
+    parser.add_argument("--draft", metavar="PATH",
+                        help="the draft's config.json, directory or hub id (required for EAGLE/EAGLE3; MTP defaults to the target's own layers)")
     parser.add_argument("--hub-endpoint", metavar="URL", help="hub for ORG/NAME ids (default $HF_ENDPOINT or https://huggingface.co; token from $HF_TOKEN)")
     parser.add_argument("--target-revision", default="main", metavar="REV", help="hub revision of the target (default main)")
     parser.add_argument("--draft-revision", default="main", metavar="REV", help="hub revision of the draft (default main)")

@@ -602,26 +602,3 @@ def shapes_to_dict(shapes: ModelShapes) -> dict[str, Any]:
     out["compress_ratios"] = list(shapes.compress_ratios)
     return out
 
-
-# Model paths and checkpoint headers live in weights.py; these names stay importable from here.
-from specdeploy.engine.planner.weights import (
-    MAX_SAFETENSORS_HEADER_BYTES,
-    SAFETENSORS_INDEX,
-    load_model_path,
-    safetensors_weight_bytes,
-)
-
-__all__ = [
-    "MAX_SAFETENSORS_HEADER_BYTES",
-    "SAFETENSORS_INDEX",
-    "ConfigError",
-    "ModelShapes",
-    "derive_draft_shapes",
-    "derive_shapes",
-    "draft_input_hidden_size",
-    "kv_cache_bytes_per_token_per_gpu",
-    "kv_heads_per_gpu",
-    "load_model_path",
-    "safetensors_weight_bytes",
-    "shapes_to_dict",
-]

@@ -157,7 +157,7 @@ def _require_single_gpu(tensor_parallel_size: int) -> None:
 def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
     from specdeploy.engine.planner.plan import Limits, Plan, plan_from_configs
     from specdeploy.engine.planner.cli import format_plan
-    from specdeploy.engine.planner.shapes import load_model_path
+    from specdeploy.engine.planner.weights import load_model_path
 
     if args.plan:
         plan = Plan.from_dict(json.loads(Path(args.plan).read_text()))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from specdeploy.engine.planner.shapes import ConfigError, load_model_path, safetensors_weight_bytes
+from specdeploy.engine.planner.shapes import ConfigError
+from specdeploy.engine.planner.weights import load_model_path, safetensors_weight_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -9,7 +9,7 @@ import openai
 
 from specdeploy.engine.planner.plan import Limits, SpecSettings, custom_gpu, plan_from_configs
 from specdeploy.engine.serving.cli import ServerThread, free_port
-from specdeploy.engine.planner.shapes import load_model_path
+from specdeploy.engine.planner.weights import load_model_path
 
 
 def test_serve_allocates_the_given_plan_and_reports_differences(model_dirs, tmp_path, caplog):
