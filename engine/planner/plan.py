@@ -46,7 +46,6 @@ from specdeploy.engine.planner.shapes import (
     derive_shapes,
     draft_input_hidden_size,
     kv_cache_bytes_per_token_per_gpu,
-    load_model_path,
 )
 
 __all__ = [
@@ -61,7 +60,6 @@ __all__ = [
     "PlanError",
     "SpecSettings",
     "cuda_graph_batch_sizes",
-    "load_model_path",
     "plan",
     "plan_from_configs",
 ]
