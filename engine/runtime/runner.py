@@ -26,6 +26,10 @@ slots and row kept, until `export_held` has put its state into the metadata buff
 transfer is done (`release_held`). "decode" also `receive`s requests whose prompt KV another
 server writes into the slots `receive` took; `activate` then starts them from the metadata
 buffer's row exactly where a local prefill would have left them.
+
+With the prefix cache on (prefix_cache.py), a prompt's prefill starts after its longest cached
+prefix, whose slots the request shares with the tree; finished requests leave their positions
+there.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.runtime.calls import ModelCalls
 from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, SlotTable
+from specdeploy.engine.runtime.prefix_cache import PrefixCache
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
 from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
@@ -65,6 +70,7 @@ class StepOutput:
     num_accepted_drafts: int
     finished: bool
     finish_reason: str | None       # "stop" | "length" | None
+    num_cached_tokens: int = 0      # on a request's first output: prompt tokens the prefix cache held
 
 
 ROLES = ("both", "prefill", "decode")
@@ -92,6 +98,13 @@ class _Seq:
     num_generated: int = 0
     reserved: int = 0
     generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)  # emitted so far, including any cut by a stop
+    # Prefix cache: row positions [0, cached) are the tree's slots, locked at cache_node;
+    # matched_slots fill the row when it is taken; num_cached_tokens is what the hit saved.
+    cached: int = 0
+    cache_node: object = None
+    matched_slots: torch.Tensor | None = None
+    num_cached_tokens: int = 0
 
 
 class Runner:
@@ -101,7 +114,7 @@ class Runner:
                  device: torch.device | str = "cpu", seed: int = 0,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None,
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True,
-                 role: str = "both"):
+                 role: str = "both", prefix_cache: bool = False):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
@@ -110,7 +123,9 @@ class Runner:
         fused_spec_step: with graphs, one graph per speculative iteration (the default); False
         graphs each model call alone, with tree building and acceptance eager in between.
         role: "both", "prefill" or "decode" (module docstring); the two split roles need a plan,
-        whose metadata buffer shape they allocate."""
+        whose metadata buffer shape they allocate.
+        prefix_cache: keep finished requests' KV in the slot pool and reuse it for prompts that
+        share a prefix (prefix_cache.py); evicted least recently used when slots are needed."""
         if role not in ROLES:
             raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
         if role != "both" and plan is None:
@@ -160,6 +175,9 @@ class Runner:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.table = SlotTable(num_slots, max_running_requests, self.context_length, self.device)
+        # With a draft a slot's draft K/V also depends on the next token: bigram keys.
+        self.prefix_cache = (PrefixCache(self.table, lookahead=int(draft is not None))
+                             if prefix_cache else None)
         self.draft_kv = None
         if draft is not None:
             dc = draft.cfg
@@ -243,8 +261,9 @@ class Runner:
     def add(self, req: Request) -> None:
         self._pending.append(self._admit(req))
 
-    def _admit(self, req: Request) -> _Seq:
-        """Check a request and reserve its worst case; -> its (unscheduled) sequence."""
+    def _admit(self, req: Request, match: bool = True) -> _Seq:
+        """Check a request and reserve its worst case; -> its (unscheduled) sequence, started
+        at its cached prefix if `match`."""
         if not req.prompt_ids:
             raise ValueError(f"request {req.id}: empty prompt")
         if req.max_tokens < 1:
@@ -268,13 +287,21 @@ class Runner:
         if need > self.table.capacity:
             raise ValueError(f"request {req.id}: needs {need} KV slots, the pool has "
                              f"{self.table.capacity} (max_total_tokens)")
-        if self._reserved + need > self.table.capacity or self.num_running >= self.max_running_requests:
+        if self.num_running >= self.max_running_requests:
             raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
-        gen = None
+        seq = _Seq(req, row=-1, length=0, reserved=need)
+        if match:
+            self._match_prefix(seq)
+        # Every admitted request may still take (reserved - length) slots; free and evictable
+        # slots must cover all of that (without a cache: total reserved <= capacity).
+        outstanding = self._reserved - sum(s.length for s in self._all_seqs())
+        if outstanding + need - seq.length > self.num_free_slots:
+            self._release_slots(seq)
+            raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
         if req.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(req.seed)
+            seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
         self._reserved += need
-        return _Seq(req, row=-1, length=0, reserved=need, generator=gen)
+        return seq
 
     # ---- disaggregation ------------------------------------------------------------------------
 
@@ -284,11 +311,11 @@ class Runner:
         holds them, and decodes nothing, until `activate` (or `abort`)."""
         if self.role != "decode":
             raise RuntimeError(f"receive() on a {self.role!r} runner")
-        seq = self._admit(req)
+        seq = self._admit(req, match=False)   # the prefill server sends every prompt position
         n = len(req.prompt_ids)
         seq.row = self.table.alloc_row()
         try:
-            slots = self.table.alloc(n)
+            slots = self._alloc(n)
         except RuntimeError:
             self.table.free_row(seq.row, 0)
             self._reserved -= seq.reserved
@@ -335,7 +362,7 @@ class Runner:
 
     def release_held(self, req_id: str) -> None:
         seq = self._held.pop(req_id)
-        self.table.free_row(seq.row, seq.length)
+        self._release_slots(seq)
         self._reserved -= seq.reserved
 
     @property
@@ -351,15 +378,14 @@ class Runner:
             if seq.req.id == req_id:
                 self._pending.pop(i)
                 self._reserved -= seq.reserved
-                if seq.row >= 0:  # partly prefilled
-                    self.table.free_row(seq.row, seq.length)
+                self._release_slots(seq)  # it may be partly prefilled, or hold a cache hit
                 return
         if req_id in self._held:
             self.release_held(req_id)
             return
         seq = self._receiving.pop(req_id, None)
         if seq is not None:
-            self.table.free_row(seq.row, seq.length)
+            self._release_slots(seq, keep=False)  # its KV may not have arrived
             self._reserved -= seq.reserved
             return
         seq = self._running.get(req_id)
@@ -372,12 +398,78 @@ class Runner:
         if hold:  # prefill role: its state has yet to reach a decode server
             self._held[seq.req.id] = seq
             return
-        self.table.free_row(seq.row, seq.length)
+        self._release_slots(seq)
         self._reserved -= seq.reserved
+
+    def _all_seqs(self) -> list[_Seq]:
+        """Every request holding a reservation."""
+        return [*self._pending, *self._running.values(), *self._held.values(), *self._receiving.values()]
 
     @property
     def num_free_slots(self) -> int:
-        return self.table.num_free
+        """Slots a request can get now: free ones and unlocked cached ones (evicted on demand)."""
+        cache = self.prefix_cache
+        return self.table.num_free + (cache.evictable_slots if cache is not None else 0)
+
+    # ---- prefix cache (prefix_cache.py) --------------------------------------------------------
+
+    def _match_prefix(self, seq: _Seq) -> None:
+        """Start seq at its longest cached prefix (at most all but the last prompt token, whose
+        logits give the first output token), locked until it is released. Called at admission
+        and again before its first prefill chunk, when more may be cached."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        match = cache.match(seq.req.prompt_ids, len(seq.req.prompt_ids) - 1)
+        if seq.cache_node is not None and match.length <= seq.length:
+            return
+        cache.lock(match.node)
+        if seq.cache_node is not None:
+            cache.unlock(seq.cache_node)
+        seq.cache_node, seq.matched_slots = match.node, match.slots
+        seq.length = seq.cached = match.length
+
+    def _cache_prefix(self, seq: _Seq) -> None:
+        """After a prefill chunk: cache the positions seq has written (others with the same
+        prompt can match them while it runs) and point its row at the tree's slots."""
+        cache, n = self.prefix_cache, seq.length
+        tokens = (seq.req.prompt_ids + seq.tokens)[:n + cache.lookahead]
+        if len(tokens) < n + cache.lookahead or n <= seq.cached:
+            return
+        row = self.table.req_to_slot[seq.row]
+        existed = cache.insert(tokens, row[:n])
+        match = cache.match(tokens, n)
+        if existed > seq.cached:  # written twice (another request cached them meanwhile): keep the tree's
+            self.table.free(row[seq.cached:existed].clone())
+            row[seq.cached:existed] = match.slots[seq.cached:existed]
+        cache.lock(match.node)
+        cache.unlock(seq.cache_node)
+        seq.cache_node, seq.cached = match.node, n
+
+    def _release_slots(self, seq: _Seq, keep: bool = True) -> None:
+        """Give back seq's row and slots; with a cache and `keep`, its positions go into the
+        tree (copies of positions already there are freed) and its lock is dropped."""
+        cache = self.prefix_cache
+        if cache is None:
+            if seq.row >= 0:
+                self.table.free_row(seq.row, seq.length)
+            seq.row = -1
+            return
+        if seq.row >= 0:
+            row = self.table.req_to_slot[seq.row]
+            tokens = seq.req.prompt_ids + seq.tokens
+            # Positions whose key is known (all, once the first token is out); none unless keep.
+            n = min(seq.length, len(tokens) - cache.lookahead) if keep else seq.cached
+            existed = cache.insert(tokens[:n + cache.lookahead], row[:n]) if n > seq.cached else n
+            if existed > seq.cached:
+                self.table.free(row[seq.cached:existed].clone())
+            if seq.length > max(n, seq.cached):
+                self.table.free(row[max(n, seq.cached):seq.length].clone())
+            self.table.free_row(seq.row, 0)
+        seq.row = -1
+        if seq.cache_node is not None:
+            cache.unlock(seq.cache_node)
+            seq.cache_node = None
 
     @property
     def num_running(self) -> int:
@@ -412,8 +504,13 @@ class Runner:
             raise
         return list(outputs.values())
 
+    def _alloc(self, n: int) -> torch.Tensor:
+        if self.prefix_cache is not None and self.table.num_free < n:
+            self.prefix_cache.evict(n - self.table.num_free)
+        return self.table.alloc(n)
+
     def _take_slots(self, n: int) -> torch.Tensor:
-        slots = self.table.alloc(n)
+        slots = self._alloc(n)
         self._step_slots.append(slots)
         return slots
 
@@ -440,6 +537,8 @@ class Runner:
         prefill_chunk_tokens padded tokens (B x longest piece); a longer prompt is cut."""
         budget, chosen, q = self.prefill_chunk_tokens, [], 0
         for seq in self._pending:
+            if seq.row < 0:
+                self._match_prefix(seq)
             take = min(len(seq.req.prompt_ids) - seq.length, budget)
             if chosen and (len(chosen) + 1) * max(q, take) > budget:
                 break
@@ -462,6 +561,9 @@ class Runner:
             if seq.row < 0:
                 seq.row = self.table.alloc_row()
                 self._step_rows.append(seq)
+                seq.num_cached_tokens = seq.length
+                if seq.length:  # a prefix cache hit: the tree's slots, locked for this request
+                    self.table.req_to_slot[seq.row, :seq.length] = seq.matched_slots
             start, prompt = seq.length, seq.req.prompt_ids
             tokens[i, :take] = torch.tensor(prompt[start:start + take], device=dev)
             # The last prompt entry pairs with the first sampled token, filled in below.
@@ -497,9 +599,14 @@ class Runner:
         for seq in finished:
             self._pending.remove(seq)
             self._running[seq.req.id] = seq
-        if not done:
-            return []
-        return self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished))
+        outputs = self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished)) if done else []
+        for out, seq in zip(outputs, finished):
+            out.num_cached_tokens = seq.num_cached_tokens
+        if self.prefix_cache is not None:
+            for seq, _ in chosen:
+                if seq.row >= 0 and seq.req.id not in self._held:  # still running or pending
+                    self._cache_prefix(seq)
+        return outputs
 
     # ---- speculative decoding ------------------------------------------------------------------
 
@@ -594,6 +701,7 @@ class Runner:
     def _emit(self, seqs, emitted: list[list[int]], accepted: list[int]) -> list[StepOutput]:
         outputs = []
         for s, tokens, acc in zip(seqs, emitted, accepted):
+            s.tokens += tokens  # all committed (+ the root), for the prefix cache's keys
             kept, reason = [], None
             for t in tokens:
                 kept.append(t)
