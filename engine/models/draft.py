@@ -26,7 +26,7 @@ from torch import nn
 
 from specdeploy.engine.models.attention import AttnBatch
 from specdeploy.engine.models.checkpoint import Checkpoint
-from specdeploy.engine.planner.shapes import DRAFT_ALGORITHMS
+from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS
 from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
                                   unflatten_streams)
 from specdeploy.engine.runtime.kv import KVPool
@@ -34,6 +34,7 @@ from specdeploy.engine.models.layers import ColumnParallelLinear, GatedMLP, RMSN
 from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, read_config,
                                      rope_tables)
 
+ALGORITHMS = ("EAGLE", "EAGLE3", "MTP")
 
 log = logging.getLogger("specdeploy.engine.load")
 
@@ -200,21 +201,19 @@ def _with(cfg: ModelConfig, **changes) -> ModelConfig:
 
 def build_draft(algorithm: str, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
                 device, **kwargs) -> DraftHead:
-    if algorithm not in DRAFT_ALGORITHMS:
-        raise ValueError(f"unknown draft algorithm {algorithm!r}; expected one of {DRAFT_ALGORITHMS}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown draft algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     cls = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head, "MTP": MTPHead}[algorithm]
     with torch.device(device):
         head = cls(cfg, target, **kwargs)
     return head.to(dtype).eval()
 
 
-# Tensors a published head carries but does not use: EAGLE-1/2 heads ship a copy of the target's
-# embedding (`embed_tokens.weight`), the engine uses the target's own. Not read, logged at debug.
-_UNUSED_HEAD_TENSORS = ("embed_tokens.weight",)
-
-
 def _unused(name: str) -> bool:
-    if name.removeprefix("model.") in _UNUSED_HEAD_TENSORS:
+    """Tensors a published head carries but does not use (EAGLE-1/2 heads ship a copy of the
+    target's embedding; the engine uses the target's own): not read, logged at debug. The
+    planner leaves the same out of the draft's weight bytes."""
+    if name.removeprefix("model.") in UNUSED_HEAD_TENSORS:
         log.debug("weights: %s skipped (the head uses the target's)", name)
         return True
     return False

@@ -19,7 +19,7 @@ from specdeploy.engine.planner.plan import (
 )
 from specdeploy.engine.planner.remote import is_hub_id, load_hub_model
 from specdeploy.engine.planner.shapes import ALGORITHMS, ConfigError
-from specdeploy.engine.planner.weights import CheckpointWeights, load_model
+from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, CheckpointWeights, load_model
 
 DEFAULTS = SpecSettings()
 DEFAULT_LIMITS = Limits()
@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "KV cache, CUDA-graph and disaggregation buffers, tensor-parallel size, max_total_tokens.",
     )
     parser.add_argument("--target", required=True, metavar="PATH",
-                        help="config.json, a model directory (config.json + *.safetensors), or a hub id ORG/NAME "
+                        help="config.json, a model directory (config.json + *.safetensors or pytorch_model*.bin), or a hub id ORG/NAME "
                         "(config.json and safetensors headers read from the hub, no weights downloaded)")
     parser.add_argument("--draft", metavar="PATH",
                         help="the draft's config.json, directory or hub id (required for EAGLE/EAGLE3; MTP defaults to the target's own layers)")
@@ -80,7 +80,8 @@ def _plan(args: argparse.Namespace) -> Plan:
     if args.algorithm == "NONE" and args.draft:
         raise ConfigError("--draft: not used with algorithm NONE")
     target_config, target_weights = _load(args.target, args.target_revision, args.hub_endpoint)
-    draft_config, draft_weights = _load(args.draft, args.draft_revision, args.hub_endpoint) if args.draft else (None, None)
+    draft_config, draft_weights = (_load(args.draft, args.draft_revision, args.hub_endpoint, UNUSED_HEAD_TENSORS)
+                                   if args.draft else (None, None))
     gpu = custom_gpu(args.gpu_memory_gib) if args.gpu_memory_gib is not None else GPUS[args.gpu]
     if args.algorithm == "NONE":
         spec = SpecSettings("NONE", 0, 0, 0)
@@ -98,11 +99,12 @@ def _plan(args: argparse.Namespace) -> Plan:
     )
 
 
-def _load(path: str, revision: str, endpoint: str | None) -> tuple[dict, CheckpointWeights | None]:
+def _load(path: str, revision: str, endpoint: str | None,
+          unused: tuple[str, ...] = ()) -> tuple[dict, CheckpointWeights | None]:
     """A local config.json or model directory; else, when `path` reads as ORG/NAME, the hub's."""
     if not Path(path).exists() and is_hub_id(path):
         return load_hub_model(path, revision, endpoint=endpoint)
-    return load_model(path)
+    return load_model(path, unused)
 
 
 def _gib(n: int) -> str:

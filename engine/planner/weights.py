@@ -15,8 +15,13 @@ hub over urllib in `planner/remote.py` (for `specdeploy plan`), the hub over htt
 operator. Where the bytes came from is part of the answer (`CheckpointWeights.source`):
 
     headers   every shard's header was read: exact
-    index     model.safetensors.index.json's metadata.total_size (shards out of reach): exact
-              as published, no breakdown by dtype
+    index     model.safetensors.index.json's (or pytorch_model.bin.index.json's)
+              metadata.total_size (shards out of reach): exact as published, no breakdown by dtype
+    pytorch   a directory with no safetensors: its pytorch_model*.bin archives' storage records
+              (planner/torch_files.py; the published EAGLE and EAGLE-3 heads): exact
+
+Tensors a published draft head ships but the engine never loads (`UNUSED_HEAD_TENSORS`, the copy
+of the target's embedding in EAGLE-1/2 heads) are left out when the caller names them.
 
 and, when no checkpoint file can be read at all, the plan falls back to an estimate from
 config.json's `quantization_config` ("quantization_config", shapes.py) or to the parameter
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from specdeploy.engine.planner import torch_files
 from specdeploy.engine.planner.errors import ConfigError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -53,7 +59,10 @@ SAFETENSORS_DTYPE_BITS = {
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
 
-SOURCES = ("headers", "index", "quantization_config", "shapes")
+SOURCES = ("headers", "index", "pytorch", "quantization_config", "shapes")
+# Tensors a published draft head ships but the engine does not load (engine/models/draft.py):
+# EAGLE-1/2 heads carry a copy of the target's embedding.
+UNUSED_HEAD_TENSORS = ("embed_tokens.weight",)
 
 
 @dataclass(frozen=True)
@@ -107,11 +116,12 @@ def _tensor_bytes(name: str, entry: Any, origin: str) -> tuple[str, int]:
     return str(dtype), span
 
 
-def safetensors_header_summary(blob: bytes, origin: str) -> HeaderSummary:
+def safetensors_header_summary(blob: bytes, origin: str, unused: tuple[str, ...] = ()) -> HeaderSummary:
     """The tensors of a safetensors file from its leading bytes (at least 8 + N of them).
 
     Format: 8-byte little-endian header length N, then N bytes of JSON mapping each tensor name
     to {dtype, shape, data_offsets: [begin, end]} (plus an optional "__metadata__" entry).
+    Tensors named in `unused` (with or without a `model.` prefix) are not counted.
     Raises ConfigError naming `origin` for anything that is not such a header.
     """
     length = header_length(blob, origin)
@@ -130,6 +140,8 @@ def safetensors_header_summary(blob: bytes, origin: str) -> HeaderSummary:
         if name == "__metadata__":
             continue
         dtype, size = _tensor_bytes(name, entry, origin)
+        if name.removeprefix("model.") in unused:
+            continue
         by_dtype[dtype] = by_dtype.get(dtype, 0) + size
         tensors += 1
     return HeaderSummary(sum(by_dtype.values()), tensors, dict(sorted(by_dtype.items())))
@@ -154,7 +166,7 @@ class CheckpointFiles(Protocol):
         ...
 
 
-def read_header(files: CheckpointFiles, name: str) -> HeaderSummary | None:
+def read_header(files: CheckpointFiles, name: str, unused: tuple[str, ...] = ()) -> HeaderSummary | None:
     """One file's header summary through at most two reads; None when the file does not exist."""
     head = files.read_range(name, 0, HEADER_PROBE_BYTES)
     if head is None:
@@ -164,10 +176,10 @@ def read_header(files: CheckpointFiles, name: str) -> HeaderSummary | None:
     if len(head) < needed:
         rest = files.read_range(name, len(head), needed - len(head))
         head += rest or b""
-    return safetensors_header_summary(head[:needed], origin)
+    return safetensors_header_summary(head[:needed], origin, unused)
 
 
-def read_checkpoint_weights(files: CheckpointFiles) -> CheckpointWeights | None:
+def read_checkpoint_weights(files: CheckpointFiles, unused: tuple[str, ...] = ()) -> CheckpointWeights | None:
     """The checkpoint's weight bytes: every shard header the index lists (or, with no index, every
     safetensors file); the index's metadata.total_size when its shards are out of reach; None when
     there is no safetensors checkpoint at all."""
@@ -180,7 +192,7 @@ def read_checkpoint_weights(files: CheckpointFiles) -> CheckpointWeights | None:
         shards = sorted(set(weight_map.values()))
         summaries = []
         for shard in shards:
-            summary = read_header(files, shard)
+            summary = read_header(files, shard, unused)
             if summary is None:
                 break
             summaries.append(summary)
@@ -190,8 +202,37 @@ def read_checkpoint_weights(files: CheckpointFiles) -> CheckpointWeights | None:
         if isinstance(total, int) and not isinstance(total, bool) and total > 0:
             return CheckpointWeights(total, "index", len(shards))
         raise ConfigError(f"{files.origin}/{shards[len(summaries)]}: shard listed in {SAFETENSORS_INDEX} is missing")
-    summaries = [s for s in (read_header(files, n) for n in files.safetensors_names()) if s is not None]
+    summaries = [s for s in (read_header(files, n, unused) for n in files.safetensors_names()) if s is not None]
     return _combine(summaries, "headers") if summaries else None
+
+
+def read_pytorch_weights(root: Path, unused: tuple[str, ...] = ()) -> CheckpointWeights | None:
+    """A local directory's pytorch_model*.bin weights (the shards pytorch_model.bin.index.json
+    lists, its total_size when they are not all there, else every pytorch_model*.bin); None when
+    there are none."""
+    index_path = root / torch_files.PYTORCH_INDEX
+    if index_path.is_file():
+        index = _read_json(index_path, torch_files.PYTORCH_INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConfigError(f"{index_path}: has no weight_map of tensor names to shard files")
+        shards = [root / n for n in sorted(set(weight_map.values()))]
+        absent = [s for s in shards if not s.is_file()]
+        if absent:
+            total = (index.get("metadata") or {}).get("total_size")
+            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+                return CheckpointWeights(total, "index", len(shards))
+            raise ConfigError(f"{absent[0]}: shard listed in {torch_files.PYTORCH_INDEX} is missing")
+    else:
+        shards = sorted(root.glob(torch_files.PYTORCH_FILES))
+        if not shards:
+            return None
+    try:
+        summary = torch_files.summarize(shards, unused)
+    except torch_files.TorchFileError as err:
+        raise ConfigError(str(err)) from None
+    return CheckpointWeights(summary.total_bytes, "pytorch", len(shards), summary.num_tensors,
+                             summary.bytes_by_dtype)
 
 
 def _combine(summaries: list[HeaderSummary], source: str) -> CheckpointWeights:
@@ -260,8 +301,11 @@ def safetensors_weight_bytes(path: str | Path) -> int:
     return summary.total_bytes
 
 
-def load_model(path: str | Path) -> tuple[dict[str, Any], CheckpointWeights | None]:
-    """(config dict, checkpoint weights or None) for a config.json file or a model directory."""
+def load_model(path: str | Path, unused: tuple[str, ...] = ()) -> tuple[dict[str, Any], CheckpointWeights | None]:
+    """(config dict, checkpoint weights or None) for a config.json file or a model directory:
+    its safetensors, else its pytorch_model*.bin files (the engine reads them in that order,
+    engine/models/checkpoint.py). Tensors named in `unused` are not counted (a draft head's
+    UNUSED_HEAD_TENSORS)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such file or directory")
@@ -269,10 +313,12 @@ def load_model(path: str | Path) -> tuple[dict[str, Any], CheckpointWeights | No
     config = _read_json(config_path, "config.json")
     if not isinstance(config, dict):
         raise ConfigError(f"{config_path}: expected a JSON object")
-    return config, (None if path.is_file() else read_checkpoint_weights(DirectoryFiles(path)))
+    if path.is_file():
+        return config, None
+    return config, read_checkpoint_weights(DirectoryFiles(path), unused) or read_pytorch_weights(path, unused)
 
 
-def load_model_path(path: str | Path) -> tuple[dict[str, Any], int | None]:
+def load_model_path(path: str | Path, unused: tuple[str, ...] = ()) -> tuple[dict[str, Any], int | None]:
     """(config dict, weight bytes or None): `load_model` without the source."""
-    config, weights = load_model(path)
+    config, weights = load_model(path, unused)
     return config, None if weights is None else weights.total_bytes

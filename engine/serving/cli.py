@@ -157,7 +157,7 @@ def _require_single_gpu(tensor_parallel_size: int) -> None:
 def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
     from specdeploy.engine.planner.plan import Limits, Plan, plan_from_configs
     from specdeploy.engine.planner.cli import format_plan
-    from specdeploy.engine.planner.weights import load_model_path
+    from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, load_model_path
 
     if args.plan:
         plan = Plan.from_dict(json.loads(Path(args.plan).read_text()))
@@ -171,7 +171,8 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
                             key, getattr(plan, key), value)
     else:
         target_config, target_weight_bytes = load_model_path(target_dir)
-        draft_config, draft_weight_bytes = load_model_path(draft_dir) if draft_dir else (None, None)
+        draft_config, draft_weight_bytes = (load_model_path(draft_dir, UNUSED_HEAD_TENSORS)
+                                            if draft_dir else (None, None))
         spec = _spec_settings(args)
         context_length = args.context_length or int(
             target_config.get("text_config", target_config).get("max_position_embeddings", 4096))

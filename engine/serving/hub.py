@@ -5,7 +5,9 @@ from the operator. A model id that is not a local directory is looked up in the 
 fetched only when missing; what is fetched lands where the next start (or transformers) finds it:
     $HF_HOME/hub/models--{org}--{name}/snapshots/{commit}/{file}
     $HF_HOME/hub/models--{org}--{name}/refs/{revision}      (the commit)
-Only what the engine reads is fetched: JSON configs, tokenizer files, chat templates, safetensors.
+Only what the engine reads is fetched: JSON configs, tokenizer files, chat templates and one copy
+of the weights: the safetensors, or, in a repository that has none (the published EAGLE and EAGLE-3
+heads), the `pytorch_model*.bin` files (engine/models/checkpoint.py reads both).
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from pathlib import Path
 log = logging.getLogger("specdeploy.hub")
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-WANTED_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt")
+WANTED_FILES = ("*.json", "tokenizer.model", "*.jinja", "*.txt")
+SAFETENSORS_FILES = "*.safetensors"
+# training_args.bin, optimizer.bin and the like are no weights: only these names are.
+PYTORCH_FILES = "pytorch_model*.bin"
+PYTORCH_INDEX = "pytorch_model.bin.index.json"
 # Checkpoint copies in other formats, and the subfolders some repos add (original/ for Meta's own
 # format): never needed, often as large as the model.
-SKIPPED_FILES = ("*/*", "*.bin", "*.pt", "*.pth", "*.gguf", "*.msgpack", "*.h5", "*.onnx")
+SKIPPED_FILES = ("*/*", "*.pt", "*.pth", "*.gguf", "*.msgpack", "*.h5", "*.onnx")
 _PROGRESS_EVERY_S = 10.0
 _CHUNK_BYTES = 8 << 20
 
@@ -50,9 +56,16 @@ def cached_snapshot(repo_id: str, revision: str = "main", cache: Path | None = N
     return snapshot if (snapshot / "config.json").is_file() else None
 
 
-def _wanted(name: str) -> bool:
-    return (any(fnmatch.fnmatch(name, p) for p in WANTED_FILES)
-            and not any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES))
+def wanted_files(names: list[str]) -> list[str]:
+    """The files of a repository listing that the engine reads (sorted): configs, tokenizer,
+    templates, and the safetensors, else, when there are none, the PyTorch weight files."""
+    names = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in SKIPPED_FILES)]
+    if any(fnmatch.fnmatch(n, SAFETENSORS_FILES) for n in names):
+        weights, stale_index = SAFETENSORS_FILES, PYTORCH_INDEX  # a .bin copy's index is not read
+    else:
+        weights, stale_index = PYTORCH_FILES, None
+    return sorted({n for n in names
+                   if n != stale_index and any(fnmatch.fnmatch(n, p) for p in (*WANTED_FILES, weights))})
 
 
 def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = None,
@@ -75,7 +88,7 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
         resp.raise_for_status()
         info = resp.json()
         commit = info.get("sha") or revision
-        files = sorted(s["rfilename"] for s in info.get("siblings", []) if _wanted(s["rfilename"]))
+        files = wanted_files([s["rfilename"] for s in info.get("siblings", [])])
         if "config.json" not in files:
             raise HubError(f"{repo_id}@{revision}: the repository has no config.json")
         repo = _repo_dir(cache, repo_id)

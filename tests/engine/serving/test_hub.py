@@ -119,3 +119,35 @@ def test_hub_errors_say_what_is_wrong(fake_hub, tmp_path, monkeypatch):
     with pytest.raises(hub.HubError, match="set HF_TOKEN"):
         hub.fetch_model("org/tiny")
     assert hub.cached_snapshot("org/tiny") is None
+
+
+# Repository listings as the hub serves them (file names of the published repositories).
+LLAMA_31_8B_INSTRUCT = [
+    ".gitattributes", "LICENSE", "README.md", "USE_POLICY.md", "config.json", "generation_config.json",
+    "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors",
+    "model-00004-of-00004.safetensors", "model.safetensors.index.json", "original/consolidated.00.pth",
+    "original/params.json", "original/tokenizer.model", "special_tokens_map.json", "tokenizer.json",
+    "tokenizer_config.json",
+]
+EAGLE3_HEAD = [".gitattributes", "README.md", "config.json", "pytorch_model.bin"]
+BOTH_FORMATS = [
+    "config.json", "model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json",
+    "training_args.bin", "tokenizer.json",
+]
+
+
+def test_wanted_files_take_one_copy_of_the_weights():
+    assert hub.wanted_files(LLAMA_31_8B_INSTRUCT) == [
+        "config.json", "generation_config.json",
+        "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+        "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors",
+        "model.safetensors.index.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    ]
+    # A repository without safetensors (the published EAGLE heads): its PyTorch weights.
+    assert hub.wanted_files(EAGLE3_HEAD) == ["config.json", "pytorch_model.bin"]
+    # Both formats: the safetensors only, and no index of the .bin copy.
+    assert hub.wanted_files(BOTH_FORMATS) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert hub.wanted_files(["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+                             "pytorch_model.bin.index.json", "training_args.bin", "optimizer.bin"]) == [
+        "config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+        "pytorch_model.bin.index.json"]
