@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_FLAGS ?= -q
 
-.PHONY: install tools test demo
+.PHONY: install tools test demo fuzz
 
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
@@ -17,3 +17,10 @@ test: install tools
 demo:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[engine]'
 	specdeploy demo
+
+# The engine's API fuzzed much longer than CI does (tests/server/test_fuzz_openapi.py).
+FUZZ_EXAMPLES ?= 2000
+FUZZ_MAX_TIME_S ?= 900
+fuzz:
+	SPECDEPLOY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECDEPLOY_FUZZ_MAX_TIME_S=$(FUZZ_MAX_TIME_S) SPECDEPLOY_FUZZ_MIN_CASES=3000 \
+	  $(PYTHON) -P -m pytest -q -s tests/server/test_fuzz_openapi.py

@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator, Callable, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,12 +36,15 @@ _DISCONNECT_POLL_S = 0.25
 _DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Names pydantic puts into an error's location for the member of a union it tried.
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+# `code` of the errors Starlette raises before a route runs.
+_HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}
 
 
 class APIError(Exception):
     """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
 
-    _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+    _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+              429: "rate_limit_error",
               500: "internal_error", 503: "service_unavailable"}
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
@@ -109,6 +113,50 @@ class ChatBody(_SamplingFields):
     logprobs: bool = False
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, the body of every 4xx/5xx this API answers."""
+
+    error: ErrorDetail
+
+
+# What /openapi.json documents beside a 200, so that clients and schema-driven tools know every
+# status the API answers: request errors are 400 (never FastAPI's 422: see _validation_error).
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {400: "Invalid request", 404: "Unknown model", 429: "Queue full, retry later",
+            503: "Not ready (loading weights) or draining"}
+    return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
+
+
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The completion; with stream=true, server-sent events (data: chunk, then data: [DONE])",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **_errors(400, 404, 429, 503),
+}
+
+
+def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, less the 422 it documents for every route with parameters: this API
+    answers invalid requests with 400 in OpenAI's error shape instead."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 # ---- the app -------------------------------------------------------------------------------
 
 @dataclass
@@ -163,10 +211,19 @@ def create_app(state: EngineState, loader: Loader | None = None,
 
     app = FastAPI(title="specdeploy engine", lifespan=lifespan)
     app.state.engine = state
+    app.openapi = lambda: _openapi_without_422(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Starlette's own refusals (no such route, wrong method, an unreadable body) in the same
+        # error shape as ours, with their headers (a 405 says Allow).
+        response = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code)).response()
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -189,14 +246,17 @@ def create_app(state: EngineState, loader: Loader | None = None,
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "Loading weights, or draining",
+                                         "content": {"application/json": {}}}})
     async def ready():
         if state.ready:
             return {"status": "ready"}
         reason = "draining" if state.scheduler is not None else state.not_ready_reason
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -208,7 +268,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=_errors(404))
     async def get_model(model: str):
         check_model(model)
         return model_card()
@@ -225,7 +285,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
             raise APIError(503, "the server is shutting down", code="draining")
         return state.scheduler, state.tokenizer
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionBody, request: Request):
         check_model(body.model)
         scheduler, tokenizer = serving()
@@ -247,7 +307,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
         out["usage"] = usage(last)
         return out
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
         scheduler, tokenizer = serving()
