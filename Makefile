@@ -18,9 +18,9 @@ demo:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[engine]'
 	specdeploy demo
 
-# The engine's API fuzzed much longer than CI does (tests/server/test_fuzz_openapi.py).
+# The engine's API fuzzed much longer than CI does (tests/engine/serving/test_fuzz_openapi.py).
 FUZZ_EXAMPLES ?= 2000
 FUZZ_MAX_TIME_S ?= 900
 fuzz:
 	SPECDEPLOY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECDEPLOY_FUZZ_MAX_TIME_S=$(FUZZ_MAX_TIME_S) SPECDEPLOY_FUZZ_MIN_CASES=3000 \
-	  $(PYTHON) -P -m pytest -q -s tests/server/test_fuzz_openapi.py
+	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_fuzz_openapi.py

@@ -1,4 +1,4 @@
-"""Schemathesis hooks for tests/server/test_fuzz_openapi.py (loaded by the CLI through
+"""Schemathesis hooks for tests/engine/serving/test_fuzz_openapi.py (loaded by the CLI through
 SCHEMATHESIS_HOOKS).
 
 The server answers 404 for any `model` but the one it serves, and no schema can say which that is,

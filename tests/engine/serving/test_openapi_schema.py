@@ -1,5 +1,5 @@
 """/openapi.json tells the truth about what the API answers (each case here was found by
-schemathesis, tests/server/test_fuzz_openapi.py)."""
+schemathesis, tests/engine/serving/test_fuzz_openapi.py)."""
 
 from __future__ import annotations
 
