@@ -4,6 +4,9 @@ These are the units CUDA graphs capture (graphs.py wraps an instance with the sa
 the runner calls them identically whether they replay a graph or run eagerly.
 
     target_decode     ids [B, 1]                      -> logits [B, V]
+    target_decode_feature  the same                   -> logits [B, V], feature [B, Hin]
+                      (a plain step of a runner with a draft head: the feature feeds the
+                      draft's catch-up, see runner.py)
     target_verify     tree tokens [B, N], tree mask   -> logits [B, N, V], feature [B, N, Hin]
     draft_multi_step  root hidden [B * topk, Hc]      -> candidate list [B, M] (+ proposals)
     draft_extend      tokens [B, Q], feature [B, Q, Hin] -> draft hidden after the last valid
@@ -42,6 +45,13 @@ class ModelCalls:
         batch = AttnBatch(out_slots, prefix_slots, prefix_lens, out_slots, mask)
         out = self.target(ids, positions, batch, self.target_kv)
         return self.target.logits(out.hidden[:, 0])
+
+    def target_decode_feature(self, ids, positions, out_slots, prefix_slots, prefix_lens):
+        b = ids.shape[0]
+        mask = torch.ones(b, 1, 1, dtype=torch.bool, device=ids.device)
+        batch = AttnBatch(out_slots, prefix_slots, prefix_lens, out_slots, mask)
+        out = self.target(ids, positions, batch, self.target_kv)
+        return self.target.logits(out.hidden[:, 0]), out.feature[:, 0]
 
     def target_verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
         batch = AttnBatch(out_slots, prefix_slots, prefix_lens, out_slots, tree_mask)

@@ -130,8 +130,12 @@ class _Graphed:
 
 class GraphedCalls:
     def __init__(self, calls: ModelCalls, batch_sizes, context_length: int, capture: bool = True,
-                 fused: bool = True):
+                 fused: bool = True, pool=None):
+        """pool: a graph memory pool to capture into (the runner's shapes share one: only one
+        of their graphs replays at a time and its outputs are consumed before the next);
+        `self.pool` is the pool after capture."""
         self.calls = calls
+        self.pool = pool
         target, draft = calls.target, calls.draft
         dev = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
@@ -147,11 +151,21 @@ class GraphedCalls:
 
         self.fused = fused and draft is not None
         stream = torch.cuda.Stream() if capture else None
-        # Plain decode only runs without a draft head; with one it is not captured (eager if used).
+        decode_inputs = {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
+                         **prefix()}
+        # Plain decode runs without a draft head, or as the NONE shape of an adaptive runner
+        # (num_steps 0), which also returns the feature its draft catches up from.
         self.target_decode_graph = _Graphed(
-            self._decode, {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
-                           **prefix()}, batch_sizes if draft is None else (), capture, stream,
-            name="target decode")
+            self._decode, decode_inputs, batch_sizes if draft is None else (), capture, stream,
+            name="target decode", pool=self.pool)
+        self.pool = self.target_decode_graph.pool
+        if draft is not None and calls.num_steps == 0:
+            self.target_decode_feature_graph = _Graphed(
+                calls.target_decode_feature, decode_inputs, batch_sizes, capture, stream,
+                name="target decode (with feature)", pool=self.pool)
+            self.pool = self.target_decode_feature_graph.pool
+            self.fused = False
+            return
         if draft is None:
             return
         n = calls.num_draft_tokens
@@ -176,7 +190,7 @@ class GraphedCalls:
             # Sampling first (its warping needs the most memory), then greedy in the same pool:
             # a step consumes its graph's outputs before the next step replays either.
             self.spec_step_graphs = {}
-            pool = None
+            pool = self.pool
 
             def body(on, sampling):
                 return lambda **kw: speculate(on, **{**kw, "hidden": kw["hidden"].reshape(-1, hc)},
@@ -186,7 +200,7 @@ class GraphedCalls:
                     body(bodies, sampling), spec_inputs, batch_sizes, capture, stream, pool=pool,
                     eager=body(calls, sampling),
                     name="speculative step (" + ("sampling" if sampling else "greedy") + ")")
-                pool = g.pool
+                pool = self.pool = g.pool
             return
         self.target_verify_graph = _Graphed(
             self._verify, {"ids": ints(n), "positions": ints(n), "out_slots": ints(n, pad=PAD_SLOT),
@@ -263,6 +277,11 @@ class GraphedCalls:
         return self.target_decode_graph(ids.shape[0], dict(
             ids=ids, positions=positions, out_slots=out_slots, prefix_slots=prefix_slots,
             prefix_lens=prefix_lens))[0]
+
+    def target_decode_feature(self, ids, positions, out_slots, prefix_slots, prefix_lens):
+        return self.target_decode_feature_graph(ids.shape[0], dict(
+            ids=ids, positions=positions, out_slots=out_slots, prefix_slots=prefix_slots,
+            prefix_lens=prefix_lens))
 
     def target_verify(self, ids, positions, out_slots, prefix_slots, prefix_lens, tree_mask):
         if self.fused:

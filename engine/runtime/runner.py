@@ -15,6 +15,17 @@ One `step()`:
        commit   the accepted nodes' slots join the request; every other slot is freed.
      Without a draft head, one plain decode step.
 
+Adaptive speculation (`adaptive=True`): the runner holds one set of model calls (and CUDA
+graphs, in one shared pool) per candidate shape of `speculative/adaptive.py` and asks its policy
+each step which one to run for the current batch size, from the step costs measured here at
+start-up and the acceptance the steps report back. The NONE shape is a plain target decode
+that also returns the target's feature: the draft is not run, the (next token, feature) entry
+it would have consumed is kept in a per-request buffer of `catch_up_tokens` entries, and the
+draft runs over them all at once when the buffer is full or before the request's next
+speculative step ("catch-up": one draft forward per catch_up_tokens plain steps instead of one
+each). After a catch-up the draft's KV and carried hidden state are exactly what a draft extend
+after every token would have left, so a request may change shape on any step.
+
 A request's committed tokens own the same slot in the target and the draft pool. State kept per
 request between steps: its committed length, the last emitted token (the next tree root, not yet
 in the KV) and the draft's hidden state after that token (`draft_hidden`, one row per request).
@@ -34,6 +45,7 @@ there.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +58,7 @@ from specdeploy.engine.runtime.prefix_cache import PrefixCache
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
 from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
+from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, SpecShape, candidate_shapes
 from specdeploy.engine.speculative.verify import sample_from, warp_probs
 
 _FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
@@ -71,6 +84,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None       # "stop" | "length" | None
     num_cached_tokens: int = 0      # on a request's first output: prompt tokens the prefix cache held
+    num_draft_tokens: int = 0       # draft tokens this step proposed for it (0: prefill or a plain step)
 
 
 ROLES = ("both", "prefill", "decode")
@@ -105,6 +119,7 @@ class _Seq:
     cache_node: object = None
     matched_slots: torch.Tensor | None = None
     num_cached_tokens: int = 0
+    pending: int = 0                # committed tokens the draft has not run over yet (adaptive NONE steps)
 
 
 class Runner:
@@ -114,7 +129,9 @@ class Runner:
                  device: torch.device | str = "cpu", seed: int = 0,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None, graph_mode: str | None = None,
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True,
-                 role: str = "both", prefix_cache: bool = False):
+                 role: str = "both", prefix_cache: bool = False, adaptive: bool = False,
+                 adaptive_shapes: list[SpecShape] | None = None, step_costs_s: dict | None = None,
+                 catch_up_tokens: int = 8, policy_options=None):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
@@ -122,6 +139,10 @@ class Runner:
         activation workspace for this many); longer prompts are prefilled over several steps.
         fused_spec_step: with graphs, one graph per speculative iteration (the default); False
         graphs each model call alone, with tree building and acceptance eager in between.
+        adaptive: choose the shape per step among adaptive_shapes (default: candidate_shapes of
+        the configured one); step_costs_s {(shape, bucket): seconds} replaces the start-up
+        measurement; catch_up_tokens: plain steps the draft may lag behind; policy_options:
+        keyword arguments of AdaptivePolicy.
         role: "both", "prefill" or "decode" (module docstring); the two split roles need a plan,
         whose metadata buffer shape they allocate.
         prefix_cache: keep finished requests' KV in the slot pool and reuse it for prompts that
@@ -158,6 +179,27 @@ class Runner:
             most = max_draft_tokens(self.num_steps, self.topk)
             if not 2 <= self.num_draft_tokens <= most:
                 raise ValueError(f"num_draft_tokens must be in [2, {most}]")
+        configured = SpecShape(self.num_steps, self.topk, self.num_draft_tokens) if draft else NONE
+        self.shapes = [configured]
+        if adaptive:
+            if draft is None:
+                raise ValueError("adaptive speculation needs a draft head")
+            self.shapes = sorted(set(adaptive_shapes or candidate_shapes(
+                self.num_steps, self.topk, self.num_draft_tokens)))
+            if NONE not in self.shapes:
+                self.shapes.insert(0, NONE)
+            for sh in self.shapes:
+                if not sh.is_none and (sh.num_steps < 1 or sh.topk < 1 or not (
+                        sh.num_draft_tokens == sh.num_steps + 1 if sh.topk == 1 else
+                        2 <= sh.num_draft_tokens <= max_draft_tokens(sh.num_steps, sh.topk))):
+                    raise ValueError(f"adaptive shape {sh.label}: not a valid (steps, topk, draft tokens)")
+            if catch_up_tokens < 1:
+                raise ValueError(f"catch_up_tokens must be >= 1, got {catch_up_tokens}")
+        # The most any shape looks ahead and takes as scratch (admission reserves for it).
+        self._max_steps = max(sh.num_steps for sh in self.shapes)
+        self._max_scratch = max(max(sh.num_steps - 1, 0) * sh.topk + sh.num_draft_tokens
+                                for sh in self.shapes)
+        if draft is not None:
             target.set_feature(_FEATURE_KIND[algorithm], getattr(target, "aux_layers", None) or None)
             # What this runner's draft consumes; re-applied each step in case another user of
             # the same target (a second runner, a training loop) switched it meanwhile.
@@ -212,6 +254,32 @@ class Runner:
                                       capture=graph_mode == "capture", fused=fused_spec_step)
             if plan is not None and draft is not None:
                 _check_buffers_against_plan(self.calls.buffer_shapes(), plan.buffers)
+        # The calls of every shape this runner may run, the configured one's being self.calls.
+        self._calls = {configured: self.calls}
+        self.policy: AdaptivePolicy | None = None
+        self.spec_shape = configured      # the shape of the last decode step
+        self.decoded_shape: SpecShape | None = None   # that of this step's, None if it decoded nothing
+        if adaptive:
+            self._eager_calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, 0, 1, 1)
+            pool = getattr(self.calls, "pool", None)
+            for sh in self.shapes:
+                if sh in self._calls:
+                    continue
+                calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, *_fields(sh))
+                if graph_mode != "off":
+                    calls = GraphedCalls(calls, cuda_graph_batch_sizes, self.context_length,
+                                         capture=graph_mode == "capture", fused=fused_spec_step, pool=pool)
+                    pool = calls.pool
+                self._calls[sh] = calls
+            self.catch_up_tokens = catch_up_tokens
+            hin = target.feature_size
+            # [max_running_requests, catch_up_tokens(, Hin)]: per row the (next token, target
+            # feature) entries of its plain steps since the draft last ran, and how many.
+            self._catch_up_ids = torch.zeros(max_running_requests, catch_up_tokens, dtype=torch.int64,
+                                             device=self.device)
+            self._catch_up_feature = torch.zeros(max_running_requests, catch_up_tokens, hin, dtype=dtype,
+                                                 device=self.device)
+            self._catch_up_count = torch.zeros(max_running_requests, dtype=torch.int64, device=self.device)
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
         self._held: dict[str, _Seq] = {}        # prefill role: first token out, state not sent yet
@@ -233,24 +301,29 @@ class Runner:
         self._greedy = (torch.zeros(m, device=self.device),
                         torch.zeros(m, dtype=torch.int64, device=self.device),
                         torch.ones(m, device=self.device))
-        self._greedy_uniforms = torch.full((m, self.num_draft_tokens + 1 + self.num_steps), 0.5,
-                                           device=self.device)
+        self._greedy_uniforms = torch.full(
+            (m, max(sh.num_draft_tokens + 1 + sh.num_steps for sh in self.shapes)), 0.5, device=self.device)
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
+        if adaptive:
+            buckets = sorted(cuda_graph_batch_sizes) if graph_mode != "off" \
+                else _default_buckets(max_running_requests)
+            costs = step_costs_s if step_costs_s is not None else self.measure_step_costs(buckets)
+            self.policy = AdaptivePolicy(self.shapes, costs, **(policy_options or {}))
 
     # ---- admission -------------------------------------------------------------------------
 
     def slots_needed(self, prompt_len: int, max_tokens: int) -> int:
         """Slots a request can hold at its peak: prompt + output, plus one iteration's scratch
         (the draft's (num_steps - 1) x topk and the verify tree's num_draft_tokens; 1 without a draft)."""
-        scratch = (max(self.num_steps - 1, 0) * self.topk + self.num_draft_tokens) if self.draft else 1
+        scratch = self._max_scratch if self.draft else 1
         return prompt_len + max_tokens + scratch
 
     @property
     def max_sequence_tokens(self) -> int:
         """The most prompt + max_tokens one request may have: the context minus the positions
         one draft tree looks ahead past the committed tokens."""
-        return self.context_length - self.num_steps - 1
+        return self.context_length - self._max_steps - 1
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The largest max_tokens a request with this prompt can be admitted with (by context
@@ -341,6 +414,8 @@ class Runner:
         del self._receiving[req_id]
         if self.draft is not None:
             self.draft_hidden[seq.row] = md.hidden[seq.row]
+            if self.policy is not None:
+                self._catch_up_count[seq.row] = 0
         if seq.generator is not None and seq.req.temperature > 0:
             # The prefill server drew the first token's uniform from a generator with this seed;
             # drawing it here too keeps a seeded request's stream what one server gives it.
@@ -458,8 +533,9 @@ class Runner:
         if seq.row >= 0:
             row = self.table.req_to_slot[seq.row]
             tokens = seq.req.prompt_ids + seq.tokens
-            # Positions whose key is known (all, once the first token is out); none unless keep.
-            n = min(seq.length, len(tokens) - cache.lookahead) if keep else seq.cached
+            # Positions whose key is known (all, once the first token is out) and whose draft
+            # K/V is written (not the `pending` ones of adaptive plain steps); none unless keep.
+            n = min(seq.length - seq.pending, len(tokens) - cache.lookahead) if keep else seq.cached
             existed = cache.insert(tokens[:n + cache.lookahead], row[:n]) if n > seq.cached else n
             if existed > seq.cached:
                 self.table.free(row[seq.cached:existed].clone())
@@ -489,12 +565,19 @@ class Runner:
             self.target.set_feature(*self._feature)
         decoding = list(self._running.values())
         outputs: dict[str, StepOutput] = {}
+        self.decoded_shape = None
         try:
             if self._pending:
                 for out in self._prefill(self._prefill_batch()):
                     outputs[out.req_id] = out
             if decoding:
-                outs = self._spec_decode(decoding) if self.draft is not None else self._plain_decode(decoding)
+                if self.policy is not None:
+                    outs = self._adaptive_decode(decoding)
+                elif self.draft is not None:
+                    outs = self._spec_decode(decoding, self.spec_shape)
+                else:
+                    outs = self._plain_decode(decoding)
+                self.decoded_shape = self.spec_shape
                 for out in outs:
                     outputs[out.req_id] = out
         except BaseException:
@@ -593,6 +676,8 @@ class Runner:
             hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
             if done:
                 self.draft_hidden[rows[idx]] = hidden[idx]
+                if self.policy is not None:
+                    self._catch_up_count[rows[idx]] = 0
         for seq, take in chosen:
             seq.length += take
         self._commit_step()
@@ -610,20 +695,38 @@ class Runner:
 
     # ---- speculative decoding ------------------------------------------------------------------
 
-    def _spec_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
-        steps, n = self.num_steps, self.num_draft_tokens
+    def _adaptive_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
+        """One decode step in the shape the policy chooses for this batch size; what it took
+        and accepted goes back to the policy."""
+        shape = self.policy.choose(len(seqs))
+        t0 = time.perf_counter()
+        if shape.is_none:
+            self._catch_up([s for s in seqs if s.pending >= self.catch_up_tokens])
+            outs = self._plain_decode(seqs)
+        else:
+            self._catch_up([s for s in seqs if s.pending])
+            outs = self._spec_decode(seqs, shape)
+        self.policy.observe_time(shape, len(seqs), time.perf_counter() - t0)
+        self.policy.observe(shape, [o.num_accepted_drafts for o in outs])
+        self.spec_shape = shape
+        return outs
+
+    def _spec_decode(self, seqs: list[_Seq], shape: SpecShape) -> list[StepOutput]:
+        calls = self._calls[shape]
+        steps, n, topk = shape.num_steps, shape.num_draft_tokens, shape.topk
         b = len(seqs)
         rows, lens, roots = self._seq_tensors(seqs)
         prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
         sampling = any(s.req.temperature > 0 for s in seqs)
         params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
         # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
-        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else self._greedy_uniforms[:b]
-        scratch = self._take_slots(b * (steps - 1) * self.topk).view(b, -1)  # draft K/V, steps 1..S-1
+        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else \
+            self._greedy_uniforms[:b, :n + 1 + steps]
+        scratch = self._take_slots(b * (steps - 1) * topk).view(b, -1)       # draft K/V, steps 1..S-1
         tree_slots = self._take_slots(b * n).view(b, n)                      # target K/V of the tree
-        hidden = self.draft_hidden[rows][:, None].expand(-1, self.topk, -1).reshape(b * self.topk, -1)
+        hidden = self.draft_hidden[rows][:, None].expand(-1, topk, -1).reshape(b * topk, -1)
         num_acc, bonus, path_tokens, path_slots, positions, to_free, draft_hidden = \
-            self.calls.spec_step(roots, lens, prefix, hidden, scratch, tree_slots, *params, uniforms,
+            calls.spec_step(roots, lens, prefix, hidden, scratch, tree_slots, *params, uniforms,
                                  sampling)
         host = torch.cat([num_acc[:, None], bonus[:, None], path_tokens], 1).tolist()  # the one sync
         accepted = [h[0] for h in host]
@@ -643,7 +746,7 @@ class Runner:
         self.num_draft_tokens_proposed += b * steps
         self.num_draft_tokens_accepted += sum(accepted)
         emitted = [h[3:a + 3] + [h[1]] for h, a in zip(host, accepted)]
-        return self._emit(seqs, emitted, accepted)
+        return self._emit(seqs, emitted, accepted, steps)
 
     # ---- plain decoding --------------------------------------------------------------------------
 
@@ -652,13 +755,92 @@ class Runner:
         rows, lens, roots = self._seq_tensors(seqs)
         slots = self._take_slots(b).view(b, 1)
         prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
-        logits = self.calls.target_decode(roots[:, None], lens[:, None], slots, prefix, lens)   # [B, V]
-        tokens = self._sample(seqs, logits)
+        if self.draft is None:
+            logits = self.calls.target_decode(roots[:, None], lens[:, None], slots, prefix, lens)  # [B, V]
+            tokens = self._sample(seqs, logits)
+        else:  # the NONE shape: the draft's entry (next token, feature at the root) waits
+            logits, feature = self._calls[NONE].target_decode_feature(
+                roots[:, None], lens[:, None], slots, prefix, lens)            # [B, V], [B, Hin]
+            tokens = self._sample(seqs, logits)
+            count = self._catch_up_count[rows]
+            self._catch_up_ids[rows, count] = tokens
+            self._catch_up_feature[rows, count] = feature
+            self._catch_up_count[rows] = count + 1
+            for s in seqs:
+                s.pending += 1
         self.table.req_to_slot[rows, lens] = slots[:, 0]
         for s in seqs:
             s.length += 1
         self._commit_step()
         return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)
+
+    def _catch_up(self, seqs: list[_Seq]) -> None:
+        """The draft runs over the entries its requests' plain steps left (one draft extend of
+        catch_up_tokens columns, each row its own count): afterwards its KV and carried hidden
+        state are as if it had run after every token. Changes nothing a retry would not redo."""
+        if not seqs:
+            return
+        dev, d = self.device, self.catch_up_tokens
+        meta = torch.tensor([[s.row for s in seqs], [s.pending for s in seqs],
+                             [s.length - s.pending for s in seqs]], dtype=torch.int64).to(dev)
+        rows, count, start = meta[0], meta[1], meta[2]
+        cols = torch.arange(d, device=dev)
+        valid = cols < count[:, None]                                        # [b, D]
+        at = (start[:, None] + cols).clamp(max=self.table.req_to_slot.shape[1] - 1)
+        out_slots = torch.where(valid, self.table.req_to_slot[rows[:, None], at], PAD_SLOT)
+        positions = torch.where(valid, start[:, None] + cols, 0)
+        prefix = self.table.req_to_slot[rows, :max(s.length - s.pending for s in seqs)]
+        hidden = self._eager_calls.draft_extend(self._catch_up_ids[rows], self._catch_up_feature[rows],
+                                                positions, out_slots, prefix, start, count)
+        self.draft_hidden[rows] = hidden
+        self._catch_up_count[rows] = 0
+        for s in seqs:
+            s.pending = 0
+
+    @torch.inference_mode()
+    def measure_step_costs(self, buckets: list[int], reps: int = 3) -> dict[tuple[SpecShape, int], float]:
+        """Seconds per decode step of every shape at every bucket, timed on padded inputs with
+        empty prefixes (graph replays where captured, eager calls otherwise; the median of
+        `reps` after one warm-up). NONE includes 1 / catch_up_tokens of a catch-up."""
+        dev = self.device
+        costs = {}
+
+        def timed(fn) -> float:
+            fn()
+            times = []
+            for _ in range(reps):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+
+        def zeros(*shape, value=0, dtype=torch.int64):
+            return torch.full(shape, value, dtype=dtype, device=dev)
+
+        hc, hin = self.draft.carried_size, self.target.feature_size
+        act = self.draft_hidden.dtype
+        for b in buckets:
+            lens, prefix = zeros(b), zeros(b, 1, value=PAD_SLOT)
+            greedy = self._greedy_params(b)
+            for sh in self.shapes:
+                if sh.is_none:
+                    d = self.catch_up_tokens
+                    decode = timed(lambda: self._calls[NONE].target_decode_feature(
+                        zeros(b, 1), zeros(b, 1), zeros(b, 1, value=PAD_SLOT), prefix, lens))
+                    catch_up = timed(lambda: self._eager_calls.draft_extend(
+                        zeros(b, d), zeros(b, d, hin, dtype=act), zeros(b, d), zeros(b, d, value=PAD_SLOT),
+                        prefix, lens, zeros(b, value=d)))
+                    costs[(sh, b)] = decode + catch_up / d
+                    continue
+                s, k, n = _fields(sh)
+                costs[(sh, b)] = timed(lambda: self._calls[sh].spec_step(
+                    zeros(b), lens, prefix, zeros(b * k, hc, dtype=act), zeros(b, (s - 1) * k, value=PAD_SLOT),
+                    zeros(b, n, value=PAD_SLOT), *greedy, self._greedy_uniforms[:b, :n + 1 + s], False))
+        return costs
 
     # ---- sampling and bookkeeping ---------------------------------------------------------------
 
@@ -698,7 +880,8 @@ class Runner:
         probs = warp_probs(logits, *self._sampling_params(seqs))
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0])
 
-    def _emit(self, seqs, emitted: list[list[int]], accepted: list[int]) -> list[StepOutput]:
+    def _emit(self, seqs, emitted: list[list[int]], accepted: list[int],
+              num_draft_tokens: int = 0) -> list[StepOutput]:
         outputs = []
         for s, tokens, acc in zip(seqs, emitted, accepted):
             s.tokens += tokens  # all committed (+ the root), for the prefix cache's keys
@@ -715,8 +898,21 @@ class Runner:
             s.root = kept[-1]
             if reason:
                 self._release(s, hold=self.role == "prefill")
-            outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason))
+            outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason, num_draft_tokens))
         return outputs
+
+
+def _fields(shape: SpecShape) -> tuple[int, int, int]:
+    return shape.num_steps, shape.topk, shape.num_draft_tokens
+
+
+def _default_buckets(max_bs: int) -> list[int]:
+    """Batch sizes to measure step costs at when nothing is captured: powers of two and max_bs."""
+    sizes, b = [], 1
+    while b < max_bs:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_bs]
 
 
 def _check_buffers_against_plan(allocated: dict, planned) -> None:

@@ -48,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--num-steps", type=int, help=f"draft depth per iteration (default: {DEFAULT_NUM_STEPS})")
     p.add_argument("--topk", type=int, help="branches per draft step (default: 1)")
     p.add_argument("--num-draft-tokens", type=int, help="tokens verified per request per iteration (default: num_steps + 1)")
+    p.add_argument("--adaptive-speculation", action="store_true",
+                   help="choose the speculative shape each step (NONE, chains up to --num-steps, the configured "
+                        "shape) from the batch size, the measured acceptance and step costs measured at start-up")
     p.add_argument("--plan", help="plan.json from the operator; without it the plan is computed here")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, help=f"default: {DEFAULT_MAX_RUNNING_REQUESTS}")
@@ -97,6 +100,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft is required for --algorithm {args.algorithm}")
     if args.algorithm == "NONE" and args.draft:
         raise ValueError("--draft given with --algorithm NONE; pick EAGLE, EAGLE3 or MTP")
+    # Without --algorithm the plan names it (checked once loaded), else it is NONE.
+    if args.adaptive_speculation and (args.algorithm == "NONE" or (args.algorithm is None and not args.plan)):
+        raise ValueError("--adaptive-speculation needs a draft (--algorithm EAGLE, EAGLE3 or MTP)")
     if args.draft and args.algorithm is None and not args.plan:
         raise ValueError("--draft needs --algorithm (EAGLE, EAGLE3 or MTP) or a --plan that names it")
 
@@ -301,8 +307,17 @@ def load_engine(args: argparse.Namespace, metrics):
                  " ".join(map(str, plan.cuda_graph_batch_sizes)))
     # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
     # buffers against it); only the slot count may be smaller than planned (see above).
+    adaptive = bool(args.adaptive_speculation)
+    if adaptive and draft is None:
+        raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
     runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
-                    device=device, seed=args.seed)
+                    device=device, seed=args.seed, adaptive=adaptive)
+    if adaptive:
+        costs = runner.policy.base_costs_s
+        log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
+                 " ".join(s.label for s in runner.shapes),
+                 "; ".join(f"{s.label}: " + " ".join(f"{b}={1e3 * costs[(s, b)]:.2f}" for b in runner.policy.buckets)
+                           for s in runner.shapes))
     kv_bytes = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
     log.info("KV pools allocated: %d token slots, %s (target + draft)", max_total_tokens, human_bytes(kv_bytes))
     if device == "cuda":

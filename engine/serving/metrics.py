@@ -3,6 +3,13 @@ one process, e.g. in tests, without colliding in the global registry).
 
 Speculative-decoding counters use the `spec_decode_` names that vLLM and SGLang dashboards know:
 mean acceptance length = 1 + accepted / (draft-verify steps), acceptance rate = accepted / proposed.
+
+With adaptive speculation the engine also shows what it chose and why: the shape of the last
+decode step (`spec_decode_shape_num_steps` / `_topk` / `_num_draft_tokens`, all 0 for NONE, and
+`spec_decode_shape{shape="S,K,N"|"none"}` 1 for the current one), decode steps per shape, the
+measured per-depth acceptance rate P(accepted >= d | accepted >= d - 1) of chain drafts, the
+expected tokens per request-step of every shape, and the smallest batch size at which the policy
+would stop speculating (0: at none of its batch sizes).
 """
 
 from __future__ import annotations
@@ -58,12 +65,53 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued for admission.")
         self.num_requests_running = gauge("num_requests_running", "Requests admitted into the running batch.")
         self.kv_slot_usage = gauge("kv_slot_usage_ratio", "Fraction of KV cache token slots in use (0..1).")
+        self.spec_decode_adaptive = gauge("spec_decode_adaptive", "1 when the speculative shape is chosen per step.")
+        self.shape_num_steps = gauge("spec_decode_shape_num_steps", "Draft steps of the last decode step's shape (0: NONE).")
+        self.shape_topk = gauge("spec_decode_shape_topk", "Branches per draft step of the last decode step's shape (0: NONE).")
+        self.shape_num_draft_tokens = gauge("spec_decode_shape_num_draft_tokens",
+                                            "Tokens verified per request by the last decode step's shape (0: NONE).")
+        self.crossover_batch_size = gauge("spec_decode_crossover_batch_size",
+                                          "Smallest batch size at which speculation is predicted to lose (0: none).")
+        self._shape = Gauge(f"{_PREFIX}_spec_decode_shape", "1 for the shape of the last decode step.",
+                            ["model_name", "shape"], registry=r)
+        self._shape_steps = counter("spec_decode_shape_steps", "Decode steps run in each shape.", ("shape",))
+        self._acceptance_rate = Gauge(f"{_PREFIX}_spec_decode_acceptance_rate",
+                                      "Measured P(accepted >= depth | accepted >= depth - 1), chain drafts.",
+                                      ["model_name", "depth"], registry=r)
+        self._expected_tokens = Gauge(f"{_PREFIX}_spec_decode_expected_tokens_per_step",
+                                      "Predicted tokens per request per decode step of each shape.",
+                                      ["model_name", "shape"], registry=r)
+        self._last_shape: str | None = None
 
     def request_finished(self, endpoint: str, finish_reason: str) -> None:
         self._requests.labels(endpoint=endpoint, finish_reason=finish_reason, **self._labels).inc()
 
     def request_rejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason, **self._labels).inc()
+
+    def decode_shape(self, shape) -> None:
+        """After a decode step of `shape` (a SpecShape)."""
+        label = shape.label
+        self._shape_steps.labels(shape=label, **self._labels).inc()
+        if label == self._last_shape:
+            return
+        if self._last_shape is not None:
+            self._shape.labels(shape=self._last_shape, **self._labels).set(0)
+        self._shape.labels(shape=label, **self._labels).set(1)
+        self._last_shape = label
+        none = shape.is_none
+        self.shape_num_steps.set(shape.num_steps)
+        self.shape_topk.set(0 if none else shape.topk)
+        self.shape_num_draft_tokens.set(0 if none else shape.num_draft_tokens)
+
+    def adaptive_estimates(self, snapshot: dict) -> None:
+        """The policy's estimates (AdaptivePolicy.snapshot())."""
+        self.spec_decode_adaptive.set(1)
+        for depth, rate in enumerate(snapshot["acceptance_rates"].get("chain", []), 1):
+            self._acceptance_rate.labels(depth=str(depth), **self._labels).set(rate)
+        for label, tokens in snapshot["expected_tokens"].items():
+            self._expected_tokens.labels(shape=label, **self._labels).set(tokens)
+        self.crossover_batch_size.set(snapshot["crossover_batch"] or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

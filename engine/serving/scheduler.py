@@ -27,6 +27,9 @@ from specdeploy.engine.serving.tokenizer import IncrementalDetokenizer, Tokenize
 
 log = logging.getLogger("specdeploy.scheduler")
 
+# Decode steps between publications of the adaptive policy's estimates in /metrics.
+_ADAPTIVE_PUBLISH_STEPS = 8
+
 
 class SchedulerError(Exception):
     """A request refused before admission; `status_code` is what HTTP should answer."""
@@ -148,6 +151,7 @@ class Scheduler:
         self._log_tokens = 0
         self._log_steps = 0
         self._log_accepted = 0
+        self._adaptive_steps = 0
 
     # ---- event-loop side -------------------------------------------------------------------
 
@@ -309,6 +313,12 @@ class Scheduler:
 
     def _process(self, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
+        if self.runner.policy is not None and self.runner.decoded_shape is not None:
+            self.metrics.decode_shape(self.runner.decoded_shape)
+            # The estimates every few decode steps (a snapshot walks every shape and bucket).
+            if self._adaptive_steps % _ADAPTIVE_PUBLISH_STEPS == 0:
+                self.metrics.adaptive_estimates(self.runner.policy.snapshot())
+            self._adaptive_steps += 1
         proposed, accepted = self.runner.num_draft_tokens_proposed, self.runner.num_draft_tokens_accepted
         self.metrics.spec_decode_num_draft_tokens.inc(proposed - self._draft_counts[0])
         self.metrics.spec_decode_num_accepted_tokens.inc(accepted - self._draft_counts[1])
@@ -318,9 +328,9 @@ class Scheduler:
             if state is None or state.finished:
                 continue
             state.num_runner_outputs += 1
-            if state.num_runner_outputs > 1 and self.runner.draft is not None:
-                # The first output of a request comes from its prefill; later ones are decode
-                # steps, where accepted drafts + 1 tokens were committed.
+            if out.num_draft_tokens:
+                # A speculative decode step (not a prefill, not a plain step), where accepted
+                # drafts + 1 tokens were committed.
                 self._log_steps += 1
                 self._log_accepted += out.num_accepted_drafts
                 self.metrics.spec_decode_num_steps.inc()
@@ -429,11 +439,16 @@ class Scheduler:
             tok_per_s = self._log_tokens / elapsed_s
             kv_usage = 1.0 - self.runner.num_free_slots / self.capacity_slots if self.capacity_slots else 0.0
             self.metrics.generation_throughput.set(tok_per_s)
+            adaptive = ""
+            if self.runner.policy is not None:
+                snap = self.runner.policy.snapshot()
+                rates = ",".join(f"{r:.2f}" for r in snap["acceptance_rates"].get("chain", []))
+                adaptive = f" shape={snap['shape']} chain_accept=[{rates}]"
             # Without a draft every step commits one token: no acceptance length to report.
             accept = (f" accept_len={1.0 + self._log_accepted / self._log_steps:.2f}"
                       if self.runner.draft is not None and self._log_steps else "")
-            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s kv_usage=%.1f%%",
-                     len(self._running), len(self._waiting), tok_per_s, accept, 100 * kv_usage)
+            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s%s kv_usage=%.1f%%",
+                     len(self._running), len(self._waiting), tok_per_s, accept, adaptive, 100 * kv_usage)
         else:
             self.metrics.generation_throughput.set(0.0)
         self._log_last_s, self._log_tokens, self._log_steps, self._log_accepted = now, 0, 0, 0

@@ -320,6 +320,37 @@ def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, b
     assert 0.1 < rate < 0.95, rate  # both accepted and rejected drafts were exercised
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", CASES)
+def test_adaptive_shapes_under_graphs_are_lossless(algorithm, hc_mult, topk, n, fused):
+    """Every shape's graphs captured into one pool (NONE's decode-with-feature graph too), the
+    shape switched every step in a fixed random order, then the real policy with costs measured
+    from the graphs: both equal target-only output."""
+    import random
+
+    from specdeploy.engine.speculative.adaptive import NONE
+
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
+    draft = copy_draft(algorithm, target, perm)
+    reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
+    plain = run_to_completion(Runner(target, max_total_tokens=4000, max_running_requests=8,
+                                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS), reqs())
+    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=4000,
+                    max_running_requests=8, context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
+                    fused_spec_step=fused, adaptive=True, catch_up_tokens=3)
+    assert set(runner.policy.base_costs_s) == {(s, b) for s in runner.shapes for b in BUCKETS}
+    rng = random.Random(0)
+    chosen = []
+    real_choose = runner.policy.choose
+    runner.policy.choose = lambda b: chosen.append(rng.choice(runner.shapes)) or chosen[-1]
+    free = runner.num_free_slots
+    assert run_to_completion(runner, reqs()) == plain
+    assert NONE in chosen and len(set(chosen)) == len(runner.shapes)
+    runner.policy.choose = real_choose
+    assert run_to_completion(runner, reqs()) == plain
+    assert runner.num_free_slots == free
+
+
 @pytest.mark.parametrize("shape", [(1, 128256), (4, 128256), (64, 8, 128256), (3, 64), (2, 32000)])
 def test_argmax_kernel_matches_torch(shape):
     from specdeploy.engine.kernels import elementwise as elementwise_triton
