@@ -15,7 +15,9 @@ import os
 import threading
 from typing import Any
 
-from specdeploy.operator.cluster import config_source
+# The parser is built by `specdeploy` for every subcommand: only the standard library and the
+# planner (also stdlib-only) at the top; kopf, httpx and kubernetes inside run().
+from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/specdeploy/engine:latest"
 DEFAULT_LIVENESS_PORT = 8080
@@ -42,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hub-endpoint",
-        default=os.environ.get("SPECDEPLOY_HUB_ENDPOINT", config_source.DEFAULT_HUB_ENDPOINT),
+        default=os.environ.get("SPECDEPLOY_HUB_ENDPOINT", DEFAULT_HUB_ENDPOINT),
         help="Hugging Face-compatible hub for resources that name none (env SPECDEPLOY_HUB_ENDPOINT; default %(default)s)",
     )
     parser.add_argument(
@@ -57,7 +59,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(
     *,
     engine_image: str = DEFAULT_ENGINE_IMAGE,
-    hub_endpoint: str = config_source.DEFAULT_HUB_ENDPOINT,
+    hub_endpoint: str = DEFAULT_HUB_ENDPOINT,
     namespaces: list[str] | None = None,
     liveness_port: int = 0,
     stop_flag: threading.Event | None = None,

@@ -25,6 +25,7 @@ from typing import Any
 import kopf
 from specdeploy.operator import api
 from specdeploy.operator.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
 from specdeploy.operator.cluster import config_source, serving_metrics
 from specdeploy.operator.cluster.kube import (
     ChildConflict,
@@ -63,7 +64,7 @@ METRICS_INTERVAL_S = 30
 @dataclass(frozen=True)
 class OperatorOptions:
     engine_image: str = "ghcr.io/specdeploy/engine:latest"
-    hub_endpoint: str = config_source.DEFAULT_HUB_ENDPOINT
+    hub_endpoint: str = DEFAULT_HUB_ENDPOINT
     transient_retry_delay_s: float = TRANSIENT_RETRY_DELAY_S
     metrics_interval_s: float = METRICS_INTERVAL_S  # 0: off
     namespaces: list[str] | None = None  # None: all

@@ -1,35 +1,82 @@
 """The `specdeploy` command line: one entry point, one subcommand per job.
 
-Subcommands register themselves lazily so that `specdeploy plan` never imports torch or kopf.
+`pip install specdeploy` alone (no extras) must give a working `specdeploy plan`, so building the
+parser imports only the standard library: each subcommand's `add_parser` lives in a module whose
+top level imports argparse and stdlib modules only (tests/specdeploy/test_cli.py holds every one
+of them to that), and the heavy imports (torch, kopf, httpx, ...) happen inside the function that runs it.
+
+A subcommand whose extra is not installed stops before that function runs: exit code 2 and one
+line naming the extra. The extra's packages are read from this distribution's own metadata (the
+optional-dependencies of pyproject.toml), so the list has one home.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
+import re
 import sys
+
+DISTRIBUTION = "specdeploy"
+# (module holding add_parser, the extra its run needs; None: the standard library is enough)
+SUBCOMMANDS: tuple[tuple[str, str | None], ...] = (
+    ("specdeploy.engine.planner.cli", None),
+    ("specdeploy.engine.serving.cli", "engine"),
+    ("specdeploy.engine.demo.cli", "engine"),
+    ("specdeploy.operator.cli", "operator"),
+)
+_REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+_EXTRA_MARKER = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdeploy", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    from specdeploy.engine.planner import cli as plan_cli
-
-    plan_cli.add_parser(sub)
-    from specdeploy.engine.serving import cli as serve_cli
-
-    serve_cli.add_parser(sub)
-    from specdeploy.engine.demo import cli as demo
-
-    demo.add_parser(sub)
-    from specdeploy.operator import cli as operator_cli
-
-    operator_cli.add_parser(sub)
+    for module, extra in SUBCOMMANDS:
+        importlib.import_module(module).add_parser(sub).set_defaults(_extra=extra)
     return parser
+
+
+def extra_requirements(extra: str) -> list[str] | None:
+    """Distribution names the extra `extra` requires, from the installed metadata; None when
+    this package is not installed (run from a source tree), so nothing can be checked."""
+    try:
+        requires = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    names = []
+    for req in requires:
+        spec, _, marker = req.partition(";")
+        if extra not in _EXTRA_MARKER.findall(marker):
+            continue
+        name = _REQUIREMENT_NAME.match(spec)
+        if name and name.group(1).lower() != DISTRIBUTION:
+            names.append(name.group(1))
+    return names
+
+
+def missing_requirements(extra: str) -> list[str]:
+    missing = []
+    for name in extra_requirements(extra) or ():
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+    return missing
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    extra = getattr(args, "_extra", None)
+    if extra is not None:
+        missing = missing_requirements(extra)
+        if missing:
+            command = " ".join(filter(None, (args.command, getattr(args, "engine_command", None))))
+            print(f"specdeploy {command}: needs the {extra} extra ({', '.join(missing)} not installed): "
+                  f"pip install '{DISTRIBUTION}[{extra}]'", file=sys.stderr)
+            return 2
     return int(args.func(args) or 0)
 
 

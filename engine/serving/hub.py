@@ -19,9 +19,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
+
 log = logging.getLogger("specdeploy.hub")
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
 WANTED_FILES = ("*.json", "tokenizer.model", "*.jinja", "*.txt")
 SAFETENSORS_FILES = "*.safetensors"
 # training_args.bin, optimizer.bin and the like are no weights: only these names are.
@@ -73,7 +74,7 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
     """Download what the engine needs of `repo_id` at `revision`; -> the snapshot directory."""
     import httpx
 
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT).rstrip("/")
     token = token or os.environ.get("HF_TOKEN")
     cache = cache or hub_cache_dir()
     headers = {"Authorization": f"Bearer {token}"} if token else {}

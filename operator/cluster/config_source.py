@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import httpx
 from specdeploy.operator import api
 
-DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
 DEFAULT_CONFIG_KEY = "config.json"
 DEFAULT_TOKEN_KEY = "token"
