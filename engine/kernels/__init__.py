@@ -9,6 +9,8 @@ torch code quietly.
 - `elementwise`: fused RMSNorm (+residual add), SiLU-and-mul, rope on q/k, two-stage argmax.
 - `attention`: paged decode/verify/extend attention over the KV slot pool.
 - `hc`: the hyper-connection residual (mHC pre-mix with Sinkhorn, post expand).
+- `fp8`: linears over FP8 e4m3 weights with block / per-channel / per-tensor scales (weight-only
+  for decode, per-token-group activation quantization and an FP8 GEMM for prefill).
 """
 
 from __future__ import annotations
@@ -48,3 +50,12 @@ def hc_ops() -> ModuleType | None:
     from specdeploy.engine.kernels import hc
 
     return hc
+
+
+@functools.cache
+def fp8_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import fp8
+
+    return fp8

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specdeploy.engine.models.attention import AttnBatch, attend
+from specdeploy.engine.models.fp8 import convert_fp8_linears, fp8_format, ignored_tensor
 from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.models.hc import (HCConfig, HyperHead, PlainResidual, canonical_hc_key,
                                   expand_embeddings, flatten_streams, make_residual,
@@ -366,8 +367,16 @@ def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device: torch.de
     cfg = ModelConfig.from_hf(raw)
     check_against_shapes(cfg, raw)
     model = build_target(cfg, dtype, device, feature_kind, aux_layers, tp_rank, tp_size)
+    checkpoint = Checkpoint(path)
+    fmt = fp8_format(raw)
+    if fmt is not None:
+        # The linears the checkpoint stores in FP8 become e4m3 codes + scales (engine/models/fp8.py);
+        # embeddings, norms and lm_head keep `dtype` unless the checkpoint quantized them too.
+        names = {canonical_hc_key(n.removeprefix("model.")) for n in checkpoint.names() if not _is_mtp(n)}
+        converted = convert_fp8_linears(model, fmt, names)
+        log.info("fp8: %d linears from %s %s checkpoint weights", len(converted), fmt.scheme, fmt.scale_name)
     # The MTP layer some targets ship (mtp.*) is the draft's: not read here.
     tensors = ((canonical_hc_key(name.removeprefix("model.")), t)
-               for name, t in Checkpoint(path).tensors(skip=_is_mtp))
-    load_state(model, tensors, ignore=("rotary_emb.inv_freq",))
+               for name, t in checkpoint.tensors(skip=_is_mtp))
+    load_state(model, tensors, ignore=("rotary_emb.inv_freq", *ignored_tensor(fmt)))
     return model

@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 
 from specdeploy.engine.kernels import attention as attention_triton  # noqa: E402
 from specdeploy.engine.kernels import elementwise as elementwise_triton  # noqa: E402
+from specdeploy.engine.kernels import fp8 as fp8_triton  # noqa: E402
 from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
 
 INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}
@@ -102,3 +103,28 @@ def test_hyper_connection_compiles(act, head):
                   {"HEAD": head, "HC_P": 4, "BLOCK": hc_triton.PRE_BLOCK})
     lower_to_ttir(hc_triton._hc_expand_kernel, {"*": act, "post_ptr": "*fp32", "comb_ptr": "*fp32"},
                   {"HC_P": 4, "BLOCK": hc_triton.EXPAND_BLOCK})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_act_quant_compiles(act, round_scale):
+    lower_to_ttir(fp8_triton._act_quant_kernel, {"*": act, "y_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                  {"GROUP": fp8_triton.GROUP_K, "GROUPS": 4, "ROUND_SCALE": round_scale})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("scale_n", [128, 1])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_fp8_weight_only_linear_compiles(act, scale_n, block_m):
+    lower_to_ttir(fp8_triton._w8a16_kernel, {"*": act, "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"},
+                  {"SCALE_N": scale_n, "HAS_BIAS": True, "PRECISION": "ieee" if act == "*fp32" else "tf32",
+                   "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": fp8_triton.GROUP_K})
+
+
+@pytest.mark.parametrize("out", ACTIVATIONS)
+@pytest.mark.parametrize("scale_n", [128, 1])
+def test_fp8_w8a8_linear_compiles(out, scale_n):
+    lower_to_ttir(fp8_triton._w8a8_kernel, {"*": out, "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "as_ptr": "*fp32",
+                                            "ws_ptr": "*fp32"},
+                  {"SCALE_N": scale_n, "HAS_BIAS": False, "BLOCK_M": 128, "BLOCK_N": 128,
+                   "BLOCK_K": fp8_triton.GROUP_K, "GROUP_M": 8})

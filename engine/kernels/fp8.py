@@ -1,0 +1,192 @@
+"""Triton kernels for linear layers whose weights are FP8 e4m3 with scales (CUDA only; the layer
+in engine/models/fp8.py dequantizes and runs F.linear elsewhere).
+
+A weight W [N, K] is stored as e4m3 codes Wq and float32 scales S with W = Wq * S, one scale per
+(SCALE_N x 128) tile: SCALE_N = 128 for DeepSeek-style block checkpoints (`weight_scale_inv`
+[ceil(N/128), ceil(K/128)]), 1 for per-output-channel scales or for block scales that fused
+parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. Two paths:
+
+- decode (M <= DECODE_MAX_M rows): weight-only, `_w8a16_kernel`. Each program streams a
+  [BLOCK_N, K] slab of codes once, widens them to the activation dtype in registers (e4m3 is
+  exactly representable in bf16), multiplies on the tensor cores in float32 and applies the
+  scale per 128-wide k block. At batch 1 the layer reads N*K bytes instead of 2*N*K: the whole
+  point of FP8 decode. Activations stay unquantized, so it is also the more accurate path.
+- prefill (more rows): W8A8 as DeepSeek-V3 defines it. `act_quant` quantizes activations
+  dynamically per token and per 128-wide group (s = max(|x|, 1e-4) / 448, optionally rounded up
+  to a power of two for ue8m0 checkpoints; x / s to e4m3), then `_w8a8_kernel` multiplies e4m3
+  by e4m3 on the tensor cores, a float32 accumulator per 128-wide k block scaled by the
+  activation group's scale times the weight tile's.
+
+Both take a bias and write the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+AMAX_FLOOR = 1e-4  # DeepSeek's act_quant: an all-zero group gets this scale, never zero
+GROUP_K = 128  # activation group width and weight scale tile width along K
+DECODE_MAX_M = 64
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s,
+                      GROUP: tl.constexpr, GROUPS: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    """One row, GROUPS groups of GROUP columns: y = e4m3(x / s), s = max|x| / 448 per group."""
+    row = tl.program_id(0)
+    first = tl.program_id(1) * GROUPS
+    groups = first + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]            # [GROUPS, GROUP]
+    valid = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                        # [GROUPS]
+    s = amax / 448.0
+    if ROUND_SCALE:
+        s = tl.exp2(tl.ceil(tl.log2(s)))
+    y = x / s[:, None]
+    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
+    tl.store(s_ptr + row * stride_s + groups, s, mask=groups * GROUP < n_cols)
+
+
+def act_quant(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)]), x ~ y * s per group."""
+    m, k = x.shape
+    groups = triton.cdiv(k, GROUP_K)
+    y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    per_program = 4
+    if m:
+        _act_quant_kernel[(m, triton.cdiv(groups, per_program))](
+            x, y, s, m, k, x.stride(0), s.stride(0),
+            GROUP=GROUP_K, GROUPS=per_program, ROUND_SCALE=round_scale)
+    return y, s
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+                  stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
+                  SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]             # [BLOCK_K, BLOCK_N]
+    s_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        s = tl.load(s_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+                 stride_am, stride_asm, stride_wn, stride_om, stride_sn, stride_sk,
+                 SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    # Programs walk the output in groups of GROUP_M row tiles so neighbours share weight tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]             # [BLOCK_K, BLOCK_N]
+    as_ptrs = as_ptr + offs_m * stride_asm
+    ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        w_s = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _scale_strides(scale: torch.Tensor, scale_n: int) -> tuple[int, int]:
+    """(stride along N tiles, stride along K tiles) of a scale grid; a scalar scale has none."""
+    if scale.dim() == 0 or scale.numel() == 1:
+        return 0, 0
+    if scale.dim() == 1 or scale.shape[1] == 1:  # one scale per output row, all of K
+        return scale.stride(0), 0
+    return scale.stride(0), scale.stride(1)
+
+
+def _decode_tiles(m: int, n: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for the weight-only kernel: the fewest rows tl.dot allows (16) up to
+    M, and narrow column slabs so a 4096-wide layer still spreads over every SM at batch 1."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 32 if n <= 8192 else 64
+    return block_m, block_n
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int,
+               bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
+    """x [..., K] @ (weight * scale)^T + bias -> [..., N] in x's dtype.
+
+    weight: e4m3 [N, K] (row-major); scale: float32 grid [ceil(N / scale_n), ceil(K / 128)],
+    or [N] / [N, 1] per row (scale_n 1), or a single value. round_scale: activation scales
+    rounded up to powers of two (checkpoints with scale_fmt ue8m0), prefill only.
+    """
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    stride_sn, stride_sk = _scale_strides(scale, scale_n)
+    has_bias = bias is not None
+    if m <= DECODE_MAX_M:
+        block_m, block_n = _decode_tiles(m, n)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        _w8a16_kernel[grid](
+            rows, weight, scale, bias if has_bias else out, out, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
+            SCALE_N=scale_n, HAS_BIAS=has_bias,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, num_warps=4, num_stages=4)
+    else:
+        a, a_s = act_quant(rows, round_scale)
+        block_m, block_n = 128, 128
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        _w8a8_kernel[grid](
+            a, a_s, weight, scale, bias if has_bias else out, out, m, n, k,
+            a.stride(0), a_s.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
+            SCALE_N=scale_n, HAS_BIAS=has_bias,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, GROUP_M=8, num_warps=8, num_stages=3)
+    return out.view(*x.shape[:-1], n)

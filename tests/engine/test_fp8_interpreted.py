@@ -1,0 +1,90 @@
+"""The FP8 Triton kernels (engine/kernels/fp8.py, used on CUDA only) on CPU through Triton's
+interpreter (tests/engine/conftest.py): activation quantization code for code against
+DeepSeek's definition in torch, and both linear paths (weight-only decode, W8A8 prefill) against
+float32 matmuls over the dequantized weights, for every scale layout the engine uses."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+from triton.runtime import interpreter
+
+# The interpreter truncates float32 -> e4m3; the GPU (cvt.rn.satfinite) rounds to nearest even,
+# as torch does. Patched like the bf16 cast in conftest.py.
+_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+def _create_fp_to_fp(self, src, dst_type, rounding_mode):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+        f32 = np.ascontiguousarray(src.data, dtype=np.float32)
+        codes = torch.from_numpy(f32.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(codes.reshape(np.shape(src.data)), tl.float8e4nv)
+    return _fp_to_fp(self, src, dst_type, rounding_mode)
+interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+
+from specdeploy.engine.kernels import fp8 as kernels
+from specdeploy.engine.models import fp8
+
+torch.manual_seed(0)
+
+# activation quantization: the same codes and scales as the torch definition
+for m, k, round_scale in [(3, 300, False), (2, 4096, True), (1, 128, False), (0, 256, False)]:
+    x = torch.randn(m, k) * 3
+    if m > 1:
+        x[1, :128] = 0.0
+    y, s = kernels.act_quant(x, round_scale)
+    want_y, want_s = fp8.act_quant_reference(x, 128, round_scale)
+    assert torch.equal(s, want_s), (m, k, (s - want_s).abs().max())
+    assert torch.equal(y.view(torch.uint8), want_y.view(torch.uint8)), (m, k)
+
+def layouts(n, k):
+    w = torch.randn(n, k) * 0.05
+    codes, grid = fp8.quantize_fp8_block(w, (128, 128))
+    yield "block", w, codes, grid, 128
+    # fused parts whose blocks cut across rows: one scale row per output row
+    yield "rows", w, codes, grid.repeat_interleave(128, 0)[:n].contiguous(), 1
+    codes, per_row = fp8.quantize_fp8_channel(w)
+    yield "channel", w, codes, per_row.reshape(-1).contiguous(), 1
+    single = (w.abs().max() / 448).reshape(1)
+    yield "tensor", w, (w / single).to(torch.float8_e4m3fn), single, 1
+
+def dequantized(codes, scale, scale_n):
+    return codes.float() * fp8.expand_scale(scale, tuple(codes.shape), scale_n, 128)
+
+# N and K not multiples of 128 (partial tiles and scale blocks), every layout; then whole blocks,
+# a second M tile of the prefill kernel.
+cases = [(200, 300, kind, m) for kind in ("block", "rows", "channel", "tensor") for m in (1, 40, 70)]
+cases += [(64, 256, "block", m) for m in (17, 130)]
+for n, k, want_kind, m in cases:
+    kind, w, codes, scale, scale_n = next(c for c in layouts(n, k) if c[0] == want_kind)
+    bias = torch.randn(n)
+    wd = dequantized(codes, scale, scale_n)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, k).to(dtype)
+        got = kernels.fp8_linear(x, codes, scale, scale_n, bias if m % 2 else None)
+        assert got.dtype == dtype and got.shape == (m, n)
+        b = bias if m % 2 else torch.zeros(n)
+        if m <= kernels.DECODE_MAX_M:
+            # weight-only: exact products, float32 sums, one rounding to the output dtype
+            want = F.linear(x.float(), wd, b)
+        else:
+            # W8A8: the activations quantized as DeepSeek does, then exact products
+            xq, xs = fp8.act_quant_reference(x.float())
+            want = F.linear(xq.float() * xs.repeat_interleave(128, 1)[:, :k], wd, b)
+            # and within the quantization error of the unquantized product
+            exact = F.linear(x.float(), wd, b)
+            rel = (got.float() - exact).norm() / exact.norm()
+            assert rel < 0.05, (kind, m, rel)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        err = (got.float() - want).abs()
+        assert (err <= tol * want.abs() + tol * want.abs().max() * 0.05 + 1e-5).all(), (
+            kind, n, k, m, dtype, err.max())
+print("ok")
+"""
+
+
+def test_fp8_kernels_match_torch_interpreted(run_interpreted):
+    run_interpreted(SCRIPT)
