@@ -30,7 +30,7 @@ TENSOR = fp8.FP8Format("tensor", "weight_scale", ignored_suffixes=(".input_scale
 
 
 def test_formats_from_quantization_config():
-    v4 = json.loads((Path(__file__).parents[2] / "unit/configs/deepseek-v4-flash.json").read_text())
+    v4 = json.loads((Path(__file__).resolve().parents[2] / "configs/deepseek-v4-flash.json").read_text())
     assert fp8.fp8_format(v4) == fp8.FP8Format("block", "weight_scale_inv", (128, 128), round_scale=True)
     for fmt in (BLOCK, SMALL_BLOCK, CHANNEL, TENSOR):
         assert fp8.fp8_format({"quantization_config": fp8.quantization_config(fmt)}) == fmt
@@ -171,7 +171,10 @@ def test_a_partly_quantized_fused_layer_is_refused(tmp_path):
 def test_speculative_on_an_fp8_target_is_lossless(tmp_path, algorithm, topk, n):
     q_dir, _, perm = write_checkpoints(tmp_path, BLOCK, tiny_config())
     target = load_target(str(q_dir), dtype=torch.float32, feature_kind=algorithm.lower())
-    reqs = lambda: random_requests((5, 12, 1, 9), 20, 64)
+
+    def reqs():
+        return random_requests((5, 12, 1, 9), 20, 64)
+
     plain = run_to_completion(Runner(target, max_total_tokens=400, max_running_requests=4), reqs())
     draft = copy_draft(algorithm, target, perm)
     runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=400, max_running_requests=4)
