@@ -898,7 +898,8 @@ class Runner:
             s.root = kept[-1]
             if reason:
                 self._release(s, hold=self.role == "prefill")
-            outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason, num_draft_tokens))
+            outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason,
+                                      num_draft_tokens=num_draft_tokens))
         return outputs
 
 

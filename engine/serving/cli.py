@@ -64,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--log-interval-s", type=float, default=5.0, help="seconds between throughput log lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (system prompts, chat history) held in "
+                        "the KV pool's unused slots (default: on)")
     p.set_defaults(func=run)
     return p
 
@@ -311,7 +314,8 @@ def load_engine(args: argparse.Namespace, metrics):
     if adaptive and draft is None:
         raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
     runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
-                    device=device, seed=args.seed, adaptive=adaptive)
+                    device=device, seed=args.seed, adaptive=adaptive,
+                    prefix_cache=args.prefix_cache)
     if adaptive:
         costs = runner.policy.base_costs_s
         log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
@@ -344,8 +348,9 @@ def load_engine(args: argparse.Namespace, metrics):
     queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
     scheduler = Scheduler(runner, tokenizer, metrics, max_queued_requests=queued,
                           log_interval_s=args.log_interval_s)
-    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots",
-             plan.max_running_requests, queued, plan.context_length, max_total_tokens)
+    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s",
+             plan.max_running_requests, queued, plan.context_length, max_total_tokens,
+             "on" if args.prefix_cache else "off")
     return scheduler, tokenizer
 
 

@@ -82,6 +82,16 @@ class EngineMetrics:
                                       "Predicted tokens per request per decode step of each shape.",
                                       ["model_name", "shape"], registry=r)
         self._last_shape: str | None = None
+        # Prefix cache (vLLM's names): hit rate = hits / queries, in prompt tokens.
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens of requests looked up in the prefix cache.").labels(**labels)
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled again).").labels(**labels)
+        self.prefix_cache_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache per prompt token looked up, "
+            "over the last log interval (0..1).")
+        self.prefix_cache_slots = gauge(
+            "prefix_cache_slots", "KV token slots held by the prefix cache (unused ones are evicted when needed).")
 
     def request_finished(self, endpoint: str, finish_reason: str) -> None:
         self._requests.labels(endpoint=endpoint, finish_reason=finish_reason, **self._labels).inc()

@@ -70,6 +70,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache
     error: str | None = None
 
 
@@ -87,6 +88,7 @@ class _RequestState:
     first_token_s: float | None = None
     num_output_tokens: int = 0
     num_runner_outputs: int = 0
+    num_cached_tokens: int = 0
     text: str = ""
     emitted_chars: int = 0
     finished: bool = False
@@ -152,6 +154,8 @@ class Scheduler:
         self._log_steps = 0
         self._log_accepted = 0
         self._adaptive_steps = 0
+        self._log_prompt_tokens = 0
+        self._log_cached_tokens = 0
 
     # ---- event-loop side -------------------------------------------------------------------
 
@@ -328,6 +332,8 @@ class Scheduler:
             if state is None or state.finished:
                 continue
             state.num_runner_outputs += 1
+            if state.num_runner_outputs == 1:
+                self._count_cached(state, out.num_cached_tokens)
             if out.num_draft_tokens:
                 # A speculative decode step (not a prefill, not a plain step), where accepted
                 # drafts + 1 tokens were committed.
@@ -339,6 +345,15 @@ class Scheduler:
                 state.first_token_s = now
                 self.metrics.time_to_first_token_s.observe(now - state.arrival_s)
             self._consume(state, out)
+
+    def _count_cached(self, state: _RequestState, cached: int) -> None:
+        """A request's first output says how much of its prompt the prefix cache held."""
+        state.num_cached_tokens = cached
+        if self.runner.prefix_cache is not None:
+            self.metrics.prefix_cache_queries.inc(len(state.prompt_ids))
+            self.metrics.prefix_cache_hits.inc(cached)
+            self._log_prompt_tokens += len(state.prompt_ids)
+            self._log_cached_tokens += cached
 
     def _consume(self, state: _RequestState, out: StepOutput) -> None:
         """Apply max_tokens, stop token ids and stop strings to one step's tokens; stream the text."""
@@ -392,7 +407,8 @@ class Scheduler:
         self._running.pop(state.id, None)
         self._emit(state, Delta(text=state.text[state.emitted_chars:], num_new_tokens=num_new_tokens,
                                 finish_reason=finish_reason, prompt_tokens=len(state.prompt_ids),
-                                completion_tokens=state.num_output_tokens, error=error))
+                                completion_tokens=state.num_output_tokens,
+                                cached_tokens=state.num_cached_tokens, error=error))
         state.emitted_chars = len(state.text)
         self.metrics.request_finished(state.endpoint, finish_reason)
         self.metrics.request_latency_s.observe(time.monotonic() - state.arrival_s)
@@ -429,6 +445,8 @@ class Scheduler:
         self.metrics.num_requests_waiting.set(len(self._waiting))
         if self.capacity_slots:
             self.metrics.kv_slot_usage.set(1.0 - self.runner.num_free_slots / self.capacity_slots)
+        if self.runner.prefix_cache is not None:
+            self.metrics.prefix_cache_slots.set(self.runner.prefix_cache.cached_slots)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -447,11 +465,17 @@ class Scheduler:
             # Without a draft every step commits one token: no acceptance length to report.
             accept = (f" accept_len={1.0 + self._log_accepted / self._log_steps:.2f}"
                       if self.runner.draft is not None and self._log_steps else "")
-            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s%s kv_usage=%.1f%%",
-                     len(self._running), len(self._waiting), tok_per_s, accept, adaptive, 100 * kv_usage)
+            prefix = ""
+            if self.runner.prefix_cache is not None and self._log_prompt_tokens:
+                hit_rate = self._log_cached_tokens / self._log_prompt_tokens
+                self.metrics.prefix_cache_hit_rate.set(hit_rate)
+                prefix = f" prefix_hit={100 * hit_rate:.1f}%"
+            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s%s%s kv_usage=%.1f%%",
+                     len(self._running), len(self._waiting), tok_per_s, accept, adaptive, prefix, 100 * kv_usage)
         else:
             self.metrics.generation_throughput.set(0.0)
         self._log_last_s, self._log_tokens, self._log_steps, self._log_accepted = now, 0, 0, 0
+        self._log_prompt_tokens = self._log_cached_tokens = 0
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:

@@ -377,9 +377,10 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(delta: Delta) -> dict[str, int]:
+def usage(delta: Delta) -> dict[str, Any]:
     return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
-            "total_tokens": delta.prompt_tokens + delta.completion_tokens}
+            "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": delta.cached_tokens}}
 
 
 def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, endpoint: str) -> RequestHandle:

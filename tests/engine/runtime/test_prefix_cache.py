@@ -19,6 +19,7 @@ from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_conf
 from specdeploy.engine.runtime.kv import SlotTable
 from specdeploy.engine.runtime.prefix_cache import PrefixCache
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
+from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, candidate_shapes
 
 VOCAB = 64
 _TARGETS = {}
@@ -160,6 +161,46 @@ def test_cache_on_equals_cache_off_through_padded_graph_calls():
     on = run_phases(make_runner("EAGLE", 1, True, 2, 5, **kw), poison=True)
     assert on == {rid: {**rec, "cached": on[rid]["cached"]} for rid, rec in off.items()}
     assert on["same_prompt"]["cached"] > 0
+
+
+class CyclingPolicy(AdaptivePolicy):
+    """Plain (NONE) steps only for the first request ("a": 11 decode steps, so it ends 3 plain
+    steps after its catch-up at the 9th), then three times in four, the other shapes in turn."""
+
+    def __init__(self, shapes):
+        super().__init__(shapes, {(sh, 1): 1.0 for sh in shapes})
+        others = [sh for sh in self.shapes if sh != NONE]
+        self._cycle = [NONE] * 11 + [x for sh in others for x in (NONE, NONE, NONE, sh)] * 100
+        self._i = 0
+
+    def choose(self, batch_size):
+        self._i += 1
+        return self._cycle[self._i - 1]
+
+
+@pytest.mark.parametrize("algorithm,hc_mult", [("EAGLE", 1), ("MTP", 4)])
+def test_adaptive_plain_steps_cache_only_what_the_draft_has_run_over(algorithm, hc_mult):
+    """Adaptive speculation's plain steps leave the draft's entries of their tokens for a later
+    catch-up; a request that finishes before it caches only the positions the draft has
+    written, and hits give the same tokens and acceptance as without the cache."""
+    def runner(cache):
+        shapes = candidate_shapes(3, 1, 4)
+        r = make_runner(algorithm, hc_mult, cache, adaptive=True, adaptive_shapes=shapes,
+                        step_costs_s={(sh, 1): 1.0 for sh in [NONE, *shapes]})
+        r.policy = CyclingPolicy(r.shapes)
+        return r
+
+    off = run_phases(runner(False))
+    on_runner = runner(True)
+    on = run_phases(on_runner, poison=True)
+    for rid in off:
+        assert on[rid]["tokens"] == off[rid]["tokens"], rid
+        assert on[rid]["accepted"] == off[rid]["accepted"], rid
+    assert on["same_prompt"]["cached"] == len(SYSTEM) + 6 - 1
+    # "a" (46 prompt + 11 decoded positions) ended 3 plain steps after its catch-up: the draft had
+    # not run over those 3 positions, so they were not cached.
+    assert on["multi_turn"]["cached"] == len(SYSTEM) + 6 + 11 - 3
+    assert on_runner.prefix_cache.locked_slots == 0
 
 
 def off_cached(out):
