@@ -131,7 +131,9 @@ def format_plan(p: Plan) -> str:
             ("  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"),
         ]
         if t.kv_cache_bytes_per_request_per_gpu:
-            rows.append(("  KV bytes per request", f"{t.kv_cache_bytes_per_request_per_gpu} (sliding windows, per GPU)"))
+            rows.append(("  KV bytes per request", f"{t.kv_cache_bytes_per_request_per_gpu} (recent-token rows: windows, compressor state; per GPU)"))
+        if t.kv_cache_bytes_per_in_flight_token_per_gpu:
+            rows.append(("  KV bytes per in-flight slot", f"{t.kv_cache_bytes_per_in_flight_token_per_gpu} (a row in every pool; per GPU)"))
     rows += [
         ("buffers (cuda_graph_max_bs)", str(b.max_bs)),
         ("  draft hidden_states", str(list(b.draft_hidden_states_shape))),

@@ -29,11 +29,12 @@ sliding_window; every layer kind has the sliding-window branch of its single sha
                  and w (overlapping windows), so a window that is not closed yet needs the one
                  before it
         HCA      kv and gate (hd + hd) of the last r - 1 committed tokens (the open window)
-    per in-flight token (what one step adds on top: a decode token, the verify tree's nodes and
-    the draft's scratch) one row in every recent pool and one row in every entry pool (a tree
-    node may close a window; which one is known only on the device)
+    per in-flight token (a prefill chunk's tokens, a decode token, the verify tree's nodes, the
+    draft's scratch: slots taken for one step) one row in every recent pool and one row in every
+    entry pool (a tree node may close a window; which one is known only on the device). A step
+    holds at most max(prefill chunk, running requests x slots per request per step) of them.
 
-The engine (engine/runtime/kv.py, DSV4 pools) allocates exactly `v4_pool_rows` of these widths,
+The engine (engine/runtime/compressed_kv.py) allocates exactly `v4_pool_rows` of these widths,
 so the planner's bytes and the engine's bytes are one formula.
 """
 
@@ -308,9 +309,15 @@ def v4_pools(v4: V4Config, role: str) -> tuple[PoolSpec, ...]:
     return tuple(pools)
 
 
-def v4_pool_rows(pool: PoolSpec, max_total_tokens: int, max_running_requests: int, in_flight_per_request: int) -> int:
-    """Rows the engine allocates for `pool` (plus its one padding row, row 0)."""
-    in_flight = max_running_requests * in_flight_per_request
+def v4_in_flight_rows(prefill_chunk_tokens: int, max_running_requests: int, in_flight_per_request: int) -> int:
+    """Rows every pool keeps for the slots of one step: a prefill chunk, or every running
+    request's decode / tree / scratch slots (a step does one, then the other)."""
+    return max(prefill_chunk_tokens, max_running_requests * in_flight_per_request)
+
+
+def v4_pool_rows(pool: PoolSpec, max_total_tokens: int, max_running_requests: int, in_flight: int) -> int:
+    """Rows the engine allocates for `pool`: its padding row 0, the committed rows, `in_flight`
+    (v4_in_flight_rows) rows for a step's slots."""
     if pool.kind == "entries":
         return 1 + math.ceil(max_total_tokens / pool.ratio) + in_flight
     return 1 + max_running_requests * pool.keep + in_flight
@@ -324,8 +331,8 @@ def v4_slot_maps(pools: tuple[PoolSpec, ...]) -> int:
 @dataclass(frozen=True)
 class V4KVBytes:
     per_token: int  # entries + slot maps, per token slot
-    per_request: int  # recent rows of one request at one in-flight token (a decode step)
-    per_in_flight_token: int  # one more in-flight token of one request
+    per_request: int  # the committed recent rows of one request
+    per_in_flight_token: int  # one row in every pool, for each slot a step holds
 
 
 def v4_kv_bytes(v4: V4Config, role: str, dtype_bytes: int) -> V4KVBytes:
@@ -340,4 +347,4 @@ def v4_kv_bytes(v4: V4Config, role: str, dtype_bytes: int) -> V4KVBytes:
             per_token += Fraction(size, p.ratio)
         else:
             per_request += p.keep * size
-    return V4KVBytes(math.ceil(per_token), per_request + in_flight, in_flight)
+    return V4KVBytes(math.ceil(per_token), per_request, in_flight)

@@ -13,8 +13,10 @@ number can be explained. Per GPU, at tensor-parallel size TP:
                          (the draft pool has as many token slots as the target's; GQA heads are
                          split by TP, replicated when fewer than TP; MLA latents and DeepSeek-V4's
                          shared head are replicated)
-    per_request_state  = max_running_requests * (fixed per-request KV: DeepSeek-V4's recent-token
-                         rows, the committed ones plus one row per in-flight token of a step)
+    per_request_state  = max_running_requests * (fixed per-request KV: DeepSeek-V4's committed
+                         recent-token rows) + in-flight rows * their bytes (V4: every slot a step
+                         holds has a row in every pool; in-flight rows = max(prefill chunk,
+                         max_running_requests * slots per request per step))
     static_buffers     = CUDA-graph hidden-state buffers + disaggregation metadata buffer
     budget             = gpu_memory - weights - cuda_graph_pool - activation_workspace
                          - static_buffers - per_request_state - reserve
@@ -38,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from specdeploy.engine.planner.deepseek_v4 import v4_in_flight_rows
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
     ConfigError,
@@ -259,6 +262,7 @@ class ModelTerms:
     kv_cache_bytes_per_token: int  # whole model
     kv_cache_bytes_per_token_per_gpu: int
     kv_cache_bytes_per_request_per_gpu: int
+    kv_cache_bytes_per_in_flight_token_per_gpu: int
 
 
 @dataclass(frozen=True)
@@ -454,8 +458,7 @@ def in_flight_tokens_per_request(spec: SpecSettings) -> int:
     return spec.num_draft_tokens + (spec.num_steps - 1) * spec.topk
 
 
-def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | None, tp: int,
-                 spec: SpecSettings) -> ModelTerms:
+def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | None, tp: int) -> ModelTerms:
     weights, weight_source = _weights(shapes, weight_bytes, source)
     return ModelTerms(
         model_type=shapes.model_type,
@@ -478,8 +481,8 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | No
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
         # V4's recent rows (windows of its single shared K=V head, compressor state) are
         # replicated on every rank
-        kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request
-        + (in_flight_tokens_per_request(spec) - 1) * shapes.kv_cache_bytes_per_in_flight_token,
+        kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request,
+        kv_cache_bytes_per_in_flight_token_per_gpu=shapes.kv_cache_bytes_per_in_flight_token,
     )
 
 
@@ -491,6 +494,10 @@ def _memory_terms(
     weights = sum(m.weight_bytes_per_gpu for m in models)
     kv_per_token = sum(m.kv_cache_bytes_per_token_per_gpu for m in models)
     per_request = limits.max_running_requests * sum(m.kv_cache_bytes_per_request_per_gpu for m in models)
+    in_flight = sum(m.kv_cache_bytes_per_in_flight_token_per_gpu for m in models)
+    if in_flight:
+        rows = v4_in_flight_rows(PREFILL_CHUNK_TOKENS, limits.max_running_requests, in_flight_tokens_per_request(spec))
+        per_request += rows * in_flight
     # The graphs of every batch size and kind share one private pool, sized by the widest capture:
     # the target verifying max_bs * num_draft_tokens rows, with float32 logits for all of them,
     # which a speculative step that samples warps into probabilities inside the same graph.
@@ -605,8 +612,8 @@ def plan(
         if refusal:
             refusals.append(f"TP {tp}: {refusal}")
             continue
-        target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp, spec)
-        draft_terms = _model_terms(draft, draft_weight_bytes, draft_weight_source, tp, spec) if draft else None
+        target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp)
+        draft_terms = _model_terms(draft, draft_weight_bytes, draft_weight_source, tp) if draft else None
         memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
         last = (tp, memory)

@@ -109,8 +109,8 @@ class ModelShapes:
     lm_head_params: int
     num_params: int
     kv_cache_bytes_per_token: int  # whole model, before tensor parallelism
-    kv_cache_bytes_per_request: int  # fixed per running request at one in-flight token (V4's recent rows), before TP
-    kv_cache_bytes_per_in_flight_token: int  # V4: each further in-flight token of a request (tree, draft scratch)
+    kv_cache_bytes_per_request: int  # fixed per running request (V4's committed recent rows), before TP
+    kv_cache_bytes_per_in_flight_token: int  # V4: each slot a step holds (chunk, tree, scratch), before TP
     quantization: str  # quant_method of the checkpoint, "" when unquantized
     # What quantization_config implies the checkpoint weighs (see quantized_weight_bytes); 0 when
     # unquantized or a method this estimate does not know

@@ -47,6 +47,7 @@ class SlotTable:
         self.req_to_slot = torch.zeros(max_running_requests, max_context_len, dtype=torch.int64,
                                        device=device)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
+        self.listeners: list = []
 
     @property
     def capacity(self) -> int:
@@ -57,14 +58,28 @@ class SlotTable:
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
         self.num_free -= n
-        return self._stack[self.num_free:self.num_free + n].clone()
+        slots = self._stack[self.num_free:self.num_free + n].clone()
+        for listener in self.listeners:
+            listener.taken(slots)
+        return slots
 
     def free(self, slots: torch.Tensor) -> None:
+        """Give back in-flight slots (a step's, never committed)."""
+        for listener in self.listeners:
+            listener.released(slots)
+        self._push(slots)
+
+    def _push(self, slots: torch.Tensor) -> None:
         n = slots.numel()
         if self.num_free + n > self.capacity:
             raise RuntimeError("freeing more slots than were allocated")
         self._stack[self.num_free:self.num_free + n] = slots.reshape(-1)
         self.num_free += n
+
+    def commit(self, row: int, old_len: int, new_len: int) -> None:
+        """Positions old_len .. new_len - 1 of the request in `row` are committed in req_to_slot."""
+        for listener in self.listeners:
+            listener.committed(self.req_to_slot[row], old_len, new_len)
 
     def alloc_row(self) -> int:
         if not self._free_rows:
@@ -74,5 +89,7 @@ class SlotTable:
     def free_row(self, row: int, length: int) -> None:
         """Return a request's committed slots and its row."""
         if length:
-            self.free(self.req_to_slot[row, :length])
+            for listener in self.listeners:
+                listener.finished(self.req_to_slot[row], length)
+            self._push(self.req_to_slot[row, :length])
         self._free_rows.append(row)

@@ -211,20 +211,42 @@ class Runner:
         num_slots = max_total_tokens + 1
         tc = target.cfg
         dtype = target.embed_tokens.weight.dtype
-        self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, dtype, self.device)
         self.max_running_requests = max_running_requests
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.table = SlotTable(num_slots, max_running_requests, self.context_length, self.device)
+        own_pools = hasattr(target, "make_kv")
+        if own_pools:
+            # DeepSeek-V4 (engine/runtime/compressed_kv.py) keeps a request's recent tokens and
+            # compressed entries in pools of its own, trimmed as tokens are committed: a finished
+            # request's slots cannot be reused by another, and a draft that catches up later or
+            # KV moved between servers would read trimmed rows.
+            for flag, what in ((prefix_cache, "the prefix cache"), (adaptive, "adaptive speculation"),
+                               (role != "both", f"role {role!r}")):
+                if flag:
+                    raise ValueError(f"{what} is not supported for {type(target).__name__} targets yet")
+            # Its pools are sized for the slots one step may hold: a prefill chunk, or every
+            # request's tree and scratch.
+            in_flight = max(prefill_chunk_tokens, max_running_requests * self.slots_needed(0, 0))
+            self.target_kv = target.make_kv(num_slots, max_total_tokens, max_running_requests, in_flight,
+                                            dtype, self.device)
+            self.table.listeners.append(self.target_kv)
+        else:
+            self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, dtype, self.device)
         # With a draft a slot's draft K/V also depends on the next token: bigram keys.
         self.prefix_cache = (PrefixCache(self.table, lookahead=int(draft is not None))
                              if prefix_cache else None)
         self.draft_kv = None
         if draft is not None:
             dc = draft.cfg
-            self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
-                                   dtype, self.device)
+            if hasattr(draft, "make_kv"):
+                self.draft_kv = draft.make_kv(num_slots, max_total_tokens, max_running_requests, in_flight,
+                                              dtype, self.device)
+                self.table.listeners.append(self.draft_kv)
+            else:
+                self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
+                                       dtype, self.device)
             # [max_running_requests, carried width]: the draft state after each request's root.
             self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
                                             device=self.device)
@@ -679,6 +701,7 @@ class Runner:
                 if self.policy is not None:
                     self._catch_up_count[rows[idx]] = 0
         for seq, take in chosen:
+            self.table.commit(seq.row, seq.length, seq.length + take)
             seq.length += take
         self._commit_step()
         for seq in finished:
@@ -740,6 +763,7 @@ class Runner:
         self.table.free(scratch)
         self.draft_hidden[rows] = draft_hidden
         for s, a in zip(seqs, accepted):
+            self.table.commit(s.row, s.length, s.length + a + 1)
             s.length += a + 1
         self._commit_step()
 
@@ -770,6 +794,7 @@ class Runner:
                 s.pending += 1
         self.table.req_to_slot[rows, lens] = slots[:, 0]
         for s in seqs:
+            self.table.commit(s.row, s.length, s.length + 1)
             s.length += 1
         self._commit_step()
         return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)

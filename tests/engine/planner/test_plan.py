@@ -126,16 +126,17 @@ def test_deepseek_v4_flash_mtp_plan():
     assert p.target.weight_source == p.draft.weight_source == "quantization_config"
     assert p.memory_per_gpu.weight_bytes == pytest.approx(weights / tp, abs=2)
     assert tp == 2
-    # Recent rows per running request: 127 committed tokens + 2 in-flight ones (a chain of one
-    # draft token: root + draft) in every layer's window (43 target + 1 MTP layers, one 512-wide
-    # K=V head); the compressor state of the 21 CSA layers (7 committed + 2 in flight, kv and
-    # gate of 2 x 512 and of the indexer's 2 x 128) and of the 20 HCA layers (127 + 2, kv and gate
-    # of 512); one compressed-entry row per in-flight token in each CSA (512 + 128) and HCA (512)
-    # layer, since any of them may close a window.
-    d = 2
-    per_request = ((43 + 1) * (127 + d) * 512 + 21 * (7 + d) * (4 * 512 + 4 * 128) + 20 * (127 + d) * 2 * 512
-                   + d * (21 * (512 + 128) + 20 * 512)) * 2
-    assert p.memory_per_gpu.per_request_state_bytes == 32 * per_request
+    # Recent rows per running request: the last 127 committed tokens in every layer's window
+    # (43 target + 1 MTP layers, one 512-wide K=V head); the compressor state (kv and gate of
+    # 2 x 512 and of the indexer's 2 x 128) of the last 7 tokens in the 21 CSA layers and (kv and
+    # gate of 512) of the last 127 in the 20 HCA layers.
+    per_request = ((43 + 1) * 127 * 512 + 21 * 7 * (4 * 512 + 4 * 128) + 20 * 127 * 2 * 512) * 2
+    # Every slot a step holds has a row in every pool (both models): the windows, both states and
+    # both entry pools (CSA 512 + 128, HCA 512). A step holds at most the prefill chunk's 8192
+    # slots (32 requests x 2 slots of a one-step chain are fewer).
+    in_flight_row = ((43 + 1) * 512 + 21 * (4 * 512 + 4 * 128) + 20 * 2 * 512 + 21 * (512 + 128) + 20 * 512) * 2
+    assert p.target.kv_cache_bytes_per_in_flight_token_per_gpu + p.draft.kv_cache_bytes_per_in_flight_token_per_gpu == in_flight_row
+    assert p.memory_per_gpu.per_request_state_bytes == 32 * per_request + 8192 * in_flight_row
     # compressed entries (6880 B) + the engine's slot maps: position + one row per pool, 5 pools
     # for the target, 1 for the window-only MTP layer
     assert p.memory_per_gpu.kv_cache_bytes_per_token == 6880 + (6 + 2) * 8

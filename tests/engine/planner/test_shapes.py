@@ -146,16 +146,16 @@ def test_deepseek_v4_flash_hc_mult_and_compressed_kv():
     per_token_elements = csa * (head_dim + index_head_dim) // 4 + hca * head_dim // 128
     slot_maps = (1 + 5) * 8  # the engine's per-slot position and row maps (5 pools)
     assert s.kv_cache_bytes_per_token == per_token_elements * BF16 + slot_maps == 6880 + 48
-    # At one in-flight token: every layer keeps the last 127 committed tokens of its one shared
-    # K=V head (the query is the window's 128th); CSA layers the compressor's and the indexer's
-    # kv and gate of the last 7 (two overlapping windows of 4), HCA layers kv and gate of the last
-    # 127 (the open window); the in-flight token has a row in each of them and in both entry pools.
+    # Committed recent rows: every layer keeps the last 127 tokens of its one shared K=V head
+    # (the next query is the window's 128th); CSA layers the compressor's and the indexer's kv
+    # and gate of the last 7 (two overlapping windows of 4), HCA layers kv and gate of the last
+    # 127 (the open window). A slot held by a step has a row in each of them and in both entry pools.
+    committed = (43 * (window - 1) * head_dim + csa * 7 * (4 * head_dim + 4 * index_head_dim)
+                 + hca * 127 * 2 * head_dim)
+    assert s.kv_cache_bytes_per_request == committed * BF16
     in_flight = 43 * head_dim + csa * (4 * head_dim + 4 * index_head_dim) + hca * 2 * head_dim
     in_flight += csa * (head_dim + index_head_dim) + hca * head_dim
     assert s.kv_cache_bytes_per_in_flight_token == in_flight * BF16
-    committed = (43 * (window - 1) * head_dim + csa * 7 * (4 * head_dim + 4 * index_head_dim)
-                 + hca * 127 * 2 * head_dim)
-    assert s.kv_cache_bytes_per_request == (committed + in_flight) * BF16
     assert (s.num_moe_layers, s.num_dense_layers, s.intermediate_size) == (43, 0, 0)
     assert s.num_params == pytest.approx(284e9, rel=PARAMS_TOLERANCE)
 
@@ -257,7 +257,8 @@ def test_mtp_draft_from_target_config():
     assert v4.spec_hidden_size == 16384
     assert v4.compress_ratios == (0,)  # the published list's entry for the MTP layer
     assert v4.kv_cache_bytes_per_token == 2 * 8  # no compressed entries; position + window-row maps
-    assert v4.kv_cache_bytes_per_request == 128 * 512 * BF16  # 127 committed + 1 in flight
+    assert v4.kv_cache_bytes_per_request == 127 * 512 * BF16  # the window's last 127 tokens
+    assert v4.kv_cache_bytes_per_in_flight_token == 512 * BF16
 
 
 def test_mtp_needs_nextn_layers():

@@ -1,0 +1,99 @@
+"""DeepSeek-V4 served by the engine's Runner: greedy MTP speculation (chain and trees) emits the
+target-only tokens exactly, chunked prefill changes nothing, and every slot and pool row comes
+back; the pools the runner allocates are the plan's terms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdeploy.engine.planner.deepseek_v4 import (SLOT_INDEX_BYTES, read_v4_config, v4_in_flight_rows,
+                                                   v4_pool_rows, v4_pools)
+from specdeploy.engine.planner.plan import GIB, Limits, SpecSettings, custom_gpu, plan_from_configs
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+
+from v4_tiny import TINY, engine_model, hf_model, random_mtp
+
+pytest.importorskip("transformers.models.deepseek_v4")
+
+# A small vocabulary, so that even a random MTP layer guesses the target's token often enough
+# for accepted drafts (and their committed tree slots and closed windows) to be exercised.
+CONFIG = {**copy.deepcopy(TINY), "vocab_size": 12}
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = hf_model(CONFIG)
+    target = engine_model(CONFIG, hf)
+    return target, random_mtp(target)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 17, 3)]
+
+
+def serve(target, draft, spec, prefill_chunk_tokens=8192):
+    runner = Runner(target, draft, spec, max_total_tokens=300, max_running_requests=4, context_length=96,
+                    prefill_chunk_tokens=prefill_chunk_tokens)
+    pools = [kv for kv in (runner.target_kv, runner.draft_kv) if kv is not None]
+    baseline = runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]
+    for i, p in enumerate(prompts()):
+        runner.add(Request(str(i), p, max_tokens=20))
+    out = {str(i): [] for i in range(len(prompts()))}
+    while runner.num_running:
+        for o in runner.step():
+            out[o.req_id] += o.token_ids
+    after = runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]
+    assert after == baseline, "slots or DeepSeek-V4 pool rows were not all given back"
+    return out, runner
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 1, 3),
+                                  SpecConfig("MTP", 3, 2, 6), SpecConfig("MTP", 2, 3, 7)],
+                         ids=["chain3", "chain2", "tree3x2", "tree2x3"])
+def test_greedy_mtp_equals_target_only(models, spec):
+    target, mtp = models
+    reference, _ = serve(target, None, SpecConfig())
+    out, runner = serve(target, mtp, spec)
+    assert out == reference
+    assert runner.num_draft_tokens_accepted > 0  # accepted paths were committed, not only roots
+
+
+def test_chunked_prefill_changes_nothing(models):
+    target, _ = models
+    whole, _ = serve(target, None, SpecConfig())
+    chunked, _ = serve(target, None, SpecConfig(), prefill_chunk_tokens=5)
+    assert chunked == whole
+
+
+def test_runner_allocates_the_plan(models):
+    """A plan for this config on a GPU just big enough for a few thousand tokens, served by the
+    Runner: its pools are exactly v4_pool_rows of the planner's widths, and the plan's KV terms
+    (per token x max_total_tokens + per-request state) count them up to each pool's padding row
+    and the rounding of ceil(tokens / ratio)."""
+    target, mtp = models
+    spec, limits = SpecSettings("MTP", 2, 2, 4), Limits(max_running_requests=4, context_length=96, cuda_graph_max_bs=4)
+    probe = plan_from_configs(CONFIG, None, spec, custom_gpu(200), limits)
+    m = probe.memory_per_gpu
+    fixed = m.gpu_memory_bytes - m.kv_cache_budget_bytes
+    p = plan_from_configs(CONFIG, None, spec, custom_gpu((fixed + 3000 * m.kv_cache_bytes_per_token) / GIB), limits)
+    assert 2000 < p.max_total_tokens < 4000
+    runner = Runner(target, mtp, plan=p)
+    # a step holds a prefill chunk, or 4 requests x (4 tree nodes + 1 x 2 draft scratch) slots
+    in_flight = v4_in_flight_rows(runner.prefill_chunk_tokens, 4, spec.num_draft_tokens + (spec.num_steps - 1) * spec.topk)
+    engine_bytes = slack = 0
+    v4 = read_v4_config(CONFIG)
+    for kv, role in ((runner.target_kv, "target"), (runner.draft_kv, "MTP")):
+        pools = v4_pools(v4, role)
+        assert set(kv.pools) == {q.name for q in pools}
+        for q in pools:
+            rows = v4_pool_rows(q, p.max_total_tokens, 4, in_flight)
+            assert tuple(kv.data[q.name].shape) == (len(q.layers), rows, q.width)
+            slack += 2 * len(q.layers) * q.width * 4
+        engine_bytes += kv.nbytes
+        slack += (1 + len(pools)) * SLOT_INDEX_BYTES  # the pad slot's maps
+    planned = p.max_total_tokens * m.kv_cache_bytes_per_token + m.per_request_state_bytes
+    assert 0 <= engine_bytes - planned <= slack

@@ -1,0 +1,151 @@
+"""Tiny random DeepSeek-V4 models for the CPU tests: configs in both naming schemes, a
+transformers reference with every parameter random (sinks, position biases, score-correction
+bias and hash table included), and its weights in the engine."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, build_target, canonical_v4_key
+from specdeploy.engine.models.layers import load_state
+
+# Newer scheme (layer_types + compress_rates): short ratios so a few dozen tokens close windows
+# of every kind; index_topk below the number of CSA entries so the indexer's choice matters.
+TINY = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "q_lora_rank": 24,
+    "o_groups": 2,
+    "o_lora_rank": 12,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 5,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "norm_topk_prob": True,
+    "topk_method": "noaux_tc",
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 32,
+                     "beta_fast": 32, "beta_slow": 1},
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 6,
+    "hc_eps": 1e-6,
+    "swiglu_limit": 1.0,
+    "sliding_window": 6,
+    "index_n_heads": 2,
+    "index_head_dim": 8,
+    "index_topk": 3,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def original_scheme(config: dict) -> dict:
+    """The same model named as the published checkpoint does (compress_ratios incl. the MTP
+    layer, num_hash_layers, rope_scaling); needs ratios 4 / 128."""
+    c = copy.deepcopy(config)
+    kinds = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    c["compress_ratios"] = [kinds[t] for t in c.pop("layer_types")] + [0]
+    c.pop("compress_rates")
+    c["num_hash_layers"] = c.pop("mlp_layer_types").count("hash_moe")
+    return c
+
+
+def hf_model(config: dict, seed: int = 0):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("scale"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buf.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                                       for _ in range(cfg.vocab_size)]))
+            elif name.endswith("e_score_correction_bias"):
+                buf.copy_(0.2 * torch.randn(buf.shape, generator=g))
+    return model
+
+
+def engine_model(config: dict, hf, dtype=torch.float32, feature_kind=None):
+    cfg = V4ModelConfig.from_hf(config)
+    model = build_target(cfg, dtype, "cpu", feature_kind)
+    state = hf.state_dict()
+    load_state(model, ((canonical_v4_key(k), v) for k, v in state.items()))
+    return model
+
+
+class _TopK(tuple):
+    @property
+    def values(self):
+        return self[0]
+
+    @property
+    def indices(self):
+        return self[1]
+
+
+def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
+    values, indices = self.sort(dim=dim, descending=largest, stable=True)
+    return _TopK((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+class stable_indexer_ties:
+    """Within the block, Tensor.topk (the Lightning Indexer's selection in transformers) breaks
+    exact ties toward the lower entry index, as the engine does; torch leaves the order of equal
+    scores unspecified (CPU topk's choice depends on the tensor's length, and ReLU makes exact
+    zero scores common in tiny models)."""
+
+    def __enter__(self):
+        self._saved = torch.Tensor.topk
+        torch.Tensor.topk = _stable_topk
+
+    def __exit__(self, *exc):
+        torch.Tensor.topk = self._saved
+
+
+def random_mtp(target, seed: int = 3):
+    """The target's MTP layer (mtp.0) with random weights."""
+    from specdeploy.engine.models.deepseek_v4 import build_mtp
+
+    head = build_mtp(target, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("weight") and "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("scale"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        for name, buf in head.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.2 * torch.randn(buf.shape, generator=g))
+    return head
