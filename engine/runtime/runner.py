@@ -462,6 +462,12 @@ class Runner:
         self._release_slots(seq)
         self._reserved -= seq.reserved
 
+    def is_held(self, req_id: str) -> bool:
+        return req_id in self._held
+
+    def is_receiving(self, req_id: str) -> bool:
+        return req_id in self._receiving
+
     @property
     def num_held(self) -> int:
         return len(self._held)

@@ -24,6 +24,7 @@ from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
 log = logging.getLogger("specdeploy.engine")
 
 DTYPES = ("auto", *COMPUTE_DTYPES)
+ROLES = ("both", "prefill", "decode")
 # Requests waiting for admission, per running-request slot, before new ones get 429.
 QUEUE_PER_RUNNING_REQUEST = 4
 DEFAULT_NUM_STEPS = 3
@@ -67,6 +68,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (system prompts, chat history) held in "
                         "the KV pool's unused slots (default: on)")
+    p.add_argument("--role", choices=ROLES, default="both",
+                   help="both: prefill and decode here (default); prefill / decode: one half of a "
+                        "disaggregated pair behind `specdeploy router` (docs/disaggregation.md)")
+    p.add_argument("--transfer-host", help="prefill/decode: the address peers reach this server's transfer "
+                                           "engine at (default: this host's address; the pod IP in a cluster)")
+    p.add_argument("--transfer-protocol", default="tcp", choices=("tcp", "rdma"),
+                   help="prefill/decode: Mooncake transport (default: tcp)")
+    p.add_argument("--prefill-timeout-s", type=float, default=None,
+                   help="decode: how long a request may wait for its prefill server (default: 120)")
     p.set_defaults(func=run)
     return p
 
@@ -89,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     model_name = args.served_model_name or args.target
-    state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name))
+    state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
     config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None,
                             access_log=args.access_log, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
@@ -108,6 +118,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--adaptive-speculation needs a draft (--algorithm EAGLE, EAGLE3 or MTP)")
     if args.draft and args.algorithm is None and not args.plan:
         raise ValueError("--draft needs --algorithm (EAGLE, EAGLE3 or MTP) or a --plan that names it")
+    if args.prefill_timeout_s is not None and args.role != "decode":
+        raise ValueError("--prefill-timeout-s is for --role decode")
+    if args.prefill_timeout_s is not None and args.prefill_timeout_s <= 0:
+        raise ValueError("--prefill-timeout-s must be > 0")
 
 
 def _spec_settings(args: argparse.Namespace):
@@ -315,7 +329,9 @@ def load_engine(args: argparse.Namespace, metrics):
         raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
     runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
                     device=device, seed=args.seed, adaptive=adaptive,
-                    prefix_cache=args.prefix_cache)
+                    prefix_cache=args.prefix_cache, role=args.role,
+                    # A prefill server never decodes: no decode graphs to capture.
+                    graph_mode="off" if args.role == "prefill" else None)
     if adaptive:
         costs = runner.policy.base_costs_s
         log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
@@ -340,9 +356,11 @@ def load_engine(args: argparse.Namespace, metrics):
     t3 = time.monotonic()
     # One short request through every code path (prefill, draft, verify) before taking traffic:
     # a broken checkpoint fails here, in the log, not on a user's request.
-    runner.add(Request(id="warmup", prompt_ids=[0, 1, 2, 3], max_tokens=4))
-    while runner.num_running:
+    runner.add(Request(id="warmup", prompt_ids=[0, 1, 2, 3], max_tokens=1 if args.role == "prefill" else 4))
+    while runner.has_work:
         runner.step()
+    if runner.is_held("warmup"):
+        runner.release_held("warmup")
     log.info("warm-up step done in %.2f s", time.monotonic() - t3)
 
     queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
@@ -351,7 +369,52 @@ def load_engine(args: argparse.Namespace, metrics):
     log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s",
              plan.max_running_requests, queued, plan.context_length, max_total_tokens,
              "on" if args.prefix_cache else "off")
-    return scheduler, tokenizer
+    if args.role == "both":
+        return scheduler, tokenizer
+    return scheduler, tokenizer, disaggregation_service(args, scheduler)
+
+
+def disaggregation_service(args: argparse.Namespace, scheduler):
+    """The split roles: a Mooncake agent with the KV pools and the metadata buffer registered,
+    and the role's service (engine/serving/disagg/)."""
+    from specdeploy.engine.runtime.transfer import MooncakeAgent
+    from specdeploy.engine.serving.disagg.protocol import DEFAULT_PREFILL_TIMEOUT_S, server_info
+
+    runner = scheduler.runner
+    if runner.device.type != "cpu":
+        raise RuntimeError("prefill/decode roles move KV through host memory with this Mooncake build; "
+                           "the GPU transports need a CUDA build of the transfer engine (docs/disaggregation.md)")
+    host = args.transfer_host or _host_address()
+    agent = MooncakeAgent(host, args.transfer_protocol)
+    for pool in (runner.target_kv, runner.draft_kv):
+        if pool is not None:
+            agent.register(pool.k)
+            agent.register(pool.v)
+    for tensor in runner.metadata.tensors:
+        agent.register(tensor)
+    info = server_info(args.role, args.served_model_name or args.target, runner, agent.session_id)
+    rows, width = runner.metadata.hidden.shape
+    log.info("%s role: Mooncake %s session %s; metadata buffer [%d, %d] %s (%s) registered with the KV pools",
+             args.role, args.transfer_protocol, agent.session_id, rows, width, info.dtype,
+             human_bytes(runner.metadata.nbytes))
+    if args.role == "prefill":
+        from specdeploy.engine.serving.disagg.prefill import PrefillService
+
+        return PrefillService(scheduler, agent, info)
+    from specdeploy.engine.serving.disagg.decode import DecodeService
+
+    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S)
+    service.agent = agent  # kept alive: peers write into the memory it registered
+    scheduler.remote = service
+    return service
+
+
+def _host_address() -> str:
+    """This host's address as peers see it (the pod IP in a cluster)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class ServerThread:
@@ -371,7 +434,7 @@ class ServerThread:
         check_args(args)
         self.args = args
         model_name = args.served_model_name or args.target
-        self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name))
+        self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
         config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None, access_log=args.access_log)
         self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
         config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics),

@@ -7,7 +7,14 @@ at a time. Neither knows HTTP.
 
 Threads: the runner's step loop runs in one dedicated thread (torch would otherwise block the
 event loop). Requests are submitted from the event loop; their outputs come back through a
-per-request asyncio.Queue fed with `loop.call_soon_threadsafe`.
+per-request asyncio.Queue fed with `loop.call_soon_threadsafe`. `run_in_engine` runs a function
+on the engine thread between steps (the disaggregation services use it to touch the runner).
+
+Decode role (docs/disaggregation.md): a request submitted with a `prefill_url` is admitted with
+`runner.receive` (its prompt's slots taken, nothing computed) and handed to `remote` (the
+decode service), which has the prefill server fill those slots and then activates it. Until
+then an abort must not free the slots (the prefill server may still be writing into them): the
+client is answered at once, and `remote` frees them once the prefill server has stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, StepOutput
@@ -85,6 +92,7 @@ class _RequestState:
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer
     arrival_s: float
+    prefill_url: str | None = None  # decode role: the prefill server that computes the prompt
     first_token_s: float | None = None
     num_output_tokens: int = 0
     num_runner_outputs: int = 0
@@ -92,6 +100,16 @@ class _RequestState:
     text: str = ""
     emitted_chars: int = 0
     finished: bool = False
+
+
+class RemotePrefill(Protocol):
+    """What the scheduler needs from the decode role's service (engine/serving/disagg/decode.py).
+    Both are called on the request's event loop."""
+
+    def start(self, req_id: str, prompt_ids: list[int], params: SamplingParams, prefill_url: str,
+              row: int, slots: list[int]) -> None: ...
+
+    def cancel(self, req_id: str) -> None: ...
 
 
 class RequestHandle:
@@ -136,6 +154,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[_RequestState] = collections.deque()  # guarded by _cv
         self._aborts: list[str] = []  # guarded by _cv
+        self._commands: list[Callable[[], None]] = []  # guarded by _cv: run on the engine thread
+        self._admission_blocked = False  # engine thread only: the queue's head did not fit
+        self.remote: RemotePrefill | None = None
         self._stop = False  # guarded by _cv
         self._num_unfinished = 0  # guarded by _cv: submitted and not yet finished, wherever they are
         self._running: dict[str, _RequestState] = {}  # engine thread only
@@ -202,7 +223,8 @@ class Scheduler:
             raise RequestTooLargeError(
                 f"the request needs {need} KV slots but the cache holds {self.capacity_slots}")
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, endpoint: str) -> RequestHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, endpoint: str,
+               prefill_url: str | None = None) -> RequestHandle:
         if self.draining:
             self.metrics.request_rejected("draining")
             raise DrainingError("the server is shutting down")
@@ -215,7 +237,9 @@ class Scheduler:
             id=f"req-{next(self._ids)}", endpoint=endpoint, prompt_ids=list(prompt_ids), params=params,
             stop_token_ids=stop_ids,
             loop=loop, queue=asyncio.Queue(), detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            arrival_s=time.monotonic())
+            arrival_s=time.monotonic(), prefill_url=prefill_url)
+        if prefill_url is not None and self.remote is None:
+            raise SchedulerError("this server does not take prefilled requests (not --role decode)")
         with self._cv:
             if len(self._waiting) >= self.max_queued_requests:
                 self.metrics.request_rejected("queue_full")
@@ -244,25 +268,80 @@ class Scheduler:
             self._aborts.append(req_id)
             self._cv.notify()
 
+    def run_in_engine(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run fn() on the engine thread between steps; -> a future (of the calling event loop)
+        with its result or exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok: bool, value) -> None:
+            if future.done():  # the caller gave up waiting
+                return
+            future.set_result(value) if ok else future.set_exception(value)
+
+        def command() -> None:
+            try:
+                result = (True, fn())
+            except Exception as e:  # handed to the caller, never kills the engine thread
+                result = (False, e)
+            try:
+                loop.call_soon_threadsafe(settle, *result)
+            except RuntimeError:  # the event loop is closed (shutdown)
+                pass
+
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+        return future
+
+    # ---- decode role: requests prefilled elsewhere (engine thread) -----------------------------
+
+    def activate_remote(self, req_id: str) -> None:
+        """The prefill server has written the request's KV and metadata row: run it."""
+        state = self._running.get(req_id)
+        if not self.runner.is_receiving(req_id):
+            return
+        if state is None or state.finished:  # aborted meanwhile; nothing writes the slots now
+            self.runner.abort(req_id)
+            return
+        self._process(self.runner.activate(req_id))
+
+    def release_remote(self, req_id: str, error: str | None = None) -> None:
+        """The prefill server will not write into the request's slots (done, failed or gone):
+        free them; finish the request with `error` if it is still waiting for its prompt."""
+        if self.runner.is_receiving(req_id):
+            self.runner.abort(req_id)
+        state = self._running.get(req_id)
+        if state is not None and not state.finished:
+            self._finish(state, "error", error=error or "the prefill server gave up")
+
     # ---- engine thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                if not (self._stop or self._waiting or self._aborts or self._running):
+                admissible = self._waiting and not self._admission_blocked
+                if not (self._stop or admissible or self._aborts or self._commands or self.runner.has_work):
                     # Wake up now and then while idle so the throughput gauge decays to zero.
                     self._cv.wait(timeout=self.log_interval_s)
                 if self._stop:
                     break
                 aborts, self._aborts = self._aborts, []
+                commands, self._commands = self._commands, []
             try:
+                if aborts or commands or self.runner.has_work:
+                    self._admission_blocked = False  # something may have freed room
+                for command in commands:
+                    command()
                 self._apply_aborts(aborts)
                 self._admit()
-                if self._running:
+                if self.runner.has_work:
                     self._process(self.runner.step())
             except Exception as e:  # a broken batch must not kill the server: fail what ran in it
                 log.exception("engine step failed; failing %d running requests", len(self._running))
                 for state in list(self._running.values()):
+                    if self.runner.is_receiving(state.id):  # not in the failed batch
+                        continue
                     self._safe_runner_abort(state.id)
                     self._finish(state, "error", error=f"engine error: {type(e).__name__}: {e}")
             self._deliver()
@@ -276,6 +355,13 @@ class Scheduler:
     def _apply_aborts(self, aborts: list[str]) -> None:
         for req_id in aborts:
             state = self._running.get(req_id)
+            if state is not None and self.runner.is_receiving(req_id):
+                # The prefill server may be writing into its slots: the decode service frees
+                # them once it has stopped; the client is answered now.
+                self._finish(state, "abort")
+                self._call_on_loop(state, self.remote.cancel, req_id)
+                log.info("aborted %s (client went away) while its prompt was being prefilled", req_id)
+                continue
             if state is not None:
                 self._safe_runner_abort(req_id)
                 self._finish(state, "abort")
@@ -297,13 +383,20 @@ class Scheduler:
                     return
                 state = self._waiting[0]
             p = state.params
+            req = Request(id=state.id, prompt_ids=state.prompt_ids, max_tokens=p.max_tokens,
+                          temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                          stop_token_ids=state.stop_token_ids)
             try:
-                self.runner.add(Request(
-                    id=state.id, prompt_ids=state.prompt_ids, max_tokens=p.max_tokens,
-                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                    stop_token_ids=state.stop_token_ids))
+                if state.prefill_url is None:
+                    self.runner.add(req)
+                else:
+                    row, slots = self.runner.receive(req)
+                    self._call_on_loop(state, self.remote.start, state.id, state.prompt_ids, p,
+                                       state.prefill_url, row, slots)
             except NoCapacity:
-                return  # full (running requests or KV slots): it stays at the head of the queue
+                # Full (running requests or KV slots): it stays at the head of the queue.
+                self._admission_blocked = True
+                return
             except ValueError as e:
                 log.warning("runner refused %s: %s", state.id, e)
                 with self._cv:
@@ -432,6 +525,13 @@ class Scheduler:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
                 pass
+
+    @staticmethod
+    def _call_on_loop(state: _RequestState, fn, *args) -> None:
+        try:
+            state.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed (shutdown)
+            pass
 
     def _safe_runner_abort(self, req_id: str) -> None:
         try:

@@ -2,6 +2,11 @@
 
 This module only translates: JSON in → (prompt ids, SamplingParams) → Scheduler → JSON/SSE out.
 Everything about batching lives in the scheduler, everything about tensors in the runner.
+
+Roles (docs/disaggregation.md): a "decode" server takes OpenAI requests only with the header
+that names their prefill server (the router sets it) and a "prefill" server takes none; both
+answer /disagg/info (the handshake) and /disagg/status (load, for the router); a prefill server
+also serves /disagg/prefill and /disagg/abort (engine/serving/disagg/prefill.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, Tokenizer
@@ -169,13 +175,16 @@ class EngineState:
     scheduler: Scheduler | None = None
     not_ready_reason: str = "loading weights"
     started_s: int = field(default_factory=lambda: int(time.time()))
+    role: str = "both"
+    disagg: Any = None  # PrefillService | DecodeService once loaded, for the split roles
 
     @property
     def ready(self) -> bool:
         return self.scheduler is not None and not self.scheduler.draining
 
 
-Loader = Callable[[EngineMetrics], tuple[Scheduler, Tokenizer]]
+# -> (scheduler, tokenizer) or, for the split roles, (scheduler, tokenizer, disaggregation service)
+Loader = Callable[[EngineMetrics], tuple]
 
 
 def create_app(state: EngineState, loader: Loader | None = None,
@@ -189,7 +198,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
         if loader is not None:
             async def load():
                 try:
-                    scheduler, tokenizer = await asyncio.to_thread(loader, state.metrics)
+                    scheduler, tokenizer, *service = await asyncio.to_thread(loader, state.metrics)
                 except Exception as e:
                     log.exception("loading failed")
                     state.not_ready_reason = f"loading failed: {e}"
@@ -197,6 +206,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
                         on_load_failure(e)
                     return
                 state.tokenizer = tokenizer
+                state.disagg = service[0] if service else None
                 scheduler.start()
                 state.scheduler = scheduler
                 log.info("ready: serving %s", state.model_name)
@@ -206,6 +216,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
         yield
         if load_task is not None and not load_task.done():
             load_task.cancel()
+        if state.disagg is not None and hasattr(state.disagg, "close"):
+            await state.disagg.close()
         if state.scheduler is not None:
             state.scheduler.shutdown()
 
@@ -285,15 +297,71 @@ def create_app(state: EngineState, loader: Loader | None = None,
             raise APIError(503, "the server is shutting down", code="draining")
         return state.scheduler, state.tokenizer
 
+    def prefill_url(request: Request) -> str | None:
+        """The prefill server a decode server's request names; refuses what this role cannot serve."""
+        url = request.headers.get(PREFILL_URL_HEADER)
+        if state.role == "prefill":
+            raise APIError(400, "this is a prefill server: send requests to the router", code="wrong_role")
+        if state.role == "decode" and not url:
+            raise APIError(400, f"this is a decode server: send requests to the router (no {PREFILL_URL_HEADER})",
+                           code="wrong_role")
+        if state.role == "both" and url:
+            raise APIError(400, f"{PREFILL_URL_HEADER} given to a server that is not --role decode",
+                           code="wrong_role")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise APIError(400, f"{PREFILL_URL_HEADER}: not an http(s) URL", code="wrong_role")
+        return url
+
+    def disagg_service(role: str):
+        if state.role != role:
+            raise APIError(404, f"this is a {state.role!r} server, not a {role} server", code="wrong_role")
+        if state.disagg is None:
+            raise APIError(503, f"the server is not ready ({state.not_ready_reason})", code="not_ready")
+        return state.disagg
+
+    @app.get("/disagg/info")
+    async def disagg_info():
+        if state.role == "both":
+            raise APIError(404, "this server runs prefill and decode itself (--role both)", code="wrong_role")
+        return disagg_service(state.role).info.to_dict()
+
+    @app.get("/disagg/status")
+    async def disagg_status():
+        """Load, as the router weighs it."""
+        s = state.scheduler
+        out: dict[str, Any] = {"role": state.role, "ready": state.ready}
+        if s is not None:
+            out.update(running=s._num_running_published, waiting=len(s._waiting),
+                       max_running_requests=s.runner.max_running_requests,
+                       free_slots=s.runner.num_free_slots, capacity_slots=s.capacity_slots)
+        return out
+
+    @app.post("/disagg/prefill")
+    async def disagg_prefill(body: PrefillBody):
+        from specdeploy.engine.serving.disagg.prefill import PrefillRefused
+
+        service = disagg_service("prefill")
+        if state.scheduler.draining:
+            raise APIError(503, "the server is shutting down", code="draining")
+        try:
+            return await service.prefill(body)
+        except PrefillRefused as e:
+            raise APIError(e.status_code, str(e), code="prefill_refused") from None
+
+    @app.post("/disagg/abort")
+    async def disagg_abort(body: AbortBody):
+        return await disagg_service("prefill").abort(body)
+
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionBody, request: Request):
         check_model(body.model)
+        url = prefill_url(request)
         scheduler, tokenizer = serving()
         if body.echo:
             raise APIError(400, "echo is not supported by this server", param="echo")
         prompt_ids = completion_prompt_ids(body.prompt, tokenizer)
         max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
-        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions")
+        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions", url)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -310,6 +378,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
+        url = prefill_url(request)
         scheduler, tokenizer = serving()
         messages = [chat_message_dict(m) for m in body.messages]
         try:
@@ -319,7 +388,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
-        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "chat_completions")
+        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "chat_completions", url)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
@@ -383,9 +452,10 @@ def usage(delta: Delta) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": delta.cached_tokens}}
 
 
-def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, endpoint: str) -> RequestHandle:
+def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, endpoint: str,
+           prefill_url: str | None = None) -> RequestHandle:
     try:
-        return scheduler.submit(prompt_ids, params, endpoint)
+        return scheduler.submit(prompt_ids, params, endpoint, prefill_url)
     except SchedulerError as e:
         code = {429: "queue_full", 503: "draining"}.get(e.status_code, "context_length_exceeded")
         raise APIError(e.status_code, str(e), code=code) from None

@@ -1,0 +1,157 @@
+"""The decode server's side: have a prefill server fill a received request's slots, then run it.
+
+The scheduler admits a request that names a prefill server with `runner.receive` (its prompt's
+KV slots and its metadata row taken) and calls `start` on the event loop. The exchange:
+  1. handshake, once per prefill server: GET /disagg/info, refused unless the two pair
+     (protocol.ServerInfo.mismatch);
+  2. POST /disagg/prefill with the prompt, the sampling parameters (the prefill server samples
+     the first token), a deadline, and where to write: the slots, both pools' layouts, the
+     metadata row's addresses;
+  3. on 200 the KV and the metadata row are here: `scheduler.activate_remote` starts decoding.
+Failures: an error answer fails the request with the prefill server's message. When the
+prefill server's state is unknown (timeout, connection lost, the client aborted) the slots
+may still be written: POST /disagg/abort and free them once it is acknowledged (or refused as
+connection refused: nothing runs there to write), else only after the request's deadline plus
+TRANSFER_GRACE_S, past which the prefill server starts no transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import httpx
+
+from specdeploy.engine.runtime.transfer import PoolLayout
+from specdeploy.engine.serving.disagg.protocol import (
+    ABORT_ACK_TIMEOUT_S,
+    TRANSFER_GRACE_S,
+    ServerInfo,
+)
+from specdeploy.engine.serving.scheduler import SamplingParams, Scheduler
+
+log = logging.getLogger("specdeploy.disagg.decode")
+
+
+class PrefillFailed(Exception):
+    pass
+
+
+class DecodeService:
+    def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float):
+        self.scheduler, self.runner, self.info, self.timeout_s = scheduler, scheduler.runner, info, timeout_s
+        self._peers: dict[str, ServerInfo] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._client: httpx.AsyncClient | None = None
+        self.transfers = 0
+        self.failures = 0
+
+    # ---- RemotePrefill (called on the event loop by the scheduler) ----------------------------
+
+    def start(self, req_id: str, prompt_ids: list[int], params: SamplingParams, prefill_url: str,
+              row: int, slots: list[int]) -> None:
+        self._tasks[req_id] = asyncio.ensure_future(
+            self._exchange(req_id, prompt_ids, params, prefill_url.rstrip("/"), row, slots))
+
+    def cancel(self, req_id: str) -> None:
+        task = self._tasks.get(req_id)
+        if task is not None:
+            task.cancel()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks.values()), timeout=ABORT_ACK_TIMEOUT_S)
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ---- the exchange ------------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0))
+        return self._client
+
+    async def _peer(self, url: str) -> ServerInfo:
+        info = self._peers.get(url)
+        if info is None:
+            r = await self._http().get(f"{url}/disagg/info", timeout=10.0)
+            if r.status_code != 200:
+                raise PrefillFailed(f"{url}/disagg/info answered {r.status_code}")
+            info = ServerInfo.from_dict(r.json())
+            if info.role != "prefill":
+                raise PrefillFailed(f"{url} is a {info.role!r} server, not a prefill server")
+            why = self.info.mismatch(info)
+            if why is not None:
+                raise PrefillFailed(f"{url} does not pair with this decode server: {why}")
+            self._peers[url] = info
+            log.info("paired with prefill server %s (Mooncake session %s)", url, info.session_id)
+        return info
+
+    async def _exchange(self, req_id, prompt_ids, params: SamplingParams, url: str, row: int, slots) -> None:
+        room = f"{req_id}-{uuid.uuid4().hex[:12]}"
+        deadline = time.monotonic() + self.timeout_s
+        sent = False  # whether the prefill server may have the request
+        try:
+            await self._peer(url)
+            body = {"room": room, "peer": self.info.to_dict(), "prompt_ids": prompt_ids,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "seed": params.seed, "timeout_s": self.timeout_s, "slots": slots,
+                    "target_kv": PoolLayout.of(self.runner.target_kv).to_dict(),
+                    "draft_kv": PoolLayout.of(self.runner.draft_kv).to_dict() if self.runner.draft_kv else None,
+                    "metadata": self.runner.metadata.row_addresses(row)}
+            sent = True
+            r = await self._http().post(f"{url}/disagg/prefill", json=body)
+            sent = False  # it answered: it has finished with the request either way
+            if r.status_code != 200:
+                raise PrefillFailed(f"the prefill server answered {r.status_code}: {_message(r)}")
+            self.transfers += 1
+            await self.scheduler.run_in_engine(lambda: self.scheduler.activate_remote(req_id))
+        except asyncio.CancelledError:  # the client went away
+            await asyncio.shield(self._stop_peer(url, room, deadline, sent))
+            await asyncio.shield(self.scheduler.run_in_engine(lambda: self.scheduler.release_remote(req_id)))
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure ends the same way: a clean error for this request
+            self.failures += 1
+            if isinstance(e, httpx.HTTPError):
+                message = f"prefill server {url} unreachable or too slow: {type(e).__name__}: {e}"
+            else:
+                message = str(e)
+            log.warning("request %s: %s", req_id, message)
+            await asyncio.shield(self._stop_peer(url, room, deadline, sent))
+            await asyncio.shield(self.scheduler.run_in_engine(
+                lambda: self.scheduler.release_remote(req_id, error=message)))
+        finally:
+            self._tasks.pop(req_id, None)
+
+    async def _stop_peer(self, url: str, room: str, deadline: float, sent: bool) -> None:
+        """Return once the prefill server will not write into this room's slots any more."""
+        if not sent:
+            return
+        try:
+            r = await self._http().post(f"{url}/disagg/abort", json={"room": room}, timeout=ABORT_ACK_TIMEOUT_S)
+            if r.status_code == 200:
+                return
+        except httpx.ConnectError:
+            return  # nothing listens there: the process (and its transfer engine) is gone
+        except httpx.HTTPError:
+            pass
+        wait_s = deadline + TRANSFER_GRACE_S - time.monotonic()
+        log.warning("room %s: the prefill server did not acknowledge the abort; its slots stay "
+                    "taken for %.0f s more (past the deadline no transfer starts)", room, max(wait_s, 0))
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return r.json().get("error", {}).get("message") or r.text
+    except ValueError:
+        return r.text[:500]

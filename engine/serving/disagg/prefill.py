@@ -1,0 +1,143 @@
+"""The prefill server's side: run a decode server's prompt, write its state into that server.
+
+POST /disagg/prefill (protocol.PrefillBody), per request:
+  1. check the peer pairs with this server (protocol.ServerInfo.mismatch) and the slots fit;
+  2. submit the prompt with max_tokens 1 (the runner, role "prefill", prefills target and draft,
+     samples the first token and holds the slots);
+  3. export the held state into this server's metadata row, then write the prompt's target and
+     draft KV rows and the metadata row into the decode server's memory (transfer.kv_copies,
+     MetadataBuffers.row_copies) with Mooncake, in a worker thread;
+  4. release the slots and answer 200 (or an error: 4xx for a request this server refuses,
+     409 aborted, 503 busy, 502 transfer failed, 504 past the deadline).
+POST /disagg/abort {room}: stop that request (waiting for a transfer under way to end) and answer
+only then, so the decode server may reuse its slots; a room aborted before its prefill arrived is
+remembered and refused. No transfer starts after the request's deadline (received + timeout_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+from specdeploy.engine.runtime.transfer import MetadataBuffers, PoolLayout, TransferError, kv_copies
+from specdeploy.engine.serving.disagg.protocol import AbortBody, PrefillBody, ServerInfo
+from specdeploy.engine.serving.scheduler import SamplingParams, Scheduler, SchedulerError
+
+log = logging.getLogger("specdeploy.disagg.prefill")
+
+# Rooms aborted before (or while) their prefill arrived, remembered so that a late prefill
+# request for one is refused instead of writing into slots the decode server has reused.
+_TOMBSTONES = 4096
+
+
+class PrefillRefused(Exception):
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class PrefillService:
+    def __init__(self, scheduler: Scheduler, agent, info: ServerInfo):
+        self.scheduler, self.runner, self.agent, self.info = scheduler, scheduler.runner, agent, info
+        self._jobs: dict[str, asyncio.Task] = {}
+        self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.bytes_sent = 0
+        self.transfers = 0
+
+    async def prefill(self, body: PrefillBody) -> dict:
+        """The whole of one POST /disagg/prefill; raises PrefillRefused."""
+        if body.room in self._aborted or body.room in self._jobs:
+            raise PrefillRefused(409, f"room {body.room}: aborted or already in use")
+        job = asyncio.ensure_future(self._run(body, time.monotonic() + body.timeout_s))
+        self._jobs[body.room] = job
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            if job.cancelled():  # /disagg/abort
+                raise PrefillRefused(409, f"room {body.room}: aborted") from None
+            raise
+        finally:
+            if job.done():
+                self._jobs.pop(body.room, None)
+
+    async def abort(self, body: AbortBody) -> dict:
+        job = self._jobs.get(body.room)
+        self._aborted[body.room] = None
+        while len(self._aborted) > _TOMBSTONES:
+            self._aborted.popitem(last=False)
+        if job is None:
+            return {"room": body.room, "aborted": False}
+        job.cancel()
+        await asyncio.wait({job})  # its cleanup (a transfer under way, the release) is over
+        self._jobs.pop(body.room, None)
+        log.info("room %s: aborted by the decode server; slots freed", body.room)
+        return {"room": body.room, "aborted": True}
+
+    async def _run(self, body: PrefillBody, deadline: float) -> dict:
+        peer = ServerInfo.from_dict(body.peer)
+        why = self.info.mismatch(peer)
+        if why is not None:
+            raise PrefillRefused(400, f"the decode server does not pair with this prefill server: {why}")
+        if len(body.slots) != len(body.prompt_ids):
+            raise PrefillRefused(400, f"{len(body.slots)} destination slots for {len(body.prompt_ids)} prompt tokens")
+        dst_target = PoolLayout.from_dict(body.target_kv)
+        dst_draft = PoolLayout.from_dict(body.draft_kv) if body.draft_kv else None
+        if (dst_draft is None) != (self.runner.draft_kv is None):
+            raise PrefillRefused(400, "the decode server's draft pool does not match this server's")
+        vocab = self.runner.target.cfg.vocab_size
+        if not all(0 <= t < vocab for t in body.prompt_ids):
+            raise PrefillRefused(400, f"prompt token id outside [0, {vocab})")
+        params = SamplingParams(max_tokens=1, temperature=body.temperature, top_p=body.top_p,
+                                top_k=body.top_k, seed=body.seed, ignore_eos=True)
+        try:
+            handle = self.scheduler.submit(body.prompt_ids, params, "prefill")
+        except SchedulerError as e:
+            raise PrefillRefused(503 if e.status_code in (429, 503) else e.status_code, str(e)) from None
+        req_id = handle.id
+        t0 = time.monotonic()
+        try:
+            last = None
+            async for delta in handle.deltas():
+                last = delta
+            if last.error is not None:
+                raise PrefillRefused(500, f"prefill failed: {last.error}")
+            if last.finish_reason == "abort":
+                raise PrefillRefused(503, "the prefill server is shutting down")
+            row, src_slots = await self.scheduler.run_in_engine(lambda: self.runner.export_held(req_id))
+            if time.monotonic() > deadline:
+                raise PrefillRefused(504, f"the prefill took longer than the request's {body.timeout_s:.0f} s")
+            copies = [kv_copies(PoolLayout.of(self.runner.target_kv), src_slots, dst_target, body.slots)]
+            if dst_draft is not None:
+                copies.append(kv_copies(PoolLayout.of(self.runner.draft_kv), src_slots, dst_draft, body.slots))
+            copies.append(self._metadata().row_copies(row, body.metadata))
+            t1 = time.monotonic()
+            # A transfer under way is not interrupted: an abort waits for it to end.
+            write = asyncio.ensure_future(asyncio.to_thread(self._write_all, peer.session_id, copies))
+            try:
+                sent = await asyncio.shield(write)
+            except asyncio.CancelledError:
+                await asyncio.wait({write})
+                raise
+            except (TransferError, ValueError) as e:
+                raise PrefillRefused(502, f"transfer to the decode server failed: {e}") from None
+            self.bytes_sent += sent
+            self.transfers += 1
+            return {"room": body.room, "prompt_tokens": len(body.prompt_ids), "bytes": sent,
+                    "prefill_s": t1 - t0, "transfer_s": time.monotonic() - t1}
+        except asyncio.CancelledError:
+            handle.abort()  # still prefilling: the scheduler frees whatever it took
+            raise
+        finally:
+            await asyncio.shield(self.scheduler.run_in_engine(lambda: self._release(req_id)))
+
+    def _metadata(self) -> MetadataBuffers:
+        return self.runner.metadata
+
+    def _write_all(self, session_id: str, copies) -> int:
+        return sum(self.agent.write(session_id, *c) for c in copies)
+
+    def _release(self, req_id: str) -> None:
+        if self.runner.is_held(req_id):
+            self.runner.release_held(req_id)

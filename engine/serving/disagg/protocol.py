@@ -1,0 +1,92 @@
+"""What a prefill server and a decode server agree on: the handshake's description of a server
+(`ServerInfo`, from GET /disagg/info) and the prefill request's body.
+
+Two servers can pair only if the bytes one writes mean the same to the other: the same target
+and draft (checked by their shapes: layers, bytes per KV slot, metadata row width, algorithm,
+dtype) and the same speculative settings that shape the draft's state. Addresses and slot
+counts differ freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The header the router names a request's prefill server in (decode servers only).
+PREFILL_URL_HEADER = "X-Specdeploy-Prefill-Url"
+# How long a decode server waits for a prefill (queueing there included) before giving up.
+DEFAULT_PREFILL_TIMEOUT_S = 120.0
+# How long an abort sent to a prefill server may take to be acknowledged.
+ABORT_ACK_TIMEOUT_S = 5.0
+# A prefill server starts no transfer after its deadline; the decode side waits this long past
+# the deadline before it reuses slots whose prefill it could not abort (a transfer under way).
+TRANSFER_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    role: str
+    model: str
+    algorithm: str
+    dtype: str
+    target_kv: tuple[int, int]        # (layers, bytes per slot)
+    draft_kv: tuple[int, int] | None
+    metadata_width: int               # the plan's metadata row: H_s elements
+    num_steps: int
+    topk: int
+    session_id: str                   # the Mooncake peer to write to / read from
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ServerInfo:
+        d = dict(data)
+        d["target_kv"] = tuple(d["target_kv"])
+        d["draft_kv"] = tuple(d["draft_kv"]) if d.get("draft_kv") else None
+        return cls(**d)
+
+    def mismatch(self, other: ServerInfo) -> str | None:
+        """Why `other` cannot pair with this server, or None."""
+        for name in ("model", "algorithm", "dtype", "target_kv", "draft_kv", "metadata_width", "num_steps", "topk"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} differs: {mine} here, {theirs} on the peer"
+        return None
+
+
+def server_info(role: str, model: str, runner, session_id: str) -> ServerInfo:
+    from specdeploy.engine.runtime.transfer import PoolLayout
+
+    draft = PoolLayout.of(runner.draft_kv).shape() if runner.draft_kv is not None else None
+    return ServerInfo(role=role, model=model, algorithm=runner.spec.algorithm if runner.draft else "NONE",
+                      dtype=str(runner.metadata.hidden.dtype).removeprefix("torch."),
+                      target_kv=PoolLayout.of(runner.target_kv).shape(), draft_kv=draft,
+                      metadata_width=runner.metadata.hidden.shape[1], num_steps=runner.num_steps,
+                      topk=runner.topk, session_id=session_id)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class PrefillBody(_Body):
+    """POST /disagg/prefill: compute this prompt and write its state there."""
+
+    room: str = Field(min_length=1, max_length=128)   # the decode server's name for this transfer
+    peer: dict                                          # the decode server's ServerInfo
+    prompt_ids: list[int] = Field(min_length=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    timeout_s: float = Field(DEFAULT_PREFILL_TIMEOUT_S, gt=0)
+    slots: list[int]                                    # decode's slot per prompt position
+    target_kv: dict                                     # decode's PoolLayout of the target pool
+    draft_kv: dict | None = None
+    metadata: dict[str, int]                            # decode's metadata row, field -> address
+
+
+class AbortBody(_Body):
+    room: str = Field(min_length=1, max_length=128)
