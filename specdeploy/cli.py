@@ -23,6 +23,7 @@ DISTRIBUTION = "specdeploy"
 SUBCOMMANDS: tuple[tuple[str, str | None], ...] = (
     ("specdeploy.engine.planner.cli", None),
     ("specdeploy.engine.serving.cli", "engine"),
+    ("specdeploy.engine.serving.disagg.cli", "engine"),
     ("specdeploy.engine.demo.cli", "engine"),
     ("specdeploy.operator.cli", "operator"),
 )

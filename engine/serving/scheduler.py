@@ -282,7 +282,7 @@ class Scheduler:
         def command() -> None:
             try:
                 result = (True, fn())
-            except Exception as e:  # handed to the caller, never kills the engine thread
+            except Exception as e:  # noqa: BLE001 - handed to the caller, never kills the engine thread
                 result = (False, e)
             try:
                 loop.call_soon_threadsafe(settle, *result)

@@ -23,7 +23,6 @@ import time
 import uuid
 
 import httpx
-
 from specdeploy.engine.runtime.transfer import PoolLayout
 from specdeploy.engine.serving.disagg.protocol import (
     ABORT_ACK_TIMEOUT_S,

@@ -21,9 +21,18 @@ import collections
 import logging
 import time
 
-from specdeploy.engine.runtime.transfer import MetadataBuffers, PoolLayout, TransferError, kv_copies
+from specdeploy.engine.runtime.transfer import (
+    MetadataBuffers,
+    PoolLayout,
+    TransferError,
+    kv_copies,
+)
 from specdeploy.engine.serving.disagg.protocol import AbortBody, PrefillBody, ServerInfo
-from specdeploy.engine.serving.scheduler import SamplingParams, Scheduler, SchedulerError
+from specdeploy.engine.serving.scheduler import (
+    SamplingParams,
+    Scheduler,
+    SchedulerError,
+)
 
 log = logging.getLogger("specdeploy.disagg.prefill")
 

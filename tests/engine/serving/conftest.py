@@ -170,3 +170,9 @@ def engine_process(model_dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def serve_command(model_dirs):
+    """`engine serve` arguments for the test models on a free loopback port, plus extra flags."""
+    return lambda *extra: serve_argv(*model_dirs, free_port(), *extra)
