@@ -427,9 +427,9 @@ class Runner:
         seq = self._receiving[req_id]
         md = self.metadata
         cached = int(md.fixed["cached_tokens"][seq.row])
-        if cached != seq.length:
-            raise ValueError(f"request {req_id}: the prefill server sent {cached} prompt tokens, "
-                             f"the request has {seq.length}")
+        if not 0 <= cached < seq.length:
+            raise ValueError(f"request {req_id}: the prefill server reports {cached} cached prompt "
+                             f"tokens of {seq.length}")
         first = int(md.fixed["output_token_id"][seq.row])
         if not 0 <= first < self.target.cfg.vocab_size:
             raise ValueError(f"request {req_id}: first token {first} outside the vocabulary")
@@ -443,16 +443,19 @@ class Runner:
             # drawing it here too keeps a seeded request's stream what one server gives it.
             self._uniforms([seq], 1)
         self._running[req_id] = seq
-        return self._emit([seq], [[first]], [0])
+        seq.num_cached_tokens = cached
+        outputs = self._emit([seq], [[first]], [0])
+        outputs[0].num_cached_tokens = cached
+        return outputs
 
     def export_held(self, req_id: str) -> tuple[int, list[int]]:
-        """Prefill role: put a held request's first token, prompt length and the draft's carried
-        state into its metadata row; -> (row, the slots of its prompt tokens, position by
+        """Prefill role: put a held request's first token, its prefix-cache hit and the draft's
+        carried state into its metadata row; -> (row, the slots of its prompt tokens, position by
         position). The slots stay the request's until `release_held`."""
         seq = self._held[req_id]
         md = self.metadata
         md.fixed["output_token_id"][seq.row] = seq.root
-        md.fixed["cached_tokens"][seq.row] = seq.length
+        md.fixed["cached_tokens"][seq.row] = seq.num_cached_tokens  # its prefix-cache hit
         if self.draft is not None:
             md.hidden[seq.row] = self.draft_hidden[seq.row]
         return seq.row, self.table.req_to_slot[seq.row, :seq.length].tolist()

@@ -7,8 +7,9 @@ What moves, per request (docs/disaggregation.md):
                 [max_running_requests, H_s]): the draft's carried hidden state after the first
                 sampled token (H_s = spec_hidden_size; EAGLE-3 carries the target's hidden_size,
                 which the plan's H_s is for an hc_mult 1 target) and the fixed fields
-                (plan.METADATA_FIXED_FIELDS): the first token, the prompt tokens written, the
-                first token's log-probability.
+                (plan.METADATA_FIXED_FIELDS): the first token, how many prompt tokens the
+                prefill server's prefix cache held (usage's cached_tokens), the first token's
+                log-probability.
 
 The bytes go through Mooncake's transfer engine (`mooncake-transfer-engine`, the extra
 `specdeploy[disagg]`): each side registers its KV pools and metadata buffer once; the prefill side
@@ -110,7 +111,7 @@ _FIXED_DTYPES = {"output_token_id": torch.int64, "cached_tokens": torch.int64,
 class MetadataBuffers:
     """The plan's disaggregation metadata buffer: per request row r,
     hidden [R, H_s] (the draft's carried state after the first token), output_token_id [R],
-    cached_tokens [R] (prompt tokens whose KV was sent), output_token_logprob [R].
+    cached_tokens [R] (the prefill's prefix-cache hit), output_token_logprob [R].
     R = max_running_requests; the decode side's row r is its request's slot-table row."""
 
     def __init__(self, buffers, dtype: torch.dtype, device: torch.device | str):
