@@ -46,14 +46,14 @@ unlocked leaves, least recently used first, until enough slots are free.
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from specdeploy.engine.runtime.kv import SlotTable
 
-# Bigram key = token_i * _BIGRAM_STRIDE + token_{i+1}; vocabularies are far below 2**32.
-_BIGRAM_STRIDE = 1 << 32
+# Bigram key = (token_i << _BIGRAM_SHIFT) + token_{i+1}; vocabularies are far below 2**31.
+_BIGRAM_SHIFT = 31
 
 
 class _Node:
@@ -88,41 +88,46 @@ class PrefixCache:
         self.evictable_slots = 0
         self.locked_slots = 0
         self.evicted_slots = 0   # since start (a counter for metrics)
+        self.num_inserted = 0    # nodes added: a match older than this count may be stale
 
     @property
     def cached_slots(self) -> int:
         return self.evictable_slots + self.locked_slots
 
     def keys(self, tokens: list[int]) -> list[int]:
-        """One key per position whose slot contents `tokens` determine: len(tokens) - lookahead."""
+        """One key per position whose slot contents `tokens` determine: len(tokens) - lookahead.
+        Keys of a longer sequence extend those of its prefix, so callers build them piecewise:
+        keys(t[:m]) + keys(t[m - lookahead:])."""
         if self.lookahead == 0:
             return list(tokens)
-        return [a * _BIGRAM_STRIDE + b for a, b in itertools.pairwise(tokens)]
+        t = np.asarray(tokens, dtype=np.int64)
+        return ((t[:-1] << _BIGRAM_SHIFT) + t[1:]).tolist()
 
     # ---- lookup and insertion ------------------------------------------------------------------
 
-    def match(self, tokens: list[int], max_positions: int) -> Match:
-        """The longest cached prefix of `tokens`, at most max_positions positions."""
-        keys = self.keys(tokens)[:max(max_positions, 0)]
-        node, pos, found = self._walk(keys)
-        slots = torch.cat(found) if found else self._empty
-        return Match(node, slots, pos)
+    def match(self, keys: list[int], max_positions: int) -> Match:
+        """The longest cached prefix of `keys` (see keys()), at most max_positions positions."""
+        node, pos, found = self._walk(keys[:max(max_positions, 0)])
+        return Match(node, torch.cat(found) if len(found) > 1 else found[0] if found else self._empty, pos)
 
-    def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
-        """Cache positions 0..n-1 (n = len(tokens) - lookahead) held in slots[:n]. -> how many
-        leading positions were cached already: the tree keeps its own slots for those, so the
-        caller frees its copies of them (those it owns); it gives up slots[existed:n] to the tree."""
-        keys = self.keys(tokens)
+    def insert(self, keys: list[int], slots: torch.Tensor) -> tuple[int, Match]:
+        """Cache positions 0..n-1 (n = len(keys)) held in slots[:n]. -> (how many leading
+        positions were cached already, the match of all n). The tree keeps its own slots for the
+        first `existed`, so the caller frees its copies of those (the ones it owns) and may use
+        the match's slots instead; it gives up slots[existed:n] to the tree."""
         n = len(keys)
         if slots.numel() < n:
             raise ValueError(f"insert: {n} positions but {slots.numel()} slots")
-        node, existed, _ = self._walk(keys)
+        node, existed, found = self._walk(keys)
         if existed < n:
             child = _Node(node, keys[existed:], slots[existed:n].clone())
             child.last_access = self._tick()
             node.children[keys[existed]] = child
             self.evictable_slots += n - existed
-        return existed
+            self.num_inserted += 1
+            node = child
+            found.append(child.slots)
+        return existed, Match(node, torch.cat(found) if found else self._empty, n)
 
     def _walk(self, keys: list[int]) -> tuple[_Node, int, list[torch.Tensor]]:
         """Follow keys from the root, splitting a node where the match ends inside it.

@@ -119,6 +119,8 @@ class _Seq:
     cache_node: object = None
     matched_slots: torch.Tensor | None = None
     num_cached_tokens: int = 0
+    prompt_keys: list[int] | None = None
+    match_version: int = -1         # the cache's num_inserted at its last match
     pending: int = 0                # committed tokens the draft has not run over yet (adaptive NONE steps)
 
 
@@ -526,7 +528,10 @@ class Runner:
         cache = self.prefix_cache
         if cache is None:
             return
-        match = cache.match(seq.req.prompt_ids, len(seq.req.prompt_ids) - 1)
+        if seq.cache_node is not None and seq.match_version == cache.num_inserted:
+            return  # nothing was cached since its last match
+        seq.match_version = cache.num_inserted
+        match = cache.match(self._seq_keys(seq), len(seq.req.prompt_ids) - 1)
         if seq.cache_node is not None and match.length <= seq.length:
             return
         cache.lock(match.node)
@@ -539,18 +544,27 @@ class Runner:
         """After a prefill chunk: cache the positions seq has written (others with the same
         prompt can match them while it runs) and point its row at the tree's slots."""
         cache, n = self.prefix_cache, seq.length
-        tokens = (seq.req.prompt_ids + seq.tokens)[:n + cache.lookahead]
-        if len(tokens) < n + cache.lookahead or n <= seq.cached:
+        keys = self._seq_keys(seq)[:n]
+        if len(keys) < n or n <= seq.cached:
             return
         row = self.table.req_to_slot[seq.row]
-        existed = cache.insert(tokens, row[:n])
-        match = cache.match(tokens, n)
+        existed, match = cache.insert(keys, row[:n])
         if existed > seq.cached:  # written twice (another request cached them meanwhile): keep the tree's
             self.table.free(row[seq.cached:existed].clone())
             row[seq.cached:existed] = match.slots[seq.cached:existed]
         cache.lock(match.node)
         cache.unlock(seq.cache_node)
         seq.cache_node, seq.cached = match.node, n
+
+    def _seq_keys(self, seq: _Seq) -> list[int]:
+        """The cache keys of every position of seq whose key its known tokens determine (the
+        prompt's computed once)."""
+        cache, prompt = self.prefix_cache, seq.req.prompt_ids
+        if seq.prompt_keys is None:
+            seq.prompt_keys = cache.keys(prompt)
+        if not seq.tokens:
+            return seq.prompt_keys
+        return seq.prompt_keys + cache.keys(prompt[len(prompt) - cache.lookahead:] + seq.tokens)
 
     def _release_slots(self, seq: _Seq, keep: bool = True) -> None:
         """Give back seq's row and slots; with a cache and `keep`, its positions go into the
@@ -563,11 +577,11 @@ class Runner:
             return
         if seq.row >= 0:
             row = self.table.req_to_slot[seq.row]
-            tokens = seq.req.prompt_ids + seq.tokens
+            keys = self._seq_keys(seq) if keep else []
             # Positions whose key is known (all, once the first token is out) and whose draft
             # K/V is written (not the `pending` ones of adaptive plain steps); none unless keep.
-            n = min(seq.length - seq.pending, len(tokens) - cache.lookahead) if keep else seq.cached
-            existed = cache.insert(tokens[:n + cache.lookahead], row[:n]) if n > seq.cached else n
+            n = min(seq.length - seq.pending, len(keys)) if keep else seq.cached
+            existed = cache.insert(keys[:n], row[:n])[0] if n > seq.cached else n
             if existed > seq.cached:
                 self.table.free(row[seq.cached:existed].clone())
             if seq.length > max(n, seq.cached):

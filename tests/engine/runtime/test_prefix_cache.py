@@ -280,9 +280,11 @@ def test_radix_tree_split_lock_and_lru():
     table = SlotTable(64, 4, 64, "cpu")
     cache = PrefixCache(table, lookahead=0)
     s1 = table.alloc(6)
-    assert cache.insert([1, 2, 3, 4, 5, 6], s1) == 0
+    assert cache.insert([1, 2, 3, 4, 5, 6], s1)[0] == 0
     s2 = table.alloc(5)
-    assert cache.insert([1, 2, 3, 9, 9], s2) == 3            # the first three were there
+    existed, m = cache.insert([1, 2, 3, 9, 9], s2)
+    assert existed == 3 and m.length == 5                     # the first three were there
+    assert m.slots.tolist() == s1[:3].tolist() + s2[3:].tolist()
     table.free(s2[:3])                                        # the caller's copies
     cache.check()
     m = cache.match([1, 2, 3, 4, 7], 10)
@@ -312,11 +314,15 @@ def test_radix_tree_split_lock_and_lru():
 def test_bigram_keys_need_the_next_token():
     table = SlotTable(16, 2, 16, "cpu")
     cache = PrefixCache(table, lookahead=1)
-    cache.insert([5, 6, 7, 8], table.alloc(3))                # positions 0..2, tokens 0..3
-    assert cache.match([5, 6, 7, 8, 1], 10).length == 3
-    assert cache.match([5, 6, 7, 9, 1], 10).length == 2       # position 2 was made with token 8 next
-    assert cache.match([5, 6], 10).length == 1
-    assert cache.match([5], 10).length == 0
+    keys = cache.keys
+    assert keys([5, 6, 7]) == keys([5, 6]) + keys([6, 7])    # built piecewise
+    cache.insert(keys([5, 6, 7, 8]), table.alloc(3))          # positions 0..2, tokens 0..3
+    assert cache.match(keys([5, 6, 7, 8, 1]), 10).length == 3
+    assert cache.match(keys([5, 6, 7, 9, 1]), 10).length == 2  # position 2 was made with token 8 next
+    assert cache.match(keys([5, 6]), 10).length == 1
+    assert cache.match(keys([5]), 10).length == 0
+    big = 128255
+    assert keys([big, 1]) != keys([1, big]) and len(set(keys([big, 0, big, 1]))) == 3
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -1,0 +1,184 @@
+"""Prefix cache: time to first token and throughput on a shared system prompt, cache on vs off.
+
+    python3 bench/prefix_cache_bench.py --out .bench/prefix         # H200, ~4 min
+    python3 bench/prefix_cache_bench.py --smoke                     # CPU, tiny shapes, seconds
+
+The engine's Runner (CUDA graphs captured, the Triton attention backend) on the Llama-3.1-8B
+shape with random bfloat16 weights and a random EAGLE-3 head (chain: 3 steps, topk 1), driven
+the way the scheduler drives it (admit while there is room, then step). Prompts are a shared
+system prompt of 4096 random tokens followed by a question of 16..96 random tokens; outputs
+run to max_tokens (no stop token). Three measurements, each with the cache on and off:
+
+    ttft        one request at a time on an idle engine, after one request with the same system
+                prompt (and another question) has finished: add() to the first token.
+                Goal: with the cache >= 10x lower.
+    shared      `requests` requests with the same system prompt submitted at once, up to
+                `running` in the batch: output tokens per second over the whole run, and the
+                median time from submission to first token. Goal: never lower with the cache.
+    unique      the same with a different random "system prompt" per request (no hit can happen):
+                what the cache's bookkeeping costs when it never helps. Goal: never lower.
+
+Greedy outputs are compared between the two runs of each workload: equal in float32 (the
+tests prove it); in bfloat16 a cached K/V was computed in another forward (another batch
+composition, other roundings), so an output may drift after a near-tie, as it may under any
+change of batching. The JSON goes to <out>/prefix_cache.json; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
+
+from common import (LLAMA_31_8B, TINY_LLAMA, bootstrap_specdeploy, environment, free_device_memory,  # noqa: E402
+                    log, sync, write_json)
+
+bootstrap_specdeploy()
+
+import torch  # noqa: E402
+
+from harness import eagle3_head_config, random_head, random_target, use_fast_attention  # noqa: E402
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig  # noqa: E402
+
+PROFILES = {
+    "device": {"config": LLAMA_31_8B, "system_tokens": 4096, "question_tokens": (16, 96), "max_tokens": 64,
+               "ttft_reps": 8, "requests": 48, "running": 16, "draft_vocab": 32000, "graph_batches": (1, 2, 4, 8, 16)},
+    "smoke": {"config": TINY_LLAMA, "system_tokens": 256, "question_tokens": (4, 12), "max_tokens": 8,
+              "ttft_reps": 2, "requests": 6, "running": 3, "draft_vocab": 128, "graph_batches": (1, 2, 3)},
+}
+SHAPE = (3, 1, 4)   # EAGLE-3 chain: steps, topk, draft tokens
+
+
+def make_runner(target, head, p: dict, cache: bool, device) -> Runner:
+    longest = p["system_tokens"] + p["question_tokens"][1] + p["max_tokens"]
+    # Room for every running request plus about as much again for the cache to keep.
+    slots = 2 * p["running"] * (longest + 16) + 2 * longest
+    return Runner(target, head, SpecConfig("EAGLE3", *SHAPE), max_total_tokens=slots,
+                  max_running_requests=p["running"], context_length=longest + 16, device=device,
+                  cuda_graph_batch_sizes=p["graph_batches"],
+                  graph_mode="capture" if device.type == "cuda" else "padded", prefix_cache=cache)
+
+
+def prompts(p: dict, n: int, shared: bool, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = p["config"]["vocab_size"]
+    system = torch.randint(3, vocab, (p["system_tokens"],), generator=gen).tolist()
+    out = []
+    for _ in range(n):
+        head = system if shared else torch.randint(3, vocab, (p["system_tokens"],), generator=gen).tolist()
+        q = int(torch.randint(p["question_tokens"][0], p["question_tokens"][1] + 1, (1,), generator=gen))
+        out.append(head + torch.randint(3, vocab, (q,), generator=gen).tolist())
+    return out
+
+
+def drive(runner: Runner, reqs: list[Request]) -> dict:
+    """Submit all at t = 0, admit in order while there is room, step until done."""
+    t0 = time.perf_counter()
+    queue, first_s, tokens = list(reqs), {}, {r.id: [] for r in reqs}
+    cached = {}
+    while queue or runner.num_running:
+        while queue:
+            try:
+                runner.add(queue[0])
+            except NoCapacity:
+                break
+            queue.pop(0)
+        for o in runner.step():
+            if o.req_id not in first_s:
+                first_s[o.req_id] = time.perf_counter() - t0
+                cached[o.req_id] = o.num_cached_tokens
+            tokens[o.req_id] += o.token_ids
+    sync(runner.device)
+    wall_s = time.perf_counter() - t0
+    n_out = sum(len(t) for t in tokens.values())
+    return {"wall_s": wall_s, "output_tokens": n_out, "tok_s": n_out / wall_s,
+            "ttft_median_ms": 1e3 * statistics.median(first_s.values()),
+            "cached_tokens": sum(cached.values()), "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
+            "tokens": tokens}
+
+
+def ttft(runner: Runner, p: dict, seed: int) -> dict:
+    """Idle engine, one request at a time: add() to the first token (the prefill step)."""
+    texts = prompts(p, p["ttft_reps"] + 1, shared=True, seed=seed)
+    drive(runner, [Request("warm", texts[0], p["max_tokens"])])   # caches the system prompt (when on)
+    times, cached, firsts = [], [], []
+    for i, prompt in enumerate(texts[1:]):
+        sync(runner.device)
+        t0 = time.perf_counter()
+        runner.add(Request(f"t{i}", prompt, p["max_tokens"]))
+        out = runner.step()                                          # prefill: the first token
+        sync(runner.device)
+        times.append(1e3 * (time.perf_counter() - t0))
+        cached.append(out[0].num_cached_tokens)
+        firsts.append(out[0].token_ids)
+        while runner.num_running:
+            runner.step()
+    return {"ttft_median_ms": statistics.median(times), "ttft_ms": times, "cached_tokens": cached,
+            "first_tokens": firsts}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    parser.add_argument("--out", type=Path, default=Path(".bench/prefix"))
+    args = parser.parse_args()
+    p = PROFILES["smoke" if args.smoke else "device"]
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    backend = use_fast_attention() if device.type == "cuda" else "reference"
+    t0 = time.perf_counter()
+    target = random_target(p["config"], device, torch.bfloat16)
+    head = random_head("EAGLE3", eagle3_head_config(p["config"], p["draft_vocab"]), target)
+    log(f"models built in {time.perf_counter() - t0:.1f} s ({device}, attention {backend})")
+
+    results = {"env": environment(), "profile": {k: v for k, v in p.items() if k != "config"},
+               "shape": SHAPE, "attention": backend}
+    for name, fn in (("ttft", lambda r: ttft(r, p, seed=1)),
+                     ("shared", lambda r: drive(r, [Request(f"s{i}", t, p["max_tokens"]) for i, t in
+                                                    enumerate(prompts(p, p["requests"], True, seed=2))])),
+                     ("unique", lambda r: drive(r, [Request(f"u{i}", t, p["max_tokens"]) for i, t in
+                                                    enumerate(prompts(p, p["requests"], False, seed=3))]))):
+        row = {}
+        for cache in (False, True):
+            runner = make_runner(target, head, p, cache, device)
+            rec = fn(runner)
+            row["on" if cache else "off"] = rec
+            log(f"{name} cache {'on ' if cache else 'off'}: " + ", ".join(
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()
+                if not isinstance(v, (dict, list))))
+            del runner
+            free_device_memory()
+        outputs = "first_tokens" if name == "ttft" else "tokens"
+        on, off = row["on"].pop(outputs), row["off"].pop(outputs)
+        pairs = list(zip(on, off)) if name == "ttft" else [(on[k], off[k]) for k in off]
+        row["requests_with_equal_outputs"] = sum(a == b for a, b in pairs)
+        row["requests"] = len(pairs)
+        results[name] = row
+
+    t, s, u = results["ttft"], results["shared"], results["unique"]
+    t["speedup"] = t["off"]["ttft_median_ms"] / t["on"]["ttft_median_ms"]
+    t["goal_met"] = t["speedup"] >= 10
+    for row in (s, u):
+        row["throughput_ratio"] = row["on"]["tok_s"] / row["off"]["tok_s"]
+        row["goal_met"] = row["throughput_ratio"] >= 0.98   # "never lower", within timing noise
+    write_json("prefix_cache.json", results, args.out)
+    print("\nSUMMARY (prefix cache: off -> on)")
+    print(f"  TTFT on a hit, {p['system_tokens']}-token system prompt: {t['off']['ttft_median_ms']:.1f} -> "
+          f"{t['on']['ttft_median_ms']:.1f} ms ({t['speedup']:.1f}x; goal >= 10x: "
+          f"{'met' if t['goal_met'] else 'MISSED'}), cached {t['on']['cached_tokens'][0]} tokens")
+    for label, row in (("shared system prompt", s), ("unique prompts", u)):
+        print(f"  {label}, {p['requests']} requests, {p['running']} running: {row['off']['tok_s']:.1f} -> "
+              f"{row['on']['tok_s']:.1f} output tok/s (x{row['throughput_ratio']:.2f}; never lower: "
+              f"{'met' if row['goal_met'] else 'MISSED'}), median TTFT {row['off']['ttft_median_ms']:.0f} -> "
+              f"{row['on']['ttft_median_ms']:.0f} ms, hit rate "
+              f"{row['on']['cached_tokens'] / row['on']['prompt_tokens']:.1%}")
+    print("  requests with equal greedy outputs, cache on vs off: " + ", ".join(
+        f"{k} {results[k]['requests_with_equal_outputs']}/{results[k]['requests']}" for k in ("ttft", "shared", "unique")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
