@@ -139,6 +139,7 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
             "cudaGraphMaxBatchSize", engine.get("maxRunningRequests", 32)
         ),
         "context_length": engine.get("contextLength", 8192),
+        "prefix_cache": engine.get("prefixCache", True),
     }
     if algorithm != "NONE":
         settings.update(
@@ -180,6 +181,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(ENGINE_PORT),
     ]
+    if not settings.get("prefix_cache", True):  # on is the engine's default
+        args.append("--no-prefix-cache")
     return args
 
 

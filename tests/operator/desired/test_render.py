@@ -90,6 +90,17 @@ def test_engine_command_line(children):
     assert container["image"] == DEFAULTS.image
 
 
+def test_prefix_cache_is_on_unless_the_spec_turns_it_off(children):
+    assert "--no-prefix-cache" not in engine_container(children)["args"]
+    sdd = make_sdd(engine={"prefixCache": False})
+    args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
+    assert args[-1] == "--no-prefix-cache"
+    # The engine's parser takes what the operator renders.
+    from specdeploy.cli import build_parser
+    parsed = build_parser().parse_args(["engine", "serve", *args])
+    assert parsed.prefix_cache is False
+
+
 def test_none_algorithm_has_no_draft_arguments():
     sdd = make_sdd(speculative={"algorithm": "NONE"}, engine={"dtype": "bfloat16"})
     del sdd["spec"]["draft"]
