@@ -291,7 +291,14 @@ def load_engine(args: argparse.Namespace, metrics):
     t0 = time.monotonic()
     log.info("loading target from %s: %s (%s, %s)", target_dir, _checkpoint_size(target_dir),
              str(dtype).removeprefix("torch."), device)
-    target = load_target(str(target_dir), dtype, device)
+    from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
+    from specdeploy.engine.models.llama import read_config
+
+    deepseek_v4 = v4ckpt.is_deepseek_v4_config(read_config(str(target_dir)))
+    if deepseek_v4:
+        target = v4ckpt.load_v4_target(str(target_dir), dtype, device)
+    else:
+        target = load_target(str(target_dir), dtype, device)
     weight_bytes = _param_bytes(target)
     log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
              time.monotonic() - t0)
@@ -299,7 +306,12 @@ def load_engine(args: argparse.Namespace, metrics):
     if plan.algorithm != "NONE":
         t1 = time.monotonic()
         log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir, _checkpoint_size(draft_dir))
-        draft = load_draft(str(draft_dir), plan.algorithm, target, dtype, device)
+        if deepseek_v4:
+            if plan.algorithm != "MTP":
+                raise ValueError(f"a DeepSeek-V4 target drafts with its own MTP layer, not {plan.algorithm}")
+            draft = v4ckpt.load_v4_mtp(str(draft_dir), target, dtype, device)
+        else:
+            draft = load_draft(str(draft_dir), plan.algorithm, target, dtype, device)
         weight_bytes += _param_bytes(draft)
         log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
                  human_bytes(_param_bytes(draft)), time.monotonic() - t1)
@@ -327,9 +339,15 @@ def load_engine(args: argparse.Namespace, metrics):
     adaptive = bool(args.adaptive_speculation)
     if adaptive and draft is None:
         raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
+    prefix_cache = args.prefix_cache
+    if deepseek_v4 and (prefix_cache or adaptive):
+        # Its pools trim a request's recent rows as tokens are committed (compressed_kv.py):
+        # neither a finished request's slots nor a later draft catch-up could read them.
+        log.warning("DeepSeek-V4: prefix cache and adaptive speculation are off (not supported for its pools yet)")
+        prefix_cache = adaptive = False
     runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
                     device=device, seed=args.seed, adaptive=adaptive,
-                    prefix_cache=args.prefix_cache, role=args.role,
+                    prefix_cache=prefix_cache, role=args.role,
                     # A prefill server never decodes: no decode graphs to capture.
                     graph_mode="off" if args.role == "prefill" else None)
     if adaptive:

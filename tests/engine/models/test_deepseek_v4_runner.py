@@ -35,9 +35,9 @@ def prompts():
     return [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 17, 3)]
 
 
-def serve(target, draft, spec, prefill_chunk_tokens=8192):
+def serve(target, draft, spec, prefill_chunk_tokens=8192, **kwargs):
     runner = Runner(target, draft, spec, max_total_tokens=300, max_running_requests=4, context_length=96,
-                    prefill_chunk_tokens=prefill_chunk_tokens)
+                    prefill_chunk_tokens=prefill_chunk_tokens, **kwargs)
     pools = [kv for kv in (runner.target_kv, runner.draft_kv) if kv is not None]
     baseline = runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]
     for i, p in enumerate(prompts()):
@@ -60,6 +60,18 @@ def test_greedy_mtp_equals_target_only(models, spec):
     out, runner = serve(target, mtp, spec)
     assert out == reference
     assert runner.num_draft_tokens_accepted > 0  # accepted paths were committed, not only roots
+
+
+def test_graph_buffers_and_padded_batches_change_nothing(models):
+    """graph_mode "padded": the CUDA graphs' static buffers, batch-size buckets and padded rows,
+    replayed eagerly (any device): the fixed-shape path the graphs capture on the GPU."""
+    target, mtp = models
+    reference, _ = serve(target, None, SpecConfig())
+    for spec in (SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4)):
+        out, _ = serve(target, mtp, spec, graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
+        assert out == reference
+    out, _ = serve(target, None, SpecConfig(), graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
+    assert out == reference
 
 
 def test_chunked_prefill_changes_nothing(models):

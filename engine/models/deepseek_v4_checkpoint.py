@@ -1,0 +1,222 @@
+"""DeepSeek-V4 checkpoints as published, and as transformers saves them, into the engine's model.
+
+Published names (deepseek-ai/DeepSeek-V4-*; the same renames transformers' conversion mapping
+for deepseek_v4 applies) -> the engine's (transformers' module names):
+
+    embed.weight / head.weight / norm.weight          embed_tokens / lm_head / norm
+    hc_head_{fn,base,scale}                           hc_head.{fn,base,scale}
+    layers.{i}.attn_norm / ffn_norm                   input_layernorm / post_attention_layernorm
+    layers.{i}.hc_{attn,ffn}_{fn,base,scale}          {attn,ffn}_hc.{fn,base,scale}
+    layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b,attn_sink}
+                          self_attn.{q_a_proj,q_a_norm,q_b_proj,kv_proj,kv_norm,o_a_proj,o_b_proj,sinks}
+    layers.{i}.attn.compressor.{wkv,wgate,ape,norm}   self_attn.compressor.{kv_proj,gate_proj,position_bias,kv_norm}
+    layers.{i}.attn.indexer.compressor.*              self_attn.compressor.indexer.* (same leaves)
+    layers.{i}.attn.indexer.{wq_b,weights_proj}       self_attn.compressor.indexer.{q_b_proj,scorer.weights_proj}
+    layers.{i}.ffn.gate.{weight,bias,tid2eid}         mlp.gate.{weight,e_score_correction_bias,tid2eid}
+    layers.{i}.ffn.shared_experts.{w1,w3,w2}          mlp.shared_experts.{gate,up,down}_proj
+    layers.{i}.ffn.experts.{j}.{w1,w3,w2}.weight      mlp.experts.gate_up_proj[j] = [w1; w3], down_proj[j] = w2
+    mtp.0.{enorm,hnorm,e_proj,h_proj,norm,hc_head_*}  the MTP draft's own; mtp.0.<block> its decoder block
+
+Quantization (config.json quantization_config quant_method fp8, weight_block_size [128, 128];
+expert_dtype fp4): a linear's scale is stored beside it as `<linear>.scale` (read as
+weight_scale_inv, float32 or E8M0). FP8 linears stay e4m3 codes in the engine's FP8 linears
+(engine/models/fp8.py: Triton kernels on Hopper, dequantize + matmul elsewhere); the grouped
+output projection (wo_a), read as one block matrix, is dequantized to the model dtype on load.
+Routed experts, FP4 (e2m1 pairs packed in int8 [N, K / 2], one E8M0 scale per 32 inputs) or FP8,
+are dequantized into the model dtype on load as their stacked weights are filled; their GEMMs
+then run in that dtype (torch's grouped GEMM on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from specdeploy.engine.models.checkpoint import Checkpoint
+from specdeploy.engine.models.deepseek_v4 import DeepseekV4Model, DeepseekV4MTP, V4ModelConfig, build_mtp, build_target
+from specdeploy.engine.models.fp8 import (convert_fp8_linears, dequantize_fp4, dequantize_fp8, fp8_format,
+                                          ignored_tensor)
+from specdeploy.engine.models.hc import canonical_hc_key
+from specdeploy.engine.models.layers import load_state
+
+log = logging.getLogger("specdeploy.engine.load")
+
+# In the order transformers applies them (some patterns act on an earlier one's result).
+_RENAMES = tuple((re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"),
+    (r"^head\.weight", "lm_head.weight"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+))
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.(weight|weight_scale_inv)$")
+# Head-level tensors of an MTP layer (everything else under mtp.{k}. is its decoder block).
+_MTP_HEAD = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head_")
+_MTP_SHARED = ("emb.", "head.", "embed.")
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def engine_name(name: str) -> str:
+    """A checkpoint tensor name (published or transformers layout) -> the engine's name."""
+    name = name.removeprefix("model.")
+    if name.endswith(".scale") and not name.endswith(("_hc.scale", "hc_head.scale")):
+        name = name[: -len(".scale")] + SCALE_SUFFIX  # published per-block scales
+    for pattern, replacement in _RENAMES:
+        name = pattern.sub(replacement, name)
+    return canonical_hc_key(name)
+
+
+def mtp_engine_name(name: str, index: int = 0) -> str | None:
+    """`mtp.{index}.*` -> the MTP draft's name (None: not this layer's, or shared with the target)."""
+    prefix = f"mtp.{index}."
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    if rest.startswith(_MTP_SHARED):
+        return None
+    if rest.startswith(_MTP_HEAD):
+        return canonical_hc_key(engine_name(rest))
+    return engine_name("layers.0." + rest)
+
+
+class _Experts:
+    """Fills each layer's stacked expert weights from per-expert tensors (dequantized on the way)
+    and reports a stacked parameter once all its experts are in."""
+
+    def __init__(self, model: torch.nn.Module, names: set[str], fmt, dtype: torch.dtype):
+        self.model, self.names, self.fmt, self.dtype = model, names, fmt, dtype
+        self.pending: dict[str, torch.Tensor] = {}
+        self.filled: dict[str, set[tuple[int, str]]] = {}
+
+    def take(self, name: str, tensor: torch.Tensor):
+        """Consume an expert tensor; yields (stacked name, parameter) when one is complete."""
+        m = _EXPERT.match(name)
+        layer, expert, proj, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        base = name.rsplit(".", 1)[0]
+        weight_name, scale_name = base + ".weight", base + SCALE_SUFFIX
+        self.pending[name] = tensor
+        if weight_name not in self.pending or (scale_name in self.names and scale_name not in self.pending):
+            return
+        weight, scale = self.pending.pop(weight_name), self.pending.pop(scale_name, None)
+        if scale is None:
+            w = weight.to(self.dtype)
+        elif weight.dtype in (torch.int8, torch.uint8):
+            w = dequantize_fp4(weight, scale, dtype=self.dtype)        # FP4 experts
+        else:
+            w = dequantize_fp8(weight, scale, self.fmt.block, dtype=self.dtype)
+        experts = self.model.get_submodule(f"layers.{layer}.mlp.experts")
+        i = experts.gate_up_proj.shape[1] // 2
+        with torch.no_grad():
+            if proj == "w1":
+                experts.gate_up_proj[expert, :i].copy_(w)
+            elif proj == "w3":
+                experts.gate_up_proj[expert, i:].copy_(w)
+            else:
+                experts.down_proj[expert].copy_(w)
+        e = experts.gate_up_proj.shape[0]
+        for stacked, projs in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+            if proj in projs:
+                key = f"layers.{layer}.mlp.experts.{stacked}"
+                done = self.filled.setdefault(key, set())
+                done.add((expert, proj))
+                if len(done) == e * len(projs):
+                    # Handed to load_state as its own parameter: counted as loaded, copied onto itself.
+                    yield key, getattr(experts, stacked)
+
+
+def _dequantize_grouped(model: torch.nn.Module, tensors, dtype):
+    """wo_a (the grouped output projection) arrives as codes + scale: hand load_state its
+    dequantized weight (the forward reads it as one [groups * rank, heads * hd / groups] matrix)."""
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if ".o_a_proj." in name:
+            held[name] = tensor
+            base = name.rsplit(".", 1)[0]
+            w, s = held.get(base + ".weight"), held.get(base + SCALE_SUFFIX)
+            if w is not None and (s is not None or w.is_floating_point() and w.dtype != torch.float8_e4m3fn):
+                held.pop(base + ".weight")
+                held.pop(base + SCALE_SUFFIX, None)
+                fmt_block = getattr(model, "_fp8_block", (128, 128))
+                yield base + ".weight", (w.to(dtype) if s is None else dequantize_fp8(w, s, fmt_block, dtype))
+            continue
+        yield name, tensor
+    if held:
+        raise ValueError(f"checkpoint: {sorted(held)[0]} has no matching weight / scale")
+
+
+def _load(model: torch.nn.Module, checkpoint: Checkpoint, raw: dict, rename, dtype: torch.dtype,
+          ignore: tuple[str, ...] = ()) -> None:
+    fmt = fp8_format(raw)
+    names = {}
+    for n in checkpoint.names():
+        mapped = rename(n)
+        if mapped is not None:
+            names[n] = mapped
+    engine_names = set(names.values())
+    if fmt is not None:
+        model._fp8_block = fmt.block
+        # o_a_proj stays in the model dtype (dequantized on load); experts are not linears.
+        fp8_names = {n for n in engine_names if ".o_a_proj." not in n}
+        converted = convert_fp8_linears(model, fmt, fp8_names)
+        log.info("fp8: %d linears from %s %s checkpoint weights", len(converted), fmt.scheme, fmt.scale_name)
+    experts = _Experts(model, engine_names, fmt, dtype)
+
+    def stream():
+        for name, tensor in checkpoint.tensors(skip=lambda n: n not in names):
+            mapped = names[name]
+            if _EXPERT.match(mapped):
+                yield from experts.take(mapped, tensor)
+            else:
+                yield mapped, tensor
+
+    load_state(model, _dequantize_grouped(model, stream(), dtype),
+               ignore=("rotary_emb.", *ignore, *ignored_tensor(fmt)))
+    if experts.pending:
+        raise ValueError(f"checkpoint: expert tensor {sorted(experts.pending)[0]} has no matching weight / scale")
+
+
+def load_v4_target(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                   feature_kind: str | None = None) -> DeepseekV4Model:
+    """DeepSeek-V4 from a model directory (config.json + weights, published or transformers
+    names, FP8 / FP4 as published)."""
+    from specdeploy.engine.models.llama import read_config
+
+    raw = read_config(path)
+    model = build_target(V4ModelConfig.from_hf(raw), dtype, device, feature_kind)
+    _load(model, Checkpoint(path), raw, lambda n: None if n.startswith("mtp.") else engine_name(n), dtype)
+    return model
+
+
+def load_v4_mtp(path: str, target: DeepseekV4Model, dtype: torch.dtype = torch.bfloat16, device="cpu") -> DeepseekV4MTP:
+    """The target checkpoint's first MTP layer (mtp.0.*) as the draft."""
+    from specdeploy.engine.models.llama import read_config
+
+    raw = read_config(path)
+    head = build_mtp(target, dtype, device)
+    _load(head, Checkpoint(path), raw, mtp_engine_name, dtype)
+    return head
+
+
+def is_deepseek_v4_config(raw: dict) -> bool:
+    c = raw.get("text_config", raw)
+    return str(c.get("model_type", "")).startswith("deepseek_v4")
