@@ -54,6 +54,8 @@ from specdeploy.engine.runtime.kv import SlotTable
 
 # Bigram key = (token_i << _BIGRAM_SHIFT) + token_{i+1}; vocabularies are far below 2**31.
 _BIGRAM_SHIFT = 31
+# Eviction frees at least capacity // _EVICT_FRACTION slots at a time.
+_EVICT_FRACTION = 64
 
 
 class _Node:
@@ -183,9 +185,11 @@ class PrefixCache:
 
     def evict(self, num_slots: int) -> int:
         """Free at least num_slots slots (fewer if not that many are evictable) by dropping
-        unlocked leaves, least recently used first. -> slots freed."""
+        unlocked leaves, least recently used first; at least 1/64 of the pool, so that the walk
+        over the tree is paid once per many allocations, not once per step. -> slots freed."""
         if num_slots <= 0:
             return 0
+        num_slots = max(num_slots, self.table.capacity // _EVICT_FRACTION)
         heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0

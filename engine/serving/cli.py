@@ -347,7 +347,8 @@ def load_engine(args: argparse.Namespace, metrics):
         prefix_cache = adaptive = False
     runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
                     device=device, seed=args.seed, adaptive=adaptive,
-                    prefix_cache=prefix_cache, role=args.role,
+                    # A decode server takes every prompt from its prefill server: nothing to match.
+                    prefix_cache=prefix_cache and args.role != "decode", role=args.role,
                     # A prefill server never decodes: no decode graphs to capture.
                     graph_mode="off" if args.role == "prefill" else None)
     if adaptive:
@@ -386,7 +387,7 @@ def load_engine(args: argparse.Namespace, metrics):
                           log_interval_s=args.log_interval_s)
     log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s",
              plan.max_running_requests, queued, plan.context_length, max_total_tokens,
-             "on" if args.prefix_cache else "off")
+             "on" if runner.prefix_cache is not None else "off")
     if args.role == "both":
         return scheduler, tokenizer
     return scheduler, tokenizer, disaggregation_service(args, scheduler)
