@@ -263,19 +263,11 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"equal_outputs": equal, "of": len(a), "mean_common_prefix": sum(prefix) / len(prefix)}
 
 
-def run(ctx) -> dict:
-    s = dict(SIZES["smoke" if ctx.smoke else "device"])
-    for key in ("target_budget_s", "head_budget_s", "assistant_budget_s"):
-        if key in ctx.profile:
-            s[key] = ctx.profile[key]
+def train_pair(ctx, s: dict, result: dict) -> dict:
+    """Corpus, tokenizer, target and EAGLE head (steps 1-4 of the module docstring), trained on
+    ctx's device in float32 (bf16 autocast on the GPU); what it measures goes into `result`.
+    -> the models and what evaluating them needs."""
     dev = ctx.device
-    attention_mod.set_backend("reference")  # training needs autograd through attention
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    result = {"budget": {k: s[k] for k in ("target_budget_s", "head_budget_s", "assistant_budget_s")},
-              "sizes": {k: v for k, v in s.items() if not k.endswith("_budget_s")}}
-
     t0 = time.perf_counter()
     train_texts, held_texts, corpus_info = corpus(s["corpus_bytes"])
     tok_texts, n = [], 0
@@ -298,7 +290,6 @@ def run(ctx) -> dict:
     eos = tok.token_to_id(train.EOS_TOKEN)
     vocab = tok.get_vocab_size()
     target_cfg = train.llama_config(vocab, bos_token_id=bos, eos_token_id=eos, **s["target"])
-    assistant_cfg = train.llama_config(vocab, bos_token_id=bos, eos_token_id=eos, **s["assistant"])
     common_kw = dict(batch_size=s["batch_size"], seq_len=s["seq_len"], device=str(dev),
                      autocast_dtype=_amp_dtype(dev))
     result["corpus"]["unigram_held_out_loss"] = unigram_loss(stream, held, vocab)
@@ -336,6 +327,26 @@ def run(ctx) -> dict:
                                    target, head, held, s["eval_windows"], s["seq_len"]),
                                "target_generations": None if generations is None else list(generations.shape),
                                "target_generations_s": gen_s}
+    return {"stream": stream, "held": held, "vocab": vocab, "bos": bos, "eos": eos, "target_cfg": target_cfg,
+            "common_kw": common_kw, "target": target, "head": head}
+
+
+def run(ctx) -> dict:
+    s = dict(SIZES["smoke" if ctx.smoke else "device"])
+    for key in ("target_budget_s", "head_budget_s", "assistant_budget_s"):
+        if key in ctx.profile:
+            s[key] = ctx.profile[key]
+    dev = ctx.device
+    attention_mod.set_backend("reference")  # training needs autograd through attention
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    result = {"budget": {k: s[k] for k in ("target_budget_s", "head_budget_s", "assistant_budget_s")},
+              "sizes": {k: v for k, v in s.items() if not k.endswith("_budget_s")}}
+    pair = train_pair(ctx, s, result)
+    stream, held, vocab, target, head = (pair[k] for k in ("stream", "held", "vocab", "target", "head"))
+    target_cfg, common_kw = pair["target_cfg"], pair["common_kw"]
+    assistant_cfg = train.llama_config(vocab, bos_token_id=pair["bos"], eos_token_id=pair["eos"], **s["assistant"])
 
     prog = _Progress()
     t0 = time.perf_counter()
@@ -430,6 +441,12 @@ def run(ctx) -> dict:
                       f"head = target top-1 {100 * result['head_training']['held_out_first_token_agreement']:.0f}% "
                       "(held-out, teacher-forced)"],
     })
+    # Section 7 embeds this pair into the Llama-3.1-8B shape (bench/e2e8b.py): it keeps the
+    # trained models and the greedy engine outputs they gave.
+    ctx.trained_pair = {"target": target, "head": head, "held": held, "prompts": prompts, "warm": warm,
+                        "new_tokens": n_new, "prompt_len": s["prompt_len"],
+                        "outputs": {k: v["outputs"] for k, v in systems.items()
+                                    if k.startswith("engine") and not v.get("temperature")}}
     del hf_target, hf_draft, target, head, assistant
     free_device_memory()
     return result

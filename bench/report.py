@@ -324,7 +324,71 @@ def profiles(sections: dict) -> str:
     return "\n".join(p for p in parts if p)
 
 
-RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6}
+def s7(r: dict) -> str:
+    e, p = r["embedding"], r["parity"]
+    sm, big = e["small"], e["shape"]
+    lines = [
+        f"How the models were made: section 5's trained pair ({r.get('trained_in', '—')}) embedded exactly into "
+        f"Llama-3.1-8B shapes (engine/demo/embed.py): hidden {sm['hidden_size']} → {big['hidden_size']} "
+        f"(zero-padded), {sm['num_heads']}/{sm['num_kv_heads']} → {big['num_heads']}/{big['num_kv_heads']} "
+        f"query/KV heads of {sm['head_dim']} → {big['head_dim']} (extra heads zero, q scaled for the softmax), "
+        f"MLP {sm['intermediate_size']} → {big['intermediate_size']}, {sm['num_layers']} → {big['num_layers']} "
+        f"layers (the trained ones at {e['small_layers_at']}, the others random with zero output projections), "
+        f"RMSNorm weights and eps rescaled for the padded width, vocabulary {sm['vocab_size']} → "
+        f"{big['vocab_size']} (zero rows). The function is the small model's; every step reads the 8B's "
+        f"bytes: {e['target_params'] / 1e9:.2f} B target parameters ({e['target_weight_bytes'] / GB:.2f} GB), "
+        f"{e['head_params'] / 1e6:.0f} M in the EAGLE head. Float32 equality of the logits is tested on a tiny "
+        "instance (tests/engine/demo/test_embed.py).",
+        "",
+        f"Embedded vs small target in bf16 on {p['positions']} held-out positions: logits differ by "
+        f"{p['rel_l2_logits']:.2e} (relative L2), argmax agrees on {100 * p['argmax_agreement']:.1f}%; the padded "
+        f"tokens' logits are {p['padded_logits_max_abs']:.0f} and every real logit is below them at "
+        f"{p['positions_all_real_logits_below_zero']} positions (greedy never leaves the trained vocabulary).",
+        "",
+        f"Batch 1, end to end: {r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['new_tokens']} new "
+        "tokens each, greedy; tok/s counts whole requests (prefill + decode).", ""]
+    rows = []
+    for x in r["rows"]:
+        same = x["same_output_as_engine_target_only"]
+        small = x.get("same_output_as_small_target")
+        rows.append([x["system"], _f(x.get("accept_length"), 2), _f(x["tok_s"], 1),
+                     f"{x['speedup_vs_engine_target_only']:.2f}×", f"{x['speedup_vs_transformers']:.2f}×",
+                     f"{x['speedup_vs_best_transformers']:.2f}×",
+                     f"{same['equal_outputs']}/{same['of']} (prefix {same['mean_common_prefix']:.0f})",
+                     "—" if small is None else f"{small['equal_outputs']}/{small['of']} "
+                                               f"(prefix {small['mean_common_prefix']:.0f})",
+                     ", ".join(f"{k}: {v}" for k, v in x.get("shape_steps", {}).items() if v) or "—"])
+    lines.append(_table(["system", "accept length", "tok/s", "vs engine target-only", "vs transformers eager",
+                         "vs best transformers", "same tokens as engine target-only",
+                         "same tokens as the small target", "adaptive: steps per shape"], rows))
+    if r.get("hf_compile_error"):
+        lines += ["", f"transformers static + compile failed: `{r['hf_compile_error']}`"]
+    lines += ["", "Batch sweep: each configuration on one runner (graphs for every bucket), the batch's requests "
+                  f"admitted at once, {r['sizes']['sweep_new_tokens']} new tokens each; generated tok/s of the whole "
+                  "batch, and the multiple of target-only.", ""]
+    rows = [[x["batch"], _f(x["target_only_tok_s"], 0), f"{_f(x['chain_tok_s'], 0)} ({x['chain_x']:.2f}×)",
+             f"{_f(x['tree_tok_s'], 0)} ({x['tree_x']:.2f}×)", f"{_f(x['adaptive_tok_s'], 0)} ({x['adaptive_x']:.2f}×)",
+             ", ".join(f"{k}: {v}" for k, v in (x.get("adaptive_shapes") or {}).items())]
+            for x in r["sweep_table"]]
+    lines.append(_table(["batch", "target-only tok/s", "chain (3,1,4)", "tree (3,4,8)", "adaptive",
+                         "adaptive: steps per shape"], rows))
+    c = r["crossover_batch"]
+    lines += ["", "Crossover (the smallest batch at which a fixed shape is slower than target-only): "
+                  + ", ".join(f"{k} {'none up to ' + str(r['sweep_table'][-1]['batch']) if v is None else v}"
+                              for k, v in c.items()) + "."]
+    pol = r["sweep"]["adaptive"].get("policy")
+    if pol:
+        rates = pol["acceptance_rates"]
+        lines += ["", "Adaptive policy at the end of the sweep: per-depth acceptance "
+                  + "; ".join(f"{k} [{', '.join(f'{x:.2f}' for x in v)}]" for k, v in rates.items())
+                  + "; expected tokens per step " + ", ".join(f"{k} {v:.2f}" for k, v in pol["expected_tokens"].items())
+                  + f"; predicted crossover batch {pol['crossover_batch'] or 'none'}."]
+    for g in r["goals"]:
+        lines += ["", f"Goal: {g['metric']} ≥ {g['target']}× — measured {g['value']:.2f}×: {_met(g['met'])}."]
+    return "\n".join(lines)
+
+
+RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6, "7": s7}
 
 
 # ---- goals and figures -------------------------------------------------------------------------
@@ -363,6 +427,12 @@ def goals(sections: dict) -> str:
         g = r["goal"]
         rows.append(["speculative vs target-only tok/s at batch 1 (trained models)", "≥ 2.5×",
                      f"{g['value']:.2f}×", _met(g["met"])])
+    r = res("7")
+    if r:
+        for g in r["goals"]:
+            rows.append([g["metric"], f"≥ {g['target']}×", f"{g['value']:.2f}×", _met(g["met"])])
+        for name, batch in r["crossover_batch"].items():
+            rows.append([f"crossover batch, fixed {name}", "report", "none up to 64" if batch is None else str(batch), "—"])
     r = res("6")
     if r:
         for x in r["rows"]:

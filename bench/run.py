@@ -2,6 +2,7 @@
 
     python3 bench/run.py --sections 1,2,3,4,6 --out RUN1     # ~6 min on an H200
     python3 bench/run.py --sections 5 --out RUN2             # ~2.5 min
+    python3 bench/run.py --sections 5,7 --out RUN3           # ~5 min: 5, then its pair at the 8B cost
     python3 bench/run.py --smoke                             # every section, CPU, tiny shapes
     python3 bench/report.py RUN1 RUN2                        # -> docs/benchmarks.md
 
@@ -9,7 +10,9 @@ The package need not be installed: common.bootstrap_specdeploy() imports specdep
 this checkout.
 
 Sections (issue 8): 1 roofline, 2 target-only decode, 3 speculative step costs, 4 CUDA graphs vs
-eager, 5 real acceptance (trained target + EAGLE head), 6 planner truth. Each writes
+eager, 5 real acceptance (trained target + EAGLE head), 6 planner truth; (issue 19) 7 the trained
+pair of section 5 embedded exactly in Llama-3.1-8B shapes, end to end, and the batch sweep of
+adaptive speculation (`--sections 5,7` reuses section 5's training; alone, 7 trains its own). Each writes
 <out>/<n>_<name>.json as soon as it ends; a failing section is recorded with its traceback and the
 suite goes on. Sections run in the order 6, 1, 4, 3, 2, 5 whatever order they are given in: the
 planner first, in a process that holds nothing else yet (it fills the GPU with the plan's KV
@@ -45,8 +48,10 @@ SECTIONS = {
     "4": ("graphs_vs_eager", "CUDA graphs vs eager"),
     "5": ("acceptance", "Real acceptance: trained target and EAGLE head"),
     "6": ("planner", "Planner truth: planned vs held memory"),
+    "7": ("e2e8b", "End to end at the 8B cost: the trained pair embedded in Llama-3.1-8B shapes, "
+                   "and adaptive speculation from batch 1 to 64"),
 }
-ORDER = ("6", "1", "4", "3", "2", "5")
+ORDER = ("6", "1", "4", "3", "2", "5", "7")
 
 # A hyper-connection (hc_mult 4) target: the Llama-3.1-8B shape with four residual streams
 # (spec_hidden_size 16384, float32 mixing weights on every sublayer), so that its figures sit
@@ -118,6 +123,7 @@ class Context:
         self.dtype = torch.bfloat16
         self.args = args
         self._target = None
+        self.trained_pair = None  # section 5's trained target and head, for section 7
         self._bandwidth = None
         self.partial = lambda results: None  # set per section by _run_section
 
@@ -220,7 +226,7 @@ def _summary(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", default="1,2,3,4,5,6",
+    parser.add_argument("--sections", default="1,2,3,4,5,6,7",
                         help="comma-separated section numbers or names (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: exercise the code")
     parser.add_argument("--out", default=None, help="output folder (default: $SPECDEPLOY_BENCH_OUT or .bench)")
@@ -273,7 +279,7 @@ def main(argv=None) -> int:
             write_json(f"{key}_{SECTIONS[key][0]}.json", rec, out)
             records.append(rec)
             continue
-        if key in ("6", "5"):
+        if key in ("6", "5", "7"):
             ctx.release()  # the planner fills the GPU; training wants it to itself
         records.append(_run_section(key, ctx, out))
     print(_summary(records), flush=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("1_roofline", "2_decode", "3_spec_step", "4_graphs_vs_eager", "5_acceptance", "6_planner")
+SECTIONS = ("1_roofline", "2_decode", "3_spec_step", "4_graphs_vs_eager", "5_acceptance", "6_planner", "7_e2e8b")
 
 
 def _missing_engine_pieces() -> list[str]:
@@ -34,7 +34,7 @@ def test_bench_smoke(tmp_path):
         pytest.skip(f"engine pieces the bench needs are not importable: {missing}")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-P", "bench/run.py", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SUMMARY" in proc.stdout
     env = json.loads((out / "env.json").read_text())
@@ -68,6 +68,15 @@ def test_bench_smoke(tmp_path):
     chain = next(r for r in accept["rows"] if r["system"] == "engine EAGLE chain")
     assert chain["accept_length"] >= 1.0
 
+    e2e = json.loads((out / "7_e2e8b.json").read_text())["results"]
+    assert e2e["trained_in"] == "section 5 of this run"  # the pair is section 5's, not trained twice
+    assert e2e["parity"]["argmax_agreement"] > 0.9 and e2e["parity"]["padded_logits_max_abs"] == 0
+    assert {r["system"] for r in e2e["rows"]} >= {"engine target-only", "engine EAGLE chain",
+                                                  "engine EAGLE adaptive", "transformers"}
+    assert [r["batch"] for r in e2e["sweep_table"]] == [1, 2]
+    assert all(r["adaptive_tok_s"] > 0 and r["adaptive_shapes"] for r in e2e["sweep_table"])
+    assert len(e2e["goals"]) == 3
+
     planner = json.loads((out / "6_planner.json").read_text())["results"]
     for row in planner["rows"]:
         assert "error" not in row, row.get("traceback")
@@ -79,5 +88,5 @@ def test_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = md.read_text()
     assert "Smoke run" in text and "How to read these numbers" in text
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## Goals"):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## Goals"):
         assert heading in text
