@@ -3,6 +3,9 @@
 mean accept length = 1 + accepted draft tokens / verify steps, summed over ready pods (each
 counter is cumulative since its pod started, so this is the lifetime mean of the current pods);
 tokens per second = the sum of the pods' generation throughput gauges.
+An engine with adaptive speculation also reports the shape of its last decode step and its
+measured per-depth acceptance: the status shows the shapes the pods run (one label, or the
+distinct ones joined with '/') and the acceptance per depth averaged over the pods.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from specdeploy.operator.desired.render import ENGINE_PORT
 ACCEPTED_TOKENS = "specdeploy_spec_decode_num_accepted_tokens_total"
 VERIFY_STEPS = "specdeploy_spec_decode_num_steps_total"
 TOKENS_PER_SECOND = "specdeploy_generation_tokens_per_second"
+ADAPTIVE = "specdeploy_spec_decode_adaptive"
+SHAPE = "specdeploy_spec_decode_shape"
+ACCEPTANCE_RATE = "specdeploy_spec_decode_acceptance_rate"
 SCRAPE_TIMEOUT_S = 2.0
 
 # name{labels} value  (timestamps, if any, follow the value and are ignored)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -30,19 +37,36 @@ class EngineSample:
     accepted_tokens: float
     verify_steps: float
     tokens_per_second: float
+    shape: str | None = None                        # adaptive engines: the last decode step's
+    acceptance_rates: tuple[float, ...] = ()        # adaptive engines: depth 1, 2, ...
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
     """Sum each wanted metric over its label sets; absent metrics count as 0."""
     totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0}
+    adaptive, shape, rates = False, None, {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
-        if match and match.group(1) in totals:
-            try:
-                totals[match.group(1)] += float(match.group(3))
-            except ValueError:
-                continue
-    return EngineSample(totals[ACCEPTED_TOKENS], totals[VERIFY_STEPS], totals[TOKENS_PER_SECOND])
+        if not match:
+            continue
+        name = match.group(1)
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        if name in totals:
+            totals[name] += value
+        elif name == ADAPTIVE:
+            adaptive = value == 1
+        elif name in (SHAPE, ACCEPTANCE_RATE):
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            if name == SHAPE and value == 1 and "shape" in labels:
+                shape = labels["shape"]
+            elif name == ACCEPTANCE_RATE and labels.get("depth", "").isdigit():
+                rates[int(labels["depth"])] = value
+    depths = tuple(rates[d] for d in sorted(rates))
+    return EngineSample(totals[ACCEPTED_TOKENS], totals[VERIFY_STEPS], totals[TOKENS_PER_SECOND],
+                        shape if adaptive else None, depths if adaptive else ())
 
 
 def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
@@ -54,6 +78,13 @@ def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
     result = {"tokensPerSecond": round(sum(s.tokens_per_second for s in samples), 1)}
     if steps > 0:
         result["meanAcceptLength"] = round(1 + sum(s.accepted_tokens for s in samples) / steps, 2)
+    shapes = sorted({s.shape for s in samples if s.shape is not None})
+    if shapes:
+        result["speculativeShape"] = "/".join(shapes)
+    rated = [s.acceptance_rates for s in samples if s.acceptance_rates]
+    if rated:
+        depth = min(len(r) for r in rated)
+        result["acceptanceRates"] = [round(sum(r[d] for r in rated) / len(rated), 3) for d in range(depth)]
     return result
 
 

@@ -147,6 +147,8 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
             topk=topk,
             num_draft_tokens=speculative.get("numDraftTokens", num_steps + 1),
         )
+        if speculative.get("adaptive"):  # absent when off: existing pods keep their config hash
+            settings["adaptive"] = True
     if engine.get("dtype"):
         settings["dtype"] = engine["dtype"]
     if spec.get("draft"):
@@ -172,6 +174,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
             "--topk", str(settings["topk"]),
             "--num-draft-tokens", str(settings["num_draft_tokens"]),
         ]
+        if settings.get("adaptive"):
+            args.append("--adaptive-speculation")
     # Always the planned dtype: the engine's own default (auto) means bf16 on GPU, which is not
     # what a float16 or float32 plan sized.
     args += ["--plan", PLAN_PATH, "--dtype", settings["dtype"]]

@@ -322,10 +322,11 @@ def serving(
 
 
 def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) -> dict[str, Any]:
-    """Record the engines' own figures (meanAcceptLength, tokensPerSecond) under serving."""
+    """Record the engines' own figures (meanAcceptLength, tokensPerSecond; with adaptive
+    speculation speculativeShape and acceptanceRates) under serving."""
     status = _base(current)
     serving_status = dict(status.get("serving") or {})
-    for key in ("meanAcceptLength", "tokensPerSecond"):
+    for key in ("meanAcceptLength", "tokensPerSecond", "speculativeShape", "acceptanceRates"):
         if key in figures:
             serving_status[key] = figures[key]
     status["serving"] = serving_status

@@ -50,7 +50,8 @@ def test_enums_follow_the_catalogs():
 def test_printer_columns_point_at_fields_the_operator_writes():
     _, version, schema = load()
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Age"]
+    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Shape", "Age"]
+    assert columns["Shape"] == ".status.serving.speculativeShape"
     assert columns["GPUs"] == ".status.plan.gpusPerReplica"
     assert columns["Max tokens"] == ".status.plan.maxTotalTokens"
     assert columns["Accept length"] == ".status.serving.meanAcceptLength"
@@ -60,6 +61,7 @@ def test_printer_columns_point_at_fields_the_operator_writes():
         key = path.rsplit(".", 1)[1]
         assert key in written and key in status_props["plan"]["properties"]
     assert "meanAcceptLength" in status_props["serving"]["properties"]
+    assert "speculativeShape" in status_props["serving"]["properties"]
 
 
 def test_every_model_source_rule_applies_to_target_and_draft():
@@ -78,6 +80,7 @@ def cel_to_python(rule: str) -> str:
     expr = re.sub(r"!has\(self\.(\w+)\)", r"('\1' not in self)", rule)
     expr = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", expr)
     expr = re.sub(r"self\.(\w+)", r"self['\1']", expr)
+    expr = re.sub(r"!self\['(\w+)'\]", r"(not self['\1'])", expr)
     assert not re.search(r"!(?!=)", expr), f"unsupported CEL in {rule!r}"
     return expr.replace("||", " or ").replace("&&", " and ")
 
@@ -115,6 +118,12 @@ def test_num_draft_tokens_bound_table(steps, topk, n, accepted):
     spec = {"algorithm": "EAGLE3", "numSteps": steps, "topk": topk, "numDraftTokens": n}
     assert crd_accepts_speculative(spec) == accepted
     assert plan_accepts(steps, topk, n) == accepted
+
+
+def test_adaptive_needs_a_draft():
+    assert crd_accepts_speculative({"algorithm": "EAGLE3", "adaptive": True})
+    assert crd_accepts_speculative({"algorithm": "NONE", "adaptive": False})
+    assert not crd_accepts_speculative({"algorithm": "NONE", "adaptive": True})
 
 
 def test_crd_and_plan_agree_on_num_draft_tokens():

@@ -38,6 +38,10 @@ INVALID = {
         spec(speculative={"algorithm": "EAGLE3", "numSteps": 2, "topk": 2, "numDraftTokens": 8}),
         "must not exceed the candidate pool",
     ),
+    "adaptive-without-draft": (
+        spec(draft=None, speculative={"algorithm": "NONE", "adaptive": True}),
+        "adaptive speculation needs a draft",
+    ),
     "zero-steps": (spec(speculative={"algorithm": "EAGLE3", "numSteps": 0, "topk": 1}), "spec.speculative.numSteps"),
     "two-config-sources": (
         spec(target={**LLAMA, "config": {"hidden_size": 1}, "configMapRef": {"name": "c"}}),
@@ -106,6 +110,7 @@ VALID = {
     "eagle-tree": spec(draft=dict(EAGLE3), speculative={"algorithm": "EAGLE", "numSteps": 3, "topk": 4, "numDraftTokens": 16}),
     "mtp-without-draft": spec(draft=None, speculative={"algorithm": "MTP", "numSteps": 1, "topk": 1}),
     "none": spec(draft=None, speculative={"algorithm": "NONE"}),
+    "adaptive": spec(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "adaptive": True}),
     "inline-config": spec(target={"model": "/models/llama", "config": {"hidden_size": 8}}),
     "config-map": spec(draft={"model": "/models/eagle", "configMapRef": {"name": "eagle-config"}}),
 }
@@ -119,6 +124,7 @@ def test_valid_resource_is_accepted_with_defaults(kube_cluster, validation_names
     assert stored["target"]["revision"] == "main"
     assert stored["engine"]["maxRunningRequests"] == 32 and stored["engine"]["contextLength"] == 8192
     assert stored["gpu"]["perNode"] == 8
+    assert stored["speculative"]["adaptive"] is (case == "adaptive")
     if "configMapRef" in stored.get("draft", {}):
         assert stored["draft"]["configMapRef"]["key"] == "config.json"
 

@@ -62,6 +62,32 @@ def test_scrape_and_summarize(two_engines):
     assert figures == {"meanAcceptLength": 3.0, "tokensPerSecond": 1350.5}
 
 
+def test_adaptive_engines_report_their_shape_and_acceptance():
+    from specdeploy.engine.speculative.adaptive import NONE, SpecShape
+
+    def engine(shape, rates):
+        m = EngineMetrics("llama")
+        m.spec_decode_num_steps.inc(10)
+        m.spec_decode_num_accepted_tokens.inc(20)
+        m.decode_shape(SpecShape(2, 1, 3))
+        m.decode_shape(shape)           # the last decode step's shape is the current one
+        m.adaptive_estimates({"acceptance_rates": {"chain": rates}, "expected_tokens": {"none": 1.0},
+                              "crossover_batch": 32})
+        return sm.parse_engine_metrics(m.render().decode())
+
+    a, b = engine(SpecShape(3, 1, 4), [0.8, 0.7, 0.6]), engine(NONE, [0.6, 0.5, 0.4])
+    assert a.shape == "3,1,4" and b.shape == "none" and a.acceptance_rates == (0.8, 0.7, 0.6)
+    figures = sm.summarize([a, b])
+    assert figures["speculativeShape"] == "3,1,4/none"
+    assert figures["acceptanceRates"] == [0.7, 0.6, 0.5]
+    assert sm.summarize([a])["speculativeShape"] == "3,1,4"
+    # A fixed-shape engine reports neither.
+    fixed = sm.summarize([sm.parse_engine_metrics(EngineMetrics("x").render().decode())])
+    assert "speculativeShape" not in fixed and "acceptanceRates" not in fixed
+    st = status.engine_metrics({}, figures)
+    assert st["serving"]["speculativeShape"] == "3,1,4/none" and st["serving"]["acceptanceRates"] == [0.7, 0.6, 0.5]
+
+
 def test_no_steps_yet_gives_throughput_only():
     fresh = sm.parse_engine_metrics(EngineMetrics("x").render().decode())
     assert sm.summarize([fresh]) == {"tokensPerSecond": 0.0}

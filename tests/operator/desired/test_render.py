@@ -101,6 +101,20 @@ def test_prefix_cache_is_on_unless_the_spec_turns_it_off(children):
     assert parsed.prefix_cache is False
 
 
+def test_adaptive_speculation_reaches_the_engine_and_off_changes_nothing(children):
+    sdd = make_sdd(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "adaptive": True})
+    args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
+    assert args[args.index("--num-draft-tokens") + 2] == "--adaptive-speculation"
+    off = make_sdd(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "adaptive": False})
+    rendered = render.render_children(off, planned_for(off), DEFAULTS)
+    assert "--adaptive-speculation" not in engine_container(rendered)["args"]
+    # The settings (and so the pods' config hash) of a resource without adaptive are as before.
+    assert "adaptive" not in render.engine_settings(off["spec"])
+    assert engine_container(rendered)["args"] == engine_container(children)["args"]
+    from specdeploy.cli import build_parser
+    assert build_parser().parse_args(["engine", "serve", *args]).adaptive_speculation is True
+
+
 def test_none_algorithm_has_no_draft_arguments():
     sdd = make_sdd(speculative={"algorithm": "NONE"}, engine={"dtype": "bfloat16"})
     del sdd["spec"]["draft"]
