@@ -119,15 +119,16 @@ def _fill_layer(dst: dict, src: dict | None, prefix_dst: str, prefix_src: str, m
                 d(name).fill_(1.0)
         return
 
-    def s(name):
-        return src[prefix_src + name].to(dst[prefix_dst + name].dtype)
+    def s(name, scale=1.0):
+        # Scaled in float32, rounded once to the big model's dtype.
+        return (src[prefix_src + name].float() * scale).to(dst[prefix_dst + name].dtype)
 
     for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
         if prefix_dst + name in dst:
             d(name).zero_()
-    d("self_attn.q_proj.weight")[maps.q_rows, :hs_] = s("self_attn.q_proj.weight") * maps.q_scale
+    d("self_attn.q_proj.weight")[maps.q_rows, :hs_] = s("self_attn.q_proj.weight", maps.q_scale)
     d("self_attn.k_proj.weight")[maps.k_rows, :hs_] = s("self_attn.k_proj.weight")
     d("self_attn.v_proj.weight")[maps.v_rows, :hs_] = s("self_attn.v_proj.weight")
     d("self_attn.o_proj.weight")[:hs_, maps.o_cols] = s("self_attn.o_proj.weight")
@@ -136,7 +137,7 @@ def _fill_layer(dst: dict, src: dict | None, prefix_dst: str, prefix_src: str, m
     d("mlp.down_proj.weight")[:hs_, :is_] = s("mlp.down_proj.weight")
     for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         if prefix_dst + name in dst:
-            d(name)[:hs_] = s(name) * maps.norm_scale
+            d(name)[:hs_] = s(name, maps.norm_scale)
 
 
 @torch.no_grad()
@@ -162,7 +163,7 @@ def embed_target(small: LlamaModel, shape: dict | None = None, *, dtype=None, de
         dst[name].zero_()
         dst[name][:vs, :hs_] = src[name if name in src else "embed_tokens.weight"].to(dtype)
     dst["norm.weight"].zero_()
-    dst["norm.weight"][:hs_] = src["norm.weight"].to(dtype) * maps.norm_scale
+    dst["norm.weight"][:hs_] = (src["norm.weight"].float() * maps.norm_scale).to(dtype)
     return big
 
 
