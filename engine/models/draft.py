@@ -30,7 +30,7 @@ from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS
 from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
                                   unflatten_streams)
 from specdeploy.engine.runtime.kv import KVPool
-from specdeploy.engine.models.layers import ColumnParallelLinear, GatedMLP, RMSNorm, load_state
+from specdeploy.engine.models.layers import ColumnParallelLinear, GatedMLP, RMSNorm, load_state, rope_inv_freq
 from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, read_config,
                                      rope_tables)
 
@@ -56,6 +56,13 @@ class DraftHead(nn.Module):
     def num_kv_layers(self) -> int:
         return self.cfg.num_layers
 
+    def init_rope(self) -> None:
+        """Rotary frequencies from the head's own config.json, as it was trained: published heads
+        need not share the target's (the EAGLE-3 heads for Llama 3.1 name no rope_theta, so
+        10000; the EAGLE-1 head names 500000 without llama3 scaling). Float32, not saved."""
+        self.register_buffer("inv_freq", rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta,
+                                                       self.cfg.rope_scaling), persistent=False)
+
 
 class EagleHead(DraftHead):
     """EAGLE-1/2: fc over [embedding; hidden] then decoder layer(s) whose first has no input
@@ -76,6 +83,7 @@ class EagleHead(DraftHead):
         layer_cfg = _with(cfg, hc_mult=self.hc_mult)
         self.layers = nn.ModuleList(DecoderLayer(layer_cfg, input_norm=i > 0)
                                     for i in range(cfg.num_layers))
+        self.init_rope()
         self.bind_target(target)
 
     def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
@@ -83,7 +91,7 @@ class EagleHead(DraftHead):
         x = self.fc(torch.cat([target.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
         if self.hc_mult > 1:
             x = unflatten_streams(x, self.hc_mult)                        # [B, Q, hc, H]
-        cos, sin = rope_tables(target.inv_freq, positions)
+        cos, sin = rope_tables(self.inv_freq, positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
         return flatten_streams(x) if self.hc_mult > 1 else x
@@ -126,6 +134,7 @@ class Eagle3Head(DraftHead):
         self.lm_head = ColumnParallelLinear(h, self.draft_vocab_size, False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool))
+        self.init_rope()
         self.bind_target(target)
 
     def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
@@ -136,7 +145,7 @@ class Eagle3Head(DraftHead):
         elif hidden.shape[-1] != self.carried_size:
             raise ValueError(f"EAGLE-3 hidden width {hidden.shape[-1]}: expected the target's "
                              f"{self.input_size} or the head's own {self.carried_size}")
-        cos, sin = rope_tables(target.inv_freq, positions)
+        cos, sin = rope_tables(self.inv_freq, positions)
         x = torch.cat([m.input_layernorm(target.embed_tokens(input_ids)), m.hidden_norm(hidden)], -1)
         h = hidden + m.self_attn(x, cos, sin, kv.k[0], kv.v[0], batch)
         return h + m.mlp(m.post_attention_layernorm(h))
@@ -174,6 +183,7 @@ class MTPHead(DraftHead):
             self.hc_head = HyperHead(self.cfg.hc)
         self.layers = nn.ModuleList([DecoderLayer(self.cfg)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.init_rope()
         self.bind_target(target)
 
     def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
@@ -184,7 +194,7 @@ class MTPHead(DraftHead):
         else:
             streams = unflatten_streams(hidden.to(e.dtype), self.hc_mult)   # [B, Q, hc, H]
             x = expand_embeddings(self.e_proj(e), self.hc_mult) + self.h_proj(self.hnorm(streams))
-        cos, sin = rope_tables(target.inv_freq, positions)
+        cos, sin = rope_tables(self.inv_freq, positions)
         x = self.layers[0](x, cos, sin, kv.k[0], kv.v[0], batch)
         return flatten_streams(x) if self.hc_mult > 1 else x
 
@@ -206,7 +216,10 @@ def build_draft(algorithm: str, cfg: ModelConfig, target: LlamaModel, dtype: tor
     cls = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head, "MTP": MTPHead}[algorithm]
     with torch.device(device):
         head = cls(cfg, target, **kwargs)
-    return head.to(dtype).eval()
+    head.to(dtype)
+    # As for the target (build_target): recomputed in float32 rather than cast back from dtype.
+    head.inv_freq = rope_inv_freq(head.cfg.head_dim, head.cfg.rope_theta, head.cfg.rope_scaling).to(head.inv_freq.device)
+    return head.eval()
 
 
 def _unused(name: str) -> bool:
