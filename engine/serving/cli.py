@@ -372,6 +372,11 @@ def load_engine(args: argparse.Namespace, metrics):
         _fit_prefill_chunk(runner, plan, free_bytes + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
 
     tokenizer = Tokenizer.from_dir(target_dir)
+    log.info("tokenizer: %d tokens, end of turn %s, chat template %s, request defaults %s",
+             tokenizer.vocab_size, sorted(tokenizer.eos_token_ids) or "none",
+             "yes" if tokenizer.chat_template else "none",
+             ", ".join(f"{k} {v}" for k, v in tokenizer.sampling_defaults.items()) + " (generation_config.json)"
+             if tokenizer.sampling_defaults else "OpenAI's")
     t3 = time.monotonic()
     # One short request through every code path (prefill, draft, verify) before taking traffic:
     # a broken checkpoint fails here, in the log, not on a user's request.

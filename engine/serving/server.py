@@ -79,9 +79,10 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 and -1 both mean off
+    # None: the model's generation_config.json default, else OpenAI's (1.0, 1.0, off).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # 0 and -1 both mean off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -488,6 +489,11 @@ async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
     return "".join(parts), final
 
 
+# What a request without temperature / top_p / top_k gets when the model's generation_config.json
+# names none either (OpenAI's documented defaults; top_k 0 is off).
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
 def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
     unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(body, name)]
     unsupported += ["logprobs"] if getattr(body, "logprobs", None) else []
@@ -498,8 +504,11 @@ def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer
         raise APIError(400, "stop strings must not be empty", param="stop")
     stop_token_ids = set(body.stop_token_ids or [])
     check_token_ids(stop_token_ids, tokenizer, "stop_token_ids")
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k, 0), seed=body.seed, stop=stop,
+    defaults = {**OPENAI_SAMPLING_DEFAULTS, **tokenizer.sampling_defaults}
+    given = {name: getattr(body, name) for name in OPENAI_SAMPLING_DEFAULTS}
+    chosen = {name: defaults[name] if value is None else value for name, value in given.items()}
+    return SamplingParams(max_tokens=max_tokens, temperature=float(chosen["temperature"]),
+                          top_p=float(chosen["top_p"]), top_k=max(int(chosen["top_k"]), 0), seed=body.seed, stop=stop,
                           stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
 
 

@@ -1,5 +1,9 @@
 """Tokenizer for the server: HF `tokenizer.json` through the `tokenizers` package, the chat
-template from `tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2.
+template from `tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2, and what
+`generation_config.json` says about ending and sampling: its `eos_token_id` list (Llama 3.1
+Instruct ends a turn with <|eot_id|>, not the <|end_of_text|> of config.json's tokenizer) and the
+default temperature / top_p / top_k a request gets when it names none (`sampling_defaults`; the
+model's authors chose them, as transformers' generate and vLLM apply them).
 
 The server never imports transformers: it is slow to import and pulls in far more than we need.
 """
@@ -51,6 +55,8 @@ class Tokenizer:
     eos_token: str | None = None
     add_bos_token: bool = False
     eos_token_ids: set[int] = field(default_factory=set)
+    # generation_config.json's sampling fields ({} without one): temperature, top_p, top_k.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     _compiled_template: jinja2.Template | None = field(default=None, repr=False)
 
     @classmethod
@@ -69,6 +75,7 @@ class Tokenizer:
         tok = cls(hf=hf, chat_template=template, bos_token=bos, eos_token=eos,
                   add_bos_token=bool(config.get("add_bos_token", False)))
         tok.eos_token_ids = _collect_eos_ids(path, hf, eos)
+        tok.sampling_defaults = sampling_defaults(_read_json(path / "generation_config.json"))
         return tok
 
     @property
@@ -113,6 +120,26 @@ class Tokenizer:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    """The sampling fields a request inherits: `do_sample: false` means greedy (temperature 0),
+    as transformers' generate reads it; otherwise whichever of temperature, top_p, top_k the
+    file sets. Values of the wrong type or range are ignored rather than served."""
+    if generation_config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out: dict[str, float] = {}
+    for name in SAMPLING_FIELDS:
+        value = generation_config.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if (name == "temperature" and 0 <= value <= 2) or (name == "top_p" and 0 < value <= 1) or \
+                (name == "top_k" and value >= 0 and float(value).is_integer()):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
 
 
 def _collect_eos_ids(path: Path, hf: _HFTokenizer, eos_token: str | None) -> set[int]:
