@@ -31,6 +31,13 @@ Static buffers (H_s = target spec_hidden_size, H_in = draft input width, bs = cu
     verify captured hidden_states    [bs * num_draft_tokens, H_in]
     disaggregation metadata          [max_running_requests, H_s] + fixed fields per request
 Using hidden_size for any of them would be wrong by hc_mult for DeepSeek-V4 (H_s = 4 * H).
+
+Roles (prefill/decode disaggregation, docs/disaggregation.md): "both" is the formula above. A
+"prefill" server never decodes: no CUDA graphs, so no graph pool and no graph hidden-state
+buffers (the metadata buffer stays), and that memory goes to its KV pool. A "decode" server
+never prefills a prompt (its prompts' KV arrives from a prefill server): its activation
+workspace is one MIN_PREFILL_CHUNK_TOKENS chunk (start-up warm-up) instead of
+PREFILL_CHUNK_TOKENS, and that memory goes to its KV pool.
 """
 
 from __future__ import annotations
@@ -160,6 +167,14 @@ def custom_gpu(memory_gib: float) -> GPU:
 
 # The smallest prefill chunk worth serving with: below it, prompts crawl in through many steps.
 MIN_PREFILL_CHUNK_TOKENS = 256
+
+ROLES = ("both", "prefill", "decode")
+
+
+def role_prefill_chunk_tokens(role: str) -> int:
+    """Tokens one prefill forward carries on a server of this role (the workspace the plan
+    sizes): a decode server only prefills its start-up warm-up."""
+    return MIN_PREFILL_CHUNK_TOKENS if role == "decode" else PREFILL_CHUNK_TOKENS
 
 # Kept free beyond the workspace when fitting the prefill chunk to measured memory (fragmentation).
 PREFILL_FIT_MARGIN_BYTES = 256 * MIB
@@ -323,6 +338,7 @@ class Plan:
     memory_per_gpu: MemoryTerms
     cuda_graph_batch_sizes: tuple[int, ...]
     notes: tuple[str, ...]
+    role: str = "both"  # "prefill" | "decode": one half of a disaggregated deployment
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of `specdeploy plan --json`, of the ConfigMap's plan.json and of status.plan."""
@@ -343,6 +359,7 @@ class Plan:
             fields["memory_per_gpu"] = _build(MemoryTerms, data["memory_per_gpu"])
             fields["cuda_graph_batch_sizes"] = tuple(data["cuda_graph_batch_sizes"])
             fields["notes"] = tuple(data["notes"])
+            fields.setdefault("role", "both")  # plans written before roles existed
             return _build(cls, fields)
         except KeyError as missing:
             raise PlanError("InvalidPlan", f"plan: missing key {missing.args[0]!r}") from None
@@ -375,8 +392,9 @@ def cuda_graph_batch_sizes(max_bs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def buffer_plan(target: ModelShapes, spec: SpecSettings, limits: Limits) -> BufferPlan:
-    """Shapes of the static hidden-state buffers (the seed's list; see module docstring)."""
+def buffer_plan(target: ModelShapes, spec: SpecSettings, limits: Limits, role: str = "both") -> BufferPlan:
+    """Shapes of the static hidden-state buffers (the seed's list; see module docstring). A
+    prefill server captures no graphs: its graph buffers have no rows."""
     bs = limits.cuda_graph_max_bs
     hs = target.spec_hidden_size
     b = target.dtype_bytes
@@ -385,9 +403,10 @@ def buffer_plan(target: ModelShapes, spec: SpecSettings, limits: Limits) -> Buff
         topk = 0
     else:
         hin = draft_input_hidden_size(spec.algorithm, target)
-        draft_shape = (bs * spec.topk, hs)
-        extend_shape = (bs * (spec.num_steps + 1), hin)
-        verify_shape = (bs * spec.num_draft_tokens, hin)
+        rows = 0 if role == "prefill" else bs
+        draft_shape = (rows * spec.topk, hs)
+        extend_shape = (rows * (spec.num_steps + 1), hin)
+        verify_shape = (rows * spec.num_draft_tokens, hin)
         topk = spec.topk
     graph_bytes = sum(rows * cols * b for rows, cols in (draft_shape, extend_shape, verify_shape))
     fixed = sum(size * (topk if count == "topk" else count) for _, size, count in METADATA_FIXED_FIELDS)
@@ -488,7 +507,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | No
 
 def _memory_terms(
     target: ModelTerms, draft: ModelTerms | None, target_shapes: ModelShapes, draft_shapes: ModelShapes | None,
-    spec: SpecSettings, gpu: GPU, limits: Limits, buffers: BufferPlan, tp: int,
+    spec: SpecSettings, gpu: GPU, limits: Limits, buffers: BufferPlan, tp: int, role: str = "both",
 ) -> MemoryTerms:
     models = [target] + ([draft] if draft else [])
     weights = sum(m.weight_bytes_per_gpu for m in models)
@@ -503,20 +522,21 @@ def _memory_terms(
     # which a speculative step that samples warps into probabilities inside the same graph.
     graph_rows = limits.cuda_graph_max_bs * spec.tokens_per_request_step
     logits_copies = SAMPLING_LOGITS_COPIES if draft_shapes is not None else 1
-    graph_pool = (
+    graph_pool = 0 if role == "prefill" else (  # a prefill server captures no graphs
         CUDA_GRAPH_POOL_BASE_BYTES
         + _activation_bytes(target_shapes, graph_rows, tp)
         + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
     # narrower and runs after it); logits only for the last token of each request in the chunk.
-    workspace = _activation_bytes(target_shapes, PREFILL_CHUNK_TOKENS, tp) + _logits_bytes(
+    chunk = role_prefill_chunk_tokens(role)
+    workspace = _activation_bytes(target_shapes, chunk, tp) + _logits_bytes(
         limits.max_running_requests, target_shapes.vocab_size, tp
     )
     if draft_shapes is not None:
         # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3).
-        features = PREFILL_CHUNK_TOKENS * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
-        workspace = max(workspace, _activation_bytes(draft_shapes, PREFILL_CHUNK_TOKENS, tp) + features)
+        features = chunk * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
+        workspace = max(workspace, _activation_bytes(draft_shapes, chunk, tp) + features)
     budget = (
         gpu.memory_bytes - weights - graph_pool - workspace - buffers.static_bytes - per_request - RESERVE_BYTES
     )
@@ -586,8 +606,10 @@ def plan(
     target_weight_source: str | None = None,
     draft_weight_source: str | None = None,
     gpus_per_node: int = 8,
+    role: str = "both",
 ) -> Plan:
-    """Plan memory for `target` + `draft` on `gpu` (see the module docstring for the formula).
+    """Plan memory for `target` + `draft` on `gpu` (see the module docstring for the formula;
+    `role` "prefill" or "decode" plans one half of a disaggregated deployment).
 
     Weight bytes come from the checkpoints when given (`*_weight_source` says how they were read:
     "headers", the default, or "index"), else from quantization_config, else from the shapes.
@@ -601,7 +623,9 @@ def plan(
         draft = None
     if gpus_per_node < 1:
         raise PlanError("InvalidGPU", f"gpus_per_node must be >= 1, got {gpus_per_node}")
-    buffers = buffer_plan(target, spec, limits)
+    if role not in ROLES:
+        raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(ROLES)}")
+    buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
     refusals: list[str] = []  # TP sizes that cannot split the heads, and why
     last: tuple[int, MemoryTerms] | None = None
@@ -614,7 +638,7 @@ def plan(
             continue
         target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp)
         draft_terms = _model_terms(draft, draft_weight_bytes, draft_weight_source, tp) if draft else None
-        memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp)
+        memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp, role)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
         last = (tp, memory)
         if max_total_tokens >= required:
@@ -637,8 +661,9 @@ def plan(
                 draft=draft_terms,
                 buffers=buffers,
                 memory_per_gpu=memory,
-                cuda_graph_batch_sizes=cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
+                cuda_graph_batch_sizes=() if role == "prefill" else cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
+                role=role,
             )
     assert last is not None  # TP 1 divides every head count and gpus_per_node >= 1
     tp, memory = last
@@ -675,6 +700,7 @@ def plan_from_configs(
     target_weight_source: str | None = None,
     draft_weight_source: str | None = None,
     gpus_per_node: int = 8,
+    role: str = "both",
 ) -> Plan:
     """derive_shapes for both models (the draft in the target's dtype), then plan()."""
     target = derive_shapes(target_config, role="target")
@@ -687,6 +713,6 @@ def plan_from_configs(
         target, draft, spec, gpu, limits,
         target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
         target_weight_source=target_weight_source, draft_weight_source=draft_weight_source,
-        gpus_per_node=gpus_per_node,
+        gpus_per_node=gpus_per_node, role=role,
     )
 

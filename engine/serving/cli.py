@@ -188,6 +188,8 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
         asked = {"algorithm": args.algorithm, "num_steps": args.num_steps, "topk": args.topk,
                  "num_draft_tokens": args.num_draft_tokens, "max_running_requests": args.max_running_requests,
                  "context_length": args.context_length}
+        if plan.role != args.role:
+            raise ValueError(f"the plan is for role {plan.role!r}; this server runs --role {args.role}")
         for key, value in asked.items():
             if value is not None and getattr(plan, key) != value:
                 log.warning("plan: %s is %s in the plan and %s on the command line; using the plan's",
@@ -203,7 +205,7 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
         limits = Limits(running, context_length, running)
         plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
                                  target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
-                                 gpus_per_node=1)
+                                 gpus_per_node=1, role=args.role)
         log.info("plan: computed for this %s (no --plan given)", "GPU" if device == "cuda" else "CPU host")
     for line in format_plan(plan).splitlines():
         log.info("plan | %s", line)
@@ -268,6 +270,7 @@ def load_engine(args: argparse.Namespace, metrics):
 
     from specdeploy.engine.models.draft import load_draft
     from specdeploy.engine.models.llama import load_target
+    from specdeploy.engine.planner.plan import role_prefill_chunk_tokens
     from specdeploy.engine.runtime.runner import Request, Runner
     from specdeploy.engine.serving.scheduler import Scheduler
     from specdeploy.engine.serving.tokenizer import Tokenizer
@@ -349,6 +352,7 @@ def load_engine(args: argparse.Namespace, metrics):
                     device=device, seed=args.seed, adaptive=adaptive,
                     # A decode server takes every prompt from its prefill server: nothing to match.
                     prefix_cache=prefix_cache and args.role != "decode", role=args.role,
+                    prefill_chunk_tokens=role_prefill_chunk_tokens(args.role),
                     # A prefill server never decodes: no decode graphs to capture.
                     graph_mode="off" if args.role == "prefill" else None)
     if adaptive:

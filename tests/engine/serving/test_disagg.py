@@ -74,7 +74,8 @@ def test_router_answers_as_one_server(server, disagg):
     kw = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30, "temperature": 0, "stream": True,
           "stream_options": {"include_usage": True}}
     want_chunks, got_chunks = list(one.completions.create(**kw)), list(split.completions.create(**kw))
-    text = lambda chunks: "".join(c.choices[0].text for c in chunks if c.choices)
+    def text(chunks):
+        return "".join(c.choices[0].text for c in chunks if c.choices)
     assert text(got_chunks) == text(want_chunks) and len(text(want_chunks)) > 0
     assert tokens(got_chunks[-1].usage) == tokens(want_chunks[-1].usage)
     assert len(got_chunks) > 3, "tokens should arrive as they are generated, not in one piece"

@@ -1,0 +1,81 @@
+"""Plans for the two halves of a disaggregated deployment: a prefill server has no CUDA-graph
+pool or graph buffers, a decode server a one-small-chunk prefill workspace; each gives what it
+saves to its KV pool. The metadata buffer is the same on both sides ([max_running_requests, H_s],
+4 x hidden_size for an hc_mult 4 target)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdeploy.engine.planner.plan import (
+    GPUS,
+    MIN_PREFILL_CHUNK_TOKENS,
+    PREFILL_CHUNK_TOKENS,
+    Limits,
+    Plan,
+    PlanError,
+    SpecSettings,
+    plan_from_configs,
+    role_prefill_chunk_tokens,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def load(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def llama8b_eagle3(role: str) -> Plan:
+    return plan_from_configs(load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"),
+                             SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits(), role=role)
+
+
+def test_prefill_plan_has_no_graphs_and_a_bigger_kv_pool():
+    both, prefill = llama8b_eagle3("both"), llama8b_eagle3("prefill")
+    assert prefill.role == "prefill" and both.role == "both"
+    assert prefill.memory_per_gpu.cuda_graph_pool_bytes == 0 < both.memory_per_gpu.cuda_graph_pool_bytes
+    assert prefill.cuda_graph_batch_sizes == ()
+    b = prefill.buffers
+    assert b.draft_hidden_states_shape[0] == b.draft_extend_hidden_states_shape[0] == b.verify_hidden_states_shape[0] == 0
+    assert b.cuda_graph_hidden_states_bytes == 0
+    assert b.metadata_hidden_states_shape == both.buffers.metadata_hidden_states_shape == (32, 4096)
+    saved = (both.memory_per_gpu.cuda_graph_pool_bytes + both.buffers.cuda_graph_hidden_states_bytes)
+    assert prefill.memory_per_gpu.kv_cache_budget_bytes - both.memory_per_gpu.kv_cache_budget_bytes == saved
+    assert prefill.max_total_tokens > both.max_total_tokens
+
+
+def test_decode_plan_keeps_graphs_and_sizes_a_small_prefill_workspace():
+    both, decode = llama8b_eagle3("both"), llama8b_eagle3("decode")
+    assert role_prefill_chunk_tokens("decode") == MIN_PREFILL_CHUNK_TOKENS < PREFILL_CHUNK_TOKENS
+    assert decode.memory_per_gpu.cuda_graph_pool_bytes == both.memory_per_gpu.cuda_graph_pool_bytes
+    assert decode.cuda_graph_batch_sizes == both.cuda_graph_batch_sizes
+    assert decode.buffers == both.buffers
+    ws, ws_both = decode.memory_per_gpu.activation_workspace_bytes, both.memory_per_gpu.activation_workspace_bytes
+    assert ws < ws_both
+    assert decode.memory_per_gpu.kv_cache_budget_bytes - both.memory_per_gpu.kv_cache_budget_bytes == ws_both - ws
+    assert decode.max_total_tokens > both.max_total_tokens
+
+
+def test_hc_mult_4_metadata_row_is_spec_hidden_size_on_both_sides():
+    v4 = load("deepseek-v4-flash")
+    for role in ("prefill", "decode"):
+        p = plan_from_configs(v4, None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"],
+                              Limits(max_running_requests=8, context_length=4096, cuda_graph_max_bs=8),
+                              role=role)
+        assert p.spec_hidden_size == 4 * p.target.hidden_size
+        assert p.buffers.metadata_hidden_states_shape == (8, 4 * p.target.hidden_size)
+
+
+def test_role_round_trips_and_older_plans_read_as_both():
+    prefill = llama8b_eagle3("prefill")
+    assert Plan.from_dict(json.loads(json.dumps(prefill.to_dict()))) == prefill
+    old = prefill.to_dict()
+    del old["role"]
+    assert Plan.from_dict(old).role == "both"
+    with pytest.raises(PlanError, match="role 'router'"):
+        plan_from_configs(load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"),
+                          SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits(), role="router")
