@@ -89,11 +89,14 @@ def parity(small, big, held: torch.Tensor, windows: int, length: int) -> dict:
             "positions_all_real_logits_below_zero": embed.real_logits_below_zero(got, vs)}
 
 
-def _runner(target, draft, shape, *, max_bs: int, context_length: int, device, adaptive: bool = False):
+def _runner(target, draft, shape, *, batches, context_length: int, device, adaptive: bool = False):
+    """A runner for these batch sizes, graphs captured for exactly them (each graph of an 8B
+    target takes a while to capture; the adaptive runner captures every shape's)."""
+    max_bs = max(batches)
     kw = {"max_total_tokens": max_bs * (context_length + 24), "max_running_requests": max_bs,
           "context_length": context_length, "device": device}
     if device.type == "cuda":
-        kw["cuda_graph_batch_sizes"] = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64) if b <= max_bs)
+        kw["cuda_graph_batch_sizes"] = tuple(batches)
     if draft is None:
         target.set_feature(None)
         return Runner(target, **kw)
@@ -161,7 +164,7 @@ def run(ctx) -> dict:
                                          ("engine EAGLE chain", big_head, SHAPES["chain"], False),
                                          ("engine EAGLE tree", big_head, SHAPES["tree"], False),
                                          ("engine EAGLE adaptive", big_head, SHAPES["tree"], True)]:
-        runner = _runner(big, draft, shape, max_bs=1, context_length=ctx_len, device=dev, adaptive=adaptive)
+        runner = _runner(big, draft, shape, batches=(1,), context_length=ctx_len, device=dev, adaptive=adaptive)
         acceptance.engine_generate(runner, [warm], n_new, dev, "w")
         r = systems[name] = acceptance.engine_generate(runner, prompts, n_new, dev, "p")
         if adaptive:
@@ -182,7 +185,8 @@ def run(ctx) -> dict:
                                          ("tree", big_head, SHAPES["tree"], False),
                                          ("adaptive", big_head, SHAPES["tree"], True)]:
         t0 = time.perf_counter()
-        runner = _runner(big, draft, shape, max_bs=max_bs, context_length=ctx_len, device=dev, adaptive=adaptive)
+        runner = _runner(big, draft, shape, batches=z["batches"], context_length=ctx_len, device=dev,
+                         adaptive=adaptive)
         build_s = time.perf_counter() - t0
         batch_tok_s(runner, sweep_prompts[:1], 8, dev, "w")
         rows = []

@@ -28,7 +28,8 @@ P(accepted >= d), so a batch mixing easy and hard requests is averaged right, an
 
 Greedy chain drafts do not depend on how deep the chain goes, so all chains share one estimate
 (a chain of 2 steps measures depths 1-2 for a chain of 5); each tree shape (topk > 1) has its own.
-Every estimate is shrunk towards an optimistic prior with `prior_weight` pseudo-observations,
+Every estimate is shrunk towards an optimistic prior with `prior_weight` pseudo-observations
+(for a tree, at least the chains' estimate),
 and every count decays each step (half-life `half_life_steps`): a shape that has not run for a
 while drifts back to the prior and is tried again once the prior says it could win, which is how
 the policy explores; at a batch where even the prior loses, it never pays for a probe.
@@ -134,11 +135,17 @@ class AdaptivePolicy:
         return "chain" if shape.is_chain else shape.label
 
     def acceptance_rates(self, shape: SpecShape) -> list[float]:
-        """r_1..r_S for this shape: measured, shrunk towards the prior."""
+        """r_1..r_S for this shape: measured, shrunk towards the prior. A tree's prior at depth d
+        is at least the chains' estimate there: its top branch is about the chain's draft, and
+        its other branches can only add accepted paths."""
         c = self._counts.get(self._key(shape), _Counts())
-        w, p = self.prior_weight, self.prior_rate
+        w = self.prior_weight
+        priors = [self.prior_rate] * shape.num_steps
+        if shape.topk > 1 and "chain" in self._counts:
+            chain = self.acceptance_rates(SpecShape(shape.num_steps, 1, shape.num_steps + 1))
+            priors = [max(p, r) for p, r in zip(priors, chain)]
         return [(c.hits[d] + w * p) / (c.trials[d] + w) if d < len(c.trials) else p
-                for d in range(shape.num_steps)]
+                for d, p in enumerate(priors)]
 
     def expected_tokens(self, shape: SpecShape) -> float:
         """Tokens one request commits per step of this shape (1 for NONE)."""

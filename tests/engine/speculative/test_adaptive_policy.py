@@ -87,6 +87,17 @@ def test_unmeasured_shapes_are_tried_and_stale_estimates_return_to_the_prior():
     assert policy.choose(64) == NONE           # where even the prior loses, no probe is paid for
 
 
+def test_a_tree_is_tried_once_chains_accept_well():
+    policy = AdaptivePolicy([NONE, CHAIN3, TREE], COSTS, prior_rate=0.5)
+    trained(policy, CHAIN3, [3, 3, 3, 2])      # chains accept ~0.9 per depth: above the prior
+    chain_rates = policy.acceptance_rates(CHAIN3)
+    assert all(t >= c for t, c in zip(policy.acceptance_rates(TREE), chain_rates))
+    assert policy.expected_tokens(TREE) == pytest.approx(policy.expected_tokens(CHAIN3))
+    # Measured, the tree keeps its own estimate.
+    trained(policy, TREE, [1, 1, 1, 1])
+    assert policy.expected_tokens(TREE) < policy.expected_tokens(CHAIN3)
+
+
 def test_margin_and_online_offset():
     # A shape only just better than NONE is not taken within the margin.
     near = costs({"none": [5.0, 5.0, 5.0], "1,1,2": [8.5, 8.5, 8.5], "3,1,4": [9, 9, 9], "3,4,8": [9, 9, 9]})
