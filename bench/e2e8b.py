@@ -11,8 +11,9 @@ zero rows): the function is the small model's, every step reads the 8B's 15 GB. 
      and how often every real logit is below the padded tokens' exact 0 (greedy would leave the
      small vocabulary there; expected never);
   2. batch 1, end to end (prefill + decode per request, held-out prompts, greedy): engine
-     target-only, EAGLE chain and tree, adaptive speculation, and transformers (eager, and static
-     cache with its own torch.compile) on the same embedded weights;
+     target-only, EAGLE chain (3,1,4), tree (3,4,8) and deep tree (5,4,16), adaptive speculation
+     (choosing among no speculation, chains of 1-5 steps and both trees), and transformers
+     (eager, and static cache with its own torch.compile) on the same embedded weights;
   3. the batch sweep: target-only, the fixed chain and tree, and adaptive speculation at batch
      1..64 on one runner each (graphs captured for every bucket), generated tokens per second of
      whole batches; the crossover batch of each fixed shape (the smallest batch at which it loses
@@ -34,6 +35,7 @@ from harness import default_dtype, use_fast_attention
 from specdeploy.engine.demo import embed
 from specdeploy.engine.models import attention as attention_mod
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.speculative.adaptive import SpecShape
 
 SIZES = {
     "device": {"shape": embed.LLAMA_31_8B_SHAPE, "batches": (1, 2, 4, 8, 16, 32, 64),
@@ -43,7 +45,10 @@ SIZES = {
                         "num_kv_heads": 4, "head_dim": 32, "vocab_size": 400},
               "batches": (1, 2), "sweep_new_tokens": 6, "hf_compile": False, "parity_windows": 2, "parity_len": 16},
 }
-SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8)}
+SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
+# What the adaptive runner may choose: no speculation, chains of 1-5 steps and both trees.
+ADAPTIVE_SHAPES = [SpecShape(0)] + [SpecShape(s, 1, s + 1) for s in range(1, 6)] + \
+    [SpecShape(*SHAPES["tree"]), SpecShape(*SHAPES["tree-deep"])]
 
 
 def _pair(ctx, result: dict) -> dict:
@@ -100,6 +105,8 @@ def _runner(target, draft, shape, *, batches, context_length: int, device, adapt
     if draft is None:
         target.set_feature(None)
         return Runner(target, **kw)
+    if adaptive:
+        kw["adaptive_shapes"] = ADAPTIVE_SHAPES
     return Runner(target, draft, SpecConfig("EAGLE", *shape), adaptive=adaptive, **kw)
 
 
@@ -163,7 +170,8 @@ def run(ctx) -> dict:
     for name, draft, shape, adaptive in [("engine target-only", None, None, False),
                                          ("engine EAGLE chain", big_head, SHAPES["chain"], False),
                                          ("engine EAGLE tree", big_head, SHAPES["tree"], False),
-                                         ("engine EAGLE adaptive", big_head, SHAPES["tree"], True)]:
+                                         ("engine EAGLE tree-deep", big_head, SHAPES["tree-deep"], False),
+                                         ("engine EAGLE adaptive", big_head, SHAPES["tree-deep"], True)]:
         runner = _runner(big, draft, shape, batches=(1,), context_length=ctx_len, device=dev, adaptive=adaptive)
         acceptance.engine_generate(runner, [warm], n_new, dev, "w")
         r = systems[name] = acceptance.engine_generate(runner, prompts, n_new, dev, "p")
@@ -183,7 +191,7 @@ def run(ctx) -> dict:
     for name, draft, shape, adaptive in [("target-only", None, None, False),
                                          ("chain", big_head, SHAPES["chain"], False),
                                          ("tree", big_head, SHAPES["tree"], False),
-                                         ("adaptive", big_head, SHAPES["tree"], True)]:
+                                         ("adaptive", big_head, SHAPES["tree-deep"], True)]:
         t0 = time.perf_counter()
         runner = _runner(big, draft, shape, batches=z["batches"], context_length=ctx_len, device=dev,
                          adaptive=adaptive)
