@@ -41,6 +41,10 @@ so no running request's prefix is ever evicted; unlocked nodes are *evictable*. 
 inserts its positions, those already in the tree keep the tree's slots and the request's copies
 are freed (`insert` says how many were there); the rest are adopted. Eviction frees whole
 unlocked leaves, least recently used first, until enough slots are free.
+
+Requests that arrive together with one system prompt would all miss and compute it side by side;
+the runner defers a request by one step when another in the same prefill chunk is writing at
+least DEFER_MIN_TOKENS of the positions it would match, and it matches them the step after.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ from specdeploy.engine.runtime.kv import SlotTable
 _BIGRAM_SHIFT = 31
 # Eviction frees at least capacity // _EVICT_FRACTION slots at a time.
 _EVICT_FRACTION = 64
+# A request waits a step when another in the same prefill chunk is writing at least this many
+# positions it would match next step (the runner's _defer_for_cache).
+DEFER_MIN_TOKENS = 32
 
 
 class _Node:
@@ -242,6 +249,21 @@ class PrefixCache:
             slots = torch.cat(seen)
             assert slots.unique().numel() == slots.numel(), "a slot is cached twice"
             assert int(slots.min()) > 0, "the pad slot is cached"
+
+
+def shared_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (list comparisons at C speed,
+    halving the range: about log2(n) of them)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo + 1 < hi:           # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _common_prefix(key: list[int], keys: list[int], start: int) -> int:

@@ -54,7 +54,7 @@ from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.runtime.calls import ModelCalls
 from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, SlotTable
-from specdeploy.engine.runtime.prefix_cache import PrefixCache
+from specdeploy.engine.runtime.prefix_cache import DEFER_MIN_TOKENS, PrefixCache, shared_prefix_len
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
 from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
@@ -556,6 +556,20 @@ class Runner:
         cache.unlock(seq.cache_node)
         seq.cache_node, seq.cached = match.node, n
 
+    def _defer_for_cache(self, seq: _Seq, chosen: list[tuple[_Seq, int]]) -> bool:
+        """Whether seq (not started) should wait a step because a request chosen for this chunk
+        writes at least DEFER_MIN_TOKENS more of seq's prompt than the cache holds now: next step
+        it matches them instead of computing them twice (requests sent together with one system
+        prompt). The first request of a chunk is never deferred, so every step makes progress."""
+        if self.prefix_cache is None:
+            return False
+        prompt, la = seq.req.prompt_ids, self.prefix_cache.lookahead
+        for other, take in chosen:
+            shared = shared_prefix_len(prompt, other.req.prompt_ids)
+            if min(shared - la, other.length + take, len(prompt) - 1) - seq.length >= DEFER_MIN_TOKENS:
+                return True
+        return False
+
     def _seq_keys(self, seq: _Seq) -> list[int]:
         """The cache keys of every position of seq whose key its known tokens determine (the
         prompt's computed once)."""
@@ -667,6 +681,8 @@ class Runner:
         for seq in self._pending:
             if seq.row < 0:
                 self._match_prefix(seq)
+                if self._defer_for_cache(seq, chosen):
+                    continue
             take = min(len(seq.req.prompt_ids) - seq.length, budget)
             if chosen and (len(chosen) + 1) * max(q, take) > budget:
                 break

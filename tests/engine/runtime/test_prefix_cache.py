@@ -17,7 +17,7 @@ import pytest
 import torch
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.runtime.kv import SlotTable
-from specdeploy.engine.runtime.prefix_cache import PrefixCache
+from specdeploy.engine.runtime.prefix_cache import PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, candidate_shapes
 
@@ -274,6 +274,29 @@ def test_concurrent_requests_share_a_prefix_written_in_an_earlier_chunk():
     ref = run(make_runner("EAGLE", 1, False), [Request("late", long_prompt[:70] + tokens(3, 8), 6)])
     assert got["late"]["tokens"] == ref["late"]["tokens"]
     assert runner.prefix_cache.locked_slots == 0
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "EAGLE"])
+def test_requests_sent_together_compute_a_shared_prompt_once(algorithm):
+    """Four requests with one system prompt on a cold cache, admitted at once: the first is
+    prefilled alone, the others wait one step and match what it wrote; tokens are unchanged."""
+    reqs = [Request(f"t{i}", SYSTEM + tokens(5, 40 + i), 6) for i in range(4)]
+    on = make_runner(algorithm, 1, True)
+    got = run(on, reqs)
+    want = run(make_runner(algorithm, 1, False), reqs)
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
+    lookahead = int(algorithm != "NONE")
+    assert [got[r.id]["cached"] for r in reqs] == [0] + [len(SYSTEM) - lookahead] * 3
+
+
+def test_shared_prefix_len():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(0, 40)
+        a = [rng.randint(0, 3) for _ in range(n)]
+        b = a[:rng.randint(0, n)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 5))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert shared_prefix_len(a, b) == want
 
 
 def test_radix_tree_split_lock_and_lru():
