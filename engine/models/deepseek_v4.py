@@ -63,6 +63,10 @@ from specdeploy.engine.runtime.kv import PAD_SLOT
 CONTIGUOUS_MIN_KEYS = 64
 # Queries per block when a long chunk runs the attention (bounds the [block, heads, keys] logits).
 QUERY_BLOCK = 256
+# Routed experts: one grouped GEMM per projection over the tokens sorted by expert (torch's
+# grouped_mm; no host sync, so CUDA graphs capture it) on CUDA; a loop over the experts a batch
+# hits elsewhere. Tests switch the grouped path on for CPU (it needs 16-byte-aligned strides).
+GROUPED_GEMM_ON_CPU = False
 
 
 @dataclass
@@ -591,7 +595,7 @@ class _Experts(nn.Module):
         token = order // k
         xs = x[token]                                                       # [T k, H] by expert
         e = self.gate_up_proj.shape[0]
-        if x.is_cuda and hasattr(F, "grouped_mm"):
+        if (x.is_cuda or GROUPED_GEMM_ON_CPU) and hasattr(F, "grouped_mm"):
             counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
                 0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = counts.cumsum(0).to(torch.int32)                         # no host sync (graphs)

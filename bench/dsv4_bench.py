@@ -1,0 +1,265 @@
+"""DeepSeek-V4 on the device: a reduced-depth DeepSeek-V4-Flash (its real width, heads, experts
+and vocabulary from manifests/models/deepseek-v4-flash/config.json; 5 decoder layers: one
+sliding-window, two compressed sparse, two heavily compressed, plus its MTP layer; random bf16
+weights made on the device), served by the engine's Runner with CUDA graphs:
+
+    decode      target-only Runner.step() at batch 1 and 16 after a `--context`-token prompt
+    mtp         the speculative step with the MTP draft, chains of 1 and 3 steps and a tree
+                (3 steps x topk 2, 6 nodes), at batch 1 and 16: step time, its multiple of the
+                decode step, accepted tokens per step (random weights: the draft rarely agrees,
+                so this measures cost, not speed-up)
+    planner     planner truth: Runner(plan=...) for the plan of this config on this GPU (MTP, 3
+                steps, 16 requests), the plan's terms against what the engine holds: weights,
+                KV pools (compressed entries + recent rows + slot maps), graphs and buffers,
+                prefill peak, the driver's total
+
+    python3 bench/dsv4_bench.py [--parts decode,mtp,planner] [--context 4096] [--out DIR]
+    python3 bench/dsv4_bench.py --smoke          (CPU, a tiny config, seconds: the code path only)
+
+Prints one SUMMARY line per figure and writes dsv4.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
+
+from common import (REPO_ROOT, bootstrap_specdeploy, device_memory, environment, free_device_memory,  # noqa: E402
+                    log, param_bytes, sync, write_json)
+
+bootstrap_specdeploy()
+
+from harness import random_init_, timed_steps  # noqa: E402
+from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, build_mtp, build_target  # noqa: E402
+from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs  # noqa: E402
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
+
+FLASH = REPO_ROOT / "manifests" / "models" / "deepseek-v4-flash" / "config.json"
+# 5 decoder layers (0: sliding window, 4: CSA, 128: HCA) and the MTP layer's entry (sliding).
+REDUCED_RATIOS = [0, 4, 128, 4, 128, 0]
+SHAPES = {"chain1": (1, 1, 2), "chain3": (3, 1, 4), "tree3x2": (3, 2, 6)}
+PLANNER_TRUTH_GOAL = 0.05
+
+
+def reduced_flash() -> dict:
+    c = json.loads(FLASH.read_text())
+    c.pop("quantization_config", None)  # random bf16 weights, not the FP8 / FP4 checkpoint
+    c.pop("expert_dtype", None)
+    c.update(num_hidden_layers=len(REDUCED_RATIOS) - 1, compress_ratios=REDUCED_RATIOS, num_hash_layers=1)
+    return c
+
+
+def smoke_config() -> dict:
+    c = reduced_flash()
+    c.update(hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32,
+             o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=512,
+             sliding_window=16, compress_ratios=[0, 4, 128, 4, 128, 0], torch_dtype="float32")
+    return c
+
+
+@torch.no_grad()
+def random_v4(config: dict, device, dtype, seed: int):
+    cfg = V4ModelConfig.from_hf(config)
+    target = build_target(cfg, dtype, device)
+    random_init_(target, seed)
+    head = build_mtp(target, dtype, device)
+    random_init_(head, seed + 1)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for model in (target, head):
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):  # hash routing: a random expert set per token id
+                buf.copy_(torch.randint(0, cfg.num_experts, buf.shape, device=device, generator=gen))
+    return target, head
+
+
+def _runner(target, head, spec: SpecConfig, batch: int, context: int, max_new: int, device, graph_mode: str):
+    scratch = (spec.num_steps - 1) * spec.topk + spec.num_draft_tokens if head is not None else 1
+    runner = Runner(target, head, spec, max_total_tokens=batch * (context + max_new + scratch + 2) + 8,
+                    max_running_requests=batch, context_length=context + max_new + spec.num_steps + 8,
+                    device=device, cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(batch):
+        prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
+        runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
+    while runner._pending:  # prefill, a chunk per step
+        runner.step()
+    return runner
+
+
+def step_ms(target, head, spec, batch, context, steps, warmup, device, graph_mode) -> dict:
+    max_new = (steps + warmup + 4) * (spec.num_draft_tokens + 1)
+    runner = _runner(target, head, spec, batch, context, max_new, device, graph_mode)
+    recs = timed_steps(runner, steps, warmup, device, instrumented=False)
+    del runner
+    free_device_memory()
+    if not recs:
+        raise RuntimeError("no timed step")
+    return {"step_ms": statistics.median(r["whole_ms"] for r in recs), "steps_timed": len(recs),
+            "tokens_per_step": sum(r["tokens"] for r in recs) / (len(recs) * batch)}
+
+
+def run_decode_and_mtp(target, head, args, device, graph_mode, parts) -> list[dict]:
+    rows = []
+    for batch in args.batches:
+        base = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup, device, graph_mode)
+        log(f"decode bs={batch:<3} step {base['step_ms']:.2f} ms = {batch / base['step_ms'] * 1e3:.1f} tok/s")
+        rows.append({"kind": "decode", "batch": batch, "context": args.context, **base,
+                     "tok_s": batch / base["step_ms"] * 1e3})
+        if "mtp" not in parts:
+            continue
+        for name, (s, k, n) in SHAPES.items():
+            try:
+                r = step_ms(target, head, SpecConfig("MTP", s, k, n), batch, args.context, args.steps,
+                            args.warmup, device, graph_mode)
+            except Exception as e:  # one shape failing leaves the others standing
+                rows.append({"kind": "mtp", "shape": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:400]})
+                log(f"mtp {name} bs={batch} failed: {e}")
+                traceback.print_exc()
+                free_device_memory()
+                continue
+            r["x_decode_step"] = r["step_ms"] / base["step_ms"]
+            log(f"mtp {name:<7} bs={batch:<3} step {r['step_ms']:.2f} ms = {r['x_decode_step']:.2f}x decode step, "
+                f"{r['tokens_per_step']:.2f} tokens/step")
+            rows.append({"kind": "mtp", "shape": name, "num_steps": s, "topk": k, "num_draft_tokens": n,
+                         "batch": batch, "context": args.context, **r})
+    return rows
+
+
+def planner_truth(config: dict, target, head, args, device) -> dict:
+    """The plan's per-GPU terms against what the engine holds once Runner(plan=...) is built and
+    a prefill chunk has run."""
+    cuda = device.type == "cuda"
+    spec = SpecSettings("MTP", 3, 1, 4)
+    limits = Limits(max_running_requests=16, context_length=args.context + 64, cuda_graph_max_bs=16)
+    gpu = GPUS["h200"] if cuda else custom_gpu(4)
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        gpu = custom_gpu(total / 2**30) if abs(total - gpu.memory_bytes) > 2**30 else gpu
+    p = plan_from_configs(config, None, spec, gpu, limits)
+    m = p.memory_per_gpu
+    weights = param_bytes(target) + param_bytes(head)
+    free_device_memory()
+    before = device_memory(device)
+    t0 = time.perf_counter()
+    runner = Runner(target, head, plan=p, device=device, graph_mode="capture" if cuda else "padded")
+    sync(device)
+    built = device_memory(device)
+    kv = runner.target_kv.nbytes + runner.draft_kv.nbytes
+    # one prefill chunk: as many prompts as fit the plan's chunk
+    gen = torch.Generator().manual_seed(4)
+    n_req = max(1, min(16, runner.prefill_chunk_tokens // args.context))
+    for i in range(n_req):
+        runner.add(Request(f"p{i}", torch.randint(3, target.cfg.vocab_size, (args.context,), generator=gen).tolist(),
+                           max_tokens=4))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    runner.step()
+    sync(device)
+    after = device_memory(device)
+    out = {
+        "plan": {"max_total_tokens": p.max_total_tokens, "tensor_parallel_size": p.tensor_parallel_size,
+                 **{k: getattr(m, k) for k in ("weight_bytes", "cuda_graph_pool_bytes", "activation_workspace_bytes",
+                                               "static_buffer_bytes", "per_request_state_bytes", "reserve_bytes",
+                                               "kv_cache_bytes", "kv_cache_bytes_per_token", "gpu_memory_bytes")}},
+        "measured": {"weights": weights, "kv_pools": kv, "build_s": time.perf_counter() - t0},
+    }
+    planned_kv = m.kv_cache_bytes + m.per_request_state_bytes
+    out["kv_pools_vs_plan"] = kv / planned_kv
+    out["weights_vs_plan"] = weights / m.weight_bytes
+    if cuda:
+        runner_reserved = built["reserved"] - before["reserved"]
+        out["measured"].update(runner_reserved=runner_reserved, graphs_and_buffers=runner_reserved - kv,
+                               prefill_peak_reserved=after["max_reserved"] - built["reserved"],
+                               driver_used=after["driver_used"], nvidia_smi_used=after["nvidia_smi_used"])
+        planned_total = m.gpu_memory_bytes - (m.kv_cache_budget_bytes - m.kv_cache_bytes)
+        unusable = m.gpu_memory_bytes - after["driver_total"]
+        out["total_vs_plan"] = (after["driver_used"] + unusable) / planned_total
+        out["graphs_and_buffers_vs_plan"] = (runner_reserved - kv) / (m.cuda_graph_pool_bytes + m.static_buffer_bytes)
+        out["prefill_peak_vs_plan"] = out["measured"]["prefill_peak_reserved"] / m.activation_workspace_bytes
+        out["within_goal"] = abs(out["total_vs_plan"] - 1) <= PLANNER_TRUTH_GOAL
+    del runner
+    free_device_memory()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny config: the code path only")
+    ap.add_argument("--parts", default="decode,mtp,planner")
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 4096; smoke 40)")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        sys.exit("CUDA only (or --smoke on CPU)")
+    device = torch.device("cuda" if cuda else "cpu")
+    args.batches = [int(b) for b in args.batches.split(",")] if cuda else [2]
+    args.context = args.context or (4096 if cuda else 40)
+    args.steps = args.steps or (20 if cuda else 2)
+    args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    config = reduced_flash() if cuda else smoke_config()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        torch.set_num_threads(1)
+    graph_mode = "capture" if cuda else "padded"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.perf_counter()
+    target, head = random_v4(config, device, dtype, seed=0)
+    sync(device)
+    log(f"random DeepSeek-V4 ({'Flash width' if cuda else 'smoke'}, ratios {config['compress_ratios']}): "
+        f"target {param_bytes(target) / 2**30:.1f} GiB + MTP {param_bytes(head) / 2**30:.1f} GiB in "
+        f"{time.perf_counter() - t0:.1f} s")
+    result = {"environment": environment(), "config": {k: config[k] for k in (
+        "hidden_size", "num_attention_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "vocab_size", "hc_mult", "sliding_window", "index_topk", "compress_ratios")},
+        "context": args.context, "graph_mode": graph_mode, "rows": [], "summary": []}
+    with torch.inference_mode():
+        if parts & {"decode", "mtp"}:
+            result["rows"] = run_decode_and_mtp(target, head, args, device, graph_mode, parts)
+        if "planner" in parts:
+            try:
+                result["planner_truth"] = planner_truth(config, target, head, args, device)
+            except Exception as e:
+                traceback.print_exc()
+                result["planner_truth"] = {"error": f"{type(e).__name__}: {e}"[:600]}
+    for r in result["rows"]:
+        if "error" in r:
+            result["summary"].append(f"{r['kind']} {r.get('shape', '')} bs={r['batch']}: ERROR {r['error'][:120]}")
+        elif r["kind"] == "decode":
+            result["summary"].append(f"decode bs={r['batch']}: {r['step_ms']:.2f} ms/step, {r['tok_s']:.1f} tok/s")
+        else:
+            result["summary"].append(f"mtp {r['shape']} bs={r['batch']}: {r['step_ms']:.2f} ms/step = "
+                                     f"{r['x_decode_step']:.2f}x decode, {r['tokens_per_step']:.2f} tok/step")
+    pt = result.get("planner_truth")
+    if pt and "error" not in pt:
+        line = f"planner truth: KV pools {pt['kv_pools_vs_plan']:.4f}x plan, weights {pt['weights_vs_plan']:.4f}x"
+        if "total_vs_plan" in pt:
+            line += (f", graphs+buffers {pt['graphs_and_buffers_vs_plan']:.2f}x, prefill peak "
+                     f"{pt['prefill_peak_vs_plan']:.2f}x, total {pt['total_vs_plan']:.4f}x "
+                     f"(goal within {PLANNER_TRUTH_GOAL:.0%}: {'met' if pt['within_goal'] else 'NOT met'})")
+        result["summary"].append(line)
+    elif pt:
+        result["summary"].append(f"planner truth: ERROR {pt['error'][:200]}")
+    for line in result["summary"]:
+        print("SUMMARY", line, flush=True)
+    write_json("dsv4.json", result, args.out)
+
+
+if __name__ == "__main__":
+    main()

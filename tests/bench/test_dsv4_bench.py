@@ -1,0 +1,24 @@
+"""bench/dsv4_bench.py runs end to end on CPU (--smoke) before device time is spent on it: decode,
+every MTP shape and planner truth are measured, and the engine's pools are the plan's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+def test_dsv4_bench_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, "-P", "bench/dsv4_bench.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads((tmp_path / "dsv4.json").read_text())
+    rows = res["rows"]
+    assert not [r for r in rows if "error" in r]
+    assert {r["shape"] for r in rows if r["kind"] == "mtp"} == {"chain1", "chain3", "tree3x2"}
+    assert all(r["step_ms"] > 0 for r in rows)
+    truth = res["planner_truth"]
+    assert abs(truth["kv_pools_vs_plan"] - 1) < 1e-3 and abs(truth["weights_vs_plan"] - 1) < 0.01
+    assert sum(line.startswith("SUMMARY") for line in proc.stdout.splitlines()) == len(rows) + 1

@@ -1,0 +1,102 @@
+"""DeepSeek-V4 on the GPU (run on the device): logits equal transformers' in float32 (TF32 off);
+greedy MTP speculation with captured CUDA graphs (chain and tree, every bucket, padded batches)
+emits the target-only tokens and gives every slot and pool row back; bf16 runs under graphs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("transformers.models.deepseek_v4")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "models"))  # the tiny V4 helpers
+
+from v4_tiny import TINY, engine_model, hf_model, random_mtp, stable_indexer_ties  # noqa: E402
+
+from specdeploy.engine.models.attention import causal_batch  # noqa: E402
+from specdeploy.engine.runtime.kv import SlotTable  # noqa: E402
+from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
+
+DEV = "cuda"
+BUCKETS = (1, 2, 4)
+CONFIG = {**TINY, "vocab_size": 12, "moe_intermediate_size": 32}
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = hf_model(CONFIG)
+    target = engine_model(CONFIG, hf).to(DEV)
+    return hf, target, random_mtp(target).to(DEV)
+
+
+def test_logits_match_transformers_on_cuda(models):
+    hf, target, _ = models
+    n = 40
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, n), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), stable_indexer_ties():
+        want = hf(ids, use_cache=False).logits[0]
+    table = SlotTable(n + 8, 1, n + 8, DEV)
+    kv = target.make_kv(n + 8, n + 7, 1, n + 8, torch.float32, DEV)
+    table.listeners.append(kv)
+    row, length, got = table.alloc_row(), 0, []
+    with torch.no_grad():
+        for take in [13] + [1] * (n - 13):
+            slots = table.alloc(take)[None]
+            table.req_to_slot[row, length:length + take] = slots[0]
+            batch = causal_batch(slots, torch.tensor([take], device=DEV), table.req_to_slot[[row], :length],
+                                 torch.tensor([length], device=DEV))
+            out = target(ids[:, length:length + take].to(DEV), (length + torch.arange(take, device=DEV))[None], batch, kv)
+            got.append(target.logits(out.hidden)[0].cpu())
+            table.commit(row, length, length + take)
+            length += take
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-3, rtol=0)
+
+
+def serve(target, draft, spec, graph_mode):
+    runner = Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4, context_length=96,
+                    device=DEV, cuda_graph_batch_sizes=BUCKETS, graph_mode=graph_mode)
+    pools = [kv for kv in (runner.target_kv, runner.draft_kv) if kv is not None]
+    baseline = runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]
+    g = torch.Generator().manual_seed(5)
+    # 3 requests: batch 3 replays the bucket of 4 with a padded row
+    for i, n in enumerate((9, 17, 3)):
+        runner.add(Request(str(i), torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist(), max_tokens=20))
+    out = {str(i): [] for i in range(3)}
+    while runner.num_running:
+        for o in runner.step():
+            out[o.req_id] += o.token_ids
+    assert (runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]) == baseline
+    return out, runner
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4), SpecConfig("MTP", 2, 3, 7)],
+                         ids=["chain3", "tree2x2", "tree2x3"])
+def test_graphed_mtp_speculation_is_lossless(models, spec):
+    _, target, mtp = models
+    reference, _ = serve(target, None, SpecConfig(), "off")
+    graphed_plain, _ = serve(target, None, SpecConfig(), "capture")
+    out, runner = serve(target, mtp, spec, "capture")
+    assert graphed_plain == reference
+    assert out == reference
+    assert runner.num_draft_tokens_accepted > 0
+
+
+def test_bf16_runs_under_graphs(models):
+    _, target, _ = models
+    hf = hf_model(CONFIG)
+    bf16 = engine_model(CONFIG, hf, dtype=torch.bfloat16).to(DEV)
+    mtp = random_mtp(bf16).to(DEV, torch.bfloat16)
+    assert bf16.layers[0].self_attn.sinks.dtype == torch.float32  # kept float32 like the checkpoint
+    out, runner = serve(bf16, mtp, SpecConfig("MTP", 2, 1, 3), "capture")
+    assert all(len(tokens) == 20 for tokens in out.values())
