@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def test_dsv4_bench_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-P", "bench/dsv4_bench.py", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
