@@ -289,6 +289,31 @@ def test_requests_sent_together_compute_a_shared_prompt_once(algorithm):
     assert [got[r.id]["cached"] for r in reqs] == [0] + [len(SYSTEM) - lookahead] * 3
 
 
+def test_a_failed_prefill_of_a_hit_is_retried_exactly(monkeypatch):
+    """A forward that raises while a request's prefill starts from a cache hit leaves the hit
+    locked and the pool whole; the next step redoes it and gives the cache-off tokens."""
+    runner = make_runner("EAGLE", 1, True)
+    run(runner, [Request("a", SYSTEM + tokens(6, 1), 8)])
+    req = Request("b", SYSTEM + tokens(6, 2), 8)
+    want = run(make_runner("EAGLE", 1, False), [req])
+    real, calls = runner.target.forward, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(runner.target, "forward", failing)
+    runner.add(req)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.step()
+    check_accounting(runner)
+    assert runner.prefix_cache.locked_slots == len(SYSTEM) - 1
+    got = run(runner, [])
+    assert got["b"]["tokens"] == want["b"]["tokens"] and got["b"]["cached"] == len(SYSTEM) - 1
+    assert runner.prefix_cache.locked_slots == 0
+
+
 def test_shared_prefix_len():
     rng = random.Random(0)
     for _ in range(200):

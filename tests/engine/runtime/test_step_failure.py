@@ -61,9 +61,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("algorithm,name,nth,chunk", CASES)
-def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk):
-    runner = make_runner(algorithm, prefill_chunk_tokens=chunk)
+def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk, cache):
+    """With the prefix cache, the aborted requests leave what they wrote in the tree and the
+    last run hits it; free counts the cache's unlocked slots (a request may take them)."""
+    runner = make_runner(algorithm, prefill_chunk_tokens=chunk, prefix_cache=cache)
     free = runner.num_free_slots
     expected = run_to_completion(make_runner(algorithm), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     assert runner.num_free_slots == free
@@ -90,11 +93,15 @@ def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk):
     again = run_to_completion(runner, [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     assert again == expected
     assert runner.num_free_slots == free
+    if cache:
+        assert runner.prefix_cache.locked_slots == 0 and runner.prefix_cache.cached_slots > 0
+        runner.prefix_cache.check()
 
 
-def test_failed_step_can_be_retried(monkeypatch):
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
+def test_failed_step_can_be_retried(monkeypatch, cache):
     """The failed phase leaves its requests as they were: stepping on gives the same tokens."""
-    runner = make_runner("EAGLE")
+    runner = make_runner("EAGLE", prefix_cache=cache)
     expected = run_to_completion(make_runner("EAGLE"), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     fail_on_call(monkeypatch, runner.calls, "target_verify", 2)
     reqs = [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())]
