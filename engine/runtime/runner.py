@@ -133,7 +133,7 @@ class Runner:
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True,
                  role: str = "both", prefix_cache: bool = False, adaptive: bool = False,
                  adaptive_shapes: list[SpecShape] | None = None, step_costs_s: dict | None = None,
-                 catch_up_tokens: int = 8, policy_options=None):
+                 catch_up_tokens: int = 16, policy_options=None):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
