@@ -376,6 +376,17 @@ def s7(r: dict) -> str:
     lines += ["", "Crossover (the smallest batch at which a fixed shape is slower than target-only): "
                   + ", ".join(f"{k} {'none up to ' + str(r['sweep_table'][-1]['batch']) if v is None else v}"
                               for k, v in c.items()) + "."]
+    costs = r["sweep"]["adaptive"].get("start_up_costs_ms") or {}
+    if costs:
+        shapes = list(dict.fromkeys(k.split("@")[0] for k in costs))
+        buckets = sorted({int(k.split("@")[1]) for k in costs})
+        none = {b: costs.get(f"none@{b}") for b in buckets}
+        lines += ["", "Step costs the adaptive runner measured at start-up (ms per step, graph replays on padded "
+                      "inputs; in brackets the multiple of the plain step at the same batch):", ""]
+        lines.append(_table(["shape", *[f"batch {b}" for b in buckets]],
+                            [[sh, *[f"{costs[f'{sh}@{b}']:.2f}" + ("" if sh == "none" or not none[b] else
+                                                                   f" ({costs[f'{sh}@{b}'] / none[b]:.2f}×)")
+                                    for b in buckets]] for sh in shapes]))
     pol = r["sweep"]["adaptive"].get("policy")
     if pol:
         rates = pol["acceptance_rates"]
