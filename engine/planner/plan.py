@@ -107,6 +107,11 @@ LIVE_MLP_WIDTHS = 3
 # collapse and the expand are Triton kernels that keep nothing else stream-wide).
 LIVE_HC_FLOAT32_STREAMS = 1
 
+# DeepSeek-V4 activations beyond the Llama-shaped terms (see _activation_bytes): q and the
+# attention output at heads x head_dim, and the expert-sorted token copies in and out.
+V4_LIVE_HEAD_WIDTHS = 2
+V4_LIVE_SORTED_TOKEN_COPIES = 2
+
 # Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
 # batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
 # and graph kinds (0.20-0.29 GiB measured on Llama-3.1-8B plans with 5 to 11 buckets).
@@ -439,6 +444,12 @@ def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
                  + LIVE_RESIDUAL_WIDTHS * shapes.spec_hidden_size
                  + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp)
     hc_float32 = LIVE_HC_FLOAT32_STREAMS * shapes.spec_hidden_size * 4 if shapes.hc_mult > 1 else 0
+    if shapes.attention == "compressed":
+        # DeepSeek-V4 (engine/models/deepseek_v4.py): the queries and the attention output are
+        # heads x head_dim wide (8 x hidden on Flash), and the routed experts work on a copy of
+        # the tokens sorted by expert, in and out, one row per (token, expert).
+        per_token += (V4_LIVE_HEAD_WIDTHS * shapes.num_heads * shapes.head_dim
+                      + V4_LIVE_SORTED_TOKEN_COPIES * shapes.num_experts_per_tok * shapes.hidden_size)
     return tokens * (per_token * shapes.dtype_bytes + hc_float32)
 
 
