@@ -194,3 +194,50 @@ def test_slot_runs_and_copies_coalesce():
         kv_copies(src, [3], dataclasses.replace(dst, slot_bytes=16), [3])
     with pytest.raises(ValueError, match="destination slot outside"):
         kv_copies(src, [3], dst, [0])
+
+
+@pytest.mark.parametrize("algorithm,hc_mult", [("EAGLE", 1), ("MTP", 4)])
+def test_prefill_server_with_prefix_cache_sends_the_state_of_a_full_prefill(agents, algorithm, hc_mult):
+    """A prefill server with the prefix cache on: requests after the first match the shared
+    prompt prefix, and what reaches the decode server (the tree's slots' KV, the first token, the
+    carried row) is what one server's full prefill leaves; greedy tokens are unchanged."""
+    target, perm = target_for(hc_mult)
+    draft = copy_draft(algorithm, target, perm)
+    plan = tiny_plan(target.cfg, algorithm)
+    shared = random_requests((30,), 1, 64)[0].prompt_ids
+    reqs = [dataclasses.replace(r, prompt_ids=shared + r.prompt_ids) for r in random_requests((3, 7, 1), 10, 64)]
+    want, want_state = {}, {}
+    for r in reqs:
+        single = Runner(target, draft, plan=plan)
+        single.add(r)
+        want[r.id] = list(single.step()[0].token_ids)
+        want_state[r.id] = state_after_prefill(single, r.id)
+        while single.num_running:
+            for o in single.step():
+                want[o.req_id] += o.token_ids
+
+    prefill = Runner(target, draft, plan=plan, role="prefill", prefix_cache=True)
+    decode = Runner(target, draft, plan=plan, role="decode")
+    register(agents[0], prefill)
+    register(agents[1], decode)
+    firsts, step = [], prefill.step
+
+    def recording_step():
+        outs = step()
+        firsts.extend(outs)
+        return outs
+    prefill.step = recording_step
+    got = {}
+    for r in reqs:
+        transfer(prefill, decode, agents[0], agents[1].session_id, r)
+        got[r.id] = [t for o in decode.activate(r.id) for t in o.token_ids]
+        assert_same_state(state_after_prefill(decode, r.id), want_state[r.id])
+        while decode.num_running:
+            for o in decode.step():
+                got[o.req_id] += o.token_ids
+    assert got == want
+    cached = [o.num_cached_tokens for o in firsts]
+    assert cached[0] == 0 and all(c >= len(shared) - 1 for c in cached[1:]), cached
+    cache = prefill.prefix_cache
+    assert cache.locked_slots == 0 and cache.cached_slots >= len(shared)
+    assert prefill.num_free_slots == prefill.table.capacity and decode.num_free_slots == decode.table.capacity
