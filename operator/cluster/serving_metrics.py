@@ -2,7 +2,8 @@
 
 mean accept length = 1 + accepted draft tokens / verify steps, summed over ready pods (each
 counter is cumulative since its pod started, so this is the lifetime mean of the current pods);
-tokens per second = the sum of the pods' generation throughput gauges.
+tokens per second = the sum of the pods' generation throughput gauges; prefix cache hit rate =
+prompt tokens found in the cache / prompt tokens looked up, summed over the pods (lifetime).
 An engine with adaptive speculation also reports the shape of its last decode step and its
 measured per-depth acceptance: the status shows the shapes the pods run (one label, or the
 distinct ones joined with '/') and the acceptance per depth averaged over the pods.
@@ -25,6 +26,8 @@ TOKENS_PER_SECOND = "specdeploy_generation_tokens_per_second"
 ADAPTIVE = "specdeploy_spec_decode_adaptive"
 SHAPE = "specdeploy_spec_decode_shape"
 ACCEPTANCE_RATE = "specdeploy_spec_decode_acceptance_rate"
+PREFIX_HITS = "specdeploy_prefix_cache_hits_total"
+PREFIX_QUERIES = "specdeploy_prefix_cache_queries_total"
 SCRAPE_TIMEOUT_S = 2.0
 
 # name{labels} value  (timestamps, if any, follow the value and are ignored)
@@ -39,11 +42,13 @@ class EngineSample:
     tokens_per_second: float
     shape: str | None = None                        # adaptive engines: the last decode step's
     acceptance_rates: tuple[float, ...] = ()        # adaptive engines: depth 1, 2, ...
+    prefix_hits: float = 0.0                        # prompt tokens found in the prefix cache
+    prefix_queries: float = 0.0                     # prompt tokens looked up in it
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
     """Sum each wanted metric over its label sets; absent metrics count as 0."""
-    totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0}
+    totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0, PREFIX_HITS: 0.0, PREFIX_QUERIES: 0.0}
     adaptive, shape, rates = False, None, {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -66,7 +71,8 @@ def parse_engine_metrics(text: str) -> EngineSample:
                 rates[int(labels["depth"])] = value
     depths = tuple(rates[d] for d in sorted(rates))
     return EngineSample(totals[ACCEPTED_TOKENS], totals[VERIFY_STEPS], totals[TOKENS_PER_SECOND],
-                        shape if adaptive else None, depths if adaptive else ())
+                        shape if adaptive else None, depths if adaptive else (),
+                        totals[PREFIX_HITS], totals[PREFIX_QUERIES])
 
 
 def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
@@ -81,6 +87,9 @@ def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
     shapes = sorted({s.shape for s in samples if s.shape is not None})
     if shapes:
         result["speculativeShape"] = "/".join(shapes)
+    queries = sum(s.prefix_queries for s in samples)
+    if queries > 0:
+        result["prefixCacheHitRate"] = round(sum(s.prefix_hits for s in samples) / queries, 3)
     rated = [s.acceptance_rates for s in samples if s.acceptance_rates]
     if rated:
         depth = min(len(r) for r in rated)

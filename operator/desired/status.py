@@ -256,7 +256,7 @@ def serving(
     status = _base(current)
     serving_status = {
         k: v for k, v in (status.get("serving") or {}).items()
-        if k in ("meanAcceptLength", "tokensPerSecond")
+        if k in ("meanAcceptLength", "tokensPerSecond", "prefixCacheHitRate")
     }
     plan_condition = get_condition(status, PLAN_READY)
     planned = (
@@ -322,11 +322,12 @@ def serving(
 
 
 def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) -> dict[str, Any]:
-    """Record the engines' own figures (meanAcceptLength, tokensPerSecond; with adaptive
-    speculation speculativeShape and acceptanceRates) under serving."""
+    """Record the engines' own figures (meanAcceptLength, tokensPerSecond, with the prefix
+    cache on prefixCacheHitRate; with adaptive speculation speculativeShape and acceptanceRates)
+    under serving."""
     status = _base(current)
     serving_status = dict(status.get("serving") or {})
-    for key in ("meanAcceptLength", "tokensPerSecond", "speculativeShape", "acceptanceRates"):
+    for key in ("meanAcceptLength", "tokensPerSecond", "speculativeShape", "acceptanceRates", "prefixCacheHitRate"):
         if key in figures:
             serving_status[key] = figures[key]
     status["serving"] = serving_status

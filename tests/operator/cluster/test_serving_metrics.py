@@ -88,6 +88,21 @@ def test_adaptive_engines_report_their_shape_and_acceptance():
     assert st["serving"]["speculativeShape"] == "3,1,4/none" and st["serving"]["acceptanceRates"] == [0.7, 0.6, 0.5]
 
 
+def test_prefix_cache_hit_rate_over_the_pods():
+    a, b = EngineMetrics("llama"), EngineMetrics("llama")
+    a.prefix_cache_queries.inc(1000)
+    a.prefix_cache_hits.inc(900)
+    b.prefix_cache_queries.inc(3000)
+    b.prefix_cache_hits.inc(100)
+    samples = [sm.parse_engine_metrics(m.render().decode()) for m in (a, b)]
+    figures = sm.summarize(samples)
+    assert figures["prefixCacheHitRate"] == 0.25                 # (900 + 100) / (1000 + 3000)
+    st = status.engine_metrics({}, figures)
+    assert st["serving"]["prefixCacheHitRate"] == 0.25
+    # An engine with the cache off looks nothing up: no figure rather than a hit rate of 0.
+    assert "prefixCacheHitRate" not in sm.summarize([sm.parse_engine_metrics(EngineMetrics("x").render().decode())])
+
+
 def test_no_steps_yet_gives_throughput_only():
     fresh = sm.parse_engine_metrics(EngineMetrics("x").render().decode())
     assert sm.summarize([fresh]) == {"tokensPerSecond": 0.0}
