@@ -16,7 +16,7 @@ from specdeploy.engine.models.deepseek_v4_checkpoint import engine_name, load_v4
 from specdeploy.engine.models.fp8 import E2M1_VALUES, dequantize_fp4, dequantize_fp8, quantize_fp8_block
 from specdeploy.engine.runtime.kv import SlotTable
 
-from v4_tiny import TINY, engine_model, hf_model, random_mtp
+from v4_tiny import TINY, engine_model, hf_model, published, random_mtp
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
@@ -25,49 +25,8 @@ CONFIG = {**copy.deepcopy(TINY), "moe_intermediate_size": 32, "expert_dtype": "f
           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": list(BLOCK)}}
 UNQUANTIZED = {k: v for k, v in CONFIG.items() if k not in ("quantization_config", "expert_dtype")}
-
-# transformers name (without `model.`) -> published name, applied in order
-TO_PUBLISHED = (
-    ("self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"),
-    ("self_attn.compressor.indexer.q_b_proj", "attn.indexer.wq_b"),
-    ("self_attn.compressor.indexer.", "attn.indexer.compressor."),
-    ("self_attn.", "attn."),
-    ("mlp.shared_experts.gate_proj", "ffn.shared_experts.w1"),
-    ("mlp.shared_experts.up_proj", "ffn.shared_experts.w3"),
-    ("mlp.shared_experts.down_proj", "ffn.shared_experts.w2"),
-    ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
-    ("mlp.", "ffn."),
-    ("input_layernorm", "attn_norm"),
-    ("post_attention_layernorm", "ffn_norm"),
-    ("attn_hc.", "hc_attn_"),
-    ("ffn_hc.", "hc_ffn_"),
-    ("hc_head.hc_", "hc_head_"),
-    ("hc_head.", "hc_head_"),
-    ("compressor.kv_proj", "compressor.wkv"),
-    ("compressor.gate_proj", "compressor.wgate"),
-    ("compressor.position_bias", "compressor.ape"),
-    ("compressor.kv_norm", "compressor.norm"),
-    ("attn.q_a_proj", "attn.wq_a"),
-    ("attn.q_a_norm", "attn.q_norm"),
-    ("attn.q_b_proj", "attn.wq_b"),
-    ("attn.kv_proj", "attn.wkv"),
-    ("attn.o_a_proj", "attn.wo_a"),
-    ("attn.o_b_proj", "attn.wo_b"),
-    ("attn.sinks", "attn.attn_sink"),
-)
 FP8_LINEARS = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "indexer.wq_b.",
                "shared_experts.w1.", "shared_experts.w2.", "shared_experts.w3.", "e_proj.", "h_proj.")
-
-
-def published(name: str) -> str:
-    name = name.removeprefix("model.")
-    if name == "embed_tokens.weight":
-        return "embed.weight"
-    if name == "lm_head.weight":
-        return "head.weight"
-    for a, b in TO_PUBLISHED:
-        name = name.replace(a, b)
-    return name
 
 
 def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

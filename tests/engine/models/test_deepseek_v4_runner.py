@@ -30,6 +30,12 @@ def models():
     return target, random_mtp(target)
 
 
+@pytest.fixture(scope="module")
+def reference(models):
+    """Target-only greedy outputs (plain decode, eager)."""
+    return serve(models[0], None, SpecConfig())[0]
+
+
 def prompts():
     g = torch.Generator().manual_seed(5)
     return [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 17, 3)]
@@ -54,19 +60,17 @@ def serve(target, draft, spec, prefill_chunk_tokens=8192, **kwargs):
 @pytest.mark.parametrize("spec", [SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 1, 3),
                                   SpecConfig("MTP", 3, 2, 6), SpecConfig("MTP", 2, 3, 7)],
                          ids=["chain3", "chain2", "tree3x2", "tree2x3"])
-def test_greedy_mtp_equals_target_only(models, spec):
+def test_greedy_mtp_equals_target_only(models, reference, spec):
     target, mtp = models
-    reference, _ = serve(target, None, SpecConfig())
     out, runner = serve(target, mtp, spec)
     assert out == reference
     assert runner.num_draft_tokens_accepted > 0  # accepted paths were committed, not only roots
 
 
-def test_graph_buffers_and_padded_batches_change_nothing(models):
+def test_graph_buffers_and_padded_batches_change_nothing(models, reference):
     """graph_mode "padded": the CUDA graphs' static buffers, batch-size buckets and padded rows,
     replayed eagerly (any device): the fixed-shape path the graphs capture on the GPU."""
     target, mtp = models
-    reference, _ = serve(target, None, SpecConfig())
     for spec in (SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4)):
         out, _ = serve(target, mtp, spec, graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
         assert out == reference
@@ -74,11 +78,9 @@ def test_graph_buffers_and_padded_batches_change_nothing(models):
     assert out == reference
 
 
-def test_chunked_prefill_changes_nothing(models):
-    target, _ = models
-    whole, _ = serve(target, None, SpecConfig())
-    chunked, _ = serve(target, None, SpecConfig(), prefill_chunk_tokens=5)
-    assert chunked == whole
+def test_chunked_prefill_changes_nothing(models, reference):
+    chunked, _ = serve(models[0], None, SpecConfig(), prefill_chunk_tokens=5)
+    assert chunked == reference
 
 
 def test_runner_allocates_the_plan(models):

@@ -149,3 +149,47 @@ def random_mtp(target, seed: int = 3):
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.2 * torch.randn(buf.shape, generator=g))
     return head
+
+
+# transformers name (without `model.`) -> published name, applied in order
+TO_PUBLISHED = (
+    ("self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"),
+    ("self_attn.compressor.indexer.q_b_proj", "attn.indexer.wq_b"),
+    ("self_attn.compressor.indexer.", "attn.indexer.compressor."),
+    ("self_attn.", "attn."),
+    ("mlp.shared_experts.gate_proj", "ffn.shared_experts.w1"),
+    ("mlp.shared_experts.up_proj", "ffn.shared_experts.w3"),
+    ("mlp.shared_experts.down_proj", "ffn.shared_experts.w2"),
+    ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
+    ("mlp.", "ffn."),
+    ("input_layernorm", "attn_norm"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("attn_hc.", "hc_attn_"),
+    ("ffn_hc.", "hc_ffn_"),
+    ("hc_head.hc_", "hc_head_"),
+    ("hc_head.", "hc_head_"),
+    ("compressor.kv_proj", "compressor.wkv"),
+    ("compressor.gate_proj", "compressor.wgate"),
+    ("compressor.position_bias", "compressor.ape"),
+    ("compressor.kv_norm", "compressor.norm"),
+    ("attn.q_a_proj", "attn.wq_a"),
+    ("attn.q_a_norm", "attn.q_norm"),
+    ("attn.q_b_proj", "attn.wq_b"),
+    ("attn.kv_proj", "attn.wkv"),
+    ("attn.o_a_proj", "attn.wo_a"),
+    ("attn.o_b_proj", "attn.wo_b"),
+    ("attn.sinks", "attn.attn_sink"),
+)
+
+
+def published(name: str) -> str:
+    """A transformers-layout tensor name -> the published checkpoint's (the inverse of the
+    engine's loader map, written out independently)."""
+    name = name.removeprefix("model.")
+    if name == "embed_tokens.weight":
+        return "embed.weight"
+    if name == "lm_head.weight":
+        return "head.weight"
+    for a, b in TO_PUBLISHED:
+        name = name.replace(a, b)
+    return name
