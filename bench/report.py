@@ -364,16 +364,18 @@ def s7(r: dict) -> str:
     if r.get("hf_compile_error"):
         lines += ["", f"transformers static + compile failed: `{r['hf_compile_error']}`"]
     lines += ["", "Batch sweep: each configuration on one runner (graphs for every bucket), the batch's requests "
-                  f"admitted at once, {r['sizes']['sweep_new_tokens']} new tokens each; generated tok/s of the whole "
-                  "batch, and the multiple of target-only.", ""]
-    rows = [[x["batch"], _f(x["target_only_tok_s"], 0), f"{_f(x['chain_tok_s'], 0)} ({x['chain_x']:.2f}×)",
-             f"{_f(x['tree_tok_s'], 0)} ({x['tree_x']:.2f}×)", f"{_f(x['adaptive_tok_s'], 0)} ({x['adaptive_x']:.2f}×)",
+                  f"admitted at once, {r['sizes']['sweep_new_tokens']} new tokens each; decode tok/s of the whole "
+                  "batch (after every request's first token, best of two runs), its multiple of target-only, and "
+                  "in brackets the multiple end to end (prefill included).", ""]
+    rows = [[x["batch"], _f(x["target_only_tok_s"], 0),
+             *[f"{_f(x[f'{k}_tok_s'], 0)} ({x[f'{k}_x']:.2f}×; {x.get(f'{k}_e2e_x', float('nan')):.2f}×)"
+               for k in ("chain", "tree", "adaptive")],
              ", ".join(f"{k}: {v}" for k, v in (x.get("adaptive_shapes") or {}).items())]
             for x in r["sweep_table"]]
-    lines.append(_table(["batch", "target-only tok/s", "chain (3,1,4)", "tree (3,4,8)", "adaptive",
+    lines.append(_table(["batch", "target-only decode tok/s", "chain (3,1,4)", "tree (3,4,8)", "adaptive",
                          "adaptive: steps per shape"], rows))
     c = r["crossover_batch"]
-    lines += ["", "Crossover (the smallest batch at which a fixed shape is slower than target-only): "
+    lines += ["", "Crossover (the smallest batch at which a fixed shape decodes slower than target-only): "
                   + ", ".join(f"{k} {'none up to ' + str(r['sweep_table'][-1]['batch']) if v is None else v}"
                               for k, v in c.items()) + "."]
     costs = r["sweep"]["adaptive"].get("start_up_costs_ms") or {}
