@@ -132,10 +132,24 @@ class V4KV:
                 if stop > start:
                     self._give_back(name, row_slots[start:stop])
             else:
-                positions = torch.arange(old_len, new_len)
-                open_window = (positions + 1) % p.ratio != 0
-                if open_window.any():
-                    self._give_back(name, row_slots[old_len:new_len][open_window.to(row_slots.device)])
+                # The positions that close no window, as slices of the row (views: no device
+                # sync in the step's commit); a long prefill chunk as one index tensor instead.
+                r = p.ratio
+                if new_len - old_len <= 2 * r:
+                    parts, start = [], old_len
+                    for pos in range(old_len, new_len):
+                        if (pos + 1) % r == 0:
+                            if pos > start:
+                                parts.append(row_slots[start:pos])
+                            start = pos + 1
+                    if new_len > start:
+                        parts.append(row_slots[start:new_len])
+                    slots = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
+                else:
+                    index = [pos for pos in range(old_len, new_len) if (pos + 1) % r]
+                    slots = row_slots[torch.tensor(index, dtype=torch.int64).to(row_slots.device, non_blocking=True)]
+                if slots is not None and slots.numel():
+                    self._give_back(name, slots)
 
     def finished(self, row_slots: torch.Tensor, length: int) -> None:
         """A request leaves with `length` committed tokens: every row its slots still hold."""
