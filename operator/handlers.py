@@ -36,6 +36,7 @@ from specdeploy.operator.cluster.kube import (
 )
 from specdeploy.operator.desired import status
 from specdeploy.operator.desired.planning import (
+    ModelWeights,
     PlanningError,
     plan_engine,
     plan_summary,
@@ -76,8 +77,9 @@ def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
 
 def resolve_configs(
     sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions
-) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
-    """Both models' config.json and where each came from."""
+) -> tuple[dict[str, Any], dict[str, Any] | None, list[str], ModelWeights]:
+    """Both models' config.json, where each came from, and the checkpoints' weight bytes where
+    they come from the hub."""
     spec, namespace = sdd["spec"], sdd["metadata"]["namespace"]
     hub_spec = spec.get("hub") or {}
     endpoint = hub_spec.get("endpoint") or options.hub_endpoint
@@ -94,7 +96,12 @@ def resolve_configs(
             spec["draft"], "spec.draft", namespace, kube, hub_endpoint=endpoint, hub_token=token
         )
     origins = [target.origin] + ([draft.origin] if draft else [])
-    return target.config, draft.config if draft else None, origins
+    weights = ModelWeights(
+        config_source.resolve_model_weights(spec["target"], "spec.target", hub_endpoint=endpoint, hub_token=token),
+        config_source.resolve_model_weights(spec["draft"], "spec.draft", hub_endpoint=endpoint, hub_token=token)
+        if spec.get("draft") else None,
+    )
+    return target.config, draft.config if draft else None, origins, weights
 
 
 def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
@@ -115,8 +122,8 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
 
     kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
     try:
-        target_config, draft_config, origins = resolve_configs(sdd, kube, options)
-        planned: PlannedEngine = plan_engine(sdd["spec"], target_config, draft_config)
+        target_config, draft_config, origins, weights = resolve_configs(sdd, kube, options)
+        planned: PlannedEngine = plan_engine(sdd["spec"], target_config, draft_config, weights)
     except (config_source.ConfigSourceError, PlanningError) as err:
         transient = getattr(err, "transient", False)
         _refuse(kube, sdd, err.reason, err.message, transient=transient, logger=logger)

@@ -78,14 +78,14 @@ def _split_attention_kernel(
         k_valid = offs_k < hi
         slots = tl.load(prefix_slots_ptr + b * prefix_width + offs_k, mask=k_valid, other=0)
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                    mask=k_valid[:, None], other=0.0)                   # [BLOCK_K, D]
+                    mask=k_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)   # [BLOCK_K, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(k_valid[None, :], s, float("-inf"))                # [BLOCK_M, BLOCK_K]
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a valid key
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                    mask=k_valid[:, None], other=0.0)
+                    mask=k_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -100,7 +100,7 @@ def _split_attention_kernel(
                           + offs_k[None, :], mask=row_valid[:, None] & k_valid[None, :],
                           other=0) != 0                                 # [BLOCK_M, BLOCK_K]
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                    mask=k_valid[:, None], other=0.0)
+                    mask=k_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -109,7 +109,7 @@ def _split_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                    mask=k_valid[:, None], other=0.0)
+                    mask=k_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -177,13 +177,20 @@ def num_kv_splits(programs: int, prefix_width: int, sm_count: int) -> int:
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-           scale: float, num_splits: int | None = None) -> torch.Tensor:
+           scale: float, num_splits: int | None = None,
+           kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].
-    num_splits (a power of two) overrides the choice of `num_kv_splits` (tests)."""
+    num_splits (a power of two) overrides the choice of `num_kv_splits` (tests).
+    An e4m3 pool's codes are widened to q's dtype as they are loaded; its k_scale folds into
+    the softmax scale and its v_scale multiplies the output."""
     b, num_q, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
-    if q.dtype != k_cache.dtype:
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    k_scale, v_scale = kv_scales or (1.0, 1.0)
+    if fp8_kv:
+        scale = scale * k_scale
+    elif q.dtype != k_cache.dtype:
         # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
         # dtype, and the pool's is the wider one here.
         return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits).to(q.dtype)
@@ -222,4 +229,4 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         _combine_kernel[(b, num_q * hq)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
             num_q, hq, HEAD_DIM=d, NUM_SPLITS=num_splits)
-    return out
+    return out * v_scale if fp8_kv and v_scale != 1.0 else out

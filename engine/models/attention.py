@@ -9,6 +9,10 @@ valid prefix of each request:
 - the *in-flight* tokens `new_slots[b]` (this forward's own tokens, the verify tree, or the
   draft scratch), visible where `new_mask[b, q, j]` is True (causal, tree or ancestor mask).
 
+K/V pools in float8_e4m3fn (`--kv-cache-dtype fp8_e4m3`) hold e4m3 codes of K / k_scale and
+V / v_scale, one float scale per layer for each (`kv_scales`; from the checkpoint's k_scale /
+v_scale where it has them, else 1): `store_kv` writes them, both paths read them back scaled.
+
 Two implementations share this contract: `reference` (gather K/V by slot, one SDPA call; used
 on CPU and as the oracle in tests) and `fast` (GPU: a Triton kernel over the slot pool that
 skips the padded prefix). Select with `set_backend`; the default, `auto`, takes the fast path
@@ -41,12 +45,30 @@ class AttnBatch:
         return torch.cat([prefix[:, None, :].expand(b, q, kp), self.new_mask], dim=-1)
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def store_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K or V rows as the pool stores them: the pool's dtype, or e4m3 codes of x / scale
+    (saturated at +-448, as the GPU's conversion does)."""
+    if cache_dtype == FP8_KV_DTYPE:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+    return x.to(cache_dtype)
+
+
+def _read_kv(rows: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    return (rows.float() * scale).to(dtype) if rows.dtype == FP8_KV_DTYPE else rows
+
+
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              batch: AttnBatch, scale: float) -> torch.Tensor:
-    """q [B, Q, Hq, D]; k_cache/v_cache [slots, Hkv, D] -> [B, Q, Hq, D]."""
+              batch: AttnBatch, scale: float, kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+    """q [B, Q, Hq, D]; k_cache/v_cache [slots, Hkv, D] -> [B, Q, Hq, D]. kv_scales: (k_scale,
+    v_scale) of an FP8 pool."""
     slots = torch.cat([batch.prefix_slots, batch.new_slots], dim=1)    # [B, K]
-    k = k_cache[slots].transpose(1, 2)                                  # [B, Hkv, K, D]
-    v = v_cache[slots].transpose(1, 2)
+    ks, vs = kv_scales or (1.0, 1.0)
+    k = _read_kv(k_cache[slots], q.dtype, ks).transpose(1, 2)           # [B, Hkv, K, D]
+    v = _read_kv(v_cache[slots], q.dtype, vs).transpose(1, 2)
     mask = batch.full_mask()[:, None]                                   # [B, 1, Q, K]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[2] != k.shape[1])
@@ -74,11 +96,11 @@ def get_backend() -> str:
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           batch: AttnBatch, scale: float) -> torch.Tensor:
+           batch: AttnBatch, scale: float, kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     fast = kernels.attention_ops() if _BACKEND != "reference" and q.is_cuda else None
     if fast is not None and fast.supported(q):
-        return fast.attend(q, k_cache, v_cache, batch, scale)
-    return reference(q, k_cache, v_cache, batch, scale)
+        return fast.attend(q, k_cache, v_cache, batch, scale, kv_scales=kv_scales)
+    return reference(q, k_cache, v_cache, batch, scale, kv_scales)
 
 
 def causal_batch(out_slots: torch.Tensor, lens: torch.Tensor, prefix_slots: torch.Tensor,

@@ -111,8 +111,9 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, int], scale_n: int, bloc
     s = scale_to_float(scale)
     if s.numel() == 1:
         return s.reshape(1, 1).expand(n, k)
-    if s.dim() == 1 or s.shape[-1] == 1:
-        return s.reshape(-1, 1)[:n].expand(n, k)
+    if s.dim() == 1 or (s.shape[0] == n and s.shape[1] == 1):
+        # one scale per row ([N] or [N, 1]; a grid one block wide with scale_n 1 is the same)
+        return s.reshape(-1, 1).expand(n, k)
     return s.repeat_interleave(scale_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
 
 
@@ -463,3 +464,40 @@ def quantization_config(fmt: FP8Format) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": {"num_bits": 8, "type": "float",
                                                                 "strategy": "token", "dynamic": True}}}}
+
+
+@torch.no_grad()
+def quantize_model_linears(model: nn.Module, fmt: FP8Format, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+    """Quantize a built model's parallel linears in place, as an FP8 checkpoint of its current
+    weights would be loaded (benchmarks of FP8 against bf16 on the same weights): each becomes
+    its FP8 variant holding e4m3 codes and scales; the high-precision weights are dropped. Fused
+    parts are quantized part by part, as a checkpoint stores them. -> the converted paths."""
+    converted = []
+    for path, module in list(model.named_modules()):
+        if isinstance(module, _FP8Parallel) or any(path == s or path.endswith("." + s) for s in skip):
+            continue
+        for plain, fp8_cls in _FP8_CLASSES:
+            if not isinstance(module, plain):
+                continue
+            parent_path, _, child = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            w = module.weight.detach()
+            parts = (list(zip(module.offsets, module.local_sizes)) if isinstance(module, MergedColumnParallelLinear)
+                     else [(0, w.shape[0])])
+            quantized = [quantize_state_dict({"x.weight": w[start:start + size]}, fmt, ("x",)) for start, size in parts]
+            new = fp8_cls(module, fmt)
+            for i, q in enumerate(quantized):
+                start, size = parts[i]
+                new.weight[start:start + size] = q["x.weight"]
+                if isinstance(new, FP8MergedColumnParallelLinear):
+                    # a part's own rows, as if it were the whole tensor of a checkpoint
+                    lo_saved = new.part_rows[i]
+                    new.part_rows[i] = (0, size)
+                    new.load_part(i, fmt.scale_name, q[f"x.{fmt.scale_name}"])
+                    new.part_rows[i] = lo_saved
+                else:
+                    _copy_scale(new.scale, q[f"x.{fmt.scale_name}"], path)
+            setattr(parent, child, new)
+            converted.append(path)
+            break
+    return converted

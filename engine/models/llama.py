@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specdeploy.engine.models.attention import AttnBatch, attend
+from specdeploy.engine.models.attention import FP8_KV_DTYPE, AttnBatch, attend, store_kv
 from specdeploy.engine.models.fp8 import convert_fp8_linears, fp8_format, ignored_tensor
 from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.models.hc import (HCConfig, HyperHead, PlainResidual, canonical_hc_key,
@@ -147,6 +147,18 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # An FP8 KV pool's per-layer scales: the checkpoint's k_scale / v_scale where it ships
+        # them (compressed-tensors kv_cache_scheme), else 1. Buffers so that load_state fills them,
+        # not persistent so that checkpoints without them load; `kv_scales` holds them as floats
+        # (set by load_target), which a CUDA graph can capture without a host sync.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.kv_scales = (1.0, 1.0)
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        """k_scale / v_scale, stored as [] or [1]."""
+        with torch.no_grad():
+            getattr(self, name).copy_(full.float().reshape(()))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
@@ -156,7 +168,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)                                          # [B, Q, (Hq + 2 Hkv) D]
         # CUDA inference: rope on q and k and both K/V writes in one kernel (a power-of-two
         # head size, no q/k norm in between); elsewhere the torch code below.
-        fused = None if hasattr(self, "q_norm") or d & (d - 1) else fused_kernels(qkv)
+        # An e4m3 pool takes the torch writes below (codes of K / k_scale, saturated).
+        fp8_kv = k_cache.dtype == FP8_KV_DTYPE
+        fused = None if fp8_kv or hasattr(self, "q_norm") or d & (d - 1) else fused_kernels(qkv)
         if fused is not None:
             q = fused.rope_store(qkv, cos, sin, k_cache, v_cache, batch.out_slots, hq, hkv)
         else:
@@ -169,9 +183,9 @@ class Attention(nn.Module):
                 # q and k sit side by side in the fused output: rotate all their heads at once.
                 qk = apply_rope(qkv[..., :(hq + hkv) * d].view(b, q_len, hq + hkv, d), cos, sin)
                 q, k = qk.split((hq, hkv), dim=2)                       # [B, Q, Hq | Hkv, D]
-            k_cache[batch.out_slots] = k.to(k_cache.dtype)
-            v_cache[batch.out_slots] = v.to(v_cache.dtype)
-        out = attend(q, k_cache, v_cache, batch, self.scale)
+            k_cache[batch.out_slots] = store_kv(k, k_cache.dtype, self.kv_scales[0])
+            v_cache[batch.out_slots] = store_kv(v, v_cache.dtype, self.kv_scales[1])
+        out = attend(q, k_cache, v_cache, batch, self.scale, self.kv_scales if fp8_kv else None)
         return self.o_proj(out.reshape(b, q_len, -1))
 
 
@@ -379,4 +393,12 @@ def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device: torch.de
     tensors = ((canonical_hc_key(name.removeprefix("model.")), t)
                for name, t in checkpoint.tensors(skip=_is_mtp))
     load_state(model, tensors, ignore=("rotary_emb.inv_freq", *ignored_tensor(fmt)))
+    set_kv_scales(model)
     return model
+
+
+def set_kv_scales(model: nn.Module) -> None:
+    """Every attention's k_scale / v_scale buffers, as the floats its forward uses."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_scales = (float(module.k_scale), float(module.v_scale))

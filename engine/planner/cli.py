@@ -18,7 +18,7 @@ from specdeploy.engine.planner.plan import (
     plan_from_configs,
 )
 from specdeploy.engine.planner.remote import is_hub_id, load_hub_model
-from specdeploy.engine.planner.shapes import ALGORITHMS, ConfigError
+from specdeploy.engine.planner.shapes import ALGORITHMS, KV_CACHE_DTYPES, ConfigError
 from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, CheckpointWeights, load_model
 
 DEFAULTS = SpecSettings()
@@ -56,6 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--context-length", type=int, default=DEFAULT_LIMITS.context_length, metavar="L",
         help=f"tokens per request the KV pool must hold for all R at once (default {DEFAULT_LIMITS.context_length})",
     )
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                        help="KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes, per-layer scales)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the operator's plan.json)")
     parser.set_defaults(func=run)
     return parser
@@ -95,7 +97,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
         target_weight_source=target_weights.source if target_weights else None,
         draft_weight_source=draft_weights.source if draft_weights else None,
-        gpus_per_node=args.gpus_per_node,
+        gpus_per_node=args.gpus_per_node, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -128,7 +130,8 @@ def format_plan(p: Plan) -> str:
         rows += [
             (label, f"{t.architecture or t.model_type} as {t.role}, {t.dtype}, {t.num_layers} layer{'s' if t.num_layers != 1 else ''}, {t.attention} attention"),
             ("  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}), {_gib(t.weight_bytes_per_gpu)} per GPU"),
-            ("  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"),
+            ("  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"
+                                     + (f", {t.kv_cache_dtype}" if t.kv_cache_dtype != "auto" else "")),
         ]
         if t.kv_cache_bytes_per_request_per_gpu:
             rows.append(("  KV bytes per request", f"{t.kv_cache_bytes_per_request_per_gpu} (recent-token rows: windows, compressor state; per GPU)"))

@@ -117,6 +117,10 @@ V4_LIVE_SORTED_TOKEN_COPIES = 2
 # and graph kinds (0.20-0.29 GiB measured on Llama-3.1-8B plans with 5 to 11 buckets).
 CUDA_GRAPH_POOL_BASE_BYTES = 320 * MIB
 
+# FP8 checkpoints the engine computes from with per-token-group (1 x 128) quantized activations.
+FP8_QUANT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+FP8_ACTIVATION_GROUP = 128
+
 # Logits are computed in float32 for sampling and verification.
 LOGITS_DTYPE_BYTES = 4
 
@@ -283,6 +287,7 @@ class ModelTerms:
     kv_cache_bytes_per_token_per_gpu: int
     kv_cache_bytes_per_request_per_gpu: int
     kv_cache_bytes_per_in_flight_token_per_gpu: int
+    kv_cache_dtype: str = "auto"  # "auto": K/V in `dtype`; "fp8_e4m3": e4m3 codes + per-layer scales
 
 
 @dataclass(frozen=True)
@@ -377,7 +382,9 @@ def _build(cls: type, data: dict[str, Any]) -> Any:
     unknown = set(data) - names
     if unknown:
         raise PlanError("InvalidPlan", f"plan: unknown key {sorted(unknown)[0]!r} in {cls.__name__}")
-    return cls(**{name: data[name] for name in names})
+    defaults = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    # A field with a default may be absent: plans written before it existed still read.
+    return cls(**{name: data[name] for name in names if name in data or name not in defaults})
 
 
 def _jsonable(value: Any) -> Any:
@@ -450,7 +457,17 @@ def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
         # the tokens sorted by expert, in and out, one row per (token, expert).
         per_token += (V4_LIVE_HEAD_WIDTHS * shapes.num_heads * shapes.head_dim
                       + V4_LIVE_SORTED_TOKEN_COPIES * shapes.num_experts_per_tok * shapes.hidden_size)
-    return tokens * (per_token * shapes.dtype_bytes + hc_float32)
+    return tokens * (per_token * shapes.dtype_bytes + hc_float32 + _fp8_activation_copy(shapes, tp))
+
+
+def _fp8_activation_copy(shapes: ModelShapes, tp: int) -> int:
+    """Bytes per token of the e4m3 copy an FP8 checkpoint's prefill linears make of their input
+    (engine/kernels/fp8.py act_quant), at the widest input, the MLP's down projection: one byte
+    per element plus a float32 scale per 128."""
+    if shapes.quantization not in FP8_QUANT_METHODS or not shapes.quantized_weight_bytes:
+        return 0
+    width = _mlp_width_per_token(shapes) // tp
+    return width + 4 * -(-width // FP8_ACTIVATION_GROUP)
 
 
 def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
@@ -508,6 +525,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | No
         weight_source=weight_source,
         weight_bytes_per_gpu=math.ceil(weights / tp),
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
+        kv_cache_dtype=shapes.kv_cache_dtype,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
         # V4's recent rows (windows of its single shared K=V head, compressor state) are
         # replicated on every rank
@@ -712,10 +730,12 @@ def plan_from_configs(
     draft_weight_source: str | None = None,
     gpus_per_node: int = 8,
     role: str = "both",
+    kv_cache_dtype: str = "auto",
 ) -> Plan:
-    """derive_shapes for both models (the draft in the target's dtype), then plan()."""
-    target = derive_shapes(target_config, role="target")
-    draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype)
+    """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan()."""
+    target = derive_shapes(target_config, role="target", kv_cache_dtype=kv_cache_dtype)
+    draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype,
+                                kv_cache_dtype=kv_cache_dtype)
     if spec.algorithm == "MTP" and draft_config is None:
         # The MTP layers ship inside the target checkpoint: with its headers read they are already
         # in target_weight_bytes; without them they are counted from the shapes.

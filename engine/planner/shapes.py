@@ -47,6 +47,11 @@ DTYPE_ALIASES = {
     "float8": "float8_e4m3fn",
 }
 
+# KV cache dtypes a deployment may ask for -> bytes per element (None: the compute dtype's).
+# fp8_e4m3: K and V stored as e4m3 codes with one float32 scale per layer for each (from the
+# checkpoint's k_scale / v_scale where it has them, else 1); the scales are not per token.
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": 1}
+
 ROLES = ("target", "EAGLE", "EAGLE3", "MTP")
 ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
 DRAFT_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "NONE")
@@ -72,6 +77,8 @@ class ModelShapes:
     role: str  # one of ROLES: what this config is used as; decides which parameters it owns
     dtype: str
     dtype_bytes: int
+    kv_cache_dtype: str  # "auto" (K/V in the compute dtype) or "fp8_e4m3"
+    kv_dtype_bytes: int  # bytes per stored K/V element
     hidden_size: int
     hc_mult: int
     spec_hidden_size: int
@@ -150,7 +157,7 @@ def kv_cache_bytes_per_token_per_gpu(shapes: ModelShapes, tensor_parallel_size: 
     if shapes.attention != "gqa":
         return shapes.kv_cache_bytes_per_token
     heads = kv_heads_per_gpu(shapes.num_kv_heads, tensor_parallel_size)
-    return 2 * shapes.num_layers * heads * shapes.head_dim * shapes.dtype_bytes
+    return 2 * shapes.num_layers * heads * shapes.head_dim * shapes.kv_dtype_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +239,8 @@ def _is_moe_layer(c: dict[str, Any], layer: int, num_experts: int) -> bool:
 # the derivation
 
 
-def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str | None = None) -> ModelShapes:
+def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str | None = None,
+                  kv_cache_dtype: str = "auto") -> ModelShapes:
     """Shapes of the model a config.json describes, used as `role`.
 
     role: "target" (a whole causal LM); "EAGLE" (EAGLE-1/2 head: fc over [embed; hidden] and its
@@ -242,6 +250,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     `num_nextn_predict_layers`, each a decoder layer plus its input projection, sharing embedding
     and lm_head). None: "EAGLE3" when the architecture names Eagle3, else "target".
     dtype: overrides the config's torch_dtype (a draft runs in its target's dtype).
+    kv_cache_dtype: one of KV_CACHE_DTYPES; "auto" stores K/V in the compute dtype.
     `config` is only read, never modified.
     """
     c = _text_config(config)
@@ -253,6 +262,9 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     model_type = str(c.get("model_type") or "")
     dtype_name = _dtype(c, dtype)
     b = DTYPE_BYTES[dtype_name]
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype: unknown {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    kv_b = KV_CACHE_DTYPES[kv_cache_dtype] or b
     quantization_config = c.get("quantization_config") or {}
     if not isinstance(quantization_config, dict):
         raise ConfigError(f"quantization_config: expected an object, got {type(quantization_config).__name__}")
@@ -349,7 +361,10 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         params = layers_params + len(layer_ids) * (3 * hidden + 2 * hidden * hidden + hc_head)
         embedding = lm_head = 0
 
-    kv_per_token, kv_per_request, kv_per_in_flight = _kv_cache_bytes(dims, layer_ids, b, role)
+    if kv_cache_dtype != "auto" and attention != "gqa":
+        # the engine's e4m3 pools are the GQA slot pools; MLA latents and DeepSeek-V4's pools keep the dtype
+        raise ConfigError(f"kv_cache_dtype: {kv_cache_dtype} is supported for GQA attention, not {attention}")
+    kv_per_token, kv_per_request, kv_per_in_flight = _kv_cache_bytes(dims, layer_ids, kv_b, role)
     routed_experts = moe_layers * num_experts * 3 * hidden * moe_inter
     lm_head_owned = 0 if (role == "target" and tie) else lm_head
     return ModelShapes(
@@ -358,6 +373,8 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         role=role,
         dtype=dtype_name,
         dtype_bytes=b,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_dtype_bytes=kv_b,
         hidden_size=hidden,
         hc_mult=hc_mult,
         spec_hidden_size=hidden * hc_mult,
@@ -481,9 +498,10 @@ def quantized_weight_bytes(
 
 
 def derive_draft_shapes(
-    algorithm: str, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *, dtype: str
+    algorithm: str, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *, dtype: str,
+    kv_cache_dtype: str = "auto",
 ) -> ModelShapes | None:
-    """The draft's shapes for `algorithm`, run in the target's `dtype`.
+    """The draft's shapes for `algorithm`, run in the target's `dtype` (and its KV cache dtype).
 
     EAGLE / EAGLE3 need the head's own config; MTP uses the draft config when one is given (a
     separate NextN checkpoint) and otherwise the target's own `num_nextn_predict_layers`.
@@ -493,9 +511,10 @@ def derive_draft_shapes(
     if algorithm in ("EAGLE", "EAGLE3"):
         if draft_config is None:
             raise ConfigError(f"draft: {algorithm} needs the draft head's config.json")
-        return derive_shapes(draft_config, role=algorithm, dtype=dtype)
+        return derive_shapes(draft_config, role=algorithm, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     if algorithm == "MTP":
-        return derive_shapes(draft_config if draft_config is not None else target_config, role="MTP", dtype=dtype)
+        return derive_shapes(draft_config if draft_config is not None else target_config, role="MTP", dtype=dtype,
+                             kv_cache_dtype=kv_cache_dtype)
     raise ConfigError(f"algorithm: unknown {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
 
 

@@ -133,7 +133,8 @@ class Runner:
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, fused_spec_step: bool = True,
                  role: str = "both", prefix_cache: bool = False, adaptive: bool = False,
                  adaptive_shapes: list[SpecShape] | None = None, step_costs_s: dict | None = None,
-                 catch_up_tokens: int = 16, policy_options=None):
+                 catch_up_tokens: int = 16, policy_options=None,
+                 kv_cache_dtype: torch.dtype | None = None):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
@@ -213,12 +214,18 @@ class Runner:
         num_slots = max_total_tokens + 1
         tc = target.cfg
         dtype = target.embed_tokens.weight.dtype
+        # K/V in the model dtype, or e4m3 codes (kv_cache_dtype, or the plan's "fp8_e4m3")
+        if kv_cache_dtype is None and plan is not None and plan.target.kv_cache_dtype == "fp8_e4m3":
+            kv_cache_dtype = torch.float8_e4m3fn
+        kv_dtype = kv_cache_dtype or dtype
         self.max_running_requests = max_running_requests
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.table = SlotTable(num_slots, max_running_requests, self.context_length, self.device)
         own_pools = hasattr(target, "make_kv")
+        if own_pools and kv_dtype != dtype:
+            raise ValueError(f"an {kv_dtype} KV cache is not supported for {type(target).__name__} targets yet")
         if own_pools:
             # DeepSeek-V4 (engine/runtime/compressed_kv.py) keeps a request's recent tokens and
             # compressed entries in pools of its own, trimmed as tokens are committed: a finished
@@ -235,7 +242,7 @@ class Runner:
                                             dtype, self.device)
             self.table.listeners.append(self.target_kv)
         else:
-            self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, dtype, self.device)
+            self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, kv_dtype, self.device)
         # With a draft a slot's draft K/V also depends on the next token: bigram keys.
         self.prefix_cache = (PrefixCache(self.table, lookahead=int(draft is not None))
                              if prefix_cache else None)
@@ -248,7 +255,7 @@ class Runner:
                 self.table.listeners.append(self.draft_kv)
             else:
                 self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
-                                       dtype, self.device)
+                                       kv_dtype, self.device)
             # [max_running_requests, carried width]: the draft state after each request's root.
             self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
                                             device=self.device)

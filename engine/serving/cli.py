@@ -54,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "shape) from the batch size, the measured acceptance and step costs measured at start-up")
     p.add_argument("--plan", help="plan.json from the operator; without it the plan is computed here")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
+                   help="KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes with per-layer "
+                        "scales: half the bytes per token of bf16). Default: the plan's, else auto")
     p.add_argument("--max-running-requests", type=int, help=f"default: {DEFAULT_MAX_RUNNING_REQUESTS}")
     p.add_argument("--context-length", type=int, help="default: the target's max_position_embeddings")
     p.add_argument("--max-total-tokens", type=int, help="cap the KV pool at this many token slots (default: the plan's)")
@@ -194,6 +197,9 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
             if value is not None and getattr(plan, key) != value:
                 log.warning("plan: %s is %s in the plan and %s on the command line; using the plan's",
                             key, getattr(plan, key), value)
+        if args.kv_cache_dtype is not None and args.kv_cache_dtype != plan.target.kv_cache_dtype:
+            log.warning("plan: kv_cache_dtype is %s in the plan and %s on the command line; using the plan's",
+                        plan.target.kv_cache_dtype, args.kv_cache_dtype)
     else:
         target_config, target_weight_bytes = load_model_path(target_dir)
         draft_config, draft_weight_bytes = (load_model_path(draft_dir, UNUSED_HEAD_TENSORS)
@@ -205,7 +211,8 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
         limits = Limits(running, context_length, running)
         plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
                                  target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
-                                 gpus_per_node=1, role=args.role)
+                                 gpus_per_node=1, role=args.role,
+                                 kv_cache_dtype=args.kv_cache_dtype or "auto")
         log.info("plan: computed for this %s (no --plan given)", "GPU" if device == "cuda" else "CPU host")
     for line in format_plan(plan).splitlines():
         log.info("plan | %s", line)

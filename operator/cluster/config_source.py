@@ -1,8 +1,16 @@
-"""Where a model's config.json comes from: inline, a ConfigMap, or a Hugging Face-compatible hub.
+"""Where a model's config.json comes from: inline, a ConfigMap, or a Hugging Face-compatible hub;
+and, for a model on the hub, its checkpoint's real weight bytes.
 
 The functions here do no Kubernetes I/O themselves: ConfigMap and Secret contents come through a
 `ClusterReader`, so the resolution rules are testable with plain dicts, and the hub is reached over
 HTTP with httpx (tests run a real local HTTP server as the hub).
+
+Weights (`resolve_model_weights`): a hub model's `model.safetensors.index.json` and each shard's
+safetensors header, read with HTTP range requests (a few hundred kilobytes per shard, never the
+weights), counted by the planner's pure header reader (engine/planner/weights.py, the same one
+`specdeploy plan ORG/NAME` uses over urllib). A config given inline or in a ConfigMap means the
+operator is not to reach the hub for that model: its weights are then estimated by the plan
+(from quantization_config, else the parameter count).
 
 Every failure is a `ConfigSourceError` with a condition reason, a message that names the field or
 URL, and whether retrying can help without the user editing the resource (`transient`).
@@ -16,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+
+from specdeploy.engine.planner.errors import ConfigError
+from specdeploy.engine.planner.weights import SINGLE_FILE, CheckpointWeights, read_checkpoint_weights
 from specdeploy.operator import api
 
 DEFAULT_REVISION = "main"
@@ -195,3 +206,98 @@ def _parse_json_object(text: str, origin: str, *, transient: bool) -> dict[str, 
             transient=transient,
         )
     return value
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint weights from the hub
+
+
+def hub_file_url(endpoint: str, model: str, revision: str, name: str) -> str:
+    return hub_config_url(endpoint, model, revision).removesuffix("/config.json") + "/" + urllib.parse.quote(name)
+
+
+class HubCheckpointFiles:
+    """The planner's CheckpointFiles over a hub repository, with httpx: JSON files whole, shard
+    headers by Range (a server that ignores Range is read only as far as needed)."""
+
+    def __init__(self, model: str, revision: str, endpoint: str, token: str | None, http: httpx.Client):
+        self.model, self.revision, self.endpoint, self.http = model, revision, endpoint, http
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.token_given = bool(token)
+        self.origin = f"{endpoint.rstrip('/')}/{model}/resolve/{revision}"
+
+    def _check(self, url: str, status: int) -> bool:
+        """False for 404 (no such file); raises for what makes the bytes unknowable now."""
+        if status == 404:
+            return False
+        if status in (401, 403):
+            raise ConfigSourceError(
+                api.REASON_HUB_UNAUTHORIZED,
+                f"GET {url}: {status} ({'token rejected' if self.token_given else 'no token given'};"
+                " set spec.hub.tokenSecretRef to a token with access)", transient=True)
+        if status >= 500 or status == 429:
+            raise ConfigSourceError(api.REASON_HUB_UNREACHABLE, f"GET {url}: {status} from hub", transient=True)
+        if status not in (200, 206, 416):
+            raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"GET {url}: unexpected status {status}",
+                                    transient=False)
+        return True
+
+    def read_json(self, name: str) -> Any | None:
+        url = hub_file_url(self.endpoint, self.model, self.revision, name)
+        try:
+            response = self.http.get(url, headers=self.headers)
+        except httpx.HTTPError as exc:
+            raise ConfigSourceError(api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}",
+                                    transient=True) from exc
+        if not self._check(url, response.status_code):
+            return None
+        try:
+            return json.loads(response.content)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{url}: not JSON ({exc})", transient=False) from exc
+
+    def read_range(self, name: str, start: int, length: int) -> bytes | None:
+        url = hub_file_url(self.endpoint, self.model, self.revision, name)
+        headers = {**self.headers, "Range": f"bytes={start}-{start + length - 1}"}
+        try:
+            with self.http.stream("GET", url, headers=headers) as response:
+                if not self._check(url, response.status_code):
+                    return None
+                if response.status_code == 416:
+                    return b""
+                wanted = length if response.status_code == 206 else start + length
+                body = b""
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if len(body) >= wanted:
+                        break
+                return body[:wanted] if response.status_code == 206 else body[start:wanted]
+        except httpx.HTTPError as exc:
+            raise ConfigSourceError(api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}",
+                                    transient=True) from exc
+
+    def safetensors_names(self) -> list[str]:
+        return [SINGLE_FILE]
+
+
+def resolve_model_weights(
+    model_spec: dict[str, Any],
+    field: str,
+    *,
+    hub_endpoint: str,
+    hub_token: str | None,
+    http: httpx.Client | None = None,
+) -> CheckpointWeights | None:
+    """The checkpoint bytes of a model whose config comes from the hub (None for an inline or
+    ConfigMap config, or a repository without safetensors)."""
+    if "config" in model_spec or "configMapRef" in model_spec:
+        return None
+    revision = model_spec.get("revision", DEFAULT_REVISION)
+    client = http or httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True)
+    try:
+        return read_checkpoint_weights(HubCheckpointFiles(model_spec["model"], revision, hub_endpoint, hub_token, client))
+    except ConfigError as err:
+        raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{field}: checkpoint: {err}", transient=False) from err
+    finally:
+        if http is None:
+            client.close()

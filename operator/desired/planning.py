@@ -1,10 +1,11 @@
-"""Spec + resolved config.json files -> shapes -> the memory plan (pure; the same `plan()` that
-`specdeploy plan` and the engine call)."""
+"""Spec + resolved config.json files (+ checkpoint weight bytes read from the hub) -> shapes ->
+the memory plan (pure; the same `plan()` that `specdeploy plan` and the engine call)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine.planner import plan as planner
@@ -14,6 +15,7 @@ from specdeploy.engine.planner.shapes import (
     derive_draft_shapes,
     derive_shapes,
 )
+from specdeploy.engine.planner.weights import CheckpointWeights
 from specdeploy.operator import api
 from specdeploy.operator.api import REASON_CONFIG_INVALID
 from specdeploy.operator.desired.render import PlannedEngine, engine_settings
@@ -49,16 +51,26 @@ def cpu_device(cpu_spec: dict[str, Any]) -> planner.GPU:
     return dataclasses.replace(planner.custom_gpu(cpu_spec["memoryGiB"]), name="cpu")
 
 
+@dataclass(frozen=True)
+class ModelWeights:
+    """Each model's checkpoint bytes as read from its safetensors headers (None: not read, the
+    plan estimates them)."""
+
+    target: CheckpointWeights | None = None
+    draft: CheckpointWeights | None = None
+
+
 def plan_engine(
     spec: dict[str, Any],
     target_config: dict[str, Any],
     draft_config: dict[str, Any] | None,
+    weights: ModelWeights | None = None,
 ) -> PlannedEngine:
     """The plan for one spec, or PlanningError. Anything else the planner raises is a config.json
     it did not foresee: refused as ConfigInvalid, never a retry that can only fail again (the
     resource would sit in phase Planning forever)."""
     try:
-        return _plan_engine(spec, target_config, draft_config)
+        return _plan_engine(spec, target_config, draft_config, weights or ModelWeights())
     except PlanningError:
         raise
     except Exception as err:
@@ -72,12 +84,14 @@ def _plan_engine(
     spec: dict[str, Any],
     target_config: dict[str, Any],
     draft_config: dict[str, Any] | None,
+    weights: ModelWeights,
 ) -> PlannedEngine:
     settings = engine_settings(spec)
     algorithm = settings["algorithm"]
     try:
         # derive_shapes normalises fields in the dict it reads: give it copies.
-        target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"))
+        target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"),
+                               kv_cache_dtype=settings.get("kv_cache_dtype", "auto"))
     except ConfigError as err:
         raise PlanningError(REASON_CONFIG_INVALID, f"spec.target config.json: {err}") from err
     if target.dtype not in COMPUTE_DTYPES:
@@ -94,6 +108,7 @@ def _plan_engine(
             copy.deepcopy(target_config),
             copy.deepcopy(draft_config) if draft_config is not None else None,
             dtype=target.dtype,
+            kv_cache_dtype=target.kv_cache_dtype,
         )
     except ConfigError as err:
         field = "spec.draft" if draft_config is not None else "spec.target (MTP layers)"
@@ -118,8 +133,16 @@ def _plan_engine(
             context_length=settings["context_length"],
             cuda_graph_max_bs=settings["cuda_graph_max_batch_size"],
         )
+        target_weights, draft_weights = weights.target, weights.draft
+        if algorithm == "MTP" and draft_config is None and target_weights is not None:
+            # the MTP layers ship inside the target checkpoint, whose headers counted them
+            draft_weights = CheckpointWeights(0, "headers", 0)
         plan = planner.plan(
-            target, draft, speculative, gpu, limits, gpus_per_node=per_node
+            target, draft, speculative, gpu, limits, gpus_per_node=per_node,
+            target_weight_bytes=target_weights.total_bytes if target_weights else None,
+            target_weight_source=target_weights.source if target_weights else None,
+            draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
+            draft_weight_source=draft_weights.source if draft_weights else None,
         )
     except planner.PlanError as err:
         raise PlanningError(err.reason, str(err)) from err

@@ -151,6 +151,8 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
             settings["adaptive"] = True
     if engine.get("dtype"):
         settings["dtype"] = engine["dtype"]
+    if engine.get("kvCacheDtype", "auto") != "auto":
+        settings["kv_cache_dtype"] = engine["kvCacheDtype"]
     if spec.get("draft"):
         settings["draft"] = spec["draft"]["model"]
         settings["draft_revision"] = spec["draft"].get("revision", "main")
@@ -179,6 +181,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
     # Always the planned dtype: the engine's own default (auto) means bf16 on GPU, which is not
     # what a float16 or float32 plan sized.
     args += ["--plan", PLAN_PATH, "--dtype", settings["dtype"]]
+    if settings.get("kv_cache_dtype", "auto") != "auto":
+        args += ["--kv-cache-dtype", settings["kv_cache_dtype"]]
     args += [
         "--max-running-requests", str(settings["max_running_requests"]),
         "--context-length", str(settings["context_length"]),

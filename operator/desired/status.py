@@ -61,6 +61,9 @@ def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
 
     weightBytes and kvBytesPerToken sum target and draft over the whole model (before tensor
     parallelism); the per-model and per-GPU terms stay under target, draft and memoryPerGpu.
+    weightsSource says how the target's weights were counted: "headers" (its safetensors
+    headers, read from the hub), "index" (model.safetensors.index.json's total), an estimate from
+    "quantization_config", or "shapes" (parameters x dtype).
     gpusPerReplica is the tensor-parallel size, or 0 in CPU mode (spec.cpu: the plan sizes one
     device, the CPU's memory).
     """
@@ -68,6 +71,8 @@ def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
     result["gpusPerReplica"] = 0 if result.get("gpu") == "cpu" else int(result.get("tensorParallelSize") or 0)
     models = [m for m in (result.get("target"), result.get("draft")) if m]
     result["weightBytes"] = sum(int(m.get("weightBytes") or 0) for m in models)
+    # where the target's bytes came from: headers | index | quantization_config | shapes
+    result["weightsSource"] = (result.get("target") or {}).get("weightSource", "")
     result["kvBytesPerToken"] = sum(int(m.get("kvCacheBytesPerToken") or 0) for m in models)
     return result
 

@@ -90,3 +90,24 @@ def test_bench_smoke(tmp_path):
     assert "Smoke run" in text and "How to read these numbers" in text
     for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## Goals"):
         assert heading in text
+
+
+def test_fp8_bench_smoke(tmp_path):
+    """bench/fp8_bench.py (FP8 against bf16 decode, EAGLE-3 on the FP8 target, FP8 planner truth)
+    runs on CPU with the tiny shape and writes every section."""
+    missing = _missing_engine_pieces()
+    if missing:
+        pytest.skip(f"engine pieces the bench needs are not importable: {missing}")
+    proc = subprocess.run([sys.executable, "-P", "bench/fp8_bench.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "fp8.json").read_text())
+    assert not result["errors"]
+    assert {r["weights"] for r in result["decode"]} == {"bf16", "fp8"}
+    fp8_b1 = next(r for r in result["decode"] if r["weights"] == "fp8" and r["batch"] == 1)
+    bf16_b1 = next(r for r in result["decode"] if r["weights"] == "bf16" and r["batch"] == 1)
+    assert fp8_b1["bytes_per_step"] < bf16_b1["bytes_per_step"]  # the FP8 roofline counts e4m3 codes
+    assert [s["weights"] for s in result["speculative"]] == ["bf16", "fp8"]
+    terms = result["planner_truth"]["terms"]
+    assert terms["weights"]["measured_over_predicted"] == pytest.approx(1.0, abs=0.05)
+    assert result["planner_truth"]["plan"]["target"]["weight_source"] == "quantization_config"

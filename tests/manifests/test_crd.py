@@ -10,7 +10,8 @@ import yaml
 import pytest
 
 from specdeploy.engine.planner.plan import GPUS, TENSOR_PARALLEL_SIZES, PlanError, SpecSettings
-from specdeploy.engine.planner.shapes import ALGORITHMS
+from specdeploy.engine.planner.shapes import ALGORITHMS, KV_CACHE_DTYPES
+from specdeploy.engine.planner.weights import SOURCES
 from specdeploy.operator import api
 from specdeploy.operator.desired import status
 
@@ -43,6 +44,9 @@ def test_enums_follow_the_catalogs():
     assert spec["gpu"]["properties"]["product"]["enum"] == list(GPUS)
     assert spec["speculative"]["properties"]["algorithm"]["enum"] == list(ALGORITHMS)
     assert spec["gpu"]["properties"]["perNode"]["enum"] == list(TENSOR_PARALLEL_SIZES)
+    assert spec["engine"]["properties"]["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    plan = schema["properties"]["status"]["properties"]["plan"]["properties"]
+    assert plan["weightsSource"]["enum"] == list(SOURCES)
     phases = schema["properties"]["status"]["properties"]["phase"]["enum"]
     assert set(phases) == {v for k, v in vars(status).items() if k.startswith("PHASE_")}
 

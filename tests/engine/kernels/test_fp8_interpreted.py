@@ -1,7 +1,8 @@
 """The FP8 Triton kernels (engine/kernels/fp8.py, used on CUDA only) on CPU through Triton's
 interpreter (tests/engine/conftest.py): activation quantization code for code against
 DeepSeek's definition in torch, and both linear paths (weight-only decode, W8A8 prefill) against
-float32 matmuls over the dequantized weights, for every scale layout the engine uses."""
+float32 matmuls over the dequantized weights, for every scale layout the engine uses; and the
+slot-pool attention kernel over an e4m3 KV pool with per-layer scales against the reference."""
 
 import pytest
 
@@ -88,3 +89,37 @@ print("ok")
 
 def test_fp8_kernels_match_torch_interpreted(run_interpreted):
     run_interpreted(SCRIPT)
+
+
+KV_SCRIPT = r"""
+import torch
+from specdeploy.engine.kernels import attention as attention_triton
+from specdeploy.engine.models.attention import AttnBatch, reference, store_kv
+
+torch.manual_seed(0)
+SLOTS = 300
+for b, nq, hq, hkv, d, width, lens, splits, dtype, scales in [
+        (2, 1, 8, 2, 32, 150, [150, 70], None, torch.bfloat16, (0.05, 0.1)),   # decode, chosen splits
+        (2, 5, 4, 2, 16, 40, [0, 40], 1, torch.float32, (1.0, 1.0)),           # tree rows, one split
+        (1, 3, 4, 4, 16, 90, [90], 2, torch.bfloat16, (0.5, 2.0))]:            # MHA, two splits
+    k = store_kv(3 * torch.randn(SLOTS, hkv, d), torch.float8_e4m3fn, scales[0])
+    v = store_kv(3 * torch.randn(SLOTS, hkv, d), torch.float8_e4m3fn, scales[1])
+    q = torch.randn(b, nq, hq, d).to(dtype)
+    prefix = torch.randint(1, SLOTS, (b, width))
+    new = torch.randint(1, SLOTS, (b, nq))
+    mask = (torch.rand(b, nq, nq) < 0.5).tril() | torch.eye(nq, dtype=torch.bool)
+    batch = AttnBatch(new, prefix, torch.tensor(lens), new, mask)
+    # the reference over the same codes, read back in float32
+    want = reference(q.float(), k, v, batch, 0.3, scales)
+    got = attention_triton.attend(q, k, v, batch, 0.3, num_splits=splits, kv_scales=scales)
+    assert got.dtype == dtype
+    # bf16: q, the widened codes and P rounded to bf16, the output too: relative to its size
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    diff = (want - got.float()).abs().max().item()
+    assert diff < tol, (b, nq, splits, dtype, scales, diff)
+print("ok")
+"""
+
+
+def test_attention_over_an_fp8_pool_interpreted(run_interpreted):
+    run_interpreted(KV_SCRIPT)

@@ -128,3 +128,13 @@ def test_fp8_w8a8_linear_compiles(out, scale_n):
                                             "ws_ptr": "*fp32"},
                   {"SCALE_N": scale_n, "HAS_BIAS": False, "BLOCK_M": 128, "BLOCK_N": 128,
                    "BLOCK_K": fp8_triton.GROUP_K, "GROUP_M": 8})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_split_attention_over_an_fp8_pool_compiles(act):
+    # An e4m3 pool's codes are widened to the queries' dtype as they are loaded.
+    lower_to_ttir(attention_triton._split_attention_kernel,
+                  {"*": act, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "part_acc_ptr": "*fp32",
+                   "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
+                  {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": 4,
+                   "PRECISION": "ieee" if act == "*fp32" else "tf32"})

@@ -181,3 +181,71 @@ def test_speculative_on_an_fp8_target_is_lossless(tmp_path, algorithm, topk, n):
     assert run_to_completion(runner, reqs()) == plain
     rate = runner.num_draft_tokens_accepted / runner.num_draft_tokens_proposed
     assert 0.1 < rate < 0.95, f"acceptance rate {rate:.2f}: the test would not see both outcomes"
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 KV cache
+
+
+def test_fp8_kv_rows_and_the_reference_read():
+    from specdeploy.engine.models.attention import AttnBatch, reference, store_kv
+
+    x = torch.tensor([[0.1, -3.0, 1000.0, 2.5]])
+    codes = store_kv(x, torch.float8_e4m3fn, 0.5)
+    assert codes.dtype == torch.float8_e4m3fn
+    assert codes.float().tolist() == [[0.203125, -6.0, 448.0, 5.0]]  # x / 0.5, saturated at 448
+    k = store_kv(torch.randn(20, 2, 8), torch.float8_e4m3fn, 0.25)
+    v = store_kv(torch.randn(20, 2, 8), torch.float8_e4m3fn, 0.5)
+    q = torch.randn(1, 3, 4, 8)
+    batch = AttnBatch(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]),
+                      torch.tensor([[5, 6, 7]]), torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    got = reference(q, k, v, batch, 0.3, (0.25, 0.5))
+    assert torch.equal(got, reference(q, k.float() * 0.25, v.float() * 0.5, batch, 0.3))
+
+
+def test_checkpoint_kv_scales_reach_the_attention(tmp_path):
+    q_dir, _, _ = write_checkpoints(tmp_path, CHANNEL)
+    from safetensors.torch import load_file
+    tensors = load_file(str(q_dir / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor([0.25])
+    save_file(tensors, str(q_dir / "model.safetensors"))
+    model = load_target(str(q_dir), dtype=torch.float32)
+    assert model.layers[1].self_attn.kv_scales == (0.5, 0.25)
+    assert model.layers[0].self_attn.kv_scales == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("algorithm,topk,n", [("EAGLE", 1, 4), ("EAGLE", 2, 5)])
+def test_speculative_over_an_fp8_kv_cache_is_lossless(tmp_path, algorithm, topk, n):
+    """FP8 weights and an FP8 KV pool: speculative decoding equals target-only decoding over the
+    same pool dtype, and the pool really is e4m3 (one byte per element)."""
+    q_dir, _, perm = write_checkpoints(tmp_path, BLOCK, tiny_config())
+    target = load_target(str(q_dir), dtype=torch.float32, feature_kind=algorithm.lower())
+
+    def reqs():
+        return random_requests((5, 12, 1, 9), 20, 64)
+
+    fp8_kv = torch.float8_e4m3fn
+    plain_runner = Runner(target, max_total_tokens=400, max_running_requests=4, kv_cache_dtype=fp8_kv)
+    assert plain_runner.target_kv.k.dtype == fp8_kv and plain_runner.target_kv.k.element_size() == 1
+    plain = run_to_completion(plain_runner, reqs())
+    draft = copy_draft(algorithm, target, perm)
+    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=400, max_running_requests=4,
+                    kv_cache_dtype=fp8_kv)
+    assert runner.draft_kv.k.dtype == fp8_kv
+    assert run_to_completion(runner, reqs()) == plain
+    rate = runner.num_draft_tokens_accepted / runner.num_draft_tokens_proposed
+    assert 0.1 < rate < 0.95, f"acceptance rate {rate:.2f}"
+
+
+@pytest.mark.parametrize("fmt", [BLOCK, SMALL_BLOCK, CHANNEL], ids=["block128", "block16", "channel"])
+def test_quantizing_a_built_model_equals_loading_its_fp8_checkpoint(tmp_path, fmt):
+    """quantize_model_linears (benchmarks: FP8 against bf16 on the same weights) builds the same
+    layers as loading the FP8 checkpoint of those weights."""
+    q_dir, _, _ = write_checkpoints(tmp_path, fmt)
+    loaded = load_target(str(q_dir), dtype=torch.float32)
+    model, _ = predictable_target(tiny_config(intermediate_size=96), seed=0, layer_scale=0.5)
+    converted = fp8.quantize_model_linears(model, fmt)
+    assert len(converted) == 4 * model.cfg.num_layers and "lm_head" not in converted
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(logits(model, ids), logits(loaded, ids))

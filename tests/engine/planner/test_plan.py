@@ -20,7 +20,7 @@ from specdeploy.engine.planner.plan import (
     plan,
     plan_from_configs,
 )
-from specdeploy.engine.planner.shapes import derive_draft_shapes, derive_shapes
+from specdeploy.engine.planner.shapes import ConfigError, derive_draft_shapes, derive_shapes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MIB = 1024**2
@@ -311,3 +311,22 @@ def test_prefill_chunk_fits_measured_memory():
     tiny = ws * (planmod.MIN_PREFILL_CHUNK_TOKENS - 1) // 8192 + margin
     assert planmod.prefill_chunk_that_fits(tiny, ws, 8192) == 0
     assert planmod.prefill_chunk_that_fits(0, ws, 8192) == 0
+
+
+def test_fp8_kv_cache_is_one_byte_per_element():
+    spec = SpecSettings("EAGLE3", 3, 1, 4)
+    auto = plan_from_configs(load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"), spec, GPUS["h200"], Limits())
+    fp8 = plan_from_configs(load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"), spec, GPUS["h200"],
+                            Limits(), kv_cache_dtype="fp8_e4m3")
+    assert (fp8.target.kv_cache_dtype, fp8.draft.kv_cache_dtype) == ("fp8_e4m3", "fp8_e4m3")
+    assert fp8.target.kv_cache_bytes_per_token == 2 * 32 * 8 * 128 * 1
+    assert 2 * fp8.memory_per_gpu.kv_cache_bytes_per_token == auto.memory_per_gpu.kv_cache_bytes_per_token
+    assert fp8.memory_per_gpu.kv_cache_budget_bytes == auto.memory_per_gpu.kv_cache_budget_bytes
+    # the plan JSON carries it, and a plan written before the field existed still reads (as auto)
+    assert Plan.from_dict(fp8.to_dict()) == fp8
+    old = auto.to_dict()
+    for model in ("target", "draft"):
+        del old[model]["kv_cache_dtype"]
+    assert Plan.from_dict(old) == auto
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        derive_shapes(load("llama-3.1-8b-instruct"), kv_cache_dtype="int4")

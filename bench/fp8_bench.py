@@ -1,0 +1,191 @@
+"""FP8 weights on the Llama-3.1-8B shape against bf16, on the same random weights in one run.
+
+    python3 bench/fp8_bench.py --out RESULTS_DIR          # ~5 min on an H200
+    python3 bench/fp8_bench.py --smoke --out RESULTS_DIR  # CPU, tiny model, seconds
+
+1. decode: the engine's graphed target decode call and Runner.step() at batch 1 / 16 / 64 and a
+   1K context, bf16 weights first, then the same model quantized in place to FP8 block weights
+   (e4m3, one float32 scale per 128 x 128, as DeepSeek / Qwen3-FP8 checkpoints; lm_head and the
+   embedding stay bf16). Each against its own HBM roofline (bench/roofline.py: the weight bytes
+   a step reads, FP8 codes and scales included, plus the KV prefix, over the measured copy
+   bandwidth). Goals: FP8 batch 1 >= 1.8x bf16 tok/s and >= 85% of the FP8 roofline.
+2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
+   tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step.
+   Random heads accept little, so tok/s is projected for accept lengths 2 and 3 (tokens per
+   step / step time) rather than measured.
+3. planner truth for an FP8 plan: bench/planner.py's measurement (weights, KV pools, static
+   buffers, graph pool, prefill workspace, total) with the target built as FP8, against the plan
+   of a config.json whose quantization_config says fp8 block 128 x 128. Goal: within 5%.
+
+Writes fp8.json into RESULTS_DIR and prints one line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bootstrap_specdeploy  # noqa: E402
+
+bootstrap_specdeploy()
+
+import torch  # noqa: E402
+
+from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
+                    free_device_memory, log, time_ms, write_json)
+from harness import (EngineDecode, eagle3_head_config, random_head, random_target,  # noqa: E402
+                     runner_decode_ms, use_fast_attention)
+from roofline import roofline_rows  # noqa: E402
+
+from specdeploy.engine.models import fp8  # noqa: E402
+
+FORMAT = fp8.FP8Format("block", "weight_scale_inv", (128, 128))
+SIZES = {
+    "device": dict(config=LLAMA_31_8B, batches=(1, 16, 64), context=1024, warmup=5, reps=30, runner_steps=20,
+                   runner_warmup=5, spec_steps=20, spec_warmup=5, draft_vocab=32000, gpu="h200"),
+    "smoke": dict(config=TINY_LLAMA, batches=(1, 4), context=32, warmup=1, reps=3, runner_steps=3,
+                  runner_warmup=1, spec_steps=3, spec_warmup=1, draft_vocab=256, gpu=None),
+}
+
+
+def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
+    roof = {r["batch"]: r for r in roofline_rows(target, bandwidth, None, sizes["batches"], sizes["context"])}
+    rows = []
+    for b in sizes["batches"]:
+        call = EngineDecode(target, b, sizes["context"], graph=device.type == "cuda")
+        t = time_ms(call, device, warmup=sizes["warmup"], reps=sizes["reps"])
+        del call
+        free_device_memory()
+        r = roof[b]
+        row = {"weights": label, "batch": b, "context": sizes["context"], **t,
+               "tok_s": b / (t["median_ms"] / 1e3), "roofline_tok_s": r["roofline_tok_s"],
+               "bytes_per_step": r["bytes_per_step"]}
+        row["fraction_of_roofline"] = row["tok_s"] / r["roofline_tok_s"]
+        try:
+            step_ms = runner_decode_ms(target, b, sizes["context"], sizes["runner_steps"], sizes["runner_warmup"],
+                                       device, "capture" if device.type == "cuda" else "padded")
+            row.update(runner_step_ms=step_ms, runner_tok_s=b / (step_ms / 1e3))
+        except Exception as e:  # the call's figure stands alone
+            row["runner_error"] = f"{type(e).__name__}: {e}"[:300]
+        log(f"{label} decode bs={b:<3} call {row['tok_s']:8.1f} tok/s ({t['median_ms']:.3f} ms, "
+            f"{100 * row['fraction_of_roofline']:.1f}% of roofline {r['roofline_tok_s']:.0f}) | Runner.step "
+            f"{row.get('runner_tok_s', float('nan')):8.1f} tok/s")
+        rows.append(row)
+    return rows
+
+
+def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
+    from spec_step import spec_step_phases
+    try:
+        out = spec_step_phases(target, head, "chain", 1, sizes["context"], sizes["spec_steps"], sizes["spec_warmup"],
+                               device, "fused")
+    except Exception as e:
+        return {"weights": label, "error": f"{type(e).__name__}: {e}"[:500]}
+    step = out["whole_ms"]
+    row = {"weights": label, "shape": "chain (3, 1, 4)", "batch": 1, "step_ms": step, "decode_step_ms": decode_ms,
+           "step_over_decode": step / decode_ms, "measured_accept_length": out["accept_length"],
+           "projected_tok_s": {str(a): a / (step / 1e3) for a in (2, 3)}}
+    log(f"{label} EAGLE-3 chain step {step:.3f} ms = {row['step_over_decode']:.2f}x its decode step; "
+        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3")
+    return row
+
+
+def planner_truth(sizes, device, smoke: bool) -> dict:
+    """bench/planner.measure with the target built as FP8 (the quantization_config below)."""
+    import planner as planner_bench
+    from specdeploy.engine.planner.plan import Limits, SpecSettings
+
+    config = {**sizes["config"], "quantization_config": fp8.quantization_config(FORMAT)}
+
+    def fp8_target(cfg, dev, dtype, *args, **kwargs):
+        model = random_target({k: v for k, v in cfg.items() if k != "quantization_config"}, dev, dtype, *args, **kwargs)
+        fp8.quantize_model_linears(model, FORMAT)
+        free_device_memory()
+        return model
+
+    class Ctx(dict):
+        def __init__(self):
+            super().__init__(gpu=sizes["gpu"])
+            self.device, self.dtype, self.smoke = device, torch.bfloat16, smoke
+
+    limits = Limits(16, 2048, 16) if not smoke else Limits(2, 96, 2)
+    original = planner_bench.random_target
+    planner_bench.random_target = fp8_target
+    try:
+        return planner_bench.measure("llama8b-fp8-eagle3-chain", config,
+                                     eagle3_head_config(sizes["config"], sizes["draft_vocab"]),
+                                     SpecSettings("EAGLE3", 3, 1, 4), limits, Ctx())
+    finally:
+        planner_bench.random_target = original
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script, measures nothing")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    sizes = SIZES["smoke" if args.smoke else "device"]
+    t0 = time.time()
+    result = {"environment": environment(), "format": vars(FORMAT), "sizes": {k: v for k, v in sizes.items() if k != "config"},
+              "errors": []}
+    backend = use_fast_attention() if device.type == "cuda" else "reference"
+    result["attention_backend"] = backend
+    bandwidth = copy_bandwidth_bytes_per_s(device=device) if device.type == "cuda" else 1e11
+    result["bandwidth_bytes_per_s"] = bandwidth
+    dtype = torch.bfloat16
+    try:
+        target = random_target(sizes["config"], device, dtype, feature_kind="eagle3")
+        head = random_head("EAGLE3", eagle3_head_config(sizes["config"], sizes["draft_vocab"]), target)
+        bf16_rows = decode_rows(target, sizes, device, bandwidth, "bf16")
+        spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
+                         "bf16")]
+        converted = fp8.quantize_model_linears(target, FORMAT)
+        free_device_memory()
+        log(f"quantized {len(converted)} linears to FP8 block 128x128 in place")
+        fp8_rows = decode_rows(target, sizes, device, bandwidth, "fp8")
+        spec.append(spec_row(target, head, sizes, device, fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"]),
+                             "fp8"))
+        result["decode"] = bf16_rows + fp8_rows
+        result["speculative"] = spec
+        summary = []
+        for a, b in zip(bf16_rows, fp8_rows):
+            line = {"batch": a["batch"], "fp8_over_bf16_call": b["tok_s"] / a["tok_s"],
+                    "fp8_fraction_of_roofline": b["fraction_of_roofline"]}
+            if "runner_tok_s" in a and "runner_tok_s" in b:
+                line["fp8_over_bf16_runner"] = b["runner_tok_s"] / a["runner_tok_s"]
+            summary.append(line)
+            log(f"batch {a['batch']}: FP8 / bf16 = {line['fp8_over_bf16_call']:.2f}x (call), "
+                f"{line.get('fp8_over_bf16_runner', float('nan')):.2f}x (Runner.step); FP8 at "
+                f"{100 * line['fp8_fraction_of_roofline']:.1f}% of its roofline")
+        result["summary"] = summary
+        result["goals"] = {"batch1_fp8_over_bf16": {"goal": 1.8, "measured": summary[0]["fp8_over_bf16_call"]},
+                           "batch1_fraction_of_fp8_roofline": {"goal": 0.85,
+                                                               "measured": summary[0]["fp8_fraction_of_roofline"]}}
+        del target, head
+        free_device_memory()
+    except Exception:
+        result["errors"].append(traceback.format_exc()[-3000:])
+        log(f"decode / speculative sections failed:\n{result['errors'][-1]}")
+    try:
+        truth = planner_truth(sizes, device, args.smoke)
+        result["planner_truth"] = truth
+        for term, row in truth.get("terms", {}).items():
+            ratio = row.get("measured_over_predicted")
+            log(f"planner truth {term:<22} plan {row['predicted_bytes'] / 2**30:8.3f} GiB, measured "
+                f"{(row['measured_bytes'] or 0) / 2**30:8.3f} GiB" + (f" ({ratio:.3f}x)" if ratio else ""))
+    except Exception:
+        result["errors"].append(traceback.format_exc()[-3000:])
+        log(f"planner truth failed:\n{result['errors'][-1]}")
+    result["wall_s"] = time.time() - t0
+    path = write_json("fp8.json", result, args.out)
+    log(f"wrote {path} in {result['wall_s']:.0f} s; {len(result['errors'])} error(s)")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

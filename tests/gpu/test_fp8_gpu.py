@@ -1,0 +1,138 @@
+"""GPU checks of the FP8 paths (run on the device; Hopper or Ada for the e4m3 kernels):
+
+- the FP8 linear kernels at the Llama-3.1-8B layer shapes against float32 matmuls over the
+  dequantized weights. Tolerances: weight-only decode (M <= 64) rounds once to bf16, so every
+  element is within 2^-7 of its magnitude plus 2^-10 of the row's largest; W8A8 prefill is
+  within 1e-3 (relative Frobenius) of the same product over DeepSeek-quantized activations, and
+  within 4% of the unquantized product (e4m3 activations carry 3 mantissa bits);
+- CUDA-graph replay of an FP8 target equals eager, and speculative decoding on an FP8 target
+  with an FP8 KV pool is lossless against target-only decoding of it (greedy, float32 outputs
+  from bf16 weights are not bit-stable across M, so this runs in float32);
+- the attention kernel over an e4m3 pool equals the reference over the same codes.
+"""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("the e4m3 kernels need compute capability 8.9 or later", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+from specdeploy.engine.demo.toy import copy_draft, random_requests, run_to_completion  # noqa: E402
+from specdeploy.engine.kernels import fp8 as fp8_kernels  # noqa: E402
+from specdeploy.engine.models import fp8  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner, SpecConfig  # noqa: E402
+
+DEV = "cuda"
+# (N, K) of Llama-3.1-8B's fused qkv, o, fused gate/up and down projections
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _weights(n, k, scheme, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(n, k, device=DEV, generator=g) * 0.02
+    if scheme == "block":
+        codes, scale = fp8.quantize_fp8_block(w, (128, 128))
+        return codes, scale, 128
+    codes, scale = fp8.quantize_fp8_channel(w)
+    return codes, scale.reshape(-1).contiguous(), 1
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_weight_only_decode_kernel(n, k, m, scheme):
+    codes, scale, scale_n = _weights(n, k, scheme)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n).float()
+    want = F.linear(x.float(), fp8.dequantize_fp8(codes, scale, (scale_n, 128), torch.float32))
+    err = (got - want).abs()
+    assert (err <= want.abs() * 2**-7 + want.abs().amax(1, keepdim=True) * 2**-10).all(), err.max()
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [65, 512, 4096])
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_w8a8_prefill_kernel(n, k, m, scheme):
+    codes, scale, scale_n = _weights(n, k, scheme)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n).float()
+    wd = fp8.dequantize_fp8(codes, scale, (scale_n, 128), torch.float32)
+    xq, xs = fp8.act_quant_reference(x.float())
+    want = F.linear(xq.float() * xs.repeat_interleave(128, 1)[:, :k], wd)
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
+    exact = F.linear(x.float(), wd)
+    assert ((got - exact).norm() / exact.norm()).item() < 0.04
+
+
+def test_act_quant_kernel_is_deepseeks():
+    x = torch.randn(333, 7168, device=DEV).to(torch.bfloat16) * 5
+    for round_scale in (False, True):
+        y, s = fp8_kernels.act_quant(x, round_scale)
+        want_y, want_s = fp8.act_quant_reference(x, 128, round_scale)
+        assert torch.equal(s, want_s)
+        assert (y.view(torch.uint8) != want_y.view(torch.uint8)).float().mean() < 1e-4  # float32 division ulps
+
+
+def test_attention_over_an_fp8_pool():
+    from specdeploy.engine.kernels import attention as attention_triton
+    from specdeploy.engine.models.attention import AttnBatch, reference, store_kv
+    g = torch.Generator(device=DEV).manual_seed(0)
+    slots, b, nq, hq, hkv, d = 4096, 8, 4, 32, 8, 128
+    k = store_kv(torch.randn(slots, hkv, d, device=DEV, generator=g) * 4, torch.float8_e4m3fn, 0.05)
+    v = store_kv(torch.randn(slots, hkv, d, device=DEV, generator=g), torch.float8_e4m3fn, 0.02)
+    q = torch.randn(b, nq, hq, d, device=DEV, generator=g).to(torch.bfloat16)
+    lens = torch.randint(0, 1500, (b,), device=DEV, generator=g)
+    prefix = torch.randint(1, slots, (b, 1500), device=DEV, generator=g)
+    new = torch.randint(1, slots, (b, nq), device=DEV, generator=g)
+    mask = torch.ones(b, nq, nq, dtype=torch.bool, device=DEV).tril()
+    batch = AttnBatch(new, prefix, lens, new, mask)
+    want = reference(q.float(), k, v, batch, d ** -0.5, (0.05, 0.02))
+    got = attention_triton.attend(q, k, v, batch, d ** -0.5, kv_scales=(0.05, 0.02)).float()
+    assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
+
+
+def _fp8_target(tmp_path, dtype):
+    """A small Llama-shaped FP8 block checkpoint (dims multiples of 128: the kernels' tiles)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specdeploy.engine.demo.toy import predictable_target, tiny_config
+    from specdeploy.engine.models.llama import load_target
+    cfg = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=64,
+                      intermediate_size=512, num_layers=4)
+    model, perm = predictable_target(cfg, seed=0, layer_scale=0.5)
+    state = {("model." + k if not k.startswith("lm_head") else k): v for k, v in model.state_dict().items()}
+    fmt = fp8.FP8Format("block", "weight_scale_inv", (128, 128))
+    save_file({k: v.contiguous() for k, v in fp8.quantize_state_dict(state, fmt).items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=64, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=512, torch_dtype="float32",
+        quantization_config=fp8.quantization_config(fmt))))
+    return load_target(str(tmp_path), dtype=dtype, device=DEV, feature_kind="eagle"), perm
+
+
+def test_fp8_target_graphs_and_speculation_are_lossless(tmp_path):
+    target, perm = _fp8_target(tmp_path, torch.float32)
+    assert target.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+
+    def reqs():
+        return random_requests((5, 12, 1, 9), 16, 64)
+
+    fp8_kv = torch.float8_e4m3fn
+    eager = run_to_completion(Runner(target, max_total_tokens=512, max_running_requests=4, device=DEV,
+                                     graph_mode="off", kv_cache_dtype=fp8_kv), reqs())
+    graphed = run_to_completion(Runner(target, max_total_tokens=512, max_running_requests=4, device=DEV,
+                                       cuda_graph_batch_sizes=(1, 2, 4), kv_cache_dtype=fp8_kv), reqs())
+    assert graphed == eager
+    draft = copy_draft("EAGLE", target, perm)
+    spec = Runner(target, draft, SpecConfig("EAGLE", 3, 1, 4), max_total_tokens=512, max_running_requests=4,
+                  device=DEV, cuda_graph_batch_sizes=(1, 2, 4), kv_cache_dtype=fp8_kv)
+    assert run_to_completion(spec, reqs()) == eager
+    assert spec.num_draft_tokens_accepted > 0
