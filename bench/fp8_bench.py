@@ -1,6 +1,7 @@
 """FP8 weights on the Llama-3.1-8B shape against bf16, on the same random weights in one run.
 
     python3 bench/fp8_bench.py --out RESULTS_DIR          # ~5 min on an H200
+    python3 bench/fp8_bench.py --sweep --out RESULTS_DIR  # + the decode kernel's tile sweep first
     python3 bench/fp8_bench.py --smoke --out RESULTS_DIR  # CPU, tiny model, seconds
 
 1. decode: the engine's graphed target decode call and Runner.step() at batch 1 / 16 / 64 and a
@@ -123,10 +124,56 @@ def planner_truth(sizes, device, smoke: bool) -> dict:
         planner_bench.random_target = original
 
 
+# (N, K) of Llama-3.1-8B's fused qkv, o, fused gate/up and down projections
+LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SWEEP = [(bn, w, st) for bn in (16, 32, 64, 128) for w in (2, 4, 8) for st in (3, 4, 6)
+         if not (bn >= 64 and w == 2) and not (bn == 16 and w == 8)]
+
+
+def sweep(device, reps: int) -> dict:
+    """The weight-only decode kernel's launch parameters timed at the Llama-3.1-8B layer shapes
+    for M = 1 and 16: achieved bytes/s per (BLOCK_N, num_warps, num_stages) against the default."""
+    from common import cuda_time_ms
+    from specdeploy.engine.kernels import fp8 as kernels
+    out = {}
+    for name, (n, k) in LLAMA_8B_LINEARS.items():
+        w = torch.randn(n, k, device=device) * 0.02
+        codes, scale = fp8.quantize_fp8_block(w, (128, 128))
+        del w
+        for m in (1, 16):
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            moved = codes.numel() + scale.numel() * 4 + x.numel() * 2 + y.numel() * 2
+            rows = []
+            default = kernels._decode_tiles(m, n)
+            for bn, warps, stages in SWEEP:
+                def call(bn=bn, warps=warps, stages=stages, codes=codes, scale=scale, x=x, y=y):
+                    kernels.w8a16(x, codes, scale, 128, None, y, default[0], bn, warps, stages)
+                try:
+                    ms = cuda_time_ms(call, warmup=3, reps=reps)
+                except Exception as e:  # a configuration the compiler refuses (shared memory)
+                    rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "error": str(e)[:200]})
+                    continue
+                rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
+                             "bytes_per_s": moved / (ms / 1e3)})
+            ok = [r for r in rows if "ms" in r]
+            best = min(ok, key=lambda r: r["ms"])
+            mine = next((r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == default[1:]), None)
+            out[f"{name}_m{m}"] = {"n": n, "k": k, "m": m, "default": mine, "best": best, "all": rows}
+            log(f"sweep {name:<8} M={m:<3} default {default[1:]} "
+                f"{(mine or {}).get('bytes_per_s', 0) / 1e12:.2f} TB/s | best {best['block_n'], best['num_warps'], best['num_stages']} "
+                f"{best['bytes_per_s'] / 1e12:.2f} TB/s")
+        del codes, scale
+        free_device_memory()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script, measures nothing")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time the decode kernel's launch parameters at the 8B layer shapes (CUDA only)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = SIZES["smoke" if args.smoke else "device"]
@@ -138,6 +185,12 @@ def main() -> int:
     bandwidth = copy_bandwidth_bytes_per_s(device=device) if device.type == "cuda" else 1e11
     result["bandwidth_bytes_per_s"] = bandwidth
     dtype = torch.bfloat16
+    if args.sweep and device.type == "cuda":
+        try:
+            result["sweep"] = sweep(device, 50)
+        except Exception:
+            result["errors"].append(traceback.format_exc()[-3000:])
+            log(f"sweep failed:\n{result['errors'][-1]}")
     try:
         target = random_target(sizes["config"], device, dtype, feature_kind="eagle3")
         head = random_head("EAGLE3", eagle3_head_config(sizes["config"], sizes["draft_vocab"]), target)

@@ -144,12 +144,34 @@ def _scale_strides(scale: torch.Tensor, scale_n: int) -> tuple[int, int]:
     return scale.stride(0), scale.stride(1)
 
 
-def _decode_tiles(m: int, n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for the weight-only kernel: the fewest rows tl.dot allows (16) up to
-    M, and narrow column slabs so a 4096-wide layer still spreads over every SM at batch 1."""
+# Launch parameters of the weight-only kernel, (BLOCK_N, num_warps, num_stages) by output width:
+# narrow column slabs so that a 4096-wide layer still spreads over every SM at batch 1, and deep
+# pipelines so that each SM keeps enough weight bytes in flight. bench/fp8_bench.py --sweep times
+# the alternatives on the device; DECODE_TILES is where its best choice goes.
+DECODE_TILES = ((8192, (32, 4, 4)), (None, (64, 4, 4)))
+
+
+def _decode_tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the weight-only kernel: the fewest rows
+    tl.dot allows (16) up to M, then DECODE_TILES by N."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32 if n <= 8192 else 64
-    return block_m, block_n
+    block_n, warps, stages = next(t for limit, t in DECODE_TILES if limit is None or n <= limit)
+    return block_m, block_n, warps, stages
+
+
+def w8a16(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int, bias: torch.Tensor | None,
+          out: torch.Tensor, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    """One launch of the weight-only kernel into `out` [M, N] with explicit launch parameters."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    stride_sn, stride_sk = _scale_strides(scale, scale_n)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _w8a16_kernel[grid](
+        rows, weight, scale, bias if bias is not None else out, out, m, n, k,
+        rows.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
+        SCALE_N=scale_n, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, num_warps=num_warps, num_stages=num_stages)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int,
@@ -172,14 +194,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     stride_sn, stride_sk = _scale_strides(scale, scale_n)
     has_bias = bias is not None
     if m <= DECODE_MAX_M:
-        block_m, block_n = _decode_tiles(m, n)
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-        _w8a16_kernel[grid](
-            rows, weight, scale, bias if has_bias else out, out, m, n, k,
-            rows.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
-            SCALE_N=scale_n, HAS_BIAS=has_bias,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, num_warps=4, num_stages=4)
+        w8a16(rows, weight, scale, scale_n, bias, out, *_decode_tiles(m, n))
     else:
         a, a_s = act_quant(rows, round_scale)
         block_m, block_n = 128, 128
