@@ -572,14 +572,56 @@ class _Router(_KeepFloat32):
 
 class _Experts(nn.Module):
     """Routed experts as stacked weights (transformers' layout): gate_up_proj [E, 2I, H],
-    down_proj [E, H, I]."""
+    down_proj [E, H, I] in the model dtype; or, from a quantized checkpoint (`quantize`), its codes
+    as stored (FP4: e2m1 pairs int8 [E, N, K / 2] with E8M0 scale bits uint8 [E, N, K / 32]; FP8:
+    e4m3 [E, N, K] with block scales [E, N / bn, K / bk]) in `<proj>` and `<proj>_scale`,
+    dequantized inside the expert computation (the experts a batch hits on CPU; every expert of
+    the layer, one projection at a time, before the grouped GEMM on CUDA)."""
 
     def __init__(self, cfg: V4ModelConfig):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
+        self.quant: str | None = None  # None | "fp4" | "fp8"
+        self.block = (128, 128)
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(e, h, i), requires_grad=False)
+
+    def quantize(self, kind: str, block: tuple[int, int] = (128, 128),
+                 scale_dtype: torch.dtype = torch.float32) -> None:
+        """Hold the codes of a `kind` ("fp4" / "fp8") checkpoint instead of model-dtype weights."""
+        from specdeploy.engine.models.fp8 import FP4_GROUP
+
+        self.quant, self.block, self.compute_dtype = kind, block, self.gate_up_proj.dtype
+        dev = self.gate_up_proj.device
+        for name in ("gate_up_proj", "down_proj"):
+            e, n, k = getattr(self, name).shape
+            if kind == "fp4":
+                codes = torch.zeros(e, n, k // 2, dtype=torch.int8, device=dev)
+                scale = torch.zeros(e, n, -(-k // FP4_GROUP), dtype=torch.uint8, device=dev)
+            else:
+                codes = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn, device=dev)
+                scale = torch.zeros(e, -(-n // block[0]), -(-k // block[1]), dtype=scale_dtype, device=dev)
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            self.register_parameter(name + "_scale", nn.Parameter(scale, requires_grad=False))
+
+    def weight(self, name: str, experts: slice | int, dtype: torch.dtype) -> torch.Tensor:
+        """[.., N, K] weights of `experts` for projection `name` in `dtype`."""
+        w = getattr(self, name)[experts]
+        if self.quant is None:
+            return w.to(dtype)
+        from specdeploy.engine.models.fp8 import dequantize_fp4, dequantize_fp8
+
+        s = getattr(self, name + "_scale")[experts]
+        if w.dim() == 2:
+            return (dequantize_fp4(w, s, dtype=dtype) if self.quant == "fp4"
+                    else dequantize_fp8(w, s, self.block, dtype))
+        e, n = w.shape[:2]
+        if self.quant == "fp4":  # scales are per row: the experts' rows stack into one matrix
+            return dequantize_fp4(w.reshape(e * n, -1), s.reshape(e * n, -1), dtype=dtype).view(e, n, -1)
+        if n % self.block[0] == 0:  # whole row blocks: likewise
+            return dequantize_fp8(w.reshape(e * n, -1), s.reshape(-1, s.shape[-1]), self.block, dtype).view(e, n, -1)
+        return torch.stack([self.weight(name, j, dtype) for j in range(e)])
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -599,8 +641,9 @@ class _Experts(nn.Module):
             counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
                 0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = counts.cumsum(0).to(torch.int32)                         # no host sync (graphs)
-            h = self._act(F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))
-            ys = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+            every = slice(0, e)
+            h = self._act(F.grouped_mm(xs, self.weight("gate_up_proj", every, x.dtype).transpose(1, 2), offs=offs))
+            ys = F.grouped_mm(h, self.weight("down_proj", every, x.dtype).transpose(1, 2), offs=offs)
         else:
             sorted_ids = flat[order]
             ys = torch.empty_like(xs)
@@ -608,8 +651,8 @@ class _Experts(nn.Module):
             for ex in range(e):
                 lo, hi = bounds[ex], bounds[ex + 1]
                 if hi > lo:
-                    h = self._act(F.linear(xs[lo:hi], self.gate_up_proj[ex]))
-                    ys[lo:hi] = F.linear(h, self.down_proj[ex])
+                    h = self._act(F.linear(xs[lo:hi], self.weight("gate_up_proj", ex, x.dtype)))
+                    ys[lo:hi] = F.linear(h, self.weight("down_proj", ex, x.dtype))
         ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
 

@@ -23,8 +23,10 @@ weight_scale_inv, float32 or E8M0). FP8 linears stay e4m3 codes in the engine's 
 (engine/models/fp8.py: Triton kernels on Hopper, dequantize + matmul elsewhere); the grouped
 output projection (wo_a), read as one block matrix, is dequantized to the model dtype on load.
 Routed experts, FP4 (e2m1 pairs packed in int8 [N, K / 2], one E8M0 scale per 32 inputs) or FP8,
-are dequantized into the model dtype on load as their stacked weights are filled; their GEMMs
-then run in that dtype (torch's grouped GEMM on CUDA).
+stay as stored (the bytes the plan counts) in their stacked tensors and are dequantized inside
+the expert computation (engine/models/deepseek_v4.py _Experts): on CUDA every expert of a layer,
+one projection at a time, into a model-dtype temporary before the grouped GEMM; elsewhere the
+experts a batch hits.
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ import torch
 
 from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.models.deepseek_v4 import DeepseekV4Model, DeepseekV4MTP, V4ModelConfig, build_mtp, build_target
-from specdeploy.engine.models.fp8 import (convert_fp8_linears, dequantize_fp4, dequantize_fp8, fp8_format,
-                                          ignored_tensor)
+from specdeploy.engine.models.fp8 import convert_fp8_linears, dequantize_fp8, fp8_format, ignored_tensor, scale_to_float
 from specdeploy.engine.models.hc import canonical_hc_key
 from specdeploy.engine.models.layers import load_state
 
@@ -100,48 +101,76 @@ def mtp_engine_name(name: str, index: int = 0) -> str | None:
 
 
 class _Experts:
-    """Fills each layer's stacked expert weights from per-expert tensors (dequantized on the way)
-    and reports a stacked parameter once all its experts are in."""
+    """Fills each layer's stacked expert tensors from per-expert ones and reports a stacked
+    parameter once all its experts are in. Quantized experts (a `.weight_scale_inv` beside the
+    weight) are kept as their codes and scales (FP4: int8 pairs + E8M0 bits; FP8: e4m3 + float32
+    block scales), dequantized inside the expert computation; unquantized ones are copied."""
 
-    def __init__(self, model: torch.nn.Module, names: set[str], fmt, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, names: set[str], fmt, dtype: torch.dtype, peek):
         self.model, self.names, self.fmt, self.dtype = model, names, fmt, dtype
         self.pending: dict[str, torch.Tensor] = {}
         self.filled: dict[str, set[tuple[int, str]]] = {}
+        self.kind = None
+        quantized = sorted(n for n in names if _EXPERT.match(n) and n.endswith(SCALE_SUFFIX))
+        if quantized:
+            codes = peek(quantized[0].removesuffix(SCALE_SUFFIX) + ".weight")
+            self.kind = "fp4" if codes.dtype in (torch.int8, torch.uint8) else "fp8"
+            for path, module in model.named_modules():
+                if path.endswith("mlp.experts"):
+                    module.quantize(self.kind, fmt.block if fmt is not None else (128, 128))
+
+    def _code(self, weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if scale is None:
+            return weight.to(self.dtype), None
+        if self.kind == "fp4":
+            if scale.dtype == torch.uint8:
+                bits = scale
+            elif scale.dtype.itemsize == 1 and not scale.is_floating_point():
+                bits = scale.view(torch.uint8)
+            elif str(scale.dtype) == "torch.float8_e8m0fnu":
+                bits = scale.view(torch.uint8)
+            else:  # float scales of powers of two
+                bits = (torch.log2(scale.float()).round() + 127).to(torch.uint8)
+            return weight.view(torch.int8), bits
+        return weight, scale_to_float(scale)
 
     def take(self, name: str, tensor: torch.Tensor):
         """Consume an expert tensor; yields (stacked name, parameter) when one is complete."""
         m = _EXPERT.match(name)
-        layer, expert, proj, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
         base = name.rsplit(".", 1)[0]
         weight_name, scale_name = base + ".weight", base + SCALE_SUFFIX
         self.pending[name] = tensor
         if weight_name not in self.pending or (scale_name in self.names and scale_name not in self.pending):
             return
-        weight, scale = self.pending.pop(weight_name), self.pending.pop(scale_name, None)
-        if scale is None:
-            w = weight.to(self.dtype)
-        elif weight.dtype in (torch.int8, torch.uint8):
-            w = dequantize_fp4(weight, scale, dtype=self.dtype)        # FP4 experts
-        else:
-            w = dequantize_fp8(weight, scale, self.fmt.block, dtype=self.dtype)
+        weight, scale = self._code(self.pending.pop(weight_name), self.pending.pop(scale_name, None))
+        if (scale is None) != (self.kind is None):
+            raise ValueError(f"checkpoint: {weight_name} is {'un' if scale is None else ''}quantized "
+                             "unlike the other routed experts")
         experts = self.model.get_submodule(f"layers.{layer}.mlp.experts")
         i = experts.gate_up_proj.shape[1] // 2
+        stacked = "down_proj" if proj == "w2" else "gate_up_proj"
+        rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(None)}[proj]
         with torch.no_grad():
-            if proj == "w1":
-                experts.gate_up_proj[expert, :i].copy_(w)
-            elif proj == "w3":
-                experts.gate_up_proj[expert, i:].copy_(w)
-            else:
-                experts.down_proj[expert].copy_(w)
+            getattr(experts, stacked)[expert, rows].copy_(weight)
+            if scale is not None:
+                target = getattr(experts, stacked + "_scale")[expert]
+                if proj != "w2" and self.kind == "fp8":  # block rows of w1 / w3 within gate_up
+                    bn = experts.block[0]
+                    if i % bn:
+                        raise ValueError(f"checkpoint: {weight_name}: {i} rows are not whole {bn}-row scale blocks")
+                    rows = slice(0, i // bn) if proj == "w1" else slice(i // bn, 2 * i // bn)
+                target[rows].copy_(scale)
         e = experts.gate_up_proj.shape[0]
-        for stacked, projs in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
-            if proj in projs:
-                key = f"layers.{layer}.mlp.experts.{stacked}"
-                done = self.filled.setdefault(key, set())
-                done.add((expert, proj))
-                if len(done) == e * len(projs):
-                    # Handed to load_state as its own parameter: counted as loaded, copied onto itself.
-                    yield key, getattr(experts, stacked)
+        projs = ("w2",) if proj == "w2" else ("w1", "w3")
+        key = f"layers.{layer}.mlp.experts.{stacked}"
+        done = self.filled.setdefault(key, set())
+        done.add((expert, proj))
+        if len(done) == e * len(projs):
+            # Handed to load_state as its own parameters: counted as loaded, copied onto themselves.
+            yield key, getattr(experts, stacked)
+            if self.kind is not None:
+                yield key + "_scale", getattr(experts, stacked + "_scale")
 
 
 def _dequantize_grouped(model: torch.nn.Module, tensors, dtype):
@@ -179,7 +208,8 @@ def _load(model: torch.nn.Module, checkpoint: Checkpoint, raw: dict, rename, dty
         fp8_names = {n for n in engine_names if ".o_a_proj." not in n}
         converted = convert_fp8_linears(model, fmt, fp8_names)
         log.info("fp8: %d linears from %s %s checkpoint weights", len(converted), fmt.scheme, fmt.scale_name)
-    experts = _Experts(model, engine_names, fmt, dtype)
+    back = {v: k for k, v in names.items()}
+    experts = _Experts(model, engine_names, fmt, dtype, lambda n: checkpoint.get(back[n]))
 
     def stream():
         for name, tensor in checkpoint.tensors(skip=lambda n: n not in names):

@@ -470,6 +470,16 @@ def _fp8_activation_copy(shapes: ModelShapes, tp: int) -> int:
     return width + 4 * -(-width // FP8_ACTIVATION_GROUP)
 
 
+def _expert_dequant_bytes(shapes: ModelShapes) -> int:
+    """DeepSeek-V4 with quantized routed experts (engine/models/deepseek_v4.py _Experts): on CUDA
+    the gate/up codes of one layer's experts are dequantized into a model-dtype temporary before
+    the grouped GEMM (2/3 of a layer's expert parameters; the down projection's, 1/3, follows
+    once it is freed). 0 for other models."""
+    if shapes.attention != "compressed" or not shapes.quantization or not shapes.num_moe_layers:
+        return 0
+    return 2 * shapes.routed_expert_params // (3 * shapes.num_moe_layers) * shapes.dtype_bytes
+
+
 def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
     return rows * math.ceil(vocab_size / tp) * LOGITS_DTYPE_BYTES
 
@@ -555,13 +565,14 @@ def _memory_terms(
         CUDA_GRAPH_POOL_BASE_BYTES
         + _activation_bytes(target_shapes, graph_rows, tp)
         + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
+        + _expert_dequant_bytes(target_shapes)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
     # narrower and runs after it); logits only for the last token of each request in the chunk.
     chunk = role_prefill_chunk_tokens(role)
     workspace = _activation_bytes(target_shapes, chunk, tp) + _logits_bytes(
         limits.max_running_requests, target_shapes.vocab_size, tp
-    )
+    ) + _expert_dequant_bytes(target_shapes)
     if draft_shapes is not None:
         # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3).
         features = chunk * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specdeploy.engine.models import deepseek_v4 as v4mod
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.models.deepseek_v4_checkpoint import engine_name, load_v4_mtp, load_v4_target, mtp_engine_name
 from specdeploy.engine.models.fp8 import E2M1_VALUES, dequantize_fp4, dequantize_fp8, quantize_fp8_block
@@ -153,10 +154,20 @@ def test_fp8_fp4_published_checkpoint_computes_its_dequantized_twin(tmp_path):
     assert target.layers[0].self_attn.q_a_proj.weight.dtype == torch.float8_e4m3fn  # FP8 kept as codes
     assert target.layers[0].self_attn.compressor is None
     assert target.layers[1].self_attn.compressor.kv_proj.weight.dtype == torch.float32  # shipped unquantized
+    experts = target.layers[1].mlp.experts  # FP4 kept as stored: e2m1 pairs + E8M0 bits
+    assert (experts.gate_up_proj.dtype, experts.gate_up_proj_scale.dtype) == (torch.int8, torch.uint8)
+    assert experts.gate_up_proj.shape[-1] == CONFIG["hidden_size"] // 2
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 19), generator=torch.Generator().manual_seed(2))
     got, feature, _ = forward_logits(target, ids)
     want, want_feature, _ = forward_logits(twin_target, ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the CUDA path: every expert's codes dequantized at once, then the grouped GEMM
+    v4mod.GROUPED_GEMM_ON_CPU = True
+    try:
+        grouped, _, _ = forward_logits(target, ids)
+    finally:
+        v4mod.GROUPED_GEMM_ON_CPU = False
+    torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
 
     mtp = load_v4_mtp(str(tmp_path), target, torch.float32, "cpu")
     shifted = torch.roll(ids, -1, 1)
