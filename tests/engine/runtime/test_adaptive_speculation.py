@@ -143,7 +143,8 @@ def test_catch_up_leaves_the_draft_state_a_full_extend_gives(algorithm):
     torch.testing.assert_close(hidden, want_hidden, atol=2e-5, rtol=1e-4)
 
 
-def test_padded_graph_buffers_and_sampling_rows():
+@pytest.mark.parametrize("fused", [True, False])
+def test_padded_graph_buffers_and_sampling_rows(fused):
     """The graphs' padded static buffers (every shape's, NONE's decode-with-feature one too, CPU
     replay without capture) with a sampling request in the batch: the greedy rows stay exact and
     seeded sampling is reproducible."""
@@ -159,7 +160,8 @@ def test_padded_graph_buffers_and_sampling_rows():
 
     outs = []
     for _ in range(2):
-        runner = adaptive_runner(target, draft, spec, graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
+        runner = adaptive_runner(target, draft, spec, graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4),
+                                 fused_spec_step=fused)
         outs.append(generate(runner, batch()))
     assert outs[0] == outs[1]
     assert {k: v for k, v in outs[0].items() if k != "r2"} == {k: v for k, v in plain.items() if k != "r2"}
