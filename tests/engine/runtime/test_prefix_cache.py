@@ -185,7 +185,7 @@ def test_adaptive_plain_steps_cache_only_what_the_draft_has_run_over(algorithm, 
     written, and hits give the same tokens and acceptance as without the cache."""
     def runner(cache):
         shapes = candidate_shapes(3, 1, 4)
-        r = make_runner(algorithm, hc_mult, cache, adaptive=True, adaptive_shapes=shapes,
+        r = make_runner(algorithm, hc_mult, cache, adaptive=True, adaptive_shapes=shapes, catch_up_tokens=8,
                         step_costs_s={(sh, 1): 1.0 for sh in [NONE, *shapes]})
         r.policy = CyclingPolicy(r.shapes)
         return r
