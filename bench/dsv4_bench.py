@@ -22,7 +22,6 @@ Prints one SUMMARY line per figure and writes dsv4.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys

@@ -468,8 +468,10 @@ class V4Attention(_KeepFloat32):
         span = 2 * r if self.kind == CSA else r
         path, valid = step.path[..., :span], step.path_valid[..., :span]
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() or closes.numel() <= 64:
-            sel = None                                                      # every query (fixed shape)
-            paths, valids, pos, outs = path.reshape(-1, span), valid.reshape(-1, span), step.positions.reshape(-1), step.out_slots.reshape(-1)
+            # every query (fixed shapes for the graphs); a query that closes no window writes
+            # its own entry row, which nothing reads
+            paths, valids = path.reshape(-1, span), valid.reshape(-1, span)
+            pos, outs = step.positions.reshape(-1), step.out_slots.reshape(-1)
         else:
             sel = closes.reshape(-1).nonzero().squeeze(1)                   # only the closing ones
             paths, valids = path.reshape(-1, span)[sel], valid.reshape(-1, span)[sel]

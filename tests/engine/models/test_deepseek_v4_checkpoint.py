@@ -128,7 +128,8 @@ def test_published_names_map_to_the_engine():
     assert engine_name("embed.weight") == "embed_tokens.weight"
     assert engine_name("hc_head_fn") == "hc_head.fn"
     assert engine_name("layers.3.attn.indexer.compressor.ape") == "layers.3.self_attn.compressor.indexer.position_bias"
-    assert engine_name("layers.3.attn.indexer.weights_proj.weight") == "layers.3.self_attn.compressor.indexer.scorer.weights_proj.weight"
+    assert (engine_name("layers.3.attn.indexer.weights_proj.weight")
+            == "layers.3.self_attn.compressor.indexer.scorer.weights_proj.weight")
     assert engine_name("layers.0.attn.wq_b.scale") == "layers.0.self_attn.q_b_proj.weight_scale_inv"
     assert engine_name("layers.0.hc_attn_scale") == "layers.0.attn_hc.scale"
     assert engine_name("layers.0.ffn.gate.bias") == "layers.0.mlp.gate.e_score_correction_bias"
