@@ -18,6 +18,7 @@ from specdeploy.engine.planner.plan import (
     plan_from_configs,
 )
 from specdeploy.engine.planner.remote import is_hub_id, load_hub_model
+from specdeploy.engine.planner.errors import PLANNER_FAILED
 from specdeploy.engine.planner.shapes import ALGORITHMS, KV_CACHE_DTYPES, ConfigError
 from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, CheckpointWeights, load_model
 
@@ -68,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         result = _plan(args)
     except (ConfigError, PlanError) as err:
         print(f"specdeploy plan: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - a config nobody foresaw: one line, as the operator says it
+        print(f"specdeploy plan: {PLANNER_FAILED}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from specdeploy.engine.planner.errors import ConfigError
+from specdeploy.engine.planner.errors import MAX_CONFIG_INT, MAX_LAYERS, ConfigError
 
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
 ATTENTION_KINDS = (SLIDING, CSA, HCA)
@@ -119,15 +119,26 @@ def is_deepseek_v4(c: dict[str, Any]) -> bool:
     )
 
 
-def _positive_int(c: dict[str, Any], name: str, default: int | None = None) -> int:
+def _positive_int(c: dict[str, Any], name: str, default: int | None = None, where: str = "") -> int:
     value = c.get(name, default)
+    label = f"{where}.{name}" if where else name
     if value is None:
-        raise ConfigError(f"{name}: missing from config.json (DeepSeek-V4 needs it to size its KV cache)")
+        raise ConfigError(f"{label}: missing from config.json (DeepSeek-V4 needs it to size its KV cache)")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        raise ConfigError(f"{label}: expected a positive integer, got {value!r}")
+    if value > MAX_CONFIG_INT:
+        raise ConfigError(f"{label}: {value} is implausible (at most {MAX_CONFIG_INT})")
     return value
+
+
+def _number(c: dict[str, Any], name: str, default: float, where: str = "") -> float:
+    """A real-number field; absent: `default`; anything but a number is an error naming it."""
+    value = c.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{f'{where}.{name}' if where else name}: expected a number, got {value!r}")
+    return float(value)
 
 
 def _schedule(c: dict[str, Any], n: int, nextn: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -192,30 +203,30 @@ def _rope(raw: dict[str, Any], theta: float, where: str) -> RopeSpec:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected an object")
     rope_type = str(raw.get("rope_type", raw.get("type", "default")))
-    theta = float(raw.get("rope_theta", theta))
+    theta = _number(raw, "rope_theta", theta, where)
     if rope_type == "default":
         return RopeSpec(theta)
     if rope_type != "yarn":
         raise ConfigError(f"{where}: rope type {rope_type!r} is not supported for DeepSeek-V4 (default or yarn)")
-    try:
-        return RopeSpec(
-            theta=theta,
-            rope_type="yarn",
-            factor=float(raw["factor"]),
-            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-            beta_fast=float(raw.get("beta_fast", 32.0)),
-            beta_slow=float(raw.get("beta_slow", 1.0)),
-            # DeepSeek-V4 does not scale cos/sin by YaRN's mscale (transformers forces 1.0 too).
-            attention_factor=float(raw.get("attention_factor") or 1.0),
-            truncate=bool(raw.get("truncate", True)),
-        )
-    except KeyError as missing:
-        raise ConfigError(f"{where}.{missing.args[0]}: missing for yarn rope") from None
+    for required in ("factor", "original_max_position_embeddings"):
+        if raw.get(required) is None:
+            raise ConfigError(f"{where}.{required}: missing for yarn rope")
+    return RopeSpec(
+        theta=theta,
+        rope_type="yarn",
+        factor=_number(raw, "factor", 1.0, where),
+        original_max_position_embeddings=_positive_int(raw, "original_max_position_embeddings", where=where),
+        beta_fast=_number(raw, "beta_fast", 32.0, where),
+        beta_slow=_number(raw, "beta_slow", 1.0, where),
+        # DeepSeek-V4 does not scale cos/sin by YaRN's mscale (transformers forces 1.0 too).
+        attention_factor=_number(raw, "attention_factor", 1.0, where) if raw.get("attention_factor") else 1.0,
+        truncate=bool(raw.get("truncate", True)),
+    )
 
 
 def _ropes(c: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
-    main_theta = float(c.get("rope_theta", 10000.0))
-    compress_theta = float(c.get("compress_rope_theta", 160000.0))
+    main_theta = _number(c, "rope_theta", 10000.0)
+    compress_theta = _number(c, "compress_rope_theta", 160000.0)
     params = c.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
         return (_rope(params["main"], main_theta, "rope_parameters.main"),
@@ -223,6 +234,8 @@ def _ropes(c: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
     # Flat form: YaRN (rope_scaling, or a flat rope_parameters) applies to the compressed layers
     # only; sliding-window layers use plain rope at rope_theta.
     flat = params if isinstance(params, dict) else (c.get("rope_scaling") or {})
+    if not isinstance(flat, dict):
+        raise ConfigError(f"rope_scaling: expected an object, got {flat!r}")
     flat = {k: v for k, v in flat.items() if k not in ("rope_theta", "partial_rotary_factor")}
     return RopeSpec(main_theta), _rope(flat, compress_theta, "rope_scaling")
 
@@ -231,14 +244,16 @@ def read_v4_config(config: dict[str, Any]) -> V4Config:
     """The one reading of a DeepSeek-V4 config.json (either scheme; see module docstring)."""
     c = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
     n = _positive_int(c, "num_hidden_layers")
+    if n > MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers: {n} is implausible (at most {MAX_LAYERS})")
     nextn = c.get("num_nextn_predict_layers", 0) or 0
-    if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+    if isinstance(nextn, bool) or not isinstance(nextn, int) or not 0 <= nextn <= MAX_LAYERS:
         raise ConfigError(f"num_nextn_predict_layers: expected a non-negative integer, got {nextn!r}")
     head_dim = _positive_int(c, "head_dim")
     if c.get("qk_rope_head_dim") is not None:
         rope_dim = _positive_int(c, "qk_rope_head_dim")
     elif c.get("partial_rotary_factor") is not None:
-        rope_dim = int(head_dim * float(c["partial_rotary_factor"]))
+        rope_dim = int(head_dim * _number(c, "partial_rotary_factor", 1.0))
     else:
         rope_dim = head_dim * 64 // 512  # transformers' default partial_rotary_factor, 64 / 512
     if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:

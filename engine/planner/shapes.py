@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine.planner.deepseek_v4 import CSA, HASH_MOE, V4Config, is_deepseek_v4, read_v4_config, v4_kv_bytes
-from specdeploy.engine.planner.errors import ConfigError
+from specdeploy.engine.planner.errors import MAX_CONFIG_INT, MAX_LAYERS, ConfigError
 
 # Bytes per element of every dtype a config may name. Anything else is refused: a wrong guess
 # here halves or doubles every memory figure downstream.
@@ -188,7 +188,8 @@ def _first(c: dict[str, Any], names: tuple[str, ...]) -> tuple[str, Any]:
     return names[0], None
 
 
-def _int(c: dict[str, Any], names: str | tuple[str, ...], default: int | None = None, *, minimum: int = 0) -> int:
+def _int(c: dict[str, Any], names: str | tuple[str, ...], default: int | None = None, *, minimum: int = 0,
+         maximum: int = MAX_CONFIG_INT) -> int:
     """An integer field (first of several aliases that is present); missing with no default is an error."""
     names = (names,) if isinstance(names, str) else names
     name, value = _first(c, names)
@@ -203,6 +204,16 @@ def _int(c: dict[str, Any], names: str | tuple[str, ...], default: int | None = 
             raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ConfigError(f"{name}: {value} is implausible (at most {maximum})")
+    return value
+
+
+def _int_list(c: dict[str, Any], name: str) -> list[int]:
+    """A list-of-integers field (absent or null: empty)."""
+    value = c.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{name}: expected a list of integers, got {value!r}")
     return value
 
 
@@ -230,7 +241,7 @@ def _is_moe_layer(c: dict[str, Any], layer: int, num_experts: int) -> bool:
         return False
     if layer % _int(c, "moe_layer_freq", 1, minimum=1) != 0:
         return False
-    if layer in (c.get("mlp_only_layers") or []):
+    if layer in _int_list(c, "mlp_only_layers"):
         return False
     return (layer + 1) % _int(c, "decoder_sparse_step", 1, minimum=1) == 0
 
@@ -270,7 +281,8 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         raise ConfigError(f"quantization_config: expected an object, got {type(quantization_config).__name__}")
 
     hidden = _int(c, ("hidden_size", "d_model", "n_embd", "dim"), minimum=1)
-    num_hidden_layers = _int(c, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"), minimum=1)
+    num_hidden_layers = _int(c, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"), minimum=1,
+                             maximum=MAX_LAYERS)
     heads = _int(c, ("num_attention_heads", "n_head", "n_heads"), minimum=1)
     kv_heads = _int(c, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), heads, minimum=1)
     if heads % kv_heads:
@@ -284,7 +296,7 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     vocab = _int(c, ("vocab_size", "n_vocab"), minimum=1)
     draft_vocab = _int(c, "draft_vocab_size", vocab, minimum=1)
     hc_mult = _int(c, "hc_mult", 1, minimum=1)
-    nextn = _int(c, "num_nextn_predict_layers", 0)
+    nextn = _int(c, "num_nextn_predict_layers", 0, maximum=MAX_LAYERS)
     tie = bool(c.get("tie_word_embeddings", False))
 
     num_experts = _int(c, ("n_routed_experts", "num_experts", "num_local_experts"), 0)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine.planner import plan as planner
+from specdeploy.engine.planner.errors import PLANNER_FAILED
 from specdeploy.engine.planner.shapes import (
     COMPUTE_DTYPES,
     ConfigError,
@@ -76,7 +77,7 @@ def plan_engine(
     except Exception as err:
         raise PlanningError(
             REASON_CONFIG_INVALID,
-            f"the planner failed on these config.json files: {type(err).__name__}: {err}",
+            f"{PLANNER_FAILED}: {type(err).__name__}: {err}",
         ) from err
 
 
