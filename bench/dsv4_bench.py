@@ -16,7 +16,8 @@ weights made on the device), served by the engine's Runner with CUDA graphs:
     python3 bench/dsv4_bench.py [--parts decode,mtp,planner] [--context 4096] [--out DIR]
     python3 bench/dsv4_bench.py --smoke          (CPU, a tiny config, seconds: the code path only)
 
-Prints one SUMMARY line per figure and writes dsv4.json.
+Prints one SUMMARY line per figure and writes 8_dsv4.json (bench/report.py renders it as section 8
+of docs/benchmarks.md: `python3 bench/report.py DIR ...`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
 
-from common import (REPO_ROOT, bootstrap_specdeploy, device_memory, environment, free_device_memory,  # noqa: E402
-                    log, param_bytes, sync, write_json)
+from common import (REPO_ROOT, argv_command, bootstrap_specdeploy, device_memory, environment,  # noqa: E402
+                    free_device_memory, log, param_bytes, sync, write_json)
 
 bootstrap_specdeploy()
 
@@ -257,7 +258,11 @@ def main() -> None:
         result["summary"].append(f"planner truth: ERROR {pt['error'][:200]}")
     for line in result["summary"]:
         print("SUMMARY", line, flush=True)
-    write_json("dsv4.json", result, args.out)
+    failed = any("error" in r for r in result["rows"]) or "error" in (pt or {})
+    # As a section of the benchmark page (bench/report.py renders it as section 8).
+    write_json("8_dsv4.json", {"section": "8", "title": "DeepSeek-V4-Flash, reduced depth: decode, MTP steps, planner truth",
+                               "status": "partial" if failed else "ok", "command": argv_command(),
+                               "duration_s": time.perf_counter() - t0, "smoke": not cuda, "results": result}, args.out)
 
 
 if __name__ == "__main__":

@@ -401,7 +401,39 @@ def s7(r: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6, "7": s7}
+def s8(r: dict) -> str:
+    """DeepSeek-V4 (bench/dsv4_bench.py, run on its own: `python3 bench/dsv4_bench.py --out DIR`)."""
+    c = r["config"]
+    lines = [f"Reduced-depth DeepSeek-V4-Flash: hidden {c['hidden_size']}, {c['num_attention_heads']} heads of "
+             f"{c['head_dim']}, {c['n_routed_experts']} experts (top {c['num_experts_per_tok']}, width "
+             f"{c['moe_intermediate_size']}), vocabulary {c['vocab_size']}, hc_mult {c['hc_mult']}, window "
+             f"{c['sliding_window']}, index_topk {c['index_topk']}; layers {c['compress_ratios'][:-1]} + MTP "
+             f"(0 sliding, 4 CSA, 128 HCA); random bf16 weights; {r['context']}-token prompts; graphs "
+             f"{r['graph_mode']}. Random weights: the MTP layer rarely agrees with the target, so the step "
+             "multiple is the cost of speculation here, not its gain.", ""]
+    rows = []
+    for x in r["rows"]:
+        if "error" in x:
+            rows.append([x["kind"], x.get("shape", "—"), x["batch"], "error", x["error"][:80], "—"])
+        elif x["kind"] == "decode":
+            rows.append(["decode", "—", x["batch"], _f(x["step_ms"], 2, 1, " ms"), _f(x["tok_s"], 1), "1.00x"])
+        else:
+            rows.append(["MTP", x["shape"], x["batch"], _f(x["step_ms"], 2, 1, " ms"),
+                         _f(x["tokens_per_step"], 2) + " tok/step", f"{x['x_decode_step']:.2f}x"])
+    lines.append(_table(["step", "shape", "batch", "Runner.step", "tok/s or accepted", "x decode step"], rows))
+    pt = r.get("planner_truth") or {}
+    if "error" in pt:
+        lines += ["", f"Planner truth: error `{pt['error']}`"]
+    elif pt:
+        lines += ["", "Planner truth (Runner(plan=...) on this GPU, MTP 3 steps, 16 requests): measured / planned:", ""]
+        keys = [("weights", "weights_vs_plan"), ("KV pools", "kv_pools_vs_plan"),
+                ("graphs + static buffers", "graphs_and_buffers_vs_plan"), ("prefill peak", "prefill_peak_vs_plan"),
+                ("total", "total_vs_plan")]
+        lines.append(_table(["term", "ratio"], [[name, _f(pt.get(key), 4)] for name, key in keys if key in pt]))
+    return "\n".join(lines)
+
+
+RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6, "7": s7, "8": s8}
 
 
 # ---- goals and figures -------------------------------------------------------------------------
