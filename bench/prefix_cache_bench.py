@@ -184,7 +184,29 @@ def main() -> int:
               f"{row['on']['cached_tokens'] / row['on']['prompt_tokens']:.1%}")
     print("  requests with equal greedy outputs, cache on vs off: " + ", ".join(
         f"{k} {results[k]['requests_with_equal_outputs']}/{results[k]['requests']}" for k in ("ttft", "shared", "unique")))
+    print("\nMARKDOWN (for docs/benchmarks.md)\n" + markdown(results, p))
     return 0
+
+
+def markdown(results: dict, p: dict) -> str:
+    t, s, u = results["ttft"], results["shared"], results["unique"]
+    env = results["env"]
+    rows = [f"| TTFT, one request on an idle engine | {t['off']['ttft_median_ms']:.1f} ms | "
+            f"{t['on']['ttft_median_ms']:.1f} ms | {t['speedup']:.1f}x lower | >= 10x lower: "
+            f"{'met' if t['goal_met'] else 'missed'} |"]
+    for label, row in (("shared system prompt", s), ("unique prompts (no hit possible)", u)):
+        rows.append(f"| output tok/s, {label} | {row['off']['tok_s']:.0f} | {row['on']['tok_s']:.0f} | "
+                    f"x{row['throughput_ratio']:.2f} (hit rate {row['on']['cached_tokens'] / row['on']['prompt_tokens']:.0%}, "
+                    f"median TTFT {row['off']['ttft_median_ms']:.0f} -> {row['on']['ttft_median_ms']:.0f} ms) | "
+                    f"never lower: {'met' if row['goal_met'] else 'missed'} |")
+    return "\n".join([
+        f"{'Llama-3.1-8B shape' if p['config'] is LLAMA_31_8B else 'Tiny Llama (--smoke)'}, random bfloat16 "
+        f"weights, EAGLE-3 chain {SHAPE}, {'CUDA graphs' if env['device'] != 'cpu' else 'no graphs (CPU)'}, "
+        f"attention {results['attention']}; {env['device']}, torch {env['torch']}. System prompt {p['system_tokens']} "
+        f"tokens + a question of {p['question_tokens'][0]}-{p['question_tokens'][1]} tokens, {p['max_tokens']} "
+        f"output tokens; throughput: {p['requests']} requests at once, {p['running']} running "
+        f"(`python3 bench/prefix_cache_bench.py`).", "",
+        "| measure | cache off | cache on | change | goal |", "|---|---|---|---|---|", *rows])
 
 
 if __name__ == "__main__":

@@ -164,8 +164,9 @@ def test_cache_on_equals_cache_off_through_padded_graph_calls():
 
 
 class CyclingPolicy(AdaptivePolicy):
-    """Plain (NONE) steps only for the first request ("a": 11 decode steps, so it ends 3 plain
-    steps after its catch-up at the 9th), then three times in four, the other shapes in turn."""
+    """Plain (NONE) steps only for the first request ("a": 11 decode steps, so with catch-ups
+    every 8 it ends 3 plain steps after its catch-up at the 9th), then three times in four, the
+    other shapes in turn."""
 
     def __init__(self, shapes):
         super().__init__(shapes, {(sh, 1): 1.0 for sh in shapes})
