@@ -137,6 +137,57 @@ def batch_tok_s(runner: Runner, prompts, new_tokens: int, device, tag: str) -> d
             "outputs": [outputs[f"{tag}{i}"] for i in range(len(prompts))]}
 
 
+def _sweep_one(name, big, draft, shape, adaptive, z, ctx_len, dev, prompts) -> dict:
+    """One configuration over every batch size of the sweep, on one runner."""
+    t0 = time.perf_counter()
+    runner = _runner(big, draft, shape, batches=z["batches"], context_length=ctx_len, device=dev, adaptive=adaptive)
+    build_s = time.perf_counter() - t0
+    batch_tok_s(runner, prompts[:1], 8, dev, "w")
+    rows = []
+    for b in z["batches"]:
+        before = _shape_counts(runner)
+        # Best of two runs, as for every configuration: one run of a large batch is short.
+        runs = [batch_tok_s(runner, prompts[:b], z["sweep_new_tokens"], dev, f"b{b}r{k}-")
+                for k in range(z["sweep_repeats"])]
+        r = max(runs, key=lambda x: x["decode_tok_s"])
+        r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in runs]
+        r.pop("outputs")
+        if adaptive:
+            after = _shape_counts(runner)
+            r["shape_steps"] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+        rows.append(r)
+        log(f"sweep {name:<12} batch {b:<3} {r['tok_s']:9.1f} tok/s, decode {r['decode_tok_s']:9.1f} tok/s"
+            + (f"  shapes {r['shape_steps']}" if adaptive else ""))
+    out = {"build_s": build_s, "rows": rows}
+    if adaptive:
+        pol = runner.policy
+        out["start_up_costs_ms"] = {f"{s.label}@{b}": 1e3 * c for (s, b), c in pol.base_costs_s.items()}
+        out["policy"] = pol.snapshot()
+    return out
+
+
+def _sweep_table(sweep: dict, batches) -> tuple[list[dict], dict]:
+    """Per batch: target-only decode tok/s and each configuration's multiple of it (None where a
+    configuration failed); the crossover batch of each fixed shape."""
+    base = {r["batch"]: r for r in sweep.get("target-only", {}).get("rows", [])}
+    table = []
+    for b in batches:
+        if b not in base:
+            continue
+        row = {"batch": b, "target_only_tok_s": base[b]["decode_tok_s"], "target_only_e2e_tok_s": base[b]["tok_s"]}
+        for name in ("chain", "tree", "adaptive"):
+            r = next((x for x in sweep.get(name, {}).get("rows", []) if x["batch"] == b), None)
+            row[f"{name}_tok_s"] = r and r["decode_tok_s"]
+            row[f"{name}_x"] = r and r["decode_tok_s"] / base[b]["decode_tok_s"]
+            row[f"{name}_e2e_x"] = r and r["tok_s"] / base[b]["tok_s"]
+            if name == "adaptive":
+                row["adaptive_shapes"] = r and r.get("shape_steps")
+        table.append(row)
+    crossover = {name: next((row["batch"] for row in table if row[f"{name}_x"] is not None and row[f"{name}_x"] < 1.0),
+                            None) for name in ("chain", "tree")}
+    return table, crossover
+
+
 def _shape_counts(runner: Runner) -> dict:
     return dict((s.label, n) for s, n in runner.policy.steps_by_shape.items()) if runner.policy else {}
 
@@ -180,13 +231,21 @@ def run(ctx) -> dict:
                                          ("engine EAGLE tree", big_head, SHAPES["tree"], False),
                                          ("engine EAGLE tree-deep", big_head, SHAPES["tree-deep"], False),
                                          ("engine EAGLE adaptive", big_head, SHAPES["tree-deep"], True)]:
-        runner = _runner(big, draft, shape, batches=(1,), context_length=ctx_len, device=dev, adaptive=adaptive)
-        acceptance.engine_generate(runner, [warm], n_new, dev, "w")
-        r = systems[name] = acceptance.engine_generate(runner, prompts, n_new, dev, "p")
+        try:
+            runner = _runner(big, draft, shape, batches=(1,), context_length=ctx_len, device=dev, adaptive=adaptive)
+            acceptance.engine_generate(runner, [warm], n_new, dev, "w")
+            r = systems[name] = acceptance.engine_generate(runner, prompts, n_new, dev, "p")
+        except Exception as e:  # target-only is the baseline of everything: its failure ends the section
+            if draft is None:
+                raise
+            result.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:500]
+            log(f"{name}: FAILED {result['errors'][name][:200]}")
+            continue
         if adaptive:
             r["shape_steps"] = _shape_counts(runner)
         log(f"{name:<28} {r['tok_s']:8.1f} tok/s  accept length {r['accept_length']:.2f}")
         del runner
+        free_device_memory()
         ctx.partial({**result, "batch1_so_far": {k: v["tok_s"] for k, v in systems.items()}})
 
     # The batch sweep: one runner per configuration, every batch size on it.
@@ -200,58 +259,32 @@ def run(ctx) -> dict:
                                          ("chain", big_head, SHAPES["chain"], False),
                                          ("tree", big_head, SHAPES["tree"], False),
                                          ("adaptive", big_head, SHAPES["tree-deep"], True)]:
-        t0 = time.perf_counter()
-        runner = _runner(big, draft, shape, batches=z["batches"], context_length=ctx_len, device=dev,
-                         adaptive=adaptive)
-        build_s = time.perf_counter() - t0
-        batch_tok_s(runner, sweep_prompts[:1], 8, dev, "w")
-        rows = []
-        for b in z["batches"]:
-            before = _shape_counts(runner)
-            # Best of two runs, as for every configuration: one run of a large batch is short.
-            runs = [batch_tok_s(runner, sweep_prompts[:b], z["sweep_new_tokens"], dev, f"b{b}r{k}-")
-                    for k in range(z["sweep_repeats"])]
-            r = max(runs, key=lambda x: x["decode_tok_s"])
-            r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in runs]
-            r.pop("outputs")
-            if adaptive:
-                after = _shape_counts(runner)
-                r["shape_steps"] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
-            rows.append(r)
-            log(f"sweep {name:<12} batch {b:<3} {r['tok_s']:9.1f} tok/s, decode {r['decode_tok_s']:9.1f} tok/s"
-                + (f"  shapes {r['shape_steps']}" if adaptive else ""))
-        sweep[name] = {"build_s": build_s, "rows": rows}
-        if adaptive:
-            pol = runner.policy
-            sweep[name]["start_up_costs_ms"] = {f"{s.label}@{b}": 1e3 * c for (s, b), c in pol.base_costs_s.items()}
-            sweep[name]["policy"] = pol.snapshot()
-        del runner
+        try:
+            sweep[name] = _sweep_one(name, big, draft, shape, adaptive, z, ctx_len, dev, sweep_prompts)
+        except Exception as e:  # one configuration's failure (say, out of memory) costs its column only
+            sweep[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            log(f"sweep {name}: FAILED {sweep[name]['error'][:200]}")
         free_device_memory()
         ctx.partial({**result, "sweep_so_far": sweep})
 
-    base = {r["batch"]: r for r in sweep["target-only"]["rows"]}
-    sweep_table = []
-    for b in z["batches"]:
-        row = {"batch": b, "target_only_tok_s": base[b]["decode_tok_s"], "target_only_e2e_tok_s": base[b]["tok_s"]}
-        for name in ("chain", "tree", "adaptive"):
-            r = next(x for x in sweep[name]["rows"] if x["batch"] == b)
-            row[f"{name}_tok_s"] = r["decode_tok_s"]
-            row[f"{name}_x"] = r["decode_tok_s"] / base[b]["decode_tok_s"]
-            row[f"{name}_e2e_x"] = r["tok_s"] / base[b]["tok_s"]
-        row["adaptive_shapes"] = next(x for x in sweep["adaptive"]["rows"] if x["batch"] == b).get("shape_steps")
-        sweep_table.append(row)
-    crossover = {name: next((row["batch"] for row in sweep_table if row[f"{name}_x"] < 1.0), None)
-                 for name in ("chain", "tree")}
+    sweep_table, crossover = _sweep_table(sweep, z["batches"])
     result.update(sweep=sweep, sweep_table=sweep_table, crossover_batch=crossover)
 
-    # transformers on the same embedded weights (the slowest rows: last).
-    hf = hf_baseline.build_hf_llama(embed.config_json(big.cfg), dev, dtype, engine_target=big)
-    hf.generation_config.eos_token_id = None
-    result["hf_parity"] = hf_baseline.parity(big, hf, small.cfg.vocab_size)
-    acceptance.hf_generate(hf, [warm], n_new, dev)
-    systems["transformers"] = acceptance.hf_generate(hf, prompts, n_new, dev)
-    log(f"{'transformers':<28} {systems['transformers']['tok_s']:8.1f} tok/s")
-    if z["hf_compile"] and dev.type == "cuda":
+    # transformers on the same embedded weights (the slowest rows: last; a failure there costs
+    # only its rows, not the engine's figures above).
+    ctx.partial({**result, "batch1_so_far": {k: v["tok_s"] for k, v in systems.items()}})
+    hf = None
+    try:
+        hf = hf_baseline.build_hf_llama(embed.config_json(big.cfg), dev, dtype, engine_target=big)
+        hf.generation_config.eos_token_id = None
+        result["hf_parity"] = hf_baseline.parity(big, hf, small.cfg.vocab_size)
+        acceptance.hf_generate(hf, [warm], n_new, dev)
+        systems["transformers"] = acceptance.hf_generate(hf, prompts, n_new, dev)
+        log(f"{'transformers':<28} {systems['transformers']['tok_s']:8.1f} tok/s")
+    except Exception as e:
+        result["hf_error"] = f"{type(e).__name__}: {e}"[:500]
+        log(f"transformers: FAILED {result['hf_error'][:200]}")
+    if hf is not None and "transformers" in systems and z["hf_compile"] and dev.type == "cuda":
         hf.generation_config.cache_implementation = "static"
         hf.generation_config.disable_compile = False
         t0 = time.perf_counter()
@@ -267,13 +300,13 @@ def run(ctx) -> dict:
 
     small_outputs = pair.get("outputs", {})
     table = []
-    hf_tok_s = systems["transformers"]["tok_s"]
-    best_hf = max(v["tok_s"] for k, v in systems.items() if k.startswith("transformers"))
+    hf_tok_s = systems["transformers"]["tok_s"] if "transformers" in systems else None
+    best_hf = max((v["tok_s"] for k, v in systems.items() if k.startswith("transformers")), default=None)
     for name, r in systems.items():
         row = {"system": name, "tok_s": r["tok_s"], "tokens": r["tokens"], "seconds": r["seconds"],
                "speedup_vs_engine_target_only": r["tok_s"] / systems["engine target-only"]["tok_s"],
-               "speedup_vs_transformers": r["tok_s"] / hf_tok_s,
-               "speedup_vs_best_transformers": r["tok_s"] / best_hf,
+               "speedup_vs_transformers": r["tok_s"] / hf_tok_s if hf_tok_s else None,
+               "speedup_vs_best_transformers": r["tok_s"] / best_hf if best_hf else None,
                "same_output_as_engine_target_only": acceptance._agreement(
                    r["outputs"], systems["engine target-only"]["outputs"]),
                "same_output_as_small_target": acceptance._agreement(
@@ -286,9 +319,11 @@ def run(ctx) -> dict:
             row["wall_s_including_compile"] = r["wall_s_including_compile"]
         table.append(row)
     spec_rows = [row for row in table if row["system"].startswith("engine EAGLE")]
-    best = max(spec_rows, key=lambda row: row["tok_s"])
-    adaptive_b1 = next(row for row in table if row["system"] == "engine EAGLE adaptive")
-    worst = min(sweep_table, key=lambda row: row["adaptive_x"])
+    nothing = {"system": "none ran", "speedup_vs_engine_target_only": 0.0}
+    best = max(spec_rows, key=lambda row: row["tok_s"], default=nothing)
+    adaptive_b1 = next((row for row in table if row["system"] == "engine EAGLE adaptive"), nothing)
+    measured = [row for row in sweep_table if row["adaptive_x"] is not None]
+    worst = min(measured, key=lambda row: row["adaptive_x"]) if measured else {"adaptive_x": 0.0, "batch": None}
     result.update({
         "prompts": len(prompts), "prompt_len": pair["prompt_len"], "new_tokens": n_new, "rows": table,
         "goals": [

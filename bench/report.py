@@ -352,8 +352,8 @@ def s7(r: dict) -> str:
         same = x["same_output_as_engine_target_only"]
         small = x.get("same_output_as_small_target")
         rows.append([x["system"], _f(x.get("accept_length"), 2), _f(x["tok_s"], 1),
-                     f"{x['speedup_vs_engine_target_only']:.2f}×", f"{x['speedup_vs_transformers']:.2f}×",
-                     f"{x['speedup_vs_best_transformers']:.2f}×",
+                     f"{x['speedup_vs_engine_target_only']:.2f}×", _f(x["speedup_vs_transformers"], 2, suffix="×"),
+                     _f(x["speedup_vs_best_transformers"], 2, suffix="×"),
                      f"{same['equal_outputs']}/{same['of']} (prefix {same['mean_common_prefix']:.0f})",
                      "—" if small is None else f"{small['equal_outputs']}/{small['of']} "
                                                f"(prefix {small['mean_common_prefix']:.0f})",
@@ -361,6 +361,10 @@ def s7(r: dict) -> str:
     lines.append(_table(["system", "accept length", "tok/s", "vs engine target-only", "vs transformers eager",
                          "vs best transformers", "same tokens as engine target-only",
                          "same tokens as the small target", "adaptive: steps per shape"], rows))
+    for name, err in (r.get("errors") or {}).items():
+        lines += ["", f"{name} failed: `{err}`"]
+    if r.get("hf_error"):
+        lines += ["", f"transformers failed: `{r['hf_error']}`"]
     if r.get("hf_compile_error"):
         lines += ["", f"transformers static + compile failed: `{r['hf_compile_error']}`"]
     lines += ["", "Batch sweep: each configuration on one runner (graphs for every bucket), the batch's requests "
@@ -368,7 +372,8 @@ def s7(r: dict) -> str:
                   "batch (after every request's first token, best of two runs), its multiple of target-only, and "
                   "in brackets the multiple end to end (prefill included).", ""]
     rows = [[x["batch"], _f(x["target_only_tok_s"], 0),
-             *[f"{_f(x[f'{k}_tok_s'], 0)} ({x[f'{k}_x']:.2f}×; {x.get(f'{k}_e2e_x', float('nan')):.2f}×)"
+             *["failed" if x[f"{k}_tok_s"] is None else
+               f"{_f(x[f'{k}_tok_s'], 0)} ({x[f'{k}_x']:.2f}×; {x.get(f'{k}_e2e_x') or float('nan'):.2f}×)"
                for k in ("chain", "tree", "adaptive")],
              ", ".join(f"{k}: {v}" for k, v in (x.get("adaptive_shapes") or {}).items())]
             for x in r["sweep_table"]]
@@ -378,7 +383,10 @@ def s7(r: dict) -> str:
     lines += ["", "Crossover (the smallest batch at which a fixed shape decodes slower than target-only): "
                   + ", ".join(f"{k} {'none up to ' + str(r['sweep_table'][-1]['batch']) if v is None else v}"
                               for k, v in c.items()) + "."]
-    costs = r["sweep"]["adaptive"].get("start_up_costs_ms") or {}
+    for name, rec in r["sweep"].items():
+        if "error" in rec:
+            lines += ["", f"Sweep {name} failed: `{rec['error']}`"]
+    costs = r["sweep"].get("adaptive", {}).get("start_up_costs_ms") or {}
     if costs:
         shapes = list(dict.fromkeys(k.split("@")[0] for k in costs))
         buckets = sorted({int(k.split("@")[1]) for k in costs})
@@ -389,7 +397,7 @@ def s7(r: dict) -> str:
                             [[sh, *[f"{costs[f'{sh}@{b}']:.2f}" + ("" if sh == "none" or not none[b] else
                                                                    f" ({costs[f'{sh}@{b}'] / none[b]:.2f}×)")
                                     for b in buckets]] for sh in shapes]))
-    pol = r["sweep"]["adaptive"].get("policy")
+    pol = r["sweep"].get("adaptive", {}).get("policy")
     if pol:
         rates = pol["acceptance_rates"]
         lines += ["", "Adaptive policy at the end of the sweep: per-depth acceptance "
