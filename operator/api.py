@@ -20,6 +20,10 @@ CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 # Recommended labels (kubernetes.io/docs/concepts/overview/working-with-objects/common-labels).
 MANAGED_BY = "specdeploy-operator"
 ENGINE_APP_NAME = "specdeploy-engine"
+ROUTER_APP_NAME = "specdeploy-router"
+# Which half of a disaggregated deployment (spec.disaggregation) an engine pod is: prefill | decode.
+ROLE_LABEL = f"{GROUP}/role"
+ENGINE_ROLES = ("prefill", "decode")
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"

@@ -41,9 +41,12 @@ from specdeploy.operator.desired.planning import (
     plan_engine,
     plan_summary,
 )
+from specdeploy.operator.desired import roles
 from specdeploy.operator.desired.render import (
     EngineDefaults,
     PlannedEngine,
+    config_map_name,
+    deployment_name,
     is_paused,
     render_children,
     selector_labels,
@@ -135,6 +138,9 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     logger.info(f"planned from {', '.join(origins)}: {summary}")
     _event(sdd, warning=False, reason=api.EVENT_PLANNED, message=summary)
 
+    if roles.is_disaggregated(sdd["spec"]):
+        _converge_roles(sdd, kube, options, logger, planned, summary)
+        return
     children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
     try:
         deployment = kube.apply_children(children)
@@ -170,6 +176,59 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         return status.serving(new, latest, generation=generation, now=now())
 
     kube.update_status(namespace, name, planned_status)
+    # A resource that was disaggregated before: its role children go.
+    gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
+    if gone:
+        logger.info(f"removed the disaggregated children: {', '.join(gone)}")
+
+
+def _converge_roles(
+    sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
+    planned: PlannedEngine, summary: str,
+) -> None:
+    """converge() for spec.disaggregation: prefill and decode engines, the router, their Services."""
+    meta = sdd["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+    now = status.now_rfc3339
+    children = roles.render_roles(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
+    try:
+        applied = kube.apply_objects(children.all())
+    except ChildConflict as err:
+        conflict = str(err)
+        logger.warning(f"not applied (will retry): {conflict}")
+        _event(sdd, warning=True, reason=api.EVENT_CHILD_CONFLICT, message=conflict)
+
+        def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
+            new = status.plan_ready(current, generation=generation, plan=planned.plan,
+                                    config_hash=children.config_hash, message=summary, now=now())
+            return status.apply_blocked(new, generation=generation, reason=api.REASON_CHILD_CONFLICT,
+                                        message=conflict, now=now())
+
+        kube.update_status(namespace, name, blocked)
+        raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
+    counts = ", ".join(f"{role} {roles.role_spec(sdd['spec'], role).get('replicas', 1)}" for role in roles.ROLES)
+    logger.info(f"applied the disaggregated children ({counts}; config hash {children.config_hash})")
+    _event(sdd, warning=False, reason=api.EVENT_APPLIED,
+           message=f"disaggregated: {counts} replicas, config hash {children.config_hash}")
+    # A resource that was aggregated before: its engine Deployment and ConfigMap go (the Service
+    # stays: it now selects the router).
+    gone = kube.delete_owned(namespace, {"Deployment": [deployment_name(name)], "ConfigMap": [config_map_name(name)]},
+                             meta["uid"])
+    if gone:
+        logger.info(f"removed the aggregated engine: {', '.join(gone)}")
+
+    def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
+        new = status.plan_ready(current, generation=generation, plan=planned.plan,
+                                config_hash=children.config_hash, message=summary, now=now())
+        latest = {role: kube.get_deployment(namespace, dep) or applied.get(dep)
+                  for role, dep in children.deployments.items()}
+        return status.serving_roles(new, latest, generation=generation, now=now(), role_plans=planned.role_plans)
+
+    kube.update_status(namespace, name, planned_status)
+
+
+def role_deployments(kube: KubeClient, namespace: str, name: str) -> dict[str, dict[str, Any] | None]:
+    return {role: kube.get_deployment(namespace, roles.role_deployment_name(name, role)) for role in roles.ROLES}
 
 
 def _refuse(
@@ -184,6 +243,8 @@ def _refuse(
     else:
         engine_kept = False
         deleted = kube.delete_engine(namespace, name, meta["uid"])
+        deleted += kube.delete_owned(namespace, {k: v for k, v in roles.child_names(name).items() if k != "Service"},
+                                     meta["uid"])
         logger.warning(f"{reason}: {message}" + (f"; deleted {', '.join(deleted)}" if deleted else "; nothing deployed"))
     _event(sdd, warning=True, reason=reason, message=message)
     kube.update_status(
@@ -209,7 +270,13 @@ def deployment_event(
     def compute(current: dict[str, Any], sdd: dict[str, Any]) -> dict[str, Any]:
         if sdd["metadata"].get("uid") != owner.get("uid"):
             return current  # a new resource with the old name; its own reconcile decides
-        return status.serving(current, deployment, generation=sdd["metadata"].get("generation", 1), now=status.now_rfc3339())
+        generation = sdd["metadata"].get("generation", 1)
+        if roles.is_disaggregated(sdd["spec"]):
+            return status.serving_roles(current, role_deployments(kube, namespace, owner["name"]),
+                                        generation=generation, now=status.now_rfc3339())
+        if body["metadata"]["name"] != deployment_name(owner["name"]):
+            return current  # a leftover of the other mode, about to be deleted
+        return status.serving(current, deployment, generation=generation, now=status.now_rfc3339())
 
     result = kube.update_status(namespace, owner["name"], compute)
     if result is None:
@@ -223,17 +290,24 @@ def deployment_event(
         if sdd is not None and new.get("phase") == api.PHASE_READY:
             _event(sdd, warning=False, reason=api.EVENT_READY, message=ready)
     if deployment is None:
-        _restore_deleted_engine(namespace, owner, kube, memo.options, logger)
+        _restore_deleted_engine(namespace, owner, kube, memo.options, logger, body["metadata"]["name"])
 
 
 def _restore_deleted_engine(
-    namespace: str, owner: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger
+    namespace: str, owner: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
+    deleted: str,
 ) -> None:
     """Someone deleted the engine Deployment of a resource that should be serving: apply it again.
     (Deletions the operator made itself, or by garbage collection, leave no planned, live owner.)"""
     sdd = kube.get_sdd(namespace, owner["name"])
     if sdd is None or sdd["metadata"].get("uid") != owner.get("uid") or sdd["metadata"].get("deletionTimestamp"):
         return
+    if roles.is_disaggregated(sdd["spec"]):
+        wanted = [roles.role_deployment_name(owner["name"], role) for role in roles.ROLES]
+    else:
+        wanted = [deployment_name(owner["name"])]
+    if deleted not in wanted:
+        return  # the other mode's leftover, deleted by converge
     current = sdd.get("status") or {}
     plan_ready = status.get_condition(current, api.PLAN_READY) or {}
     if (

@@ -176,6 +176,44 @@ class KubeClient:
         applied = {child["kind"]: self._apply_unchecked(child) for child in children.all()}
         return applied["Deployment"]
 
+    def apply_objects(self, objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """apply_children for any list of ConfigMaps, Deployments and Services (a disaggregated
+        resource's): ownership of all is checked first; -> the applied Deployments by name."""
+        for obj in objects:
+            self.check_not_foreign(obj)
+        applied = [self._apply_unchecked(obj) for obj in objects]
+        return {a["metadata"]["name"]: a for a, obj in zip(applied, objects) if obj["kind"] == "Deployment"}
+
+    def delete_owned(self, namespace: str, names: dict[str, list[str]], owner_uid: str) -> list[str]:
+        """Delete the named ConfigMaps, Deployments and Services that this resource controls
+        (what another mode of it left: aggregated <-> disaggregated). Returns what went."""
+        calls = {
+            "Deployment": (self.apps.read_namespaced_deployment, self.apps.delete_namespaced_deployment),
+            "ConfigMap": (self.core.read_namespaced_config_map, self.core.delete_namespaced_config_map),
+            "Service": (self.core.read_namespaced_service, self.core.delete_namespaced_service),
+        }
+        deleted = []
+        for kind, child_names in names.items():
+            read, delete = calls[kind]
+            for child_name in child_names:
+                try:
+                    child = self._dict(read(child_name, namespace))
+                    owner = controller_owner(child)
+                    if owner is None or owner.get("uid") != owner_uid:
+                        continue  # not ours: never delete what the resource does not control
+                    delete(
+                        child_name, namespace,
+                        body=kubernetes.client.V1DeleteOptions(
+                            propagation_policy="Background",
+                            preconditions=kubernetes.client.V1Preconditions(uid=child["metadata"]["uid"]),
+                        ),
+                    )
+                    deleted.append(f"{kind} {child_name}")
+                except ApiException as err:
+                    if err.status not in (404, 409):
+                        raise
+        return deleted
+
     def owned_deployment(self, namespace: str, name: str, owner_uid: str) -> dict[str, Any] | None:
         """The engine Deployment if this resource controls it (None for absent or foreign)."""
         deployment = self.get_deployment(namespace, deployment_name(name))

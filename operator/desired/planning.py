@@ -71,7 +71,13 @@ def plan_engine(
     it did not foresee: refused as ConfigInvalid, never a retry that can only fail again (the
     resource would sit in phase Planning forever)."""
     try:
-        return _plan_engine(spec, target_config, draft_config, weights or ModelWeights())
+        w = weights or ModelWeights()
+        if not spec.get("disaggregation"):
+            return _plan_engine(spec, target_config, draft_config, w)
+        # Each engine role planned on its own (planner.plan's role); status.plan is decode's,
+        # the role that serves tokens.
+        plans = {role: _plan_engine(spec, target_config, draft_config, w, role) for role in api.ENGINE_ROLES}
+        return dataclasses.replace(plans["decode"], role_plans={r: p.plan for r, p in plans.items()})
     except PlanningError:
         raise
     except Exception as err:
@@ -86,6 +92,7 @@ def _plan_engine(
     target_config: dict[str, Any],
     draft_config: dict[str, Any] | None,
     weights: ModelWeights,
+    role: str = "both",
 ) -> PlannedEngine:
     settings = engine_settings(spec)
     algorithm = settings["algorithm"]
@@ -144,9 +151,11 @@ def _plan_engine(
             target_weight_source=target_weights.source if target_weights else None,
             draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
             draft_weight_source=draft_weights.source if draft_weights else None,
+            role=role,
         )
     except planner.PlanError as err:
-        raise PlanningError(err.reason, str(err)) from err
+        where = "" if role == "both" else f"{role} role: "
+        raise PlanningError(err.reason, where + str(err)) from err
     except ConfigError as err:
         raise PlanningError(REASON_CONFIG_INVALID, str(err)) from err
     return PlannedEngine(
@@ -162,6 +171,11 @@ def _plan_engine(
 def plan_summary(planned: PlannedEngine) -> str:
     """One line for events and logs."""
     p = planned.plan
+    if planned.role_plans:
+        return "; ".join(
+            f"{role}: TP {rp['tensor_parallel_size']} x {rp['gpu']}, max_total_tokens {rp['max_total_tokens']}"
+            for role, rp in planned.role_plans.items()
+        ) + f"; spec_hidden_size {p['spec_hidden_size']}, metadata row {p['buffers']['metadata_hidden_states_shape']}"
     return (
         f"TP {p['tensor_parallel_size']} x {p['gpu']}, max_total_tokens {p['max_total_tokens']}"
         f" (needs {p['required_tokens']}), spec_hidden_size {p['spec_hidden_size']},"

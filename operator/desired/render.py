@@ -68,6 +68,8 @@ class PlannedEngine:
     target_config: dict[str, Any]
     draft_config: dict[str, Any] | None
     cpu: bool = False  # CPU mode (spec.cpu): no GPU request, affinity nor toleration
+    # spec.disaggregation: each engine role's own plan ("prefill", "decode"); `plan` is decode's.
+    role_plans: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -230,9 +232,11 @@ def _engine_env(spec: dict[str, Any], hub_endpoint: str, cpu: bool) -> list[dict
     return list(env.values())
 
 
-def _engine_resources(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
-    """The user's CPU and memory plus `gpus` nvidia.com/gpu (none at all when `gpus` is 0)."""
-    user = (spec.get("engine") or {}).get("resources") or {}
+def _engine_resources(spec: dict[str, Any], gpus: int, user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The user's CPU and memory (`user`, else spec.engine.resources) plus `gpus` nvidia.com/gpu
+    (none at all when `gpus` is 0)."""
+    if user is None:
+        user = (spec.get("engine") or {}).get("resources") or {}
     requests = {k: v for k, v in (user.get("requests") or {}).items() if k != GPU_RESOURCE}
     limits = {k: v for k, v in (user.get("limits") or {}).items() if k != GPU_RESOURCE}
     if gpus:
@@ -276,7 +280,7 @@ def render_children(
 ) -> Children:
     """The engine's ConfigMap, Deployment and Service for one SpecDecodeDeployment."""
     meta, spec = sdd["metadata"], sdd["spec"]
-    name, namespace = meta["name"], meta["namespace"]
+    name = meta["name"]
     engine = spec.get("engine") or {}
     hub_endpoint = (spec.get("hub") or {}).get("endpoint") or defaults.hub_endpoint
     image = engine.get("image") or defaults.image
@@ -293,14 +297,37 @@ def render_children(
         )
         + "\n",
     }
+    container = engine_container(
+        spec, image, engine_args(settings), _engine_env(spec, hub_endpoint, planned.cpu),
+        _engine_resources(spec, 0 if planned.cpu else planned.tensor_parallel_size),
+    )
+    hash_value = config_hash(config_map_data, {"image": image, "args": container["args"]})
+
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": config_map_name(name), "labels": dict(labels)},
+        "data": config_map_data,
+    }
+    pod_spec = engine_pod_spec(spec, container, config_map_name(name), planned)
+    deployment = deployment_object(deployment_name(name), labels, selector_labels(name),
+                                   spec.get("replicas", 1), hash_value, pod_spec)
+    service = service_object(service_name(name), labels, selector_labels(name))
+    finish_children(sdd, [config_map, deployment, service], labels)
+    return Children(config_map, deployment, service, hash_value)
+
+
+def engine_container(spec: dict[str, Any], image: str, args: list[str], env: list[dict[str, Any]],
+                     resources: dict[str, Any]) -> dict[str, Any]:
+    """The engine container: `specdeploy engine serve ARGS`, its probes, mounts and drain."""
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": image,
         "command": ["specdeploy", "engine", "serve"],
-        "args": engine_args(settings),
+        "args": args,
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _engine_env(spec, hub_endpoint, planned.cpu),
-        "resources": _engine_resources(spec, 0 if planned.cpu else planned.tensor_parallel_size),
+        "env": env,
+        "resources": resources,
         "startupProbe": _http_probe("/health", STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
         "livenessProbe": _http_probe("/health", 10, 3),
         "readinessProbe": _http_probe("/ready", 5, 3),
@@ -311,27 +338,41 @@ def render_children(
             {"name": "model-cache", "mountPath": MODEL_CACHE_PATH},
         ],
     }
-    if engine.get("imagePullPolicy"):
-        container["imagePullPolicy"] = engine["imagePullPolicy"]
-    hash_value = config_hash(config_map_data, {"image": image, "args": container["args"]})
+    pull_policy = (spec.get("engine") or {}).get("imagePullPolicy")
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    return container
 
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": config_map_name(name), "labels": dict(labels)},
-        "data": config_map_data,
+
+def engine_pod_spec(spec: dict[str, Any], container: dict[str, Any], config_map: str,
+                    planned: PlannedEngine) -> dict[str, Any]:
+    engine = spec.get("engine") or {}
+    return {
+        "containers": [container],
+        "terminationGracePeriodSeconds": engine.get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S),
+        "enableServiceLinks": False,
+        **({} if planned.cpu else _gpu_scheduling(planned.gpu_product_label)),
+        "volumes": [
+            {"name": "engine-config", "configMap": {"name": config_map}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "model-cache", "emptyDir": {}},
+        ],
     }
-    deployment = {
+
+
+def deployment_object(name: str, labels: dict[str, str], selector: dict[str, str], replicas: int,
+                      hash_value: str, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
-            "name": deployment_name(name),
+            "name": name,
             "labels": dict(labels),
             "annotations": {CONFIG_HASH_ANNOTATION: hash_value},
         },
         "spec": {
-            "replicas": spec.get("replicas", 1),
-            "selector": {"matchLabels": selector_labels(name)},
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(selector)},
             # One replica holds whole GPUs; surge would need spare ones. Replace in place instead.
             "strategy": {
                 "type": "RollingUpdate",
@@ -342,29 +383,24 @@ def render_children(
                     "labels": dict(labels),
                     "annotations": {CONFIG_HASH_ANNOTATION: hash_value},
                 },
-                "spec": {
-                    "containers": [container],
-                    "terminationGracePeriodSeconds": engine.get(
-                        "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S
-                    ),
-                    "enableServiceLinks": False,
-                    **({} if planned.cpu else _gpu_scheduling(planned.gpu_product_label)),
-                    "volumes": [
-                        {"name": "engine-config", "configMap": {"name": config_map_name(name)}},
-                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                        {"name": "model-cache", "emptyDir": {}},
-                    ],
-                },
+                "spec": pod_spec,
             },
         },
     }
-    service = {
+
+
+def service_object(name: str, labels: dict[str, str], selector: dict[str, str],
+                   headless: bool = False) -> dict[str, Any]:
+    """A Service on the engine port; headless: DNS answers with every ready pod's address (what
+    the router of a disaggregated deployment resolves to pick pods by load)."""
+    return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": service_name(name), "labels": dict(labels)},
+        "metadata": {"name": name, "labels": dict(labels)},
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            **({"clusterIP": "None"} if headless else {}),
+            "selector": dict(selector),
             "ports": [
                 {
                     "name": ENGINE_PORT_NAME,
@@ -375,9 +411,13 @@ def render_children(
             ],
         },
     }
-    children = [config_map, deployment, service]
-    # Owner references (controller=true) make the garbage collector delete the children with the
-    # resource, and let a restarted operator recognise them as its own.
+
+
+def finish_children(sdd: dict[str, Any], children: list[dict[str, Any]], labels: dict[str, str]) -> None:
+    """Owner reference, namespace and labels on every child (in place).
+
+    Owner references (controller=true) make the garbage collector delete the children with the
+    resource, and let a restarted operator recognise them as its own."""
     owner = owner_reference(sdd)
     inherited = dict((sdd.get("metadata") or {}).get("labels") or {})
     for child in children:
@@ -385,5 +425,4 @@ def render_children(
         meta["ownerReferences"] = [owner]
         # The resource's own labels are inherited; ours win where both set one.
         meta["labels"] = {**inherited, **meta["labels"], **labels}
-        meta["namespace"] = namespace
-    return Children(config_map, deployment, service, hash_value)
+        meta["namespace"] = sdd["metadata"]["namespace"]

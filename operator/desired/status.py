@@ -180,6 +180,7 @@ def plan_failed(
     if not transient:
         status.pop("plan", None)
         status.pop("configHash", None)
+        status.pop("disaggregation", None)
         status["serving"] = {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
     no_engine = "no engine is deployed: " + message
     set_condition(status, READY, False, reason, no_engine, generation=generation, now=now)
@@ -259,6 +260,7 @@ def serving(
     failed plan's conditions stay as plan_failed wrote them.
     """
     status = _base(current)
+    status.pop("disaggregation", None)  # serving_roles' (the resource was disaggregated before)
     serving_status = {
         k: v for k, v in (status.get("serving") or {}).items()
         if k in ("meanAcceptLength", "tokensPerSecond", "prefixCacheHitRate")
@@ -336,4 +338,95 @@ def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) ->
         if key in figures:
             serving_status[key] = figures[key]
     status["serving"] = serving_status
+    return status
+
+
+def serving_roles(
+    current: dict[str, Any] | None,
+    deployments: dict[str, dict[str, Any] | None],
+    *,
+    generation: int,
+    now: str,
+    role_plans: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """serving() for a disaggregated resource: `deployments` is role -> its Deployment (None if
+    absent) for prefill, decode and router. status.disaggregation has each role's counts (and,
+    given `role_plans`, its plan's headline figures); status.serving sums them. Ready only when
+    every role is ready; Degraded when any role is."""
+    status = _base(current)
+    roles = dict(status.get("disaggregation") or {})
+    rollouts = {}
+    for role, deployment in deployments.items():
+        entry = dict(roles.get(role) or {})
+        if deployment is None:
+            entry.update(replicas=0, readyReplicas=0, updatedReplicas=0)
+            entry.pop("deployment", None)
+        else:
+            r = rollout(deployment)
+            rollouts[role] = r
+            entry.update(deployment=deployment["metadata"]["name"], replicas=r["replicas"],
+                         readyReplicas=r["readyReplicas"], updatedReplicas=r["updatedReplicas"],
+                         wantedReplicas=r["wanted"])
+        plan = (role_plans or {}).get(role)
+        if plan is not None:
+            entry.update(maxTotalTokens=plan["max_total_tokens"],
+                         gpusPerReplica=0 if plan.get("gpu") == "cpu" else plan["tensor_parallel_size"])
+        roles[role] = entry
+    status["disaggregation"] = roles
+    kept = {k: v for k, v in (status.get("serving") or {}).items()
+            if k in ("meanAcceptLength", "tokensPerSecond", "speculativeShape", "acceptanceRates")}
+    decode = rollouts.get("decode")
+    status["serving"] = {
+        **kept,
+        **({"deployment": deployments["decode"]["metadata"]["name"], "selector": decode["selector"]} if decode else {}),
+        "replicas": sum(r["replicas"] for r in rollouts.values()),
+        "readyReplicas": sum(r["readyReplicas"] for r in rollouts.values()),
+        "updatedReplicas": sum(r["updatedReplicas"] for r in rollouts.values()),
+    }
+    plan_condition = get_condition(status, PLAN_READY)
+    planned = (plan_condition is not None and plan_condition["status"] == "True"
+               and status.get("observedGeneration") == generation)
+    if not planned or status.get("phase") == PHASE_PAUSED:
+        return status
+
+    def condition(type_: str, value: bool, reason: str, message: str) -> None:
+        set_condition(status, type_, value, reason, message, generation=generation, now=now)
+
+    missing = [role for role, d in deployments.items() if d is None]
+    if missing:
+        message = f"waiting for the {', '.join(missing)} Deployment(s)"
+        condition(READY, False, api.REASON_DEPLOYMENT_MISSING, message)
+        condition(PROGRESSING, True, api.REASON_DEPLOYMENT_MISSING, message)
+        status["phase"] = PHASE_DEPLOYING
+        return status
+    stale = [role for role, r in rollouts.items() if r["configHash"] != status.get("configHash")]
+    if stale:
+        message = f"the {', '.join(stale)} Deployment(s) do not carry the current spec yet"
+        condition(READY, False, api.REASON_ROLLOUT_PENDING, message)
+        condition(PROGRESSING, True, api.REASON_ROLLOUT_PENDING, message)
+        status["phase"] = PHASE_DEPLOYING
+        return status
+    counts = ", ".join(f"{role} {r['readyReplicas']}/{r['wanted']} ready" for role, r in rollouts.items())
+    ready = all(r["complete"] and r["readyReplicas"] >= r["wanted"] for r in rollouts.values())
+    stalled = [role for role, r in rollouts.items() if r["deadlineExceeded"]]
+    failure = next((f"{role}: {r['replicaFailure']}" for role, r in rollouts.items() if r["replicaFailure"]), None)
+    was_ready = (get_condition(status, READY) or {}).get("status") == "True"
+    if ready:
+        condition(READY, True, api.REASON_ALL_REPLICAS_READY, counts)
+        condition(PROGRESSING, False, api.REASON_ROLLOUT_COMPLETE, counts)
+    elif stalled:
+        condition(READY, False, api.REASON_REPLICAS_NOT_READY, counts)
+        condition(PROGRESSING, False, api.REASON_PROGRESS_DEADLINE_EXCEEDED, counts)
+    else:
+        condition(READY, False, api.REASON_REPLICAS_NOT_READY, counts)
+        condition(PROGRESSING, True, api.REASON_ROLLING_OUT, counts)
+    if stalled:
+        condition(DEGRADED, True, api.REASON_PROGRESS_DEADLINE_EXCEEDED, f"rollout stalled ({', '.join(stalled)}): {counts}")
+    elif failure:
+        condition(DEGRADED, True, api.REASON_REPLICA_FAILURE, failure)
+    elif was_ready and not ready:
+        condition(DEGRADED, True, api.REASON_REPLICAS_UNAVAILABLE, counts)
+    else:
+        condition(DEGRADED, False, api.REASON_AS_EXPECTED, counts)
+    status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
     return status
