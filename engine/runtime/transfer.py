@@ -32,6 +32,9 @@ import torch
 
 # Mooncake's protocol names: "tcp" works on any host; "rdma" needs RDMA NICs.
 TRANSFER_PROTOCOLS = ("tcp", "rdma")
+# Entries one batch_transfer_sync_write takes: 2048 pass and 4096 fail with the 0.3.13 build
+# (bench/disagg_transfer.py); a fragmented pool needs 2 x layers x prompt tokens entries.
+MAX_BATCH_ENTRIES = 2048
 
 
 class TransferError(RuntimeError):
@@ -192,10 +195,10 @@ class MooncakeAgent:
 
     def write(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
         """Write local srcs to the peer's dsts (blocking); -> bytes written."""
-        if not srcs:
-            return 0
-        if self._engine.batch_transfer_sync_write(session_id, srcs, dsts, lens) != 0:
-            raise TransferError(f"transfer of {sum(lens)} bytes to {session_id} failed")
+        for i in range(0, len(srcs), MAX_BATCH_ENTRIES):
+            j = i + MAX_BATCH_ENTRIES
+            if self._engine.batch_transfer_sync_write(session_id, srcs[i:j], dsts[i:j], lens[i:j]) != 0:
+                raise TransferError(f"transfer of {sum(lens[i:j])} bytes to {session_id} failed")
         return sum(lens)
 
     def close(self) -> None:

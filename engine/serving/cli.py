@@ -305,6 +305,9 @@ def load_engine(args: argparse.Namespace, metrics):
     from specdeploy.engine.models.llama import read_config
 
     deepseek_v4 = v4ckpt.is_deepseek_v4_config(read_config(str(target_dir)))
+    if deepseek_v4 and args.role != "both":
+        # Its compressed pools keep per-request recent rows outside the slot rows that move.
+        raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
     if deepseek_v4:
         target = v4ckpt.load_v4_target(str(target_dir), dtype, device)
     else:

@@ -241,3 +241,20 @@ def test_prefill_server_with_prefix_cache_sends_the_state_of_a_full_prefill(agen
     cache = prefill.prefix_cache
     assert cache.locked_slots == 0 and cache.cached_slots >= len(shared)
     assert prefill.num_free_slots == prefill.table.capacity and decode.num_free_slots == decode.table.capacity
+
+
+def test_writes_beyond_one_batch_arrive(agents):
+    """A fragmented pool needs one write per slot per layer: more entries than one Mooncake batch
+    takes (MAX_BATCH_ENTRIES); every one must arrive."""
+    from specdeploy.engine.runtime.transfer import MAX_BATCH_ENTRIES
+
+    n = 2 * MAX_BATCH_ENTRIES + 7
+    src = torch.arange(n, dtype=torch.int64) * 7 + 3
+    dst = torch.zeros(2 * n, dtype=torch.int64)
+    agents[0].register(src)
+    agents[1].register(dst)
+    # Every source element to every other destination element, reversed.
+    srcs = [src[i].data_ptr() for i in range(n)]
+    dsts = [dst[2 * (n - 1 - i)].data_ptr() for i in range(n)]
+    assert agents[0].write(agents[1].session_id, srcs, dsts, [8] * n) == 8 * n
+    assert torch.equal(dst[0::2].flip(0), src) and not dst[1::2].any()
