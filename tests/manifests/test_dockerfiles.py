@@ -90,11 +90,12 @@ def test_operator_image_installs_no_torch():
     assert not any(dep.lower().startswith("torch") for dep in extras["operator"])
 
 
-def test_engine_image_installs_torch_and_the_engine_extra():
+def test_engine_image_installs_torch_and_the_engine_and_disagg_extras():
     pairs = _instructions("Dockerfile.engine")
     installs = " ".join(rest for word, rest in pairs if word == "RUN" and "pip install" in rest)
     assert "torch==" in installs
-    assert '".[engine]"' in installs
+    assert '".[engine,disagg]"' in installs  # prefill/decode roles: Mooncake's transfer engine
+    assert "libibverbs1" in " ".join(rest for word, rest in pairs if word == "RUN" and "apt-get install" in rest)
     assert _base_images(pairs)[0].startswith("nvidia/cuda:")
     assert "-runtime-" in _base_images(pairs)[0]
 
