@@ -93,8 +93,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
                        stride_qkv, stride_cs, stride_cache_s, stride_cache_h,
-                       num_heads, num_kv_heads,
-                       HEAD_DIM: tl.constexpr):
+                       num_heads, num_kv_heads, k_scale, v_scale,
+                       HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)        # b * Q + q
     head = tl.program_id(1)         # [0, Hq): q head; [Hq, Hq + Hkv): k head; then v heads
     half = tl.arange(0, HEAD_DIM // 2)
@@ -103,6 +103,9 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cach
     if head >= num_heads + num_kv_heads:
         full = tl.arange(0, HEAD_DIM)
         v = tl.load(row + full)
+        if FP8:
+            # an e4m3 pool holds codes of v / v_scale, saturated (attention.store_kv)
+            v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
         kv_head = head - num_heads - num_kv_heads
         tl.store(v_cache_ptr + slot * stride_cache_s + kv_head * stride_cache_h + full,
                  v.to(v_cache_ptr.dtype.element_ty))
@@ -126,16 +129,21 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cach
             tl.store(q_row + HEAD_DIM // 2 + half, y2)
         else:
             k_row = k_cache_ptr + slot * stride_cache_s + (head - num_heads) * stride_cache_h
-            tl.store(k_row + half, y1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(k_row + HEAD_DIM // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
+            k1, k2 = y1, y2
+            if FP8:
+                k1 = tl.clamp(y1.to(tl.float32) / k_scale, -448.0, 448.0)
+                k2 = tl.clamp(y2.to(tl.float32) / k_scale, -448.0, 448.0)
+            tl.store(k_row + half, k1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_row + HEAD_DIM // 2 + half, k2.to(k_cache_ptr.dtype.element_ty))
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, out_slots: torch.Tensor, num_heads: int,
-               num_kv_heads: int) -> torch.Tensor:
+               num_kv_heads: int, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """One launch for what follows the fused q/k/v projection: rope on q and k, k and v written
     into the pool at out_slots. qkv [B, Q, (Hq + 2 Hkv) D]; cos/sin [B, Q, D] in qkv's dtype;
-    caches [slots, Hkv, D]; out_slots [B, Q] -> rotated q [B, Q, Hq, D]."""
+    caches [slots, Hkv, D]; out_slots [B, Q] -> rotated q [B, Q, Hq, D]. An e4m3 pool gets the
+    codes of k / k_scale and v / v_scale (kv_scales), as attention.store_kv writes them."""
     b, q_len, width = qkv.shape
     d = width // (num_heads + 2 * num_kv_heads)
     rows = qkv.reshape(b * q_len, width)
@@ -150,7 +158,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
         _rope_store_kernel[(b * q_len, num_heads + 2 * num_kv_heads)](
             rows, cs_cos, cs_sin, q, k_cache, v_cache, out_slots.reshape(-1),
             rows.stride(0), cs_cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-            num_heads, num_kv_heads, HEAD_DIM=d)
+            num_heads, num_kv_heads, float(kv_scales[0]), float(kv_scales[1]),
+            HEAD_DIM=d, FP8=k_cache.dtype == torch.float8_e4m3fn)
     return q
 
 

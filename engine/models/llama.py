@@ -168,11 +168,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)                                          # [B, Q, (Hq + 2 Hkv) D]
         # CUDA inference: rope on q and k and both K/V writes in one kernel (a power-of-two
         # head size, no q/k norm in between); elsewhere the torch code below.
-        # An e4m3 pool takes the torch writes below (codes of K / k_scale, saturated).
+        # An e4m3 pool holds codes of K / k_scale and V / v_scale, saturated (store_kv).
         fp8_kv = k_cache.dtype == FP8_KV_DTYPE
-        fused = None if fp8_kv or hasattr(self, "q_norm") or d & (d - 1) else fused_kernels(qkv)
+        fused = None if hasattr(self, "q_norm") or d & (d - 1) else fused_kernels(qkv)
         if fused is not None:
-            q = fused.rope_store(qkv, cos, sin, k_cache, v_cache, batch.out_slots, hq, hkv)
+            q = fused.rope_store(qkv, cos, sin, k_cache, v_cache, batch.out_slots, hq, hkv, self.kv_scales)
         else:
             v = qkv[..., (hq + hkv) * d:].view(b, q_len, hkv, d)
             if hasattr(self, "q_norm"):

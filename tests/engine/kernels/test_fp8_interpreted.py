@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
+# Prepended to both scripts, after conftest.py's bf16 patches.
+FP8_CAST = r"""
 import numpy as np
 import torch
-import torch.nn.functional as F
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -25,6 +25,10 @@ def _create_fp_to_fp(self, src, dst_type, rounding_mode):
         return interpreter.TensorHandle(codes.reshape(np.shape(src.data)), tl.float8e4nv)
     return _fp_to_fp(self, src, dst_type, rounding_mode)
 interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+"""
+
+SCRIPT = FP8_CAST + r"""
+import torch.nn.functional as F
 
 from specdeploy.engine.kernels import fp8 as kernels
 from specdeploy.engine.models import fp8
@@ -91,7 +95,7 @@ def test_fp8_kernels_match_torch_interpreted(run_interpreted):
     run_interpreted(SCRIPT)
 
 
-KV_SCRIPT = r"""
+KV_SCRIPT = FP8_CAST + r"""
 import torch
 from specdeploy.engine.kernels import attention as attention_triton
 from specdeploy.engine.models.attention import AttnBatch, reference, store_kv
@@ -117,6 +121,25 @@ for b, nq, hq, hkv, d, width, lens, splits, dtype, scales in [
     tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
     diff = (want - got.float()).abs().max().item()
     assert diff < tol, (b, nq, splits, dtype, scales, diff)
+
+# rope + K/V writes into an e4m3 pool in one launch: the codes the torch path writes
+from specdeploy.engine.kernels import elementwise
+from specdeploy.engine.models.layers import apply_rope
+for dtype in (torch.float32, torch.bfloat16):
+    b, q_len, hq, hkv, d = 2, 3, 4, 2, 16
+    qkv = (3 * torch.randn(b, q_len, (hq + 2 * hkv) * d)).to(dtype)
+    ang = torch.rand(b, q_len, d // 2).repeat(1, 1, 2) * 6
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slots = (torch.randperm(49)[:b * q_len] + 1).reshape(b, q_len)  # distinct slots
+    k_pool = torch.zeros(50, hkv, d, dtype=torch.float8_e4m3fn)
+    v_pool = torch.zeros_like(k_pool)
+    q = elementwise.rope_store(qkv, cos, sin, k_pool, v_pool, slots, hq, hkv, (0.02, 0.5))
+    qk = apply_rope(qkv[..., :(hq + hkv) * d].view(b, q_len, hq + hkv, d), cos, sin)
+    want_q, want_k = qk.split((hq, hkv), dim=2)
+    want_v = qkv[..., (hq + hkv) * d:].view(b, q_len, hkv, d)
+    assert torch.equal(q, want_q), dtype
+    assert torch.equal(k_pool[slots].view(torch.uint8), store_kv(want_k, torch.float8_e4m3fn, 0.02).view(torch.uint8))
+    assert torch.equal(v_pool[slots].view(torch.uint8), store_kv(want_v, torch.float8_e4m3fn, 0.5).view(torch.uint8))
 print("ok")
 """
 

@@ -17,7 +17,7 @@ from specdeploy.engine.kernels import fp8 as fp8_triton  # noqa: E402
 from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
 
 INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}
-FLOAT_SCALARS = {"eps", "sm_scale", "norm_eps", "hc_eps"}
+FLOAT_SCALARS = {"eps", "sm_scale", "norm_eps", "hc_eps", "k_scale", "v_scale"}
 
 
 def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> None:
@@ -52,7 +52,13 @@ ACTIVATIONS = ["*bf16", "*fp32"]
 @pytest.mark.parametrize("pool", ACTIVATIONS)
 def test_rope_store_compiles(act, pool):
     lower_to_ttir(elementwise_triton._rope_store_kernel,
-                  {"*": act, "k_cache_ptr": pool, "v_cache_ptr": pool}, {"HEAD_DIM": 128})
+                  {"*": act, "k_cache_ptr": pool, "v_cache_ptr": pool}, {"HEAD_DIM": 128, "FP8": False})
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_rope_store_into_an_fp8_pool_compiles(act):
+    lower_to_ttir(elementwise_triton._rope_store_kernel,
+                  {"*": act, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}, {"HEAD_DIM": 128, "FP8": True})
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
