@@ -41,13 +41,13 @@ def prompts():
     return [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 17, 3)]
 
 
-def serve(target, draft, spec, prefill_chunk_tokens=8192, **kwargs):
+def serve(target, draft, spec, prefill_chunk_tokens=8192, temperature=0.0, **kwargs):
     runner = Runner(target, draft, spec, max_total_tokens=300, max_running_requests=4, context_length=96,
                     prefill_chunk_tokens=prefill_chunk_tokens, **kwargs)
     pools = [kv for kv in (runner.target_kv, runner.draft_kv) if kv is not None]
     baseline = runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]
     for i, p in enumerate(prompts()):
-        runner.add(Request(str(i), p, max_tokens=20))
+        runner.add(Request(str(i), p, max_tokens=20, temperature=temperature, seed=i if temperature else None))
     out = {str(i): [] for i in range(len(prompts()))}
     while runner.num_running:
         for o in runner.step():
@@ -76,6 +76,17 @@ def test_graph_buffers_and_padded_batches_change_nothing(models, reference):
         assert out == reference
     out, _ = serve(target, None, SpecConfig(), graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
     assert out == reference
+
+
+def test_rejection_sampling_gives_every_row_back(models):
+    """Sampled speculation (chain sampling and a sampled tree) rejects at random depths: slots
+    and pool rows still all come back (serve() checks), and seeded requests repeat exactly."""
+    target, mtp = models
+    for spec in (SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4)):
+        first, runner = serve(target, mtp, spec, temperature=0.8)
+        again, _ = serve(target, mtp, spec, temperature=0.8)
+        assert first == again and all(len(t) == 20 for t in first.values())
+        assert runner.num_draft_tokens_accepted > 0
 
 
 def test_chunked_prefill_changes_nothing(models, reference):
