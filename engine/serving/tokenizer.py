@@ -64,11 +64,13 @@ class Tokenizer:
         path = Path(path)
         hf = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
+        # chat_template.jinja, where a repository has one, wins over tokenizer_config.json's entry,
+        # as transformers reads them (newer save_pretrained writes the template only there).
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             by_name = {t.get("name"): t.get("template") for t in template}
             template = by_name.get("default") or next(iter(by_name.values()), None)
-        if template is None and (path / "chat_template.jinja").exists():
+        if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         bos = _token_content(config.get("bos_token"))
         eos = _token_content(config.get("eos_token"))

@@ -151,3 +151,36 @@ def test_wanted_files_take_one_copy_of_the_weights():
                              "pytorch_model.bin.index.json", "training_args.bin", "optimizer.bin"]) == [
         "config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
         "pytorch_model.bin.index.json"]
+
+
+def test_a_head_published_as_pytorch_model_bin_is_fetched_and_served(model_dirs, tmp_path, monkeypatch):
+    """The published EAGLE heads have no safetensors: the fetch takes their pytorch_model.bin
+    (not training_args.bin), and the engine serves from it."""
+    import torch
+    from safetensors.torch import load_file
+
+    target_dir, draft_dir = model_dirs
+    head = tmp_path / "head-repo"
+    head.mkdir()
+    (head / "config.json").write_text((draft_dir / "config.json").read_text())
+    torch.save(load_file(str(draft_dir / "model.safetensors")), head / "pytorch_model.bin")
+    (head / "training_args.bin").write_bytes(b"not weights")
+    fake = FakeHub({"org/tiny": target_dir, "org/tiny-eagle-bin": head})
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    try:
+        running = ServerThread(["engine", "serve", "--target", "org/tiny", "--draft", "org/tiny-eagle-bin",
+                                "--algorithm", "EAGLE", "--dtype", "float32", "--max-total-tokens", "1024",
+                                "--max-running-requests", "2", "--served-model-name", "tiny",
+                                "--host", "127.0.0.1", "--port", str(free_port())]).start(timeout_s=120)
+        try:
+            client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+            assert client.completions.create(model="tiny", prompt="x", max_tokens=3).usage.completion_tokens >= 1
+        finally:
+            running.stop()
+    finally:
+        fake.close()
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny-eagle-bin" / "snapshots" / COMMIT
+    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "pytorch_model.bin"]

@@ -66,3 +66,29 @@ def test_template_variants_and_errors(model_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_jinja_file_wins_over_tokenizer_config(model_dir, tmp_path):
+    """Newer repositories ship the template as chat_template.jinja (transformers' save_pretrained
+    writes it there); where both exist, the file wins, as transformers reads them."""
+    (tmp_path / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config:{{ messages[0]['content'] }}"}))
+    messages = [{"role": "user", "content": "hi"}]
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(messages) == "config:hi"
+    (tmp_path / "chat_template.jinja").write_text("file:{{ messages[0]['content'] }}")
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(messages) == "file:hi"
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(messages) == "file:hi"
+
+
+def test_generation_config_sampling_defaults():
+    from specdeploy.engine.serving.tokenizer import sampling_defaults
+
+    # meta-llama/Llama-3.1-8B-Instruct's and Qwen/Qwen3-8B's generation_config.json
+    assert sampling_defaults({"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009],
+                              "temperature": 0.6, "top_p": 0.9}) == {"temperature": 0.6, "top_p": 0.9}
+    assert sampling_defaults({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}) == {
+        "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert sampling_defaults({"do_sample": False, "temperature": 0.7}) == {"temperature": 0.0}
+    assert sampling_defaults({}) == {}
+    assert sampling_defaults({"temperature": "hot", "top_p": 0, "top_k": 2.5}) == {}   # not served
