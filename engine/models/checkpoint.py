@@ -19,7 +19,8 @@ their scales, int64 index maps, bool masks) pass unchanged for the caller to int
 
 Tensor parallelism reads a rank's part with `get_slice(name, dim, start, stop)`: safetensors
 read only those bytes (`safe_open(...).get_slice`), an mmap'd PyTorch tensor is narrowed before
-it is copied.
+it is copied. `sources()` hands the loader every tensor as a `TensorSource` (shape known, nothing
+read) so that each layer asks for its own rows or columns and a rank never reads a whole matrix.
 """
 
 from __future__ import annotations
@@ -127,6 +128,23 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or tensor.dtype == dtype or tensor.dtype not in CASTABLE_DTYPES:
         return tensor
     return tensor.to(dtype)
+
+
+class TensorSource:
+    """A checkpoint tensor not read yet: `shape`, `narrow(dim, start, length)` (reads only that
+    part) and `read()` (the whole tensor). torch tensors answer shape and narrow alike, so a
+    layer's `load_param` takes either."""
+
+    def __init__(self, shape: tuple[int, ...], read_part: Callable[[int, int, int], torch.Tensor],
+                 read_all: Callable[[], torch.Tensor]):
+        self.shape = torch.Size(shape)
+        self._read_part, self._read_all = read_part, read_all
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._read_part(dim, start, start + length)
+
+    def read(self) -> torch.Tensor:
+        return self._read_all()
 
 
 class Checkpoint:
@@ -252,6 +270,24 @@ class Checkpoint:
             # Progress for `kubectl logs` while a large checkpoint loads, one line per file.
             log.info("weights: %s read (%d/%d, %.2f GiB, %.1f s)", file.name, i, len(self.files),
                      os.path.getsize(file) / 2**30, time.perf_counter() - t0)
+
+    def sources(self, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, TensorSource]]:
+        """(name, TensorSource) for every tensor `tensors()` would yield, in the same order,
+        reading nothing but headers until a source is asked for its part."""
+        for name, file in self.file_of().items():
+            if skip is not None and skip(name):
+                continue
+            yield name, TensorSource(self._shape(name, file),
+                                     lambda dim, lo, hi, name=name: self.get_slice(name, dim, lo, hi),
+                                     lambda name=name: self.get(name))
+
+    def _shape(self, name: str, file: Path) -> tuple[int, ...]:
+        if self.format == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                return tuple(f.get_slice(name).get_shape())
+        return tuple(self._pytorch_state(file)[name].shape)
 
     def _safetensors_file(self, file, dtype, skip, listed):
         from safetensors import safe_open

@@ -14,6 +14,14 @@ Widths (H = hidden_size, Hs = spec_hidden_size = hc_mult * H):
     EAGLE  on hc_mult > 1: input Hs  (flattened streams),     carried Hs (streams of its block)
     EAGLE-3:               input 3H  (three target layers),   carried H
     MTP:                   input Hs  (pre-norm last state),   carried Hs
+
+Tensor parallelism: a head runs in its target's TP group (target.tp_rank / tp_size). Its
+decoder layer is split like the target's (heads, MLP, KV heads); the input projections (EAGLE's
+and EAGLE-3's fc, MTP's eh_proj / e_proj / h_proj) are row-parallel over their replicated
+input, one all-reduce of [T, out] each, rather than replicated: at decode batch sizes they are
+weight reads (EAGLE-3's fc is 3H x H, 384 MiB in bf16 on the 70B shape) and a rank reading
+1 / tp of them saves more than the all-reduce costs. EAGLE-3's own lm_head is vocab-parallel;
+norms, d2t / t2d and hyper-connection mixers are replicated.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS
 from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
                                   unflatten_streams)
 from specdeploy.engine.runtime.kv import KVPool
-from specdeploy.engine.models.layers import ColumnParallelLinear, GatedMLP, RMSNorm, load_state, rope_inv_freq
+from specdeploy.engine.models.layers import GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, load_state, rope_inv_freq
 from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, read_config,
                                      rope_tables)
 
@@ -78,10 +86,11 @@ class EagleHead(DraftHead):
         self.hc_mult = target.cfg.hc_mult
         self.input_size = self.carried_size = hs
         self.draft_vocab_size = target.cfg.vocab_size
+        tp = (target.tp_rank, target.tp_size)
         # hc_mult > 1: the fc writes all hc streams at once, [T, H + Hs] -> [T, Hs].
-        self.fc = ColumnParallelLinear(cfg.hidden_size + hs, hs, fc_bias)
+        self.fc = RowParallelLinear(cfg.hidden_size + hs, hs, fc_bias, *tp, input_is_parallel=False)
         layer_cfg = _with(cfg, hc_mult=self.hc_mult)
-        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, input_norm=i > 0)
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, *tp, input_norm=i > 0)
                                     for i in range(cfg.num_layers))
         self.init_rope()
         self.bind_target(target)
@@ -123,15 +132,16 @@ class Eagle3Head(DraftHead):
         self.input_size = 3 * h
         self.carried_size = h
         self.draft_vocab_size = draft_vocab_size or cfg.vocab_size
-        self.fc = ColumnParallelLinear(3 * h, h, False)
+        tp = (target.tp_rank, target.tp_size)
+        self.fc = RowParallelLinear(3 * h, h, False, *tp, input_is_parallel=False)
         self.midlayer = nn.Module()
         self.midlayer.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.midlayer.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.midlayer.self_attn = Attention(cfg, in_features=2 * h)
+        self.midlayer.self_attn = Attention(cfg, 2 * h, *tp)
         self.midlayer.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.midlayer.mlp = GatedMLP(h, cfg.intermediate_size, cfg.mlp_bias)
+        self.midlayer.mlp = GatedMLP(h, cfg.intermediate_size, cfg.mlp_bias, *tp)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = ColumnParallelLinear(h, self.draft_vocab_size, False)
+        self.lm_head = ParallelLMHead(h, self.draft_vocab_size, *tp)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool))
         self.init_rope()
@@ -173,15 +183,16 @@ class MTPHead(DraftHead):
         self.hc_mult = target.cfg.hc_mult
         self.input_size = self.carried_size = target.cfg.spec_hidden_size
         self.draft_vocab_size = target.cfg.vocab_size
+        tp = (target.tp_rank, target.tp_size)
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         if self.hc_mult == 1:
-            self.eh_proj = ColumnParallelLinear(2 * h, h, False)
+            self.eh_proj = RowParallelLinear(2 * h, h, False, *tp, input_is_parallel=False)
         else:
-            self.e_proj = ColumnParallelLinear(h, h, False)
-            self.h_proj = ColumnParallelLinear(h, h, False)
+            self.e_proj = RowParallelLinear(h, h, False, *tp, input_is_parallel=False)
+            self.h_proj = RowParallelLinear(h, h, False, *tp, input_is_parallel=False)
             self.hc_head = HyperHead(self.cfg.hc)
-        self.layers = nn.ModuleList([DecoderLayer(self.cfg)])
+        self.layers = nn.ModuleList([DecoderLayer(self.cfg, *tp)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.init_rope()
         self.bind_target(target)
@@ -275,6 +286,8 @@ def load_draft(path: str, algorithm: str, target: LlamaModel, dtype: torch.dtype
             extra.append(("d2t", torch.zeros(kwargs["draft_vocab_size"], dtype=torch.int64)))
             extra.append(("t2d", torch.ones(target.cfg.vocab_size, dtype=torch.bool)))
     head = build_draft(algorithm, cfg, target, dtype, device, **kwargs)
-    tensors = itertools.chain(renamed(ckpt.tensors(skip=skip)), extra)
+    # Under tensor parallelism each rank reads only its slices (lazy sources, engine/models/checkpoint.py).
+    pairs = ckpt.sources(skip=skip) if target.tp_size > 1 else ckpt.tensors(skip=skip)
+    tensors = itertools.chain(renamed(pairs), extra)
     load_state(head, tensors, ignore=("rotary_emb.inv_freq",))
     return head

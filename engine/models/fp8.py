@@ -32,11 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from specdeploy.engine import kernels
+from specdeploy.engine.runtime import distributed
 from specdeploy.engine.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     RowParallelLinear,
     fused_kernels,
+    materialize,
 )
 from torch import nn
 
@@ -290,6 +292,7 @@ class FP8ColumnParallelLinear(_FP8Parallel, ColumnParallelLinear):
     def load_param(self, name: str, full: torch.Tensor) -> None:
         lo, hi = self.rows
         if name == self.fmt.scale_name:
+            full = materialize(full)  # scales are small: read whole, cut here
             if self.fmt.scheme == "block":
                 bn = self.fmt.block[0]
                 full = full[lo // bn:-(-hi // bn)]
@@ -328,6 +331,7 @@ class FP8MergedColumnParallelLinear(_FP8Parallel, MergedColumnParallelLinear):
             return super().load_part(part, name, full)
         lo, hi = self.part_rows[part]
         start, size = self.offsets[part], self.local_sizes[part]
+        full = materialize(full)  # scales are small: read whole, cut here
         if self.fmt.scheme == "block":
             bn = self.fmt.block[0]
             rows = full[lo // bn:-(-hi // bn)]
@@ -349,6 +353,7 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
     def __init__(self, layer: RowParallelLinear, fmt: FP8Format):
         nn.Module.__init__(self)
         self.cols, self.tp_rank, self.weight, self.bias = layer.cols, layer.tp_rank, layer.weight, layer.bias
+        self.tp_size, self.input_is_parallel = layer.tp_size, layer.input_is_parallel
         n, k = self.weight.shape
         if fmt.scheme == "block":
             bn, bk = fmt.block
@@ -360,14 +365,16 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
             self._make_fp8(fmt, (1,), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = x[..., self.cols[0]:self.cols[1]]
         y = self._matmul(x, None)
-        # TP: all-reduce y across ranks here.
-        if self.bias is not None and self.tp_rank == 0:
+        if self.bias is not None and self.tp_rank == 0:  # once in the sum over ranks
             y = y + self.bias
-        return y
+        return distributed.all_reduce(y) if self.tp_size > 1 else y
 
     def load_param(self, name: str, full: torch.Tensor) -> None:
         if name == self.fmt.scale_name:
+            full = materialize(full)  # scales are small: read whole, cut here
             if self.fmt.scheme == "block":
                 bk = self.fmt.block[1]
                 lo, hi = self.cols

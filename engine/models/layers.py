@@ -1,10 +1,20 @@
 """Building blocks shared by the target and draft models.
 
-Linear layers and embeddings are tensor-parallel ready: each rank holds a slice of the full
-weight (column-parallel: a slice of output features; row-parallel: a slice of input features;
-vocab-parallel: a slice of vocabulary rows) and `load` cuts that slice out of the full
-checkpoint tensor. With tp_size = 1 (the only size wired today) no collective is needed; the
-places where a later issue adds all-reduce / all-gather are marked `TP:`.
+Linear layers and embeddings are tensor-parallel: each rank holds a slice of the full weight
+and `load_param` cuts that slice out of the checkpoint tensor (a torch tensor, or a lazy
+`TensorSource` that reads only the slice from disk, so no rank ever holds a whole matrix).
+
+    ColumnParallelLinear      W [out / tp, in]        output sharded, no collective
+    MergedColumnParallelLinear (q/k/v, gate/up)       each part sharded on its own
+    RowParallelLinear         W [out, in / tp]        all-reduce of the output; with
+                                                      input_is_parallel=False the rank first
+                                                      takes its columns of a replicated input
+    VocabParallelEmbedding    rows [ceil(V / tp), H]  masked lookup, all-reduce
+    ParallelLMHead            rows [ceil(V / tp), H]  all-gather of the logits, cut back to V
+Vocabularies that tp does not divide are padded to tp * ceil(V / tp) rows (zero rows past V).
+KV heads fewer than tp are replicated: rank r holds kv head r // (tp / num_kv_heads), the one
+its query heads read (`kv_head_range`, the same count the planner's kv_heads_per_gpu makes).
+Collectives come from engine/runtime/distributed.py and are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -16,6 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.engine import kernels
+from specdeploy.engine.models.checkpoint import TensorSource
+from specdeploy.engine.planner.shapes import kv_heads_per_gpu
+from specdeploy.engine.runtime import distributed
+
+
+def materialize(src) -> torch.Tensor:
+    """The whole tensor of a checkpoint source (a TensorSource reads it now; a tensor is itself)."""
+    return src.read() if isinstance(src, TensorSource) else src
 
 
 def _shard_range(full: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
@@ -23,6 +41,34 @@ def _shard_range(full: int, tp_rank: int, tp_size: int, what: str) -> tuple[int,
         raise ValueError(f"{what}={full} is not divisible by tp_size={tp_size}")
     part = full // tp_size
     return tp_rank * part, (tp_rank + 1) * part
+
+
+def _padded_range(full: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """Rows [lo, lo + ceil(full / tp)) of a dimension padded to a multiple of tp."""
+    part = -(-full // tp_size)
+    return tp_rank * part, (tp_rank + 1) * part
+
+
+def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """The KV heads rank r holds: its share when tp divides them, else (fewer heads than ranks)
+    the one head its query heads use, replicated on tp / num_kv_heads ranks."""
+    local = kv_heads_per_gpu(num_kv_heads, tp_size)
+    if num_kv_heads % tp_size == 0:
+        return tp_rank * local, (tp_rank + 1) * local
+    if tp_size % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} neither divides nor is divisible by tp_size={tp_size}")
+    head = tp_rank // (tp_size // num_kv_heads)
+    return head, head + 1
+
+
+def _rows(src, lo: int, hi: int, full: int) -> torch.Tensor:
+    """Rows lo:hi of src [full, ...], zero rows past `full` (padding)."""
+    hi_real = min(hi, full)
+    part = src.narrow(0, lo, max(hi_real - lo, 0))
+    if hi_real == hi:
+        return part
+    pad = torch.zeros((hi - lo - part.shape[0], *part.shape[1:]), dtype=part.dtype)
+    return torch.cat([part, pad])
 
 
 class ColumnParallelLinear(nn.Module):
@@ -39,8 +85,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def load_param(self, name: str, full: torch.Tensor) -> None:
-        _copy(getattr(self, name), full[self.rows[0]:self.rows[1]], name)
+    def load_param(self, name: str, full) -> None:
+        _copy(getattr(self, name), full.narrow(0, self.rows[0], self.rows[1] - self.rows[0]), name)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -48,12 +94,16 @@ class MergedColumnParallelLinear(nn.Module):
     (q/k/v, gate/up): W [sum_i out_i / tp, in_features]. Each part is sharded on its own, so rank
     r holds [part_0 rows of rank r; part_1 rows of rank r; ...], the rows the separate layers
     would hold, and the output splits into the parts' local widths. Checkpoints keep one tensor
-    per part; `load_part` writes one into its slice."""
+    per part; `load_part` writes one into its slice. `part_rows` overrides a part's (lo, hi)
+    rows (replicated KV heads)."""
 
     def __init__(self, in_features: int, out_features: tuple[int, ...], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1,
+                 part_rows: tuple[tuple[int, int] | None, ...] | None = None):
         super().__init__()
-        self.part_rows = [_shard_range(n, tp_rank, tp_size, "out_features") for n in out_features]
+        part_rows = part_rows or (None,) * len(out_features)
+        self.part_rows = [rows or _shard_range(n, tp_rank, tp_size, "out_features")
+                          for n, rows in zip(out_features, part_rows)]
         self.local_sizes = [hi - lo for lo, hi in self.part_rows]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         total = sum(self.local_sizes)
@@ -68,10 +118,10 @@ class MergedColumnParallelLinear(nn.Module):
         """[..., sum_i out_i / tp] -> one view [..., out_i / tp] per part."""
         return y.split(self.local_sizes, dim=-1)
 
-    def load_part(self, part: int, name: str, full: torch.Tensor) -> None:
+    def load_part(self, part: int, name: str, full) -> None:
         lo, hi = self.part_rows[part]
         start = self.offsets[part]
-        _copy(getattr(self, name)[start:start + self.local_sizes[part]], full[lo:hi], name)
+        _copy(getattr(self, name)[start:start + self.local_sizes[part]], full.narrow(0, lo, hi - lo), name)
 
     def part(self, part: int, name: str) -> torch.Tensor:
         """This rank's rows of one part (what the separate layer's parameter would be)."""
@@ -100,34 +150,43 @@ def _split_fused_state(module: nn.Module, state: dict, prefix: str, local_metada
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W [out_features, in_features / tp]; x arrives already sharded."""
+    """y = x W^T + b with W [out_features, in_features / tp], summed over the ranks (all-reduce).
+    input_is_parallel: x arrives sharded [..., in / tp] (after a column-parallel layer); False:
+    x is replicated [..., in] and each rank multiplies its own columns of it (a draft head's fc
+    over [embedding; hidden])."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, input_is_parallel: bool = True):
         super().__init__()
         self.cols = _shard_range(in_features, tp_rank, tp_size, "in_features")
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_is_parallel = input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, self.cols[1] - self.cols[0]),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        # TP: all-reduce y across ranks here.
-        if self.bias is not None and self.tp_rank == 0:
-            y = y + self.bias
-        return y
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = x[..., self.cols[0]:self.cols[1]]
+        # The bias joins on rank 0 only, so that the sum over ranks adds it once.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return distributed.all_reduce(y) if self.tp_size > 1 else y
 
-    def load_param(self, name: str, full: torch.Tensor) -> None:
-        _copy(getattr(self, name), full[:, self.cols[0]:self.cols[1]] if name == "weight" else full, name)
+    def load_param(self, name: str, full) -> None:
+        if name == "weight":
+            _copy(self.weight, full.narrow(1, self.cols[0], self.cols[1] - self.cols[0]), name)
+        else:
+            _copy(getattr(self, name), materialize(full), name)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows [vocab / tp, H] are split across ranks."""
+    """Embedding whose rows [ceil(vocab / tp), H] are split across ranks; a lookup is the sum
+    over ranks of each rank's rows (zero where the id is another rank's)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.rows = _shard_range(vocab_size, tp_rank, tp_size, "vocab_size")
+        self.vocab_size = vocab_size
+        self.rows = _padded_range(vocab_size, tp_rank, tp_size)
         self.tp_size = tp_size
         self.weight = nn.Parameter(torch.empty(self.rows[1] - self.rows[0], hidden_size),
                                    requires_grad=False)
@@ -138,19 +197,31 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.rows[0]
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        # TP: all-reduce out across ranks here.
-        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return distributed.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
-    def load_param(self, name: str, full: torch.Tensor) -> None:
-        _copy(self.weight, full[self.rows[0]:self.rows[1]], "embedding")
+    def load_param(self, name: str, full) -> None:
+        _copy(self.weight, _rows(full, *self.rows, self.vocab_size), "embedding")
 
 
-class ParallelLMHead(ColumnParallelLinear):
-    """lm_head split over vocabulary rows; each rank computes its logits slice.
-    TP: all-gather logits along the vocabulary."""
+class ParallelLMHead(nn.Module):
+    """lm_head split over vocabulary rows [ceil(V / tp), H]; each rank computes its logits slice
+    and the all-gather hands every rank the whole [..., V]."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(hidden_size, vocab_size, False, tp_rank, tp_size)
+        super().__init__()
+        self.vocab_size, self.tp_size = vocab_size, tp_size
+        self.rows = _padded_range(vocab_size, tp_rank, tp_size)
+        self.weight = nn.Parameter(torch.empty(self.rows[1] - self.rows[0], hidden_size),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return y
+        return distributed.all_gather(y)[..., :self.vocab_size]
+
+    def load_param(self, name: str, full) -> None:
+        _copy(self.weight, _rows(full, *self.rows, self.vocab_size), "lm_head")
 
 
 def fused_kernels(x: torch.Tensor, *params: torch.Tensor, ops=kernels.elementwise_ops):
@@ -197,8 +268,8 @@ class RMSNorm(nn.Module):
         total = x + delta
         return total, self(total)
 
-    def load_param(self, name: str, full: torch.Tensor) -> None:
-        _copy(self.weight, full, "norm weight")
+    def load_param(self, name: str, full) -> None:
+        _copy(self.weight, materialize(full), "norm weight")
 
 
 class GatedMLP(nn.Module):
@@ -279,7 +350,7 @@ def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None
         if hasattr(owner, "load_param"):
             owner.load_param(pname, tensor)
         else:
-            _copy(params[name], tensor, name)
+            _copy(params[name], materialize(tensor), name)
         loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint has tensors the model does not know: {sorted(unexpected)[:8]}")

@@ -28,8 +28,8 @@ from specdeploy.engine.models.hc import (HCConfig, HyperHead, PlainResidual, can
 from specdeploy.engine.runtime.kv import KVPool
 from specdeploy.engine.models.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                                      apply_rope, fused_kernels, load_state, register_fused_parts,
-                                      rope_inv_freq)
+                                      apply_rope, fused_kernels, kv_head_range,
+                                      load_state, register_fused_parts, rope_inv_freq)
 
 log = logging.getLogger("specdeploy.engine.load")
 
@@ -127,20 +127,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, in_features: int | None = None,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        if cfg.num_heads % tp_size or cfg.num_kv_heads % tp_size:
-            raise ValueError(f"heads ({cfg.num_heads}/{cfg.num_kv_heads} kv) not divisible by "
-                             f"tp_size={tp_size}")
+        if cfg.num_heads % tp_size:
+            raise ValueError(f"num_heads={cfg.num_heads} is not divisible by tp_size={tp_size}")
         in_features = in_features or cfg.hidden_size
         self.head_dim = cfg.head_dim
-        self.local_heads = cfg.num_heads // tp_size
-        self.local_kv_heads = cfg.num_kv_heads // tp_size
-        self.scale = cfg.head_dim ** -0.5
         d = cfg.head_dim
+        kv_lo, kv_hi = kv_head_range(cfg.num_kv_heads, tp_rank, tp_size)
+        self.local_heads = cfg.num_heads // tp_size
+        self.local_kv_heads = kv_hi - kv_lo
+        self.scale = cfg.head_dim ** -0.5
         # q, k and v in one matmul (checkpoint names q_proj/k_proj/v_proj); each is sharded by
-        # heads on its own, so a rank's slice is [its q heads; its kv heads; its kv heads].
+        # heads on its own, so a rank's slice is [its q heads; its kv heads; its kv heads]
+        # (with fewer kv heads than ranks, the one kv head its q heads read).
+        kv_rows = (kv_lo * d, kv_hi * d)
         self.qkv_proj = MergedColumnParallelLinear(
             in_features, (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d),
-            cfg.qkv_bias, tp_rank, tp_size)
+            cfg.qkv_bias, tp_rank, tp_size, part_rows=(None, kv_rows, kv_rows))
         register_fused_parts(self, {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
                                     "v_proj": ("qkv_proj", 2)})
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size)
@@ -255,6 +257,7 @@ class LlamaModel(nn.Module):
         if feature_kind not in (None, *FEATURE_KINDS):
             raise ValueError(f"feature_kind {feature_kind!r} not in {FEATURE_KINDS}")
         self.cfg = cfg
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp_rank, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -322,7 +325,7 @@ class LlamaModel(nn.Module):
         return TargetOutput(hidden, feature)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (post-norm) -> [..., vocab] in float32. TP: all-gather over vocab."""
+        """hidden [..., H] (post-norm) -> [..., vocab] in float32 (whole vocabulary on every rank)."""
         return self.lm_head(hidden).float()
 
     def logits_from_feature(self, feature: torch.Tensor) -> torch.Tensor:
@@ -390,8 +393,9 @@ def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device: torch.de
         converted = convert_fp8_linears(model, fmt, names)
         log.info("fp8: %d linears from %s %s checkpoint weights", len(converted), fmt.scheme, fmt.scale_name)
     # The MTP layer some targets ship (mtp.*) is the draft's: not read here.
-    tensors = ((canonical_hc_key(name.removeprefix("model.")), t)
-               for name, t in checkpoint.tensors(skip=_is_mtp))
+    # Under tensor parallelism each rank reads only its slices (lazy sources).
+    pairs = checkpoint.sources(skip=_is_mtp) if tp_size > 1 else checkpoint.tensors(skip=_is_mtp)
+    tensors = ((canonical_hc_key(name.removeprefix("model.")), t) for name, t in pairs)
     load_state(model, tensors, ignore=("rotary_emb.inv_freq", *ignored_tensor(fmt)))
     set_kv_scales(model)
     return model

@@ -5,10 +5,13 @@ One pure function, `plan()`, called by the operator (to size the Deployment and 
 and by `specdeploy plan`. Every term of the arithmetic is kept in the returned `Plan`, so each
 number can be explained. Per GPU, at tensor-parallel size TP:
 
-    weights            = (target_weight_bytes + draft_weight_bytes) / TP
-                         (each from the checkpoint's safetensors headers or index when read,
-                         else as quantization_config implies, else parameters x dtype;
-                         ModelTerms.weight_source says which)
+    weights            = what one rank holds of target + draft: the split layers / TP (KV heads
+                         replicated when fewer than TP, vocabularies padded to a multiple of TP),
+                         the rest (norms, row-parallel biases, mixers, d2t) whole on every rank
+                         (shapes.tensor_parallel_params; MoE / MLA / quantized: weights / TP);
+                         the weights each from the checkpoint's safetensors headers or index when
+                         read, else as quantization_config implies, else parameters x dtype
+                         (ModelTerms.weight_source says which)
     kv_per_token       = target KV bytes/token/GPU + draft KV bytes/token/GPU
                          (the draft pool has as many token slots as the target's; GQA heads are
                          split by TP, replicated when fewer than TP; MLA latents and DeepSeek-V4's
@@ -24,6 +27,7 @@ number can be explained. Per GPU, at tensor-parallel size TP:
 
 TP is the smallest of 1, 2, 4, 8 (at most gpus_per_node, dividing the heads it must split) for
 which max_total_tokens >= context_length * max_running_requests; none fitting is a PlanError.
+A requested tensor_parallel_size is the only one tried.
 
 Static buffers (H_s = target spec_hidden_size, H_in = draft input width, bs = cuda_graph_max_bs):
     draft CUDA-graph hidden_states   [bs * topk, H_s]
@@ -56,6 +60,7 @@ from specdeploy.engine.planner.shapes import (
     derive_shapes,
     draft_input_hidden_size,
     kv_cache_bytes_per_token_per_gpu,
+    tensor_parallel_params,
 )
 
 __all__ = [
@@ -492,6 +497,10 @@ def _tp_refusal(shapes: ModelShapes, tp: int) -> str | None:
         return f"{shapes.role} num_attention_heads {shapes.num_heads} is not divisible by {tp}"
     if shapes.attention == "gqa" and shapes.num_kv_heads % tp and tp % shapes.num_kv_heads:
         return f"{shapes.role} num_key_value_heads {shapes.num_kv_heads} neither divides nor is divisible by {tp}"
+    if shapes.intermediate_size % tp:
+        return f"{shapes.role} intermediate_size {shapes.intermediate_size} is not divisible by {tp}"
+    if shapes.hidden_size % tp:
+        return f"{shapes.role} hidden_size {shapes.hidden_size} is not divisible by {tp}"
     return None
 
 
@@ -515,7 +524,22 @@ def in_flight_tokens_per_request(spec: SpecSettings) -> int:
     return spec.num_draft_tokens + (spec.num_steps - 1) * spec.topk
 
 
-def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | None, tp: int) -> ModelTerms:
+def _weight_bytes_per_gpu(shapes: ModelShapes, weights: int, weight_source: str, tp: int,
+                          target_spec_hidden_size: int) -> int:
+    """What one rank holds: the whole checkpoint less the split layers' other ranks' share. Bytes
+    that do not follow the parameter counts (a quantized checkpoint, an estimate from
+    quantization_config) and models the engine does not split by layer: weights / TP."""
+    split = tensor_parallel_params(shapes, tp, target_spec_hidden_size)
+    if weights == 0:  # MTP layers counted in the target checkpoint
+        return 0
+    if split is None or shapes.quantization or weight_source == "quantization_config":
+        return math.ceil(weights / tp)
+    whole, part = split
+    return weights - (whole - part) * shapes.dtype_bytes
+
+
+def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | None, tp: int,
+                 target_spec_hidden_size: int) -> ModelTerms:
     weights, weight_source = _weights(shapes, weight_bytes, source)
     return ModelTerms(
         model_type=shapes.model_type,
@@ -533,7 +557,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | No
         num_params=shapes.num_params,
         weight_bytes=weights,
         weight_source=weight_source,
-        weight_bytes_per_gpu=math.ceil(weights / tp),
+        weight_bytes_per_gpu=_weight_bytes_per_gpu(shapes, weights, weight_source, tp, target_spec_hidden_size),
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
         kv_cache_dtype=shapes.kv_cache_dtype,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
@@ -604,7 +628,7 @@ def _notes(
         if shapes is not None and shapes.attention == "gqa" and shapes.num_kv_heads < tp:
             notes.append(
                 f"{shapes.role} has {shapes.num_kv_heads} KV heads for TP {tp}: its k/v projections "
-                "and KV heads are replicated, so weights / TP slightly undercounts"
+                "and KV heads are replicated, each rank holding the head its query heads read"
             )
     for shapes, weights in ((target, target_weight_bytes), (draft, draft_weight_bytes)):
         if shapes is None:
@@ -647,6 +671,7 @@ def plan(
     draft_weight_source: str | None = None,
     gpus_per_node: int = 8,
     role: str = "both",
+    tensor_parallel_size: int | None = None,
 ) -> Plan:
     """Plan memory for `target` + `draft` on `gpu` (see the module docstring for the formula;
     `role` "prefill" or "decode" plans one half of a disaggregated deployment).
@@ -669,15 +694,23 @@ def plan(
     required = limits.context_length * limits.max_running_requests
     refusals: list[str] = []  # TP sizes that cannot split the heads, and why
     last: tuple[int, MemoryTerms] | None = None
-    for tp in TENSOR_PARALLEL_SIZES:
+    sizes = TENSOR_PARALLEL_SIZES if tensor_parallel_size is None else (tensor_parallel_size,)
+    if tensor_parallel_size is not None and tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
+        raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size must be one of "
+                        f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))}, got {tensor_parallel_size}")
+    for tp in sizes:
         if tp > gpus_per_node:
+            if tensor_parallel_size is not None:
+                raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size {tp} is more "
+                                f"than the {gpus_per_node} GPU(s) of a node")
             break
         refusal = _tp_refusal(target, tp) or (draft and _tp_refusal(draft, tp))
         if refusal:
             refusals.append(f"TP {tp}: {refusal}")
             continue
-        target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp)
-        draft_terms = _model_terms(draft, draft_weight_bytes, draft_weight_source, tp) if draft else None
+        target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp, target.spec_hidden_size)
+        draft_terms = (_model_terms(draft, draft_weight_bytes, draft_weight_source, tp, target.spec_hidden_size)
+                       if draft else None)
         memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp, role)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
         last = (tp, memory)
@@ -705,7 +738,8 @@ def plan(
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
                 role=role,
             )
-    assert last is not None  # TP 1 divides every head count and gpus_per_node >= 1
+    if last is None:  # only a requested TP size that cannot split the model gets here
+        raise PlanError("InvalidTensorParallelSize", "; ".join(refusals))
     tp, memory = last
     fixed = memory.gpu_memory_bytes - memory.kv_cache_budget_bytes
     needed = fixed + required * memory.kv_cache_bytes_per_token
@@ -742,6 +776,7 @@ def plan_from_configs(
     gpus_per_node: int = 8,
     role: str = "both",
     kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int | None = None,
 ) -> Plan:
     """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan()."""
     target = derive_shapes(target_config, role="target", kv_cache_dtype=kv_cache_dtype)
@@ -755,6 +790,6 @@ def plan_from_configs(
         target, draft, spec, gpu, limits,
         target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
         target_weight_source=target_weight_source, draft_weight_source=draft_weight_source,
-        gpus_per_node=gpus_per_node, role=role,
+        gpus_per_node=gpus_per_node, role=role, tensor_parallel_size=tensor_parallel_size,
     )
 

@@ -151,6 +151,48 @@ def kv_heads_per_gpu(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, num_kv_heads // tensor_parallel_size)
 
 
+def tensor_parallel_params(shapes: ModelShapes, tensor_parallel_size: int,
+                           target_spec_hidden_size: int | None = None) -> tuple[int, int] | None:
+    """(parameters the engine splits across TP ranks, those of them one rank holds) for a dense
+    GQA model, counted as engine/models shards them; everything else (norms, biases of
+    row-parallel layers, hyper-connection mixers, EAGLE-3's d2t / t2d) is replicated. None for
+    the models the engine does not split this way (MoE, MLA, compressed attention).
+
+    Per layer: q and o by heads (/ tp), k and v by KV heads (kv_heads_per_gpu: replicated when
+    fewer than tp), gate / up / down (/ tp); embedding and lm_head by vocabulary rows, padded to
+    ceil(V / tp) per rank; a head's input projection (EAGLE fc [Hs, H + Hs] with Hs the target's
+    spec_hidden_size, EAGLE-3 fc [H, 3H], MTP eh_proj / e_proj + h_proj) by input columns."""
+    if shapes.attention != "gqa" or shapes.num_routed_experts:
+        return None
+    tp = tensor_parallel_size
+    h, hd = shapes.hidden_size, shapes.head_dim
+    q, kv = shapes.num_heads * hd, shapes.num_kv_heads * hd
+    kv_local = kv_heads_per_gpu(shapes.num_kv_heads, tp) * hd
+    attn_in = 2 * h if shapes.role == "EAGLE3" else h
+    whole = attn_in * (q + 2 * kv) + q * h + 3 * h * shapes.intermediate_size
+    part = attn_in * (q // tp + 2 * kv_local) + q // tp * h + 3 * h * shapes.intermediate_size // tp
+    if shapes.model_type in QKV_BIAS_MODEL_TYPES:
+        whole += q + 2 * kv
+        part += q // tp + 2 * kv_local
+    whole, part = whole * shapes.num_layers, part * shapes.num_layers
+
+    def vocab(rows: int) -> tuple[int, int]:
+        return rows * h, -(-rows // tp) * h
+
+    if shapes.role == "target":
+        splits = [vocab(shapes.vocab_size)] * (1 if shapes.tie_word_embeddings else 2)
+    elif shapes.role == "EAGLE":
+        hs = target_spec_hidden_size or shapes.spec_hidden_size
+        splits = [((h + hs) * hs, (h + hs) * hs // tp)]
+    elif shapes.role == "EAGLE3":
+        splits = [(EAGLE3_AUX_LAYERS * h * h, EAGLE3_AUX_LAYERS * h * h // tp), vocab(shapes.draft_vocab_size)]
+    else:  # MTP: [embedding; hidden] -> H per layer
+        splits = [(2 * h * h * shapes.num_layers, 2 * h * h // tp * shapes.num_layers)]
+    for w, p in splits:
+        whole, part = whole + w, part + p
+    return whole, part
+
+
 def kv_cache_bytes_per_token_per_gpu(shapes: ModelShapes, tensor_parallel_size: int) -> int:
     """KV bytes one GPU stores per token slot. Only GQA divides by TP; latent (MLA) and V4's single
     shared K=V head are replicated on every rank."""

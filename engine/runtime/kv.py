@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import torch
 
+from specdeploy.engine.planner.shapes import kv_heads_per_gpu
+
 PAD_SLOT = 0
 
 
 class KVPool:
-    """K and V, each [num_layers, num_slots, num_kv_heads / tp_size, head_dim]."""
+    """K and V, each [num_layers, num_slots, kv heads of this rank, head_dim]: num_kv_heads /
+    tp_size, or one head when there are fewer heads than ranks (replicated, as the plan counts)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, tp_rank: int = 0, tp_size: int = 1):
-        if num_kv_heads % tp_size:
-            raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by tp_size={tp_size}")
-        local_heads = num_kv_heads // tp_size
+        if num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} neither divides nor is divisible by "
+                             f"tp_size={tp_size}")
+        local_heads = kv_heads_per_gpu(num_kv_heads, tp_size)
         # Zeros, not empty: padded rows read slot 0 and masked-out keys are multiplied by zero
         # weights, so every slot must hold finite numbers from the start.
         self.k = torch.zeros(num_layers, num_slots, local_heads, head_dim, dtype=dtype, device=device)

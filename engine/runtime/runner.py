@@ -218,6 +218,8 @@ class Runner:
         if kv_cache_dtype is None and plan is not None and plan.target.kv_cache_dtype == "fp8_e4m3":
             kv_cache_dtype = torch.float8_e4m3fn
         kv_dtype = kv_cache_dtype or dtype
+        # Under tensor parallelism each rank's pools hold its KV heads only (target.tp_rank/size).
+        tp = (getattr(target, "tp_rank", 0), getattr(target, "tp_size", 1))
         self.max_running_requests = max_running_requests
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
@@ -242,7 +244,8 @@ class Runner:
                                             dtype, self.device)
             self.table.listeners.append(self.target_kv)
         else:
-            self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, kv_dtype, self.device)
+            self.target_kv = KVPool(tc.num_layers, num_slots, tc.num_kv_heads, tc.head_dim, kv_dtype, self.device,
+                                    *tp)
         # With a draft a slot's draft K/V also depends on the next token: bigram keys.
         self.prefix_cache = (PrefixCache(self.table, lookahead=int(draft is not None))
                              if prefix_cache else None)
@@ -255,7 +258,7 @@ class Runner:
                 self.table.listeners.append(self.draft_kv)
             else:
                 self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
-                                       kv_dtype, self.device)
+                                       kv_dtype, self.device, *tp)
             # [max_running_requests, carried width]: the draft state after each request's root.
             self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
                                             device=self.device)

@@ -4,6 +4,12 @@ Start-up, as `kubectl logs` shows it: the plan (read from --plan, i.e. the opera
 or computed here from the same function), weight loading with timings, KV-pool allocation checked
 against the plan, a warm-up step, then ready. Loading happens after the HTTP server is up, so
 /health answers at once and /ready turns 200 only when the engine can serve.
+
+Tensor parallelism (the plan's tensor_parallel_size N > 1, or --tensor-parallel-size): this
+process is rank 0 (HTTP, scheduler, GPU 0) and starts ranks 1..N-1 itself, one process per GPU
+(`tp_worker`, spawned; no launcher tool needed). Every rank loads only its own shards and builds
+the same Runner (`build_runner`); rank 0 drives them in lockstep (engine/runtime/distributed.py).
+A rank that dies ends the server with exit code 1 and a log line naming it.
 """
 
 from __future__ import annotations
@@ -80,13 +86,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="prefill/decode: Mooncake transport (default: tcp)")
     p.add_argument("--prefill-timeout-s", type=float, default=None,
                    help="decode: how long a request may wait for its prefill server (default: 120)")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="GPUs (processes) one model is split over (default: the plan's, else 1)")
+    p.add_argument("--all-reduce", choices=("nccl", "symm-mem"), default="nccl",
+                   help="tensor-parallel all-reduce: NCCL, or PyTorch's symmetric-memory one-shot "
+                        "kernel for small messages (CUDA)")
     p.set_defaults(func=run)
     return p
 
 
-def configure_logging() -> None:
+def configure_logging(rank: int | None = None) -> None:
+    # Every rank logs to the same stream (kubectl logs); ranks other than 0 say which they are.
+    where = "" if not rank else f"[tp{rank}] "
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,8 +119,13 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None,
                             access_log=args.access_log, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
-    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics), on_load_failure=server.fail)
-    server.run()
+    ranks = TensorParallelRanks()
+    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks),
+                            on_load_failure=server.fail)
+    try:
+        server.run()
+    finally:
+        ranks.stop()
     return server.exit_code
 
 
@@ -125,6 +143,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--prefill-timeout-s is for --role decode")
     if args.prefill_timeout_s is not None and args.prefill_timeout_s <= 0:
         raise ValueError("--prefill-timeout-s must be > 0")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
 
 
 def _spec_settings(args: argparse.Namespace):
@@ -174,10 +194,16 @@ def _host_gpu(device: str):
     return custom_gpu(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
 
 
-def _require_single_gpu(tensor_parallel_size: int) -> None:
-    if tensor_parallel_size != 1:
-        raise RuntimeError(f"the plan needs tensor_parallel_size {tensor_parallel_size}; this engine "
-                           f"runs on one GPU (TP 1) per pod")
+def _check_gpus(tensor_parallel_size: int, device: str) -> None:
+    """A plan for N GPUs needs N visible GPUs (CPU ranks share the host)."""
+    if device != "cuda":
+        return
+    import torch
+
+    visible = torch.cuda.device_count()
+    if tensor_parallel_size > visible:
+        raise RuntimeError(f"the plan needs tensor_parallel_size {tensor_parallel_size} GPUs; "
+                           f"this pod sees {visible}")
 
 
 def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
@@ -193,6 +219,7 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
                  "context_length": args.context_length}
         if plan.role != args.role:
             raise ValueError(f"the plan is for role {plan.role!r}; this server runs --role {args.role}")
+        asked["tensor_parallel_size"] = args.tensor_parallel_size
         for key, value in asked.items():
             if value is not None and getattr(plan, key) != value:
                 log.warning("plan: %s is %s in the plan and %s on the command line; using the plan's",
@@ -209,9 +236,10 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
             target_config.get("text_config", target_config).get("max_position_embeddings", 4096))
         running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         limits = Limits(running, context_length, running)
+        tp = args.tensor_parallel_size or 1
         plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
                                  target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
-                                 gpus_per_node=1, role=args.role,
+                                 gpus_per_node=tp, tensor_parallel_size=tp, role=args.role,
                                  kv_cache_dtype=args.kv_cache_dtype or "auto")
         log.info("plan: computed for this %s (no --plan given)", "GPU" if device == "cuda" else "CPU host")
     for line in format_plan(plan).splitlines():
@@ -271,36 +299,47 @@ def _fit_prefill_chunk(runner, plan, available_bytes: int) -> None:
     runner.prefill_chunk_tokens = chunk
 
 
-def load_engine(args: argparse.Namespace, metrics):
-    """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread."""
+@dataclasses.dataclass
+class RankSpec:
+    """What every rank needs to build its part of the engine (picklable: sent to the workers)."""
+
+    target_dir: str
+    draft_dir: str | None
+    plan: dict                      # Plan.to_dict(), max_total_tokens as allocated
+    dtype: str                      # torch dtype name
+    device: str                     # "cuda" | "cpu"
+    seed: int
+    tp_size: int = 1
+    init_method: str = ""
+    all_reduce: str = "nccl"
+    adaptive: bool = False
+    prefix_cache: bool = False
+    role: str = "both"
+
+    def rank_device(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.device == "cuda" else "cpu"
+
+
+def build_runner(spec: RankSpec, rank: int = 0):
+    """Load this rank's shards of target and draft and build its Runner (pools, graphs) from the
+    plan; -> (runner, weight bytes held). Under TP every rank calls this with the same spec, and
+    the ranks meet at a barrier before the first collective (graph capture, or the first step)."""
     import torch
 
     from specdeploy.engine.models.draft import load_draft
     from specdeploy.engine.models.llama import load_target
-    from specdeploy.engine.planner.plan import role_prefill_chunk_tokens
-    from specdeploy.engine.runtime.runner import Request, Runner
-    from specdeploy.engine.serving.scheduler import Scheduler
-    from specdeploy.engine.serving.tokenizer import Tokenizer
+    from specdeploy.engine.planner.plan import Plan, role_prefill_chunk_tokens
+    from specdeploy.engine.runtime import distributed
+    from specdeploy.engine.runtime.runner import Runner
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(args.seed)
-    if args.plan:
-        # Refuse before any download: a tensor-parallel plan would otherwise fetch the whole
-        # checkpoint (131 GiB for a 70B target) only to stop at the check below.
-        _require_single_gpu(json.loads(Path(args.plan).read_text()).get("tensor_parallel_size", 1))
-    target_dir = resolve_model_path(args.target, args.target_revision)
-    draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
-    plan = make_plan(args, target_dir, draft_dir, device)
-    if plan.algorithm == "MTP" and draft_dir is None:
-        draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
-    if plan.algorithm != "NONE" and draft_dir is None:
-        raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
-    _require_single_gpu(plan.tensor_parallel_size)
-    dtype = _torch_dtype(args.dtype, device)
-
+    plan = Plan.from_dict(spec.plan)
+    dtype = getattr(torch, spec.dtype)
+    device = spec.rank_device(rank)
+    target_dir, draft_dir = Path(spec.target_dir), spec.draft_dir and Path(spec.draft_dir)
     t0 = time.monotonic()
-    log.info("loading target from %s: %s (%s, %s)", target_dir, _checkpoint_size(target_dir),
-             str(dtype).removeprefix("torch."), device)
+    shard = f", rank {rank} of {spec.tp_size}" if spec.tp_size > 1 else ""
+    log.info("loading target from %s: %s (%s, %s%s)", target_dir, _checkpoint_size(target_dir),
+             spec.dtype, device, shard)
     from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
     from specdeploy.engine.models.llama import read_config
 
@@ -309,9 +348,11 @@ def load_engine(args: argparse.Namespace, metrics):
         # Its compressed pools keep per-request recent rows outside the slot rows that move.
         raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
     if deepseek_v4:
+        if spec.tp_size > 1:
+            raise ValueError("DeepSeek-V4 targets do not run tensor parallel yet (TP 1 only)")
         target = v4ckpt.load_v4_target(str(target_dir), dtype, device)
     else:
-        target = load_target(str(target_dir), dtype, device)
+        target = load_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
     weight_bytes = _param_bytes(target)
     log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
              time.monotonic() - t0)
@@ -329,7 +370,151 @@ def load_engine(args: argparse.Namespace, metrics):
         log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
                  human_bytes(_param_bytes(draft)), time.monotonic() - t1)
     planned_weights = plan.target.weight_bytes_per_gpu + (plan.draft.weight_bytes_per_gpu if plan.draft else 0)
-    _compare("weights", weight_bytes, planned_weights)
+    _compare("weights" + (" (this rank)" if spec.tp_size > 1 else ""), weight_bytes, planned_weights)
+    if spec.tp_size > 1:
+        distributed.group().barrier()  # loading takes each rank its own time
+    t2 = time.monotonic()
+    if device.startswith("cuda"):
+        calls = "target decode" if plan.algorithm == "NONE" else "the speculative step, greedy and sampling"
+        log.info("allocating KV pools and capturing CUDA graphs (%s) for batch sizes %s ...", calls,
+                 " ".join(map(str, plan.cuda_graph_batch_sizes)))
+    # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
+    # buffers against it); only the slot count may be smaller than planned (load_engine).
+    adaptive, prefix_cache = spec.adaptive, spec.prefix_cache
+    if adaptive and draft is None:
+        raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
+    if deepseek_v4 and (prefix_cache or adaptive):
+        # Its pools trim a request's recent rows as tokens are committed (compressed_kv.py):
+        # neither a finished request's slots nor a later draft catch-up could read them.
+        log.warning("DeepSeek-V4: prefix cache and adaptive speculation are off (not supported for its pools yet)")
+        prefix_cache = adaptive = False
+    runner = Runner(target, draft, plan=plan, device=device, seed=spec.seed, adaptive=adaptive,
+                    # A decode server takes every prompt from its prefill server: nothing to match.
+                    prefix_cache=prefix_cache and spec.role != "decode", role=spec.role,
+                    prefill_chunk_tokens=role_prefill_chunk_tokens(spec.role),
+                    # A prefill server never decodes: no decode graphs to capture.
+                    graph_mode="off" if spec.role == "prefill" else None)
+    if adaptive:
+        costs = runner.policy.base_costs_s
+        log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
+                 " ".join(s.label for s in runner.shapes),
+                 "; ".join(f"{s.label}: " + " ".join(f"{b}={1e3 * costs[(s, b)]:.2f}" for b in runner.policy.buckets)
+                           for s in runner.shapes))
+    kv_bytes = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
+    log.info("KV pools allocated: %d token slots, %s (target + draft)", plan.max_total_tokens, human_bytes(kv_bytes))
+    if device.startswith("cuda"):
+        log.info("CUDA graphs captured for %d batch sizes in %.1f s", len(plan.cuda_graph_batch_sizes),
+                 time.monotonic() - t2)
+    else:
+        log.info("CUDA graphs: none on CPU; the same calls run eagerly")
+    _compare("KV cache", kv_bytes, plan.max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
+    return runner, weight_bytes
+
+
+def _available_gpu_bytes() -> int:
+    import torch
+
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    log.info("GPU memory after start-up: %.2f GiB used, %.2f GiB free of %.2f GiB",
+             (total_bytes - free_bytes) / 2**30, free_bytes / 2**30, total_bytes / 2**30)
+    return free_bytes + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def tp_worker(rank: int, spec: RankSpec) -> None:
+    """Rank 1..N-1 of a tensor-parallel engine (a child process of rank 0): load this rank's
+    shards, build the same Runner, then run the steps rank 0 sends until it says exit. Any
+    failure exits non-zero, which rank 0's watchdog turns into the server's exit."""
+    from specdeploy.engine.runtime import distributed
+
+    configure_logging(rank)
+    distributed.watch_parent()
+    try:
+        import torch
+
+        torch.manual_seed(spec.seed)
+        tp = distributed.init_tp(rank, spec.tp_size, spec.init_method, spec.rank_device(rank), spec.all_reduce)
+        runner, _ = build_runner(spec, rank)
+        if spec.device == "cuda":
+            tp.min_over_ranks(_available_gpu_bytes())
+        distributed.follow(runner, tp)
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)
+    log.info("tensor-parallel rank %d: exiting", rank)
+
+
+class TensorParallelRanks:
+    """Rank 0's handle on the other ranks: starts them, and stops them when the server ends."""
+
+    def __init__(self):
+        self.workers = None
+        self.leader = None
+
+    def start(self, spec: RankSpec) -> None:
+        from specdeploy.engine.runtime import distributed
+
+        self.workers = distributed.Workers(tp_worker, spec.tp_size, lambda rank: (spec,))
+        log.info("tensor parallel %d: started ranks 1..%d (pids %s)", spec.tp_size, spec.tp_size - 1,
+                 " ".join(str(p.pid) for p in self.workers.procs))
+
+    def fatal(self, message: str) -> None:
+        from specdeploy.engine.runtime import distributed
+
+        if self.workers is not None:
+            self.workers.kill()
+        distributed._die(message)
+
+    def stop(self) -> None:
+        """After the server stopped (no step runs any more): tell the ranks to exit, reap them."""
+        if self.workers is None:
+            return
+        if self.leader is None:  # loading never finished: nothing to wait for
+            self.workers.stop(timeout_s=0)
+        else:
+            try:
+                self.leader.close()
+            except Exception:  # a rank already gone: the kill below ends the others
+                log.warning("could not tell the tensor-parallel ranks to exit; killing them")
+            self.workers.stop()
+        self.workers = None
+
+
+def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | None = None):
+    """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread.
+    With a tensor-parallel plan, starts the other ranks through `ranks` first."""
+    import torch
+
+    from specdeploy.engine.runtime import distributed
+    from specdeploy.engine.runtime.runner import Request
+    from specdeploy.engine.serving.scheduler import Scheduler
+    from specdeploy.engine.serving.tokenizer import Tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    if args.plan:
+        # Refuse before any download: a plan for more GPUs than the pod has would otherwise
+        # fetch the whole checkpoint (131 GiB for a 70B target) only to stop later.
+        _check_gpus(args.tensor_parallel_size or
+                    json.loads(Path(args.plan).read_text()).get("tensor_parallel_size", 1), device)
+    target_dir = resolve_model_path(args.target, args.target_revision)
+    draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
+    plan = make_plan(args, target_dir, draft_dir, device)
+    if plan.algorithm == "MTP" and draft_dir is None:
+        draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
+    if plan.algorithm != "NONE" and draft_dir is None:
+        raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
+    tp_size = plan.tensor_parallel_size
+    _check_gpus(tp_size, device)
+    if tp_size > 1 and args.adaptive_speculation:
+        # The policy chooses each step's shape from timings each rank measures for itself: the
+        # ranks would choose differently. Until rank 0's choice is broadcast, one or the other.
+        raise ValueError("--adaptive-speculation is not supported with tensor parallelism yet")
+    if tp_size > 1 and args.role != "both":
+        # The split roles move KV through host memory registered per pool; one rank's pools hold
+        # only its KV heads, and the transfer would have to run on every rank.
+        raise ValueError(f"--role {args.role} is not supported with tensor parallelism yet")
+    dtype = _torch_dtype(args.dtype, device)
 
     max_total_tokens = plan.max_total_tokens
     if args.max_total_tokens is not None and args.max_total_tokens < max_total_tokens:
@@ -342,49 +527,25 @@ def load_engine(args: argparse.Namespace, metrics):
         max_total_tokens = plan.required_tokens
         log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
                  max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
-    t2 = time.monotonic()
+    plan = dataclasses.replace(plan, max_total_tokens=max_total_tokens)
+    spec = RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(),
+                    str(dtype).removeprefix("torch."), device, args.seed, tp_size,
+                    distributed.free_init_method() if tp_size > 1 else "", args.all_reduce,
+                    bool(args.adaptive_speculation), bool(args.prefix_cache), args.role)
+    ranks = ranks or TensorParallelRanks()
+    if tp_size > 1:
+        ranks.start(spec)
+        tp = distributed.init_tp(0, tp_size, spec.init_method, spec.rank_device(0), args.all_reduce)
+        log.info("tensor parallel %d over %s, all-reduce %s", tp_size,
+                 "NCCL" if device == "cuda" else "gloo", tp.all_reduce_backend)
+    runner, _ = build_runner(spec, 0)
+    if tp_size > 1:
+        runner = ranks.leader = distributed.LeaderRunner(runner, tp, ranks.fatal)
     if device == "cuda":
-        calls = "target decode" if plan.algorithm == "NONE" else "the speculative step, greedy and sampling"
-        log.info("allocating KV pools and capturing CUDA graphs (%s) for batch sizes %s ...", calls,
-                 " ".join(map(str, plan.cuda_graph_batch_sizes)))
-    # The runner sizes its pools, tables and graph buffers from the plan (and checks the graph
-    # buffers against it); only the slot count may be smaller than planned (see above).
-    adaptive = bool(args.adaptive_speculation)
-    if adaptive and draft is None:
-        raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
-    prefix_cache = args.prefix_cache
-    if deepseek_v4 and (prefix_cache or adaptive):
-        # Its pools trim a request's recent rows as tokens are committed (compressed_kv.py):
-        # neither a finished request's slots nor a later draft catch-up could read them.
-        log.warning("DeepSeek-V4: prefix cache and adaptive speculation are off (not supported for its pools yet)")
-        prefix_cache = adaptive = False
-    runner = Runner(target, draft, plan=dataclasses.replace(plan, max_total_tokens=max_total_tokens),
-                    device=device, seed=args.seed, adaptive=adaptive,
-                    # A decode server takes every prompt from its prefill server: nothing to match.
-                    prefix_cache=prefix_cache and args.role != "decode", role=args.role,
-                    prefill_chunk_tokens=role_prefill_chunk_tokens(args.role),
-                    # A prefill server never decodes: no decode graphs to capture.
-                    graph_mode="off" if args.role == "prefill" else None)
-    if adaptive:
-        costs = runner.policy.base_costs_s
-        log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
-                 " ".join(s.label for s in runner.shapes),
-                 "; ".join(f"{s.label}: " + " ".join(f"{b}={1e3 * costs[(s, b)]:.2f}" for b in runner.policy.buckets)
-                           for s in runner.shapes))
-    kv_bytes = runner.target_kv.nbytes + (runner.draft_kv.nbytes if runner.draft_kv is not None else 0)
-    log.info("KV pools allocated: %d token slots, %s (target + draft)", max_total_tokens, human_bytes(kv_bytes))
-    if device == "cuda":
-        log.info("CUDA graphs captured for %d batch sizes in %.1f s", len(plan.cuda_graph_batch_sizes),
-                 time.monotonic() - t2)
-    else:
-        log.info("CUDA graphs: none on CPU; the same calls run eagerly")
-    _compare("KV cache", kv_bytes, max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
-    if device == "cuda":
-        free_bytes, total_bytes = torch.cuda.mem_get_info()
-        log.info("GPU memory after start-up: %.2f GiB used, %.2f GiB free of %.2f GiB",
-                 (total_bytes - free_bytes) / 2**30, free_bytes / 2**30, total_bytes / 2**30)
-        _fit_prefill_chunk(runner, plan, free_bytes + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
-
+        available = _available_gpu_bytes()
+        if tp_size > 1:  # the prefill chunk must be the same on every rank: fit the tightest
+            available = tp.min_over_ranks(available)
+        _fit_prefill_chunk(runner, plan, available)
     tokenizer = Tokenizer.from_dir(target_dir)
     log.info("tokenizer: %d tokens, end of turn %s, chat template %s, request defaults %s",
              tokenizer.vocab_size, sorted(tokenizer.eos_token_ids) or "none",
@@ -404,9 +565,9 @@ def load_engine(args: argparse.Namespace, metrics):
     queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
     scheduler = Scheduler(runner, tokenizer, metrics, max_queued_requests=queued,
                           log_interval_s=args.log_interval_s)
-    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s",
+    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s%s",
              plan.max_running_requests, queued, plan.context_length, max_total_tokens,
-             "on" if runner.prefix_cache is not None else "off")
+             "on" if runner.prefix_cache is not None else "off", f", tensor parallel {tp_size}" if tp_size > 1 else "")
     if args.role == "both":
         return scheduler, tokenizer
     return scheduler, tokenizer, disaggregation_service(args, scheduler)
@@ -453,7 +614,6 @@ def _host_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
 
 class ServerThread:
     """`specdeploy engine serve` in a background thread of this process (the demo, the tests).

@@ -148,11 +148,25 @@ def test_smallest_tp_that_fits_is_chosen():
     chosen = plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits())
     assert chosen.tensor_parallel_size == 4
     assert chosen.target.kv_cache_bytes_per_token_per_gpu == 2 * 80 * (8 // 4) * 128 * 2
-    assert chosen.target.weight_bytes_per_gpu == -(-target.num_params * 2 // 4)
+    # Every rank holds a quarter of the split matrices and all of the norms (2 per layer + final).
+    norms = (2 * 80 + 1) * 8192
+    assert chosen.target.weight_bytes_per_gpu == (target.num_params - norms) * 2 // 4 + norms * 2
     with pytest.raises(PlanError) as refused:
         plan(target, None, SpecSettings("NONE", 0, 0, 0), GPUS["h100"], Limits(), gpus_per_node=2)
     assert refused.value.reason == "InsufficientGPUMemory"
     assert "TP 2" in str(refused.value)
+
+
+def test_requested_tensor_parallel_size_is_the_only_one_tried():
+    target = derive_shapes(load("llama-3.3-70b-instruct"))
+    none = SpecSettings("NONE", 0, 0, 0)
+    assert plan(target, None, none, GPUS["h200"], Limits(), tensor_parallel_size=8).tensor_parallel_size == 8
+    with pytest.raises(PlanError) as refused:
+        plan(target, None, none, GPUS["h200"], Limits(), tensor_parallel_size=8, gpus_per_node=4)
+    assert refused.value.reason == "InvalidTensorParallelSize"
+    with pytest.raises(PlanError) as refused:
+        plan(target, None, none, GPUS["h200"], Limits(), tensor_parallel_size=3)
+    assert refused.value.reason == "InvalidTensorParallelSize"
 
 
 def test_does_not_fit_names_the_numbers():

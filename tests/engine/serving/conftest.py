@@ -149,6 +149,19 @@ def metric_samples(base_url: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="session")
+def serve_process_command(model_dirs):
+    """-> a function of extra flags giving (argv of `specdeploy engine serve` for the tiny pair on
+    a free port, run as a subprocess; its base URL; a function waiting until it is ready)."""
+    import sys
+
+    def command(*extra: str):
+        port = free_port()
+        argv = [sys.executable, "-P", "-m", "specdeploy.cli", *serve_argv(*model_dirs, port, *extra)]
+        return argv, f"http://127.0.0.1:{port}", wait_ready
+    return command
+
+
+@pytest.fixture(scope="session")
 def engine_process(model_dirs):
     """Start `specdeploy engine serve` as a subprocess: -> (Popen, base_url). The caller stops it."""
     import subprocess

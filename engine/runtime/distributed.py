@@ -1,0 +1,363 @@
+"""Tensor parallelism across processes: the TP group, its collectives, and the ranks' lockstep.
+
+One process per GPU (ranks 0..N-1 of one host). Every rank holds a shard of each model and the
+KV heads of its shard, and runs an identical Runner: the same requests, the same steps, the
+same model calls in the same order, so the collectives inside the models (and inside the CUDA
+graphs that captured them) pair up without any per-call coordination. Rank 0 alone owns HTTP and
+the scheduler; before each step it broadcasts what changed since the last one (requests added,
+requests aborted, settings), one pickle on the control group, and every other rank applies the
+same changes and runs the same step (`follow`). This is SGLang's scheduler design: the inputs
+are replicated, not the outputs.
+
+Why the ranks agree: after every all-reduce and all-gather each rank holds the same bits (NCCL
+and gloo both reduce each element once and hand the result to every rank), and everything after
+a collective is replicated work on identical inputs: the same logits, the same argmax, the same
+draws from identically seeded generators. A rank that nevertheless diverges (a nondeterministic
+kernel, a reduction whose order depends on the rank) would compute garbage silently, so each
+step's broadcast carries a digest of rank 0's previous outputs and a rank whose own outputs
+differ stops the server, naming the step.
+
+Groups: the device group (NCCL on CUDA, gloo on CPU) carries the models' collectives; a gloo
+group on the host carries the control broadcasts, so an idle server's waiting ranks occupy no
+GPU stream and no NCCL timeout.
+
+Collectives (`all_reduce`, `all_gather`) are plain synchronous calls on the current stream, so a
+CUDA graph captures them. `all_reduce` has two backends: NCCL (the default) and PyTorch's
+symmetric-memory one-shot all-reduce for small messages (each rank reads every peer's buffer
+over NVLink and sums: one kernel, no ring), which falls back to NCCL above
+SYMM_MEM_MAX_BYTES. NVLink multicast (NCCL's NVLS, symmetric memory's multimem) stays off.
+
+Failure: a rank that dies takes the server down. Rank 0 watches its workers' process sentinels
+in a thread; any exit it did not ask for logs the rank and its exit code, kills the other
+workers and ends rank 0 with exit code 1, whatever rank 0 was doing (a collective waiting for
+the dead rank included). Workers watch their parent the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("specdeploy.engine.distributed")
+
+# What the device notes require on every rank: NVLink multicast off in NCCL, PyTorch's symmetric
+# memory and NVSHMEM (a program using it can take a shared host's GPUs out of service).
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}
+
+ALL_REDUCE_BACKENDS = ("nccl", "symm-mem")
+
+# The largest message the one-shot all-reduce takes; above it every rank would read N - 1 peers'
+# whole buffers, and NCCL's ring (each byte crosses NVLink twice, not N - 1 times) wins. Decode
+# all-reduces are [B * Q, H] bf16: 64 x 8192 x 2 B = 1 MiB at batch 64 on the 70B shape.
+SYMM_MEM_MAX_BYTES = 1 << 20
+
+# Model collectives: a rank that waits this long for its peers is wedged (each collective takes
+# micro- to milliseconds; loading skew is absorbed by a barrier on the control group first).
+DEVICE_TIMEOUT = timedelta(minutes=10)
+# Control broadcasts: an idle server's ranks wait here for the next request, for as long as it
+# takes; a dead peer is noticed by the process watchdogs, not by this timeout.
+CONTROL_TIMEOUT = timedelta(days=365)
+# How often a worker checks that rank 0 (its parent) is alive.
+PARENT_POLL_S = 1.0
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    size: int
+    device: torch.device
+    device_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
+    all_reduce_backend: str = "nccl"
+    _symm_buffer: torch.Tensor | None = None
+    _symm_group_name: str = ""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, the same bits on every rank; x [...] contiguous (reduced in
+        place on the NCCL/gloo path; the one-shot path returns a new tensor)."""
+        if self._symm_buffer is not None and x.is_cuda and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES:
+            symm = self._symm_buffer.view(x.dtype)[:x.numel()].view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(symm, x, "sum", self._symm_group_name)
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., D] on each rank -> [..., size * D], rank r's part at columns r*D..(r+1)*D."""
+        x = x.contiguous()
+        if x.is_cuda:
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.device_group)
+            parts = out.unbind(0)
+        else:  # gloo has no all_gather_into_tensor
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.device_group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` on every rank (a pickle over the control group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control_group)
+
+    def enable_symm_mem(self) -> None:
+        """Switch small all-reduces to the one-shot symmetric-memory kernel (CUDA only)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self.device.type != "cuda":
+            raise ValueError("the symm-mem all-reduce needs CUDA GPUs")
+        self._symm_group_name = self.device_group.group_name
+        buf = symm_mem.empty(SYMM_MEM_MAX_BYTES, dtype=torch.uint8, device=self.device)
+        symm_mem.rendezvous(buf, self._symm_group_name)
+        self._symm_buffer = buf
+        self.all_reduce_backend = "symm-mem"
+
+
+_GROUP: TPGroup | None = None
+
+
+def group() -> TPGroup:
+    if _GROUP is None:
+        raise RuntimeError("a layer built with tp_size > 1 ran outside a tensor-parallel group "
+                           "(engine.runtime.distributed.init_tp)")
+    return _GROUP
+
+
+def current() -> TPGroup | None:
+    return _GROUP
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return group().all_reduce(x)
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    return group().all_gather(x)
+
+
+def init_tp(rank: int, size: int, init_method: str, device: torch.device | str,
+            all_reduce_backend: str = "nccl", timeout_s: float | None = None) -> TPGroup:
+    """Join the TP group (every rank calls this with the same init_method) and make it current.
+    timeout_s: how long the device group's rendezvous and collectives may wait (DEVICE_TIMEOUT)."""
+    global _GROUP
+    if all_reduce_backend not in ALL_REDUCE_BACKENDS:
+        raise ValueError(f"all-reduce backend {all_reduce_backend!r}: use one of {ALL_REDUCE_BACKENDS}")
+    for key, value in MULTICAST_OFF_ENV.items():
+        os.environ[key] = value
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    timeout = DEVICE_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timeout, **kwargs)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _GROUP = TPGroup(rank, size, device, dist.group.WORLD, control)
+    if all_reduce_backend == "symm-mem":
+        _GROUP.enable_symm_mem()
+    return _GROUP
+
+
+def destroy_tp() -> None:
+    global _GROUP
+    if _GROUP is not None:
+        _GROUP = None
+        dist.destroy_process_group()
+
+
+# ---- the ranks' lockstep --------------------------------------------------------------------
+
+
+def outputs_digest(outputs) -> int:
+    """A checksum of one step's StepOutputs (what every rank must have produced alike)."""
+    text = repr([(o.req_id, o.token_ids, o.num_accepted_drafts, o.finished) for o in outputs])
+    return zlib.crc32(text.encode())
+
+
+class Diverged(RuntimeError):
+    """A rank's outputs differ from rank 0's."""
+
+
+class LeaderRunner:
+    """Rank 0's Runner under TP: the same interface (the scheduler cannot tell), plus the log of
+    what changed since the last step, broadcast to the other ranks before each step runs.
+
+    A step that fails on rank 0 cannot be undone on the ranks where it succeeded, so under TP a
+    failed step is fatal (`on_fatal`; the launcher stops every rank and exits non-zero)."""
+
+    def __init__(self, runner, tp: TPGroup, on_fatal):
+        self.__dict__.update(runner=runner, tp=tp, on_fatal=on_fatal, _ops=[], _digest=None, _steps=0)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def __setattr__(self, name, value):
+        if name != "prefill_chunk_tokens":
+            raise AttributeError(f"{name}: set on the runner of every rank, not rank 0's alone")
+        self.runner.prefill_chunk_tokens = value
+        self._ops.append(("set", name, value))
+
+    def add(self, req) -> None:
+        self.runner.add(req)          # refused requests raise here and are never sent
+        self._ops.append(("add", req))
+
+    def abort(self, req_id: str) -> None:
+        self.runner.abort(req_id)
+        self._ops.append(("abort", req_id))
+
+    def step(self):
+        ops, self.__dict__["_ops"] = self._ops, []
+        ops.append(("step", self._steps, self._digest))
+        try:
+            self.tp.broadcast(ops)
+            outputs = self.runner.step()
+        except BaseException as e:
+            self.on_fatal(f"tensor-parallel step {self._steps} failed on rank 0 "
+                          f"({type(e).__name__}: {e}); the ranks can no longer agree")
+            raise
+        self.__dict__["_digest"] = outputs_digest(outputs)
+        self.__dict__["_steps"] = self._steps + 1
+        return outputs
+
+    def close(self) -> None:
+        """Tell the other ranks to exit (after the last step)."""
+        self.tp.broadcast([("exit",)])
+
+
+def follow(runner, tp: TPGroup) -> None:
+    """A worker rank's loop: apply rank 0's changes and run its steps, until told to exit.
+    Raises Diverged when this rank's outputs differ from rank 0's."""
+    digest = None
+    with torch.inference_mode():
+        while True:
+            for op in tp.broadcast():
+                kind = op[0]
+                if kind == "exit":
+                    return
+                if kind == "add":
+                    runner.add(op[1])
+                elif kind == "abort":
+                    runner.abort(op[1])
+                elif kind == "set":
+                    setattr(runner, op[1], op[2])
+                elif kind == "step":
+                    _, step, leader_digest = op
+                    if leader_digest is not None and leader_digest != digest:
+                        raise Diverged(f"rank {tp.rank}: outputs of step {step - 1} differ from rank 0's")
+                    digest = outputs_digest(runner.step())
+                else:
+                    raise ValueError(f"unknown control op {kind!r}")
+
+
+# ---- processes --------------------------------------------------------------------------------
+
+
+class Workers:
+    """Ranks 1..N-1 as child processes of rank 0 (torch.multiprocessing, spawn), and the watchdog
+    that ends rank 0 when one of them dies."""
+
+    def __init__(self, target, size: int, args_for_rank, on_death=None):
+        """target(rank, *args_for_rank(rank)) runs in each child."""
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self._stopping = False
+        self._on_death = on_death or _die
+        self.procs = []
+        for rank in range(1, size):
+            p = ctx.Process(target=target, args=(rank, *args_for_rank(rank)), name=f"tp-rank-{rank}",
+                            daemon=True)
+            p.start()
+            self.procs.append(p)
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        alive = {p.sentinel: p for p in self.procs}
+        while alive:
+            for sentinel in wait(list(alive)):
+                p = alive.pop(sentinel)
+                p.join()
+                if self._stopping:
+                    continue
+                rank = self.procs.index(p) + 1
+                self.kill()
+                self._on_death(f"tensor-parallel rank {rank} (pid {p.pid}) exited with "
+                               f"{_exit_text(p.exitcode)}: stopping the server")
+                return
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """After the workers were told to exit: wait for them, kill those that do not."""
+        self._stopping = True
+        for p in self.procs:
+            p.join(timeout_s)
+        self.kill()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _die(message: str) -> None:
+    """Log and end this process at once with exit code 1 (threads blocked in a collective
+    included: nothing else ends them)."""
+    log.error("%s", message)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
+
+
+def watch_parent() -> None:
+    """In a worker: exit when rank 0 (the parent) is gone, even from inside a collective."""
+    parent = os.getppid()
+
+    def watch():
+        import time
+
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                _die("tensor-parallel rank 0 is gone: exiting")
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def free_init_method(host: str = "127.0.0.1") -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"

@@ -1,0 +1,48 @@
+"""`specdeploy engine serve --tensor-parallel-size 2` on CPU (gloo): the real process starts its
+second rank itself, serves through HTTP the same greedy completion as the one-process server,
+and a rank killed under it takes the whole server down with a non-zero exit and a log line
+naming the rank (never a hang)."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import openai
+
+PROMPT = "def main(argv):\n    "
+
+
+def _log_text(path) -> str:
+    return path.read_text(errors="replace")
+
+
+def test_tensor_parallel_serves_and_a_dead_rank_stops_it(serve_process_command, server, tmp_path):
+    one_process = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    want = one_process.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0)
+
+    log_path = tmp_path / "serve.log"
+    argv, url, wait_ready = serve_process_command("--tensor-parallel-size", "2")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        wait_ready(url, timeout_s=240)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+
+        text = _log_text(log_path)
+        assert "[tp1]" in text  # rank 1 loaded its own shards and logs as itself
+        pid = int(re.search(r"started ranks 1\.\.1 \(pids (\d+)\)", text).group(1))
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - t0 < 30
+        assert f"tensor-parallel rank 1 (pid {pid}) exited with signal SIGKILL" in _log_text(log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
