@@ -122,6 +122,8 @@ class TPGroup:
         if self.device.type != "cuda":
             raise ValueError("the symm-mem all-reduce needs CUDA GPUs")
         self._symm_group_name = self.device_group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous up to torch 2.7
+            symm_mem.enable_symm_mem_for_group(self._symm_group_name)
         buf = symm_mem.empty(SYMM_MEM_MAX_BYTES, dtype=torch.uint8, device=self.device)
         symm_mem.rendezvous(buf, self._symm_group_name)
         self._symm_buffer = buf

@@ -635,7 +635,8 @@ class ServerThread:
         self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
         config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None, access_log=args.access_log)
         self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
-        config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics),
+        self.ranks = TensorParallelRanks()
+        config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics, self.ranks),
                                 on_load_failure=self.server.fail)
         self.base_url = f"http://{args.host}:{args.port}"
         self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
@@ -660,6 +661,7 @@ class ServerThread:
 
         self.server.should_exit = True
         self._thread.join(timeout=60)
+        self.ranks.stop()
         self.state.scheduler = self.state.tokenizer = None
         gc.collect()
         if torch.cuda.is_available():

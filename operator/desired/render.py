@@ -43,6 +43,11 @@ STARTUP_PROBE_FAILURES = 180
 PRE_STOP_SLEEP_S = 5
 DEFAULT_TERMINATION_GRACE_S = 120
 CONFIG_HASH_CHARS = 16
+# /dev/shm of the engine pod, memory-backed: NCCL's intra-node buffers (its SHM transport and the
+# proxy's host buffers) live there, a few hundred MiB per rank; the container runtime's 64 MiB
+# default makes NCCL fail at the first collective. The engine starts one process per GPU itself
+# (`specdeploy engine serve` reads tensor_parallel_size from the plan), so nothing else is needed.
+SHM_GIB_PER_GPU = 1
 
 
 def owner_reference(sdd: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +280,11 @@ def _http_probe(path: str, period_s: int, failures: int, timeout_s: int = 5) -> 
     }
 
 
+def _shm_size(planned: PlannedEngine) -> str:
+    """sizeLimit of the pod's /dev/shm: SHM_GIB_PER_GPU per tensor-parallel rank (CPU mode: one)."""
+    return f"{SHM_GIB_PER_GPU * (1 if planned.cpu else planned.tensor_parallel_size)}Gi"
+
+
 def render_children(
     sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDefaults
 ) -> Children:
@@ -354,7 +364,7 @@ def engine_pod_spec(spec: dict[str, Any], container: dict[str, Any], config_map:
         **({} if planned.cpu else _gpu_scheduling(planned.gpu_product_label)),
         "volumes": [
             {"name": "engine-config", "configMap": {"name": config_map}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _shm_size(planned)}},
             {"name": "model-cache", "emptyDir": {}},
         ],
     }

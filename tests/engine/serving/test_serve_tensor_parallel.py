@@ -1,7 +1,7 @@
 """`specdeploy engine serve --tensor-parallel-size 2` on CPU (gloo): the real process starts its
 second rank itself, serves through HTTP the same greedy completion as the one-process server,
 and a rank killed under it takes the whole server down with a non-zero exit and a log line
-naming the rank (never a hang)."""
+naming the rank (never a hang); SIGTERM drains and stops every rank with exit code 0."""
 
 import os
 import re
@@ -42,6 +42,24 @@ def test_tensor_parallel_serves_and_a_dead_rank_stops_it(serve_process_command, 
         assert code != 0
         assert time.monotonic() - t0 < 30
         assert f"tensor-parallel rank 1 (pid {pid}) exited with signal SIGKILL" in _log_text(log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_stops_every_rank_with_exit_zero(serve_command, tmp_path):
+    log_path = tmp_path / "serve.log"
+    argv, url, wait_ready = serve_command("--tensor-parallel-size", "2")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        wait_ready(url, timeout_s=240)
+        pid = int(re.search(r"started ranks 1\.\.1 \(pids (\d+)\)", _log_text(log_path)).group(1))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, _log_text(log_path)[-3000:]
+        assert "tensor-parallel rank 1: exiting" in _log_text(log_path)
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -203,7 +203,11 @@ def test_config_map_holds_plan_and_engine_settings_and_is_mounted(sdd, children)
     pod = children.deployment["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["engine-config"]["configMap"]["name"] == children.config_map["metadata"]["name"] == "llama70b-engine"
-    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    # Memory-backed and sized for NCCL: 1 GiB per tensor-parallel rank (the 70B plan is TP 2).
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    # The engine is its own launcher: the plan's tensor_parallel_size starts the ranks.
+    assert pod["containers"][0]["command"] == ["specdeploy", "engine", "serve"]
+    assert "--plan" in pod["containers"][0]["args"]
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     assert mounts["engine-config"] == "/etc/specdeploy" and mounts["dshm"] == "/dev/shm"
 
