@@ -48,9 +48,9 @@ def test_tensor_parallel_serves_and_a_dead_rank_stops_it(serve_process_command, 
             proc.wait()
 
 
-def test_sigterm_stops_every_rank_with_exit_zero(serve_command, tmp_path):
+def test_sigterm_stops_every_rank_with_exit_zero(serve_process_command, tmp_path):
     log_path = tmp_path / "serve.log"
-    argv, url, wait_ready = serve_command("--tensor-parallel-size", "2")
+    argv, url, wait_ready = serve_process_command("--tensor-parallel-size", "2")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
