@@ -2,7 +2,8 @@
 
 Linear layers and embeddings are tensor-parallel: each rank holds a slice of the full weight
 and `load_param` cuts that slice out of the checkpoint tensor (a torch tensor, or a lazy
-`TensorSource` that reads only the slice from disk, so no rank ever holds a whole matrix).
+`TensorSource` of engine/models/checkpoint.py that reads only the slice from disk, so no rank
+ever holds a whole matrix).
 
     ColumnParallelLinear      W [out / tp, in]        output sharded, no collective
     MergedColumnParallelLinear (q/k/v, gate/up)       each part sharded on its own

@@ -43,13 +43,22 @@ def _save(path: Path, tensors: dict, config: dict) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def case_dirs(root: Path, name: str, algorithm: str, hc_mult: int, vocab: int) -> tuple[Path, Path | None]:
-    """Target (and draft) checkpoints of one case under root/name."""
+def case_dirs(root: Path, name: str, algorithm: str, hc_mult: int, vocab: int,
+              fp8: bool = False) -> tuple[Path, Path | None]:
+    """Target (and draft) checkpoints of one case under root/name; fp8: the target's linears
+    stored as per-channel FP8 (e4m3 codes + weight_scale, compressed-tensors' layout)."""
+    from specdeploy.engine.models import fp8 as fp8_format
+
     cfg = tiny_config(hc_mult=hc_mult, vocab_size=vocab)
     target, perm = predictable_target(cfg, seed=0, layer_scale=0.5)
     target_dir = root / name / "target"
-    _save(target_dir, {("model." + n if not n.startswith("lm_head") else n): t
-                       for n, t in target.state_dict().items()}, _config(cfg))
+    state = {("model." + n if not n.startswith("lm_head") else n): t for n, t in target.state_dict().items()}
+    config = _config(cfg)
+    if fp8:
+        fmt = fp8_format.FP8Format("channel", "weight_scale")
+        state = fp8_format.quantize_state_dict(state, fmt)
+        config["quantization_config"] = fp8_format.quantization_config(fmt)
+    _save(target_dir, state, config)
     if algorithm == "NONE":
         return target_dir, None
     kwargs, extra = {}, {}
