@@ -344,7 +344,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
     from specdeploy.engine.models.llama import read_config
 
     deepseek_v4 = v4ckpt.is_deepseek_v4_config(read_config(str(target_dir)))
-    if deepseek_v4 and args.role != "both":
+    if deepseek_v4 and spec.role != "both":
         # Its compressed pools keep per-request recent rows outside the slot rows that move.
         raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
     if deepseek_v4:
@@ -408,6 +408,8 @@ def build_runner(spec: RankSpec, rank: int = 0):
     else:
         log.info("CUDA graphs: none on CPU; the same calls run eagerly")
     _compare("KV cache", kv_bytes, plan.max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
+    if spec.tp_size > 1:
+        distributed.agree_on_shapes(runner, distributed.group())
     return runner, weight_bytes
 
 
@@ -506,10 +508,6 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
         raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
     tp_size = plan.tensor_parallel_size
     _check_gpus(tp_size, device)
-    if tp_size > 1 and args.adaptive_speculation:
-        # The policy chooses each step's shape from timings each rank measures for itself: the
-        # ranks would choose differently. Until rank 0's choice is broadcast, one or the other.
-        raise ValueError("--adaptive-speculation is not supported with tensor parallelism yet")
     if tp_size > 1 and args.role != "both":
         # The split roles move KV through host memory registered per pool; one rank's pools hold
         # only its KV heads, and the transfer would have to run on every rank.
