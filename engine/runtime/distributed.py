@@ -242,6 +242,14 @@ class LeaderRunner:
         self.tp.broadcast([("exit",)])
 
 
+def agree_on_shapes(runner, tp: TPGroup) -> None:
+    """An adaptive runner under TP decodes in rank 0's choice of shape: each step's choice is one
+    more pickle on the control group (the other ranks' own choices, from their own timings, are
+    dropped)."""
+    if getattr(runner, "policy", None) is not None:
+        runner.agree_shape = tp.broadcast
+
+
 def follow(runner, tp: TPGroup) -> None:
     """A worker rank's loop: apply rank 0's changes and run its steps, until told to exit.
     Raises Diverged when this rank's outputs differ from rank 0's."""

@@ -291,6 +291,10 @@ class Runner:
         # The calls of every shape this runner may run, the configured one's being self.calls.
         self._calls = {configured: self.calls}
         self.policy: AdaptivePolicy | None = None
+        # Under tensor parallelism every rank must decode in the same shape, and each rank's
+        # policy times its own steps: `agree_shape(shape) -> shape` makes them agree (rank 0's
+        # choice, broadcast; engine/runtime/distributed.py). None: this runner decides alone.
+        self.agree_shape = None
         self.spec_shape = configured      # the shape of the last decode step
         self.decoded_shape: SpecShape | None = None   # that of this step's, None if it decoded nothing
         if adaptive:
@@ -771,6 +775,8 @@ class Runner:
         """One decode step in the shape the policy chooses for this batch size; what it took
         and accepted goes back to the policy."""
         shape = self.policy.choose(len(seqs))
+        if self.agree_shape is not None:
+            shape = self.agree_shape(shape)
         t0 = time.perf_counter()
         if shape.is_none:
             self._catch_up([s for s in seqs if s.pending >= self.catch_up_tokens])

@@ -74,7 +74,8 @@ def case_dirs(root: Path, name: str, algorithm: str, hc_mult: int, vocab: int,
 
 
 def rank_spec(target_dir: Path, draft_dir: Path | None, algorithm: str, topk: int, num_draft_tokens: int,
-              tp: int, init_method: str = "", device: str = "cpu", all_reduce: str = "nccl") -> RankSpec:
+              tp: int, init_method: str = "", device: str = "cpu", all_reduce: str = "nccl",
+              adaptive: bool = False) -> RankSpec:
     """What `engine serve` would hand every rank for this case: the plan made for TP `tp`."""
     target_config, target_bytes = load_model_path(target_dir)
     draft_config, draft_bytes = load_model_path(draft_dir) if draft_dir else (None, None)
@@ -85,7 +86,7 @@ def rank_spec(target_dir: Path, draft_dir: Path | None, algorithm: str, topk: in
                              gpus_per_node=tp, tensor_parallel_size=tp)
     plan = dataclasses.replace(plan, max_total_tokens=MAX_TOTAL_TOKENS)
     return RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(), "float32", device,
-                    seed=0, tp_size=tp, init_method=init_method, all_reduce=all_reduce)
+                    seed=0, tp_size=tp, init_method=init_method, all_reduce=all_reduce, adaptive=adaptive)
 
 
 def requests():
