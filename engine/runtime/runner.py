@@ -765,7 +765,7 @@ class Runner:
             out.num_cached_tokens = seq.num_cached_tokens
         if self.prefix_cache is not None:
             for seq, _ in chosen:
-                if seq.row >= 0 and seq.req.id not in self._held:  # still running or pending
+                if seq.row >= 0:  # not released (running, pending, or held for export)
                     self._cache_prefix(seq)
         return outputs
 
