@@ -594,8 +594,13 @@ class _Experts(nn.Module):
         """Hold the codes of a `kind` ("fp4" / "fp8") checkpoint instead of model-dtype weights."""
         from specdeploy.engine.models.fp8 import FP4_GROUP
 
+        from specdeploy.engine.models.fp8 import E2M1_VALUES
+
         self.quant, self.block, self.compute_dtype = kind, block, self.gate_up_proj.dtype
         dev = self.gate_up_proj.device
+        # e2m1 code -> value, made once: a table built during a CUDA-graph capture would be a
+        # host-to-device copy, which capture forbids
+        self.register_buffer("e2m1", torch.tensor(E2M1_VALUES, dtype=torch.float32, device=dev), persistent=False)
         for name in ("gate_up_proj", "down_proj"):
             e, n, k = getattr(self, name).shape
             if kind == "fp4":
@@ -612,18 +617,28 @@ class _Experts(nn.Module):
         w = getattr(self, name)[experts]
         if self.quant is None:
             return w.to(dtype)
-        from specdeploy.engine.models.fp8 import dequantize_fp4, dequantize_fp8
+        from specdeploy.engine.models.fp8 import dequantize_fp8
 
         s = getattr(self, name + "_scale")[experts]
-        if w.dim() == 2:
-            return (dequantize_fp4(w, s, dtype=dtype) if self.quant == "fp4"
-                    else dequantize_fp8(w, s, self.block, dtype))
-        e, n = w.shape[:2]
         if self.quant == "fp4":  # scales are per row: the experts' rows stack into one matrix
-            return dequantize_fp4(w.reshape(e * n, -1), s.reshape(e * n, -1), dtype=dtype).view(e, n, -1)
+            shape = (*w.shape[:-1], 2 * w.shape[-1])
+            return self._fp4(w.reshape(-1, w.shape[-1]), s.reshape(-1, s.shape[-1]), dtype).view(shape)
+        if w.dim() == 2:
+            return dequantize_fp8(w, s, self.block, dtype)
+        e, n = w.shape[:2]
         if n % self.block[0] == 0:  # whole row blocks: likewise
             return dequantize_fp8(w.reshape(e * n, -1), s.reshape(-1, s.shape[-1]), self.block, dtype).view(e, n, -1)
         return torch.stack([self.weight(name, j, dtype) for j in range(e)])
+
+    def _fp4(self, codes: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Packed e2m1 [N, K / 2] (element 2j in the low nibble) with E8M0 bits [N, K / 32] ->
+        [N, K] (fp8.dequantize_fp4's layout, with this module's table)."""
+        from specdeploy.engine.models.fp8 import FP4_GROUP
+
+        c = codes.view(torch.uint8)
+        values = torch.stack((self.e2m1[(c & 0xF).long()], self.e2m1[(c >> 4).long()]), dim=-1).flatten(-2)
+        scale = torch.exp2(bits.float() - 127.0).repeat_interleave(FP4_GROUP, dim=-1)[..., :values.shape[-1]]
+        return (values * scale).to(dtype)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
