@@ -41,6 +41,43 @@ def model_config(model: str) -> dict[str, Any]:
     return json.loads((CONFIGS / HUB_MODELS[model]).read_text())
 
 
+# A compressed-tensors FP8 checkpoint (per-channel e4m3, as RedHatAI publishes Llama-3.3-70B in
+# FP8): config.json, the index and real-format shard headers (weights never materialised, served
+# with HTTP Range as the hub does), for the operator to count its real bytes.
+FP8_70B = "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic"
+
+
+def fp8_70b_files() -> dict[str, Any]:
+    from checkpoint_hub import VirtualSafetensors, sharded_checkpoint
+
+    config = model_config("meta-llama/Llama-3.3-70B-Instruct")
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                      "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * config.get("head_dim", h // config["num_attention_heads"])
+    groups = []
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        layer = [(f"{p}.input_layernorm.weight", "BF16", (h,)), (f"{p}.post_attention_layernorm.weight", "BF16", (h,))]
+        for name, out, inp in (("self_attn.q_proj", h, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                               ("self_attn.o_proj", h, h), ("mlp.gate_proj", inter, h), ("mlp.up_proj", inter, h),
+                               ("mlp.down_proj", h, inter)):
+            layer += [(f"{p}.{name}.weight", "F8_E4M3", (out, inp)), (f"{p}.{name}.weight_scale", "BF16", (out, 1))]
+        groups.append(layer)
+    groups.append([("model.embed_tokens.weight", "BF16", (vocab, h)), ("model.norm.weight", "BF16", (h,)),
+                   ("lm_head.weight", "BF16", (vocab, h))])
+    files = sharded_checkpoint(groups, per_shard=6)
+    files["config.json"] = json.dumps(config).encode()
+    files["payload_bytes"] = sum(f.payload_bytes for f in files.values() if isinstance(f, VirtualSafetensors))
+    return files
+
+
+HUB_FILES: dict[str, Any] = {}  # FP8_70B's files, filled by the hub_url fixture
+
+
 class _HubHandler(BaseHTTPRequestHandler):
     """A Hugging Face-compatible hub: every model needs the bearer token (as gated models do)."""
 
@@ -53,6 +90,16 @@ class _HubHandler(BaseHTTPRequestHandler):
             for model, filename in HUB_MODELS.items():
                 if path == f"/{model}/resolve/main/config.json":
                     code, body = 200, (CONFIGS / filename).read_bytes()
+            prefix = f"/{FP8_70B}/resolve/main/"
+            name = path[len(prefix):] if path.startswith(prefix) else None
+            if name in HUB_FILES and name != "payload_bytes":
+                content = HUB_FILES[name]
+                if isinstance(content, bytes):
+                    code, body = 200, content
+                else:  # a shard: its header and zeros, by Range
+                    first, _, last = (self.headers.get("Range") or "bytes=0-").removeprefix("bytes=").partition("-")
+                    start, end = int(first), min(int(last) + 1 if last else content.size, content.size)
+                    code, body = 206, content.read(start, end)
         self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -64,6 +111,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="session")
 def hub_url() -> Iterator[str]:
+    HUB_FILES.update(fp8_70b_files())
     server = ThreadingHTTPServer(("127.0.0.1", 0), _HubHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"

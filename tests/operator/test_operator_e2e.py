@@ -323,3 +323,24 @@ def test_foreign_objects_are_never_taken_over_or_deleted(kube_cluster, kube_name
     assert "Service" in ready["message"] and "clash" in ready["message"]
     assert clash.deployment() is None
     assert clash.items("configmaps", "--field-selector", "metadata.name=clash-engine") == []
+
+
+def test_fp8_checkpoint_counted_from_its_headers(kube_cluster, kube_namespace, operator, hub_url, hub_secret,
+                                                 manifest, sdd_of):
+    """Llama-3.3-70B as an FP8 checkpoint on the hub, with an FP8 KV cache: the operator reads its
+    index and safetensors headers (range requests; nothing else), counts about 71 GB instead of
+    the 141 GB of bf16, and the plan fits one H200 per replica where bf16 needed two."""
+    model = "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic"  # conftest.FP8_70B
+    engine = {"maxRunningRequests": 32, "contextLength": 8192, "kvCacheDtype": "fp8_e4m3"}
+    kube_cluster.apply(manifest("fp8", target={"model": model}, engine=engine), namespace=kube_namespace)
+    sdd = sdd_of("fp8")
+    deployment = wait_for(sdd.deployment, timeout_s=30, what="engine Deployment")
+    assert gpu_request(deployment) == 1
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    plan = wait_for(lambda: (sdd.status() or {}).get("plan"), timeout_s=30, what="status.plan")
+    index = httpx.get(f"{hub_url}/{model}/resolve/main/model.safetensors.index.json",
+                      headers={"Authorization": "Bearer hf_test_token"}).json()
+    assert plan["weightsSource"] == "headers"
+    assert plan["target"]["weightBytes"] == index["metadata"]["total_size"] < 75e9
+    assert plan["target"]["kvCacheDtype"] == "fp8_e4m3" and plan["gpusPerReplica"] == 1
