@@ -268,7 +268,9 @@ class Runner:
 
             # [max_running_requests, H_s] as the plan sizes it; the draft's carried state must fit
             # a row exactly (H_s where hidden_size was meant would be 4x short for hc_mult 4).
-            self.metadata = MetadataBuffers(plan.buffers, dtype, self.device)
+            # In host memory on any device: the transfer engine reads and writes it there
+            # (a row is copied to or from the device once per request).
+            self.metadata = MetadataBuffers(plan.buffers, dtype, "cpu", pin=self.device.type == "cuda")
             rows, width = plan.buffers.metadata_hidden_states_shape
             carried = draft.carried_size if draft is not None else width
             if width != carried or rows != max_running_requests:
@@ -436,10 +438,36 @@ class Runner:
         self._receiving[req.id] = seq
         return seq.row, slots.tolist()
 
-    def activate(self, req_id: str) -> list[StepOutput]:
-        """Decode role: the prompt KV has arrived and the metadata buffer's row holds the first
-        token and the draft's carried state; the request runs from here, as after a local
-        prefill. -> the first token's output."""
+    def kv_pools(self) -> list[KVPool]:
+        return [p for p in (self.target_kv, self.draft_kv) if p is not None]
+
+    def gather_kv(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of the K and V rows of `slots` in every pool, each [layers, n + 1, heads,
+        head_dim] with row j + 1 holding slots[j] (row 0 stands for the pad slot, so that the
+        copy is addressed like a pool: transfer.PoolLayout.of). Pinned on CUDA."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        out = []
+        for pool in self.kv_pools():
+            pair = []
+            for t in (pool.k, pool.v):
+                host = torch.empty((t.shape[0], len(slots) + 1, *t.shape[2:]), dtype=t.dtype,
+                                   pin_memory=self.device.type == "cuda")
+                host[:, 1:].copy_(t[:, index])
+                pair.append(host)
+            out.append(tuple(pair))
+        return out
+
+    def staging_for(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Empty host copies for n received slots, shaped as gather_kv's."""
+        return [tuple(torch.zeros((t.shape[0], n + 1, *t.shape[2:]), dtype=t.dtype,
+                                  pin_memory=self.device.type == "cuda") for t in (pool.k, pool.v))
+                for pool in self.kv_pools()]
+
+    def activate(self, req_id: str, staged: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[StepOutput]:
+        """Decode role: the prompt KV has arrived (in the request's slots, or in `staged`, host
+        copies shaped as staging_for's, which go to its slots now) and the metadata buffer's row
+        holds the first token and the draft's carried state; the request runs from here, as
+        after a local prefill. -> the first token's output."""
         seq = self._receiving[req_id]
         md = self.metadata
         cached = int(md.fixed["cached_tokens"][seq.row])
@@ -449,9 +477,14 @@ class Runner:
         first = int(md.fixed["output_token_id"][seq.row])
         if not 0 <= first < self.target.cfg.vocab_size:
             raise ValueError(f"request {req_id}: first token {first} outside the vocabulary")
+        if staged is not None:
+            index = self.table.req_to_slot[seq.row, :seq.length]
+            for pool, (k, v) in zip(self.kv_pools(), staged, strict=True):
+                pool.k[:, index] = k[:, 1:].to(self.device, non_blocking=True)
+                pool.v[:, index] = v[:, 1:].to(self.device, non_blocking=True)
         del self._receiving[req_id]
         if self.draft is not None:
-            self.draft_hidden[seq.row] = md.hidden[seq.row]
+            self.draft_hidden[seq.row] = md.hidden[seq.row].to(self.device)
             if self.policy is not None:
                 self._catch_up_count[seq.row] = 0
         if seq.generator is not None and seq.req.temperature > 0:
@@ -473,7 +506,7 @@ class Runner:
         md.fixed["output_token_id"][seq.row] = seq.root
         md.fixed["cached_tokens"][seq.row] = seq.num_cached_tokens  # its prefix-cache hit
         if self.draft is not None:
-            md.hidden[seq.row] = self.draft_hidden[seq.row]
+            md.hidden[seq.row] = self.draft_hidden[seq.row].cpu()
         return seq.row, self.table.req_to_slot[seq.row, :seq.length].tolist()
 
     def release_held(self, req_id: str) -> None:
@@ -746,7 +779,7 @@ class Runner:
             shifted[idx, takes[idx] - 1] = first
             if self.role == "prefill":
                 lp = torch.log_softmax(logits.float(), -1).gather(1, first[:, None])[:, 0]
-                self.metadata.fixed["output_token_logprob"][rows[idx]] = lp
+                self.metadata.fixed["output_token_logprob"][rows[idx].cpu()] = lp.cpu()
         if self.draft is not None:
             hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
             if done:

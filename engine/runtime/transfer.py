@@ -11,6 +11,12 @@ What moves, per request (docs/disaggregation.md):
                 prefill server's prefix cache held (usage's cached_tokens), the first token's
                 log-probability.
 
+On a GPU the pools are device memory, which this Mooncake build does not register: the prefill
+side gathers the request's rows into host copies (runner.gather_kv), the decode side receives into
+host copies of its own (runner.staging_for) and puts them into its slots on activation; the
+metadata buffer lives in host memory on every device. `--transfer-staging on` takes that path on
+CPU too (the tests do).
+
 The bytes go through Mooncake's transfer engine (`mooncake-transfer-engine`, the extra
 `specdeploy[disagg]`): each side registers its KV pools and metadata buffer once; the prefill side
 writes straight from its slots into the slots the decode side took for the request (one-sided
@@ -53,6 +59,9 @@ class PoolLayout:
 
     @classmethod
     def of(cls, pool) -> PoolLayout:
+        """Of a KVPool, or of a (k, v) pair of host copies (runner.gather_kv / staging_for)."""
+        if isinstance(pool, tuple):
+            pool = _Pair(*pool)
         k = pool.k
         if not (k.is_contiguous() and pool.v.is_contiguous()):
             raise ValueError("KV pools must be contiguous to be transferred")
@@ -68,6 +77,12 @@ class PoolLayout:
     def shape(self) -> tuple[int, int]:
         """What must agree between the two sides (addresses and slot counts may differ)."""
         return self.num_layers, self.slot_bytes
+
+
+@dataclass(frozen=True)
+class _Pair:
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def slot_runs(src_slots: list[int], dst_slots: list[int]) -> list[tuple[int, int, int]]:
@@ -117,7 +132,7 @@ class MetadataBuffers:
     cached_tokens [R] (the prefill's prefix-cache hit), output_token_logprob [R].
     R = max_running_requests; the decode side's row r is its request's slot-table row."""
 
-    def __init__(self, buffers, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, buffers, dtype: torch.dtype, device: torch.device | str, pin: bool = False):
         from specdeploy.engine.planner.plan import METADATA_FIXED_FIELDS
 
         rows, width = buffers.metadata_hidden_states_shape
@@ -129,11 +144,12 @@ class MetadataBuffers:
         if fixed != buffers.metadata_fixed_fields_bytes_per_request:
             raise ValueError(f"metadata fixed fields: {fixed} bytes per request here, the plan says "
                              f"{buffers.metadata_fixed_fields_bytes_per_request}")
-        self.hidden = torch.zeros(rows, width, dtype=dtype, device=device)
+        self.hidden = torch.zeros(rows, width, dtype=dtype, device=device, pin_memory=pin)
         if self.hidden[0].numel() * self.hidden.element_size() != buffers.metadata_hidden_states_bytes_per_request:
             raise ValueError(f"metadata hidden row: {width} x {self.hidden.element_size()} bytes here, the plan "
                              f"says {buffers.metadata_hidden_states_bytes_per_request} bytes")
-        self.fixed = {name: torch.zeros(rows, dtype=dt, device=device) for name, dt in _FIXED_DTYPES.items()}
+        self.fixed = {name: torch.zeros(rows, dtype=dt, device=device, pin_memory=pin)
+                      for name, dt in _FIXED_DTYPES.items()}
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -200,6 +216,10 @@ class MooncakeAgent:
             if self._engine.batch_transfer_sync_write(session_id, srcs[i:j], dsts[i:j], lens[i:j]) != 0:
                 raise TransferError(f"transfer of {sum(lens[i:j])} bytes to {session_id} failed")
         return sum(lens)
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        self._engine.unregister_memory(tensor.data_ptr())
+        self._registered = [t for t in self._registered if t is not tensor]
 
     def close(self) -> None:
         for tensor in self._registered:

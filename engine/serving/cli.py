@@ -84,6 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                            "engine at (default: this host's address; the pod IP in a cluster)")
     p.add_argument("--transfer-protocol", default="tcp", choices=("tcp", "rdma"),
                    help="prefill/decode: Mooncake transport (default: tcp)")
+    p.add_argument("--transfer-staging", choices=("auto", "on", "off"), default="auto",
+                   help="prefill/decode: move KV rows through host copies (auto: on a GPU, whose "
+                        "memory this Mooncake build cannot register)")
     p.add_argument("--prefill-timeout-s", type=float, default=None,
                    help="decode: how long a request may wait for its prefill server (default: 120)")
     p.add_argument("--tensor-parallel-size", type=int,
@@ -578,30 +581,30 @@ def disaggregation_service(args: argparse.Namespace, scheduler):
     from specdeploy.engine.serving.disagg.protocol import DEFAULT_PREFILL_TIMEOUT_S, server_info
 
     runner = scheduler.runner
-    if runner.device.type != "cpu":
-        raise RuntimeError("prefill/decode roles move KV through host memory with this Mooncake build; "
-                           "the GPU transports need a CUDA build of the transfer engine (docs/disaggregation.md)")
+    staged = args.transfer_staging == "on" or (args.transfer_staging == "auto" and runner.device.type != "cpu")
+    if not staged and runner.device.type != "cpu":
+        raise RuntimeError("--transfer-staging off: this Mooncake build registers host memory only")
     host = args.transfer_host or _host_address()
     agent = MooncakeAgent(host, args.transfer_protocol)
-    for pool in (runner.target_kv, runner.draft_kv):
-        if pool is not None:
+    if not staged:  # peers read and write the pools themselves
+        for pool in runner.kv_pools():
             agent.register(pool.k)
             agent.register(pool.v)
     for tensor in runner.metadata.tensors:
         agent.register(tensor)
     info = server_info(args.role, args.served_model_name or args.target, runner, agent.session_id)
     rows, width = runner.metadata.hidden.shape
-    log.info("%s role: Mooncake %s session %s; metadata buffer [%d, %d] %s (%s) registered with the KV pools",
+    log.info("%s role: Mooncake %s session %s; metadata buffer [%d, %d] %s (%s) registered; KV rows %s",
              args.role, args.transfer_protocol, agent.session_id, rows, width, info.dtype,
-             human_bytes(runner.metadata.nbytes))
+             human_bytes(runner.metadata.nbytes),
+             "through host copies" if staged else "written pool to pool")
     if args.role == "prefill":
         from specdeploy.engine.serving.disagg.prefill import PrefillService
 
-        return PrefillService(scheduler, agent, info)
+        return PrefillService(scheduler, agent, info, staged)
     from specdeploy.engine.serving.disagg.decode import DecodeService
 
-    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S)
-    service.agent = agent  # kept alive: peers write into the memory it registered
+    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S, agent, staged)
     scheduler.remote = service
     return service
 

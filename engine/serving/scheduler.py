@@ -296,15 +296,16 @@ class Scheduler:
 
     # ---- decode role: requests prefilled elsewhere (engine thread) -----------------------------
 
-    def activate_remote(self, req_id: str) -> None:
-        """The prefill server has written the request's KV and metadata row: run it."""
+    def activate_remote(self, req_id: str, staged=None) -> None:
+        """The prefill server has written the request's KV (into its slots, or into `staged`
+        host copies) and metadata row: run it."""
         state = self._running.get(req_id)
         if not self.runner.is_receiving(req_id):
             return
         if state is None or state.finished:  # aborted meanwhile; nothing writes the slots now
             self.runner.abort(req_id)
             return
-        self._process(self.runner.activate(req_id))
+        self._process(self.runner.activate(req_id, staged))
 
     def release_remote(self, req_id: str, error: str | None = None) -> None:
         """The prefill server will not write into the request's slots (done, failed or gone):

@@ -39,8 +39,10 @@ class PrefillFailed(Exception):
 
 
 class DecodeService:
-    def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float):
+    def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float, agent=None, staged: bool = False):
         self.scheduler, self.runner, self.info, self.timeout_s = scheduler, scheduler.runner, info, timeout_s
+        self.agent = agent  # kept alive: peers write into the memory it registered
+        self.staged = staged  # receive into host copies, put into the slots on activation
         self._peers: dict[str, ServerInfo] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._client: httpx.AsyncClient | None = None
@@ -98,13 +100,22 @@ class DecodeService:
         room = f"{req_id}-{uuid.uuid4().hex[:12]}"
         deadline = time.monotonic() + self.timeout_s
         sent = False  # whether the prefill server may have the request
+        staged = None
         try:
             await self._peer(url)
+            if self.staged:
+                staged = self.runner.staging_for(len(slots))
+                for pair in staged:
+                    for t in pair:
+                        self.agent.register(t)
+                pools, slots = staged, list(range(1, len(slots) + 1))
+            else:
+                pools = self.runner.kv_pools()
+            layouts = [PoolLayout.of(p).to_dict() for p in pools]
             body = {"room": room, "peer": self.info.to_dict(), "prompt_ids": prompt_ids,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "seed": params.seed, "timeout_s": self.timeout_s, "slots": slots,
-                    "target_kv": PoolLayout.of(self.runner.target_kv).to_dict(),
-                    "draft_kv": PoolLayout.of(self.runner.draft_kv).to_dict() if self.runner.draft_kv else None,
+                    "target_kv": layouts[0], "draft_kv": layouts[1] if len(layouts) > 1 else None,
                     "metadata": self.runner.metadata.row_addresses(row)}
             sent = True
             r = await self._http().post(f"{url}/disagg/prefill", json=body)
@@ -112,7 +123,7 @@ class DecodeService:
             if r.status_code != 200:
                 raise PrefillFailed(f"the prefill server answered {r.status_code}: {_message(r)}")
             self.transfers += 1
-            await self.scheduler.run_in_engine(lambda: self.scheduler.activate_remote(req_id))
+            await self.scheduler.run_in_engine(lambda: self.scheduler.activate_remote(req_id, staged))
         except asyncio.CancelledError:  # the client went away
             await asyncio.shield(self._stop_peer(url, room, deadline, sent))
             await asyncio.shield(self.scheduler.run_in_engine(lambda: self.scheduler.release_remote(req_id)))
@@ -129,6 +140,10 @@ class DecodeService:
                 lambda: self.scheduler.release_remote(req_id, error=message)))
         finally:
             self._tasks.pop(req_id, None)
+            # Only now: the prefill server has finished with (or given up on) the room.
+            for pair in staged or ():
+                for t in pair:
+                    self.agent.unregister(t)
 
     async def _stop_peer(self, url: str, room: str, deadline: float, sent: bool) -> None:
         """Return once the prefill server will not write into this room's slots any more."""

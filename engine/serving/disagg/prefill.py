@@ -48,8 +48,9 @@ class PrefillRefused(Exception):
 
 
 class PrefillService:
-    def __init__(self, scheduler: Scheduler, agent, info: ServerInfo):
+    def __init__(self, scheduler: Scheduler, agent, info: ServerInfo, staged: bool = False):
         self.scheduler, self.runner, self.agent, self.info = scheduler, scheduler.runner, agent, info
+        self.staged = staged  # send from host copies of the rows (GPU pools: transfer.py)
         self._jobs: dict[str, asyncio.Task] = {}
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.bytes_sent = 0
@@ -117,10 +118,22 @@ class PrefillService:
             row, src_slots = await self.scheduler.run_in_engine(lambda: self.runner.export_held(req_id))
             if time.monotonic() > deadline:
                 raise PrefillRefused(504, f"the prefill took longer than the request's {body.timeout_s:.0f} s")
-            copies = [kv_copies(PoolLayout.of(self.runner.target_kv), src_slots, dst_target, body.slots)]
-            if dst_draft is not None:
-                copies.append(kv_copies(PoolLayout.of(self.runner.draft_kv), src_slots, dst_draft, body.slots))
-            copies.append(self._metadata().row_copies(row, body.metadata))
+            staged = None
+            if self.staged:
+                # Host copies of the rows, gathered between steps (the slots are held).
+                staged = await self.scheduler.run_in_engine(lambda: self.runner.gather_kv(src_slots))
+                sources, src_slots = staged, list(range(1, len(src_slots) + 1))
+            else:
+                sources = self.runner.kv_pools()
+            try:
+                copies = [kv_copies(PoolLayout.of(src), src_slots, dst, body.slots)
+                          for src, dst in zip(sources, [dst_target, dst_draft][:len(sources)])]
+                copies.append(self._metadata().row_copies(row, body.metadata))
+            except ValueError as e:
+                raise PrefillRefused(400, f"the decode server's destination does not fit: {e}") from None
+            for pair in staged or ():
+                for t in pair:
+                    self.agent.register(t)
             t1 = time.monotonic()
             # A transfer under way is not interrupted: an abort waits for it to end.
             write = asyncio.ensure_future(asyncio.to_thread(self._write_all, peer.session_id, copies))
@@ -131,6 +144,10 @@ class PrefillService:
                 raise
             except (TransferError, ValueError) as e:
                 raise PrefillRefused(502, f"transfer to the decode server failed: {e}") from None
+            finally:
+                for pair in staged or ():  # the write has ended, one way or the other
+                    for t in pair:
+                        self.agent.unregister(t)
             self.bytes_sent += sent
             self.transfers += 1
             return {"room": body.room, "prompt_tokens": len(body.prompt_ids), "bytes": sent,

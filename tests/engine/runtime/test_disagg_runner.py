@@ -258,3 +258,50 @@ def test_writes_beyond_one_batch_arrive(agents):
     dsts = [dst[2 * (n - 1 - i)].data_ptr() for i in range(n)]
     assert agents[0].write(agents[1].session_id, srcs, dsts, [8] * n) == 8 * n
     assert torch.equal(dst[0::2].flip(0), src) and not dst[1::2].any()
+
+
+@pytest.mark.parametrize("algorithm,hc_mult", [("EAGLE3", 1), ("MTP", 4)])
+def test_host_staged_transfer_gives_the_same_state(agents, algorithm, hc_mult):
+    """The GPU path, run on CPU: the prefill side gathers the rows into host copies, the decode
+    side receives into host copies of its own and puts them into its slots on activation."""
+    target, perm = target_for(hc_mult)
+    draft = copy_draft(algorithm, target, perm)
+    plan = tiny_plan(target.cfg, algorithm)
+    reqs = random_requests((6, 11), 10, 64)
+    single = Runner(target, draft, plan=plan)
+    for r in reqs:
+        single.add(r)
+    want = {o.req_id: list(o.token_ids) for o in single.step()}
+    want_state = {r.id: state_after_prefill(single, r.id) for r in reqs}
+    while single.num_running:
+        for o in single.step():
+            want[o.req_id] += o.token_ids
+    prefill = Runner(target, draft, plan=plan, role="prefill")
+    decode = Runner(target, draft, plan=plan, role="decode")
+    for runner, agent in ((prefill, agents[0]), (decode, agents[1])):
+        for t in runner.metadata.tensors:
+            agent.register(t)
+    got = {r.id: [] for r in reqs}
+    for r in reqs:
+        row, dst_slots = decode.receive(r)
+        staging = decode.staging_for(len(dst_slots))
+        prefill.add(dataclasses.replace(r, max_tokens=1))
+        while prefill.num_held == 0:
+            prefill.step()
+        src_row, src_slots = prefill.export_held(r.id)
+        gathered = prefill.gather_kv(src_slots)
+        n = len(src_slots)
+        for src, dst in zip(gathered, staging, strict=True):
+            for t in (*src, *dst):
+                (agents[0] if any(t is x for x in src) else agents[1]).register(t)
+            agents[0].write(agents[1].session_id, *kv_copies(PoolLayout.of(src), list(range(1, n + 1)),
+                                                              PoolLayout.of(dst), list(range(1, n + 1))))
+        agents[0].write(agents[1].session_id, *prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row)))
+        prefill.release_held(r.id)
+        for o in decode.activate(r.id, staging):
+            got[o.req_id] += o.token_ids
+        assert_same_state(state_after_prefill(decode, r.id), want_state[r.id])
+    while decode.num_running:
+        for o in decode.step():
+            got[o.req_id] += o.token_ids
+    assert got == want

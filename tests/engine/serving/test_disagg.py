@@ -209,3 +209,24 @@ def test_killed_decode_server_frees_the_prefill_servers_slots(engine_process, di
     assert r.status_code == 502 and "transfer to the decode server failed" in r.json()["error"]["message"]
     wait_until(lambda: idle(prefill), what="the prefill server's slots back")
     assert status(prefill)["free_slots"] == baseline
+
+
+def test_host_staged_pair_answers_as_one_server(server, serve_command):
+    """--transfer-staging on: the path a GPU takes (KV rows through host copies), on CPU."""
+    from specdeploy.engine.serving.cli import ServerThread
+    from specdeploy.engine.serving.disagg.router import RouterThread
+
+    staged = ("--transfer-host", "127.0.0.1", "--transfer-staging", "on")
+    prefill = ServerThread(serve_command("--role", "prefill", *staged)).start(timeout_s=120)
+    decode = ServerThread(serve_command("--role", "decode", *staged)).start(timeout_s=120)
+    router = RouterThread([prefill.base_url], [decode.base_url], free_port()).start()
+    try:
+        one, split = client_for(server.url), client_for(router.base_url)
+        for prompt in PROMPTS[:2]:
+            kw = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            assert split.completions.create(**kw).choices[0].text == one.completions.create(**kw).choices[0].text
+        wait_until(lambda: idle(prefill.base_url) and idle(decode.base_url), what="both servers idle")
+    finally:
+        router.stop()
+        decode.stop()
+        prefill.stop()
