@@ -19,7 +19,9 @@ URL, and whether retrying can help without the user editing the resource (`trans
 from __future__ import annotations
 
 import json
+import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -280,6 +282,14 @@ class HubCheckpointFiles:
         return [SINGLE_FILE]
 
 
+# Checkpoint bytes read from the hub, kept for a while: a resource retried every few seconds
+# (a conflict, a rollout) must not re-read a 4 MB index and a dozen headers each time. A moving
+# revision (main) is re-read after WEIGHTS_CACHE_TTL_S.
+WEIGHTS_CACHE_TTL_S = 600.0
+WEIGHTS_CACHE_ENTRIES = 64
+_weights_cache: dict[tuple[str, str, str, bool], tuple[float, CheckpointWeights | None]] = {}
+
+
 def resolve_model_weights(
     model_spec: dict[str, Any],
     field: str,
@@ -287,17 +297,27 @@ def resolve_model_weights(
     hub_endpoint: str,
     hub_token: str | None,
     http: httpx.Client | None = None,
+    now: Callable[[], float] = time.monotonic,
 ) -> CheckpointWeights | None:
     """The checkpoint bytes of a model whose config comes from the hub (None for an inline or
     ConfigMap config, or a repository without safetensors)."""
     if "config" in model_spec or "configMapRef" in model_spec:
         return None
     revision = model_spec.get("revision", DEFAULT_REVISION)
+    key = (hub_endpoint, model_spec["model"], revision, bool(hub_token))
+    cached = _weights_cache.get(key)
+    if cached is not None and now() - cached[0] < WEIGHTS_CACHE_TTL_S:
+        return cached[1]
     client = http or httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True)
     try:
-        return read_checkpoint_weights(HubCheckpointFiles(model_spec["model"], revision, hub_endpoint, hub_token, client))
+        weights = read_checkpoint_weights(HubCheckpointFiles(model_spec["model"], revision, hub_endpoint, hub_token,
+                                                             client))
     except ConfigError as err:
         raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{field}: checkpoint: {err}", transient=False) from err
     finally:
         if http is None:
             client.close()
+    if len(_weights_cache) >= WEIGHTS_CACHE_ENTRIES:
+        _weights_cache.pop(next(iter(_weights_cache)))
+    _weights_cache[key] = (now(), weights)
+    return weights

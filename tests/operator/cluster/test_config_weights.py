@@ -108,3 +108,17 @@ def test_fp8_kv_cache_halves_kv_bytes_and_reaches_the_engine():
     assert fp8["max_total_tokens"] > 1.9 * bf16["max_total_tokens"]
     args = render.engine_args({**render.engine_settings(spec), "dtype": "bfloat16"})
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+
+
+def test_weights_are_read_once_per_revision_for_a_while(hub):
+    clock = [1000.0]
+    spec = {"model": "deepseek-ai/DeepSeek-V4-Flash", "revision": "refs/pr/3"}
+
+    def read():
+        return cs.resolve_model_weights(spec, "spec.target", hub_endpoint=hub.url, hub_token=None, now=lambda: clock[0])
+
+    first = read()
+    requests = len(hub.requests)
+    assert read() == first and len(hub.requests) == requests  # a retry seconds later: no request
+    clock[0] += cs.WEIGHTS_CACHE_TTL_S + 1
+    assert read() == first and len(hub.requests) > requests  # later, the revision is read again
