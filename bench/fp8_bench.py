@@ -18,7 +18,8 @@
    buffers, graph pool, prefill workspace, total) with the target built as FP8, against the plan
    of a config.json whose quantization_config says fp8 block 128 x 128. Goal: within 5%.
 
-Writes fp8.json into RESULTS_DIR and prints one line per figure.
+Writes fp8.json and fp8.md (the figures as a docs/benchmarks.md section) into RESULTS_DIR and
+prints one line per figure.
 """
 
 from __future__ import annotations
@@ -168,6 +169,49 @@ def sweep(device, reps: int) -> dict:
     return out
 
 
+def markdown(result: dict) -> str:
+    """The figures as a docs/benchmarks.md section."""
+    lines = ["## FP8 weights (Llama-3.1-8B shape, FP8 block 128 x 128 against bf16)", ""]
+    env = result.get("environment", {})
+    lines.append(f"{env.get('gpu', env.get('device', 'device'))}; attention backend "
+                 f"{result.get('attention_backend')}; copy bandwidth {result.get('bandwidth_bytes_per_s', 0) / 1e12:.2f} TB/s; "
+                 "`python3 bench/fp8_bench.py --out DIR`.")
+    lines.append("")
+    rows = {(r["weights"], r["batch"]): r for r in result.get("decode", [])}
+    if rows:
+        lines += ["| batch | bf16 tok/s | FP8 tok/s | FP8 / bf16 | FP8 % of its roofline | bf16 Runner.step tok/s | FP8 Runner.step tok/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in sorted({k[1] for k in rows}):
+            a, f = rows.get(("bf16", b), {}), rows.get(("fp8", b), {})
+            ratio = f.get("tok_s", 0) / a["tok_s"] if a.get("tok_s") else float("nan")
+            lines.append(f"| {b} | {a.get('tok_s', float('nan')):.1f} | {f.get('tok_s', float('nan')):.1f} | {ratio:.2f}x | "
+                         f"{100 * f.get('fraction_of_roofline', float('nan')):.1f}% | {a.get('runner_tok_s', float('nan')):.1f} | "
+                         f"{f.get('runner_tok_s', float('nan')):.1f} |")
+        lines.append("")
+    for row in result.get("speculative", []):
+        if "error" in row:
+            lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
+            continue
+        lines.append(f"- EAGLE-3 chain (3, 1, 4) step on the {row['weights']} target: {row['step_ms']:.3f} ms = "
+                     f"{row['step_over_decode']:.2f}x its decode step; projected {row['projected_tok_s']['2']:.0f} / "
+                     f"{row['projected_tok_s']['3']:.0f} tok/s at accept length 2 / 3 (random heads: measured "
+                     f"{row['measured_accept_length']:.2f})")
+    truth = result.get("planner_truth", {})
+    if truth.get("terms"):
+        lines += ["", "Planner truth, FP8 plan (EAGLE-3 chain, 16 requests x 2K):", "",
+                  "| term | plan GiB | measured GiB | measured / plan |", "|---|---|---|---|"]
+        for term, row in truth["terms"].items():
+            ratio = row.get("measured_over_predicted")
+            lines.append(f"| {term} | {row['predicted_bytes'] / 2**30:.3f} | "
+                         f"{(row['measured_bytes'] or 0) / 2**30:.3f} | {f'{ratio:.3f}' if ratio else '-'} |")
+    goals = result.get("goals", {})
+    if goals:
+        lines += ["", "Goals: " + "; ".join(
+            f"{name} {g['measured']:.2f} (goal {g['goal']}: {'met' if g['measured'] >= g['goal'] else 'missed'})"
+            for name, g in goals.items())]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -236,6 +280,7 @@ def main() -> int:
         log(f"planner truth failed:\n{result['errors'][-1]}")
     result["wall_s"] = time.time() - t0
     path = write_json("fp8.json", result, args.out)
+    (args.out / "fp8.md").write_text(markdown(result))
     log(f"wrote {path} in {result['wall_s']:.0f} s; {len(result['errors'])} error(s)")
     return 1 if result["errors"] else 0
 
