@@ -335,6 +335,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
             out.update(running=s._num_running_published, waiting=len(s._waiting),
                        max_running_requests=s.runner.max_running_requests,
                        free_slots=s.runner.num_free_slots, capacity_slots=s.capacity_slots)
+        if state.role == "prefill" and state.disagg is not None:
+            d = state.disagg
+            out.update(transfers=d.transfers, bytes_sent=d.bytes_sent, transfer_s=d.transfer_s)
         return out
 
     @app.post("/disagg/prefill")

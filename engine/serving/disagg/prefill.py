@@ -55,6 +55,7 @@ class PrefillService:
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.bytes_sent = 0
         self.transfers = 0
+        self.transfer_s = 0.0  # summed over transfers: bytes_sent / transfer_s is the bandwidth
 
     async def prefill(self, body: PrefillBody) -> dict:
         """The whole of one POST /disagg/prefill; raises PrefillRefused."""
@@ -148,10 +149,12 @@ class PrefillService:
                 for pair in staged or ():  # the write has ended, one way or the other
                     for t in pair:
                         self.agent.unregister(t)
+            transfer_s = time.monotonic() - t1
             self.bytes_sent += sent
             self.transfers += 1
+            self.transfer_s += transfer_s
             return {"room": body.room, "prompt_tokens": len(body.prompt_ids), "bytes": sent,
-                    "prefill_s": t1 - t0, "transfer_s": time.monotonic() - t1}
+                    "prefill_s": t1 - t0, "transfer_s": transfer_s}
         except asyncio.CancelledError:
             handle.abort()  # still prefilling: the scheduler frees whatever it took
             raise
