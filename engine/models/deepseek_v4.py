@@ -27,6 +27,9 @@ MoE (every layer): routed experts scored by sqrtsoftplus, top-k on score + e_sco
     sides) before silu(gate) * up; plus the shared expert.
 residual: hc_mult streams with the mHC mixing of engine/models/hc.py around each sublayer;
     hc_head collapses them before the final norm. The MTP draft reads the flattened streams.
+tensor parallel: everything replicated (one shared K=V head leaves nothing to split in
+    attention) but the routed experts, split across the ranks (expert parallelism inside the TP
+    group): each rank adds its experts' share and one all-reduce per MoE layer sums them.
 
 Memory (engine/runtime/compressed_kv.py): every forward first writes its tokens' window K,
 compressor projections and closed-window entries into the pools through the slot maps, then
@@ -580,9 +583,14 @@ class _Experts(nn.Module):
     dequantized inside the expert computation (the experts a batch hits on CPU; every expert of
     the layer, one projection at a time, before the grouped GEMM on CUDA)."""
 
-    def __init__(self, cfg: V4ModelConfig):
+    def __init__(self, cfg: V4ModelConfig, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        if e % tp_size:
+            raise ValueError(f"n_routed_experts={e} is not divisible by tp_size={tp_size}")
+        # Expert parallelism inside the TP group: this rank holds experts [lo, lo + e / tp).
+        e //= tp_size
+        self.lo, self.num_local, self.tp_size = tp_rank * e, e, tp_size
         self.limit = cfg.swiglu_limit
         self.quant: str | None = None  # None | "fp4" | "fp8"
         self.block = (128, 128)
@@ -647,8 +655,13 @@ class _Experts(nn.Module):
         return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, H], idx / w [T, k] -> [T, H]."""
+        """x [T, H], idx / w [T, k] (global expert ids) -> [T, H]: this rank's experts' share."""
         t, k = idx.shape
+        if self.tp_size > 1:
+            # Another rank's expert: weight 0, computed by local expert 0 (fixed shapes, no sync).
+            local = idx - self.lo
+            mine = (local >= 0) & (local < self.num_local)
+            idx, w = torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
@@ -691,16 +704,25 @@ class _SharedExpert(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4ModelConfig, layer: int):
+    """Router and shared expert replicated on every TP rank, routed experts split across them:
+    each rank adds its experts' share and one all-reduce sums the shares."""
+
+    def __init__(self, cfg: V4ModelConfig, layer: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        self.tp_size = tp_size
         self.gate = _Router(cfg, cfg.v4.mlp_kinds[layer] == HASH_MOE)
-        self.experts = _Experts(cfg)
+        self.experts = _Experts(cfg, tp_rank, tp_size)
         self.shared_experts = _SharedExpert(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         idx, w = self.gate(flat, ids.reshape(-1))
-        return (self.experts(flat, idx, w) + self.shared_experts(flat)).view_as(x)
+        routed = self.experts(flat, idx, w)
+        if self.tp_size > 1:
+            from specdeploy.engine.runtime import distributed
+
+            routed = distributed.all_reduce(routed)
+        return (routed + self.shared_experts(flat)).view_as(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,10 +730,10 @@ class V4MoE(nn.Module):
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4ModelConfig, layer: int):
+    def __init__(self, cfg: V4ModelConfig, layer: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.self_attn = V4Attention(cfg, layer)
-        self.mlp = V4MoE(cfg, layer)
+        self.mlp = V4MoE(cfg, layer, tp_rank, tp_size)
         self.input_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = make_residual(cfg.hc)
@@ -732,13 +754,16 @@ class TargetOutput:
 class DeepseekV4Model(nn.Module):
     """The target: same calling convention as LlamaModel (forward(ids, positions, batch, kv))."""
 
-    def __init__(self, cfg: V4ModelConfig, feature_kind: str | None = None):
+    def __init__(self, cfg: V4ModelConfig, feature_kind: str | None = None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         if cfg.hc_mult < 2:
             raise ValueError("DeepSeek-V4 needs hc_mult >= 2")
         self.cfg = cfg
+        # Tensor parallel: attention, embeddings, norms and the shared experts replicated (one
+        # shared K=V head), the routed experts split (expert parallelism inside the TP group).
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, tp_rank, tp_size) for i in range(cfg.num_layers))
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
@@ -777,9 +802,10 @@ class DeepseekV4Model(nn.Module):
         return self.logits(self.norm(self.hc_head(unflatten_streams(feature, self.cfg.hc_mult))))
 
 
-def build_target(cfg: V4ModelConfig, dtype: torch.dtype, device, feature_kind: str | None = None) -> DeepseekV4Model:
+def build_target(cfg: V4ModelConfig, dtype: torch.dtype, device, feature_kind: str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> DeepseekV4Model:
     with torch.device(device):
-        model = DeepseekV4Model(cfg, feature_kind)
+        model = DeepseekV4Model(cfg, feature_kind, tp_rank, tp_size)
     return model.to(dtype).eval()
 
 
@@ -821,7 +847,7 @@ class DeepseekV4MTP(DraftHead):
         self.hnorm = V4RMSNorm(h, cfg.rms_norm_eps)
         self.e_proj = ColumnParallelLinear(h, h, False)
         self.h_proj = ColumnParallelLinear(h, h, False)
-        self.layers = nn.ModuleList([V4DecoderLayer(cfg, self.layer_index)])
+        self.layers = nn.ModuleList([V4DecoderLayer(cfg, self.layer_index, target.tp_rank, target.tp_size)])
         self.hc_head = HyperHead(cfg.hc)
         self.norm = V4RMSNorm(h, cfg.rms_norm_eps)
         self.bind_target(target)

@@ -138,6 +138,10 @@ class _Experts:
         """Consume an expert tensor; yields (stacked name, parameter) when one is complete."""
         m = _EXPERT.match(name)
         layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+        experts = self.model.get_submodule(f"layers.{layer}.mlp.experts")
+        expert -= experts.lo  # this rank's experts only (tensor parallel: expert parallelism)
+        if not 0 <= expert < experts.num_local:
+            return
         base = name.rsplit(".", 1)[0]
         weight_name, scale_name = base + ".weight", base + SCALE_SUFFIX
         self.pending[name] = tensor
@@ -147,7 +151,6 @@ class _Experts:
         if (scale is None) != (self.kind is None):
             raise ValueError(f"checkpoint: {weight_name} is {'un' if scale is None else ''}quantized "
                              "unlike the other routed experts")
-        experts = self.model.get_submodule(f"layers.{layer}.mlp.experts")
         i = experts.gate_up_proj.shape[1] // 2
         stacked = "down_proj" if proj == "w2" else "gate_up_proj"
         rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(None)}[proj]
@@ -201,6 +204,12 @@ def _load(model: torch.nn.Module, checkpoint: Checkpoint, raw: dict, rename, dty
         mapped = rename(n)
         if mapped is not None:
             names[n] = mapped
+    local = next((m for p, m in model.named_modules() if p.endswith("mlp.experts")), None)
+    if local is not None and local.tp_size > 1:
+        def mine(mapped: str) -> bool:
+            m = _EXPERT.match(mapped)
+            return m is None or local.lo <= int(m.group(2)) < local.lo + local.num_local
+        names = {n: mapped for n, mapped in names.items() if mine(mapped)}
     engine_names = set(names.values())
     if fmt is not None:
         model._fp8_block = fmt.block
@@ -226,13 +235,13 @@ def _load(model: torch.nn.Module, checkpoint: Checkpoint, raw: dict, rename, dty
 
 
 def load_v4_target(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                   feature_kind: str | None = None) -> DeepseekV4Model:
+                   feature_kind: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> DeepseekV4Model:
     """DeepSeek-V4 from a model directory (config.json + weights, published or transformers
-    names, FP8 / FP4 as published)."""
+    names, FP8 / FP4 as published); under tensor parallelism each rank reads only its experts."""
     from specdeploy.engine.models.llama import read_config
 
     raw = read_config(path)
-    model = build_target(V4ModelConfig.from_hf(raw), dtype, device, feature_kind)
+    model = build_target(V4ModelConfig.from_hf(raw), dtype, device, feature_kind, tp_rank, tp_size)
     _load(model, Checkpoint(path), raw, lambda n: None if n.startswith("mtp.") else engine_name(n), dtype)
     return model
 

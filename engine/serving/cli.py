@@ -351,9 +351,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
         # Its compressed pools keep per-request recent rows outside the slot rows that move.
         raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
     if deepseek_v4:
-        if spec.tp_size > 1:
-            raise ValueError("DeepSeek-V4 targets do not run tensor parallel yet (TP 1 only)")
-        target = v4ckpt.load_v4_target(str(target_dir), dtype, device)
+        target = v4ckpt.load_v4_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
     else:
         target = load_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
     weight_bytes = _param_bytes(target)

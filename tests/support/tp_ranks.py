@@ -103,7 +103,8 @@ def held_bytes(runner) -> dict:
             if id(t) not in seen:
                 seen.add(id(t))
                 weights += t.numel() * t.element_size()
-    slots = runner.target_kv.k.shape[1]
+    # slots: the KV pool's rows, or (pools of their own: DeepSeek-V4) the slot maps' length
+    slots = runner.target_kv.k.shape[1] if hasattr(runner.target_kv, "k") else runner.target_kv.slot_pos.numel()
     return {"weights": weights, "target_kv_per_token": runner.target_kv.nbytes // slots,
             "draft_kv_per_token": runner.draft_kv.nbytes // slots if runner.draft_kv is not None else 0,
             "captured_graphs": captured_graphs(runner)}

@@ -5,17 +5,15 @@ the target alone answers."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import openai
 import pytest
-from safetensors.torch import save_file
 
 from specdeploy.engine.demo import train
 from specdeploy.engine.serving.cli import ServerThread, free_port
 
-from v4_tiny import TINY, engine_model, hf_model, published, random_mtp
+from v4_tiny import TINY, engine_model, hf_model, random_mtp, save_published
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
@@ -27,26 +25,7 @@ def model_dir(tmp_path_factory) -> Path:
     tok = train.train_tokenizer(texts, vocab_size=160)
     config = {**copy.deepcopy(TINY), "vocab_size": tok.get_vocab_size(), "eos_token_id": 0, "bos_token_id": 0}
     hf = hf_model(config)
-    mtp = random_mtp(engine_model(config, hf))
-    tensors = {published(k): v.contiguous() for k, v in hf.state_dict().items()}
-    tensors.update({"mtp.0." + published(k.removeprefix("layers.0.")): v.contiguous()
-                    for k, v in mtp.state_dict().items() if not k.startswith("layers.0.mlp.experts.")})
-    experts = mtp.layers[0].mlp.experts
-    i = config["moe_intermediate_size"]
-    for e in range(experts.gate_up_proj.shape[0]):
-        tensors[f"mtp.0.ffn.experts.{e}.w1.weight"] = experts.gate_up_proj[e, :i].contiguous()
-        tensors[f"mtp.0.ffn.experts.{e}.w3.weight"] = experts.gate_up_proj[e, i:].contiguous()
-        tensors[f"mtp.0.ffn.experts.{e}.w2.weight"] = experts.down_proj[e].contiguous()
-    # the target's routed experts per expert, as published
-    for name in [n for n in tensors if n.endswith("ffn.experts.gate_up_proj") and not n.startswith("mtp.")]:
-        stacked, down = tensors.pop(name), tensors.pop(name.replace("gate_up_proj", "down_proj"))
-        base = name.removesuffix("gate_up_proj")
-        for e in range(stacked.shape[0]):
-            tensors[f"{base}{e}.w1.weight"] = stacked[e, :i].contiguous()
-            tensors[f"{base}{e}.w3.weight"] = stacked[e, i:].contiguous()
-            tensors[f"{base}{e}.w2.weight"] = down[e].contiguous()
-    save_file(tensors, str(root / "model.safetensors"))
-    (root / "config.json").write_text(json.dumps(config))
+    save_published(root, config, hf, random_mtp(engine_model(config, hf)))
     train.save_tokenizer(tok, root)
     return root
 

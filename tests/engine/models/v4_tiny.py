@@ -193,3 +193,27 @@ def published(name: str) -> str:
     for a, b in TO_PUBLISHED:
         name = name.replace(a, b)
     return name
+
+
+def save_published(root, config: dict, hf, mtp) -> None:
+    """`root` as a published DeepSeek-V4 directory (unquantized): config.json, one safetensors
+    file with the original tensor names, routed experts per expert, the MTP layer under mtp.0.*."""
+    import json
+
+    from safetensors.torch import save_file
+
+    i = config["moe_intermediate_size"]
+    tensors = {published(k): v.contiguous() for k, v in hf.state_dict().items()}
+    tensors.update({"mtp.0." + published(k.removeprefix("layers.0.")): v.contiguous()
+                    for k, v in mtp.state_dict().items() if not k.startswith("layers.0.mlp.experts.")})
+    stacked = {"mtp.0.ffn.experts.": (mtp.layers[0].mlp.experts.gate_up_proj, mtp.layers[0].mlp.experts.down_proj)}
+    for name in [n for n in tensors if n.endswith("ffn.experts.gate_up_proj")]:
+        stacked[name.removesuffix("gate_up_proj")] = (tensors.pop(name), tensors.pop(name.replace("gate_up_proj", "down_proj")))
+    for base, (gate_up, down) in stacked.items():
+        for e in range(gate_up.shape[0]):
+            tensors[f"{base}{e}.w1.weight"] = gate_up[e, :i].contiguous()
+            tensors[f"{base}{e}.w3.weight"] = gate_up[e, i:].contiguous()
+            tensors[f"{base}{e}.w2.weight"] = down[e].contiguous()
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config))
