@@ -44,7 +44,7 @@ SIZES = {
     # A small "big" shape for CPU: every dimension of section 5's smoke target grows.
     "smoke": {"shape": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 4, "num_heads": 8,
                         "num_kv_heads": 4, "head_dim": 32, "vocab_size": 400},
-              "batches": (1, 2), "sweep_new_tokens": 6, "sweep_repeats": 2, "hf_compile": False, "parity_windows": 2, "parity_len": 16},
+              "batches": (1, 2), "sweep_new_tokens": 6, "sweep_repeats": 1, "hf_compile": False, "parity_windows": 2, "parity_len": 16},
 }
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
 # What the adaptive runner may choose: no speculation, chains of 1-5 steps and both trees.
@@ -146,7 +146,7 @@ def _sweep_one(name, big, draft, shape, adaptive, z, ctx_len, dev, prompts) -> d
     rows = []
     for b in z["batches"]:
         before = _shape_counts(runner)
-        # Best of two runs, as for every configuration: one run of a large batch is short.
+        # Best of `sweep_repeats` runs, as for every configuration: one run of a large batch is short.
         runs = [batch_tok_s(runner, prompts[:b], z["sweep_new_tokens"], dev, f"b{b}r{k}-")
                 for k in range(z["sweep_repeats"])]
         r = max(runs, key=lambda x: x["decode_tok_s"])
