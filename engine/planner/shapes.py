@@ -156,12 +156,18 @@ def tensor_parallel_params(shapes: ModelShapes, tensor_parallel_size: int,
     """(parameters the engine splits across TP ranks, those of them one rank holds) for a dense
     GQA model, counted as engine/models shards them; everything else (norms, biases of
     row-parallel layers, hyper-connection mixers, EAGLE-3's d2t / t2d) is replicated. None for
-    the models the engine does not split this way (MoE, MLA, compressed attention).
+    the models the engine does not split this way (MoE, MLA); DeepSeek-V4: its routed experts.
 
     Per layer: q and o by heads (/ tp), k and v by KV heads (kv_heads_per_gpu: replicated when
     fewer than tp), gate / up / down (/ tp); embedding and lm_head by vocabulary rows, padded to
     ceil(V / tp) per rank; a head's input projection (EAGLE fc [Hs, H + Hs] with Hs the target's
     spec_hidden_size, EAGLE-3 fc [H, 3H], MTP eh_proj / e_proj + h_proj) by input columns."""
+    if shapes.attention == "compressed":
+        # DeepSeek-V4 (engine/models/deepseek_v4.py): only the routed experts are split (expert
+        # parallelism: E / tp of them per rank); attention, embeddings and the rest replicated.
+        if shapes.num_routed_experts % tensor_parallel_size:
+            return None
+        return shapes.routed_expert_params, shapes.routed_expert_params // tensor_parallel_size
     if shapes.attention != "gqa" or shapes.num_routed_experts:
         return None
     tp = tensor_parallel_size
