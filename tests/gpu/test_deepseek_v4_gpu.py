@@ -100,3 +100,32 @@ def test_bf16_runs_under_graphs(models):
     assert bf16.layers[0].self_attn.sinks.dtype == torch.float32  # kept float32 like the checkpoint
     out, runner = serve(bf16, mtp, SpecConfig("MTP", 2, 1, 3), "capture")
     assert all(len(tokens) == 20 for tokens in out.values())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_expert_parallel_with_graphs_equal_one_gpu(tmp_path):
+    """TP 2 over NCCL, each rank capturing its graphs with the MoE all-reduces inside: the same
+    greedy tokens as one GPU (float32), each rank holding half the routed experts."""
+    from tp_ranks import held_bytes, rank_spec, run_one, run_tp
+    from v4_tiny import save_published
+
+    from specdeploy.engine.runtime import distributed
+
+    config = {**TINY, "vocab_size": 64, "n_routed_experts": 4}
+    hf = hf_model(config)
+    root = tmp_path / "target"
+    save_published(root, config, hf, random_mtp(engine_model(config, hf)))
+    cases = [("NONE", 0, 0), ("MTP", 1, 4), ("MTP", 2, 5)]
+    reference = []
+    for a, k, n in cases:
+        tokens, runner = run_one(rank_spec(root, root if a != "NONE" else None, a, k, n, 1, device="cuda"))
+        reference.append((tokens, held_bytes(runner)["weights"]))
+        del runner
+        torch.cuda.empty_cache()
+    init_method = distributed.free_init_method()
+    specs = [rank_spec(root, root if a != "NONE" else None, a, k, n, 2, init_method, device="cuda") for a, k, n in cases]
+    for (algorithm, *_), (want, weights_tp1), (tokens, held) in zip(cases, reference, run_tp(specs)):
+        assert tokens == want, f"{algorithm}: TP 2 differs from one GPU"
+        for rank, h in held.items():
+            assert h["captured_graphs"] > 0, f"rank {rank} captured no CUDA graph"
+            assert h["weights"] < weights_tp1
