@@ -124,3 +124,49 @@ def test_operator_refuses_the_same_as_config_invalid(path):
             crashes.append(f"{label}: {type(exc).__name__}: {exc}")
     assert not crashes, f"{len(crashes)} broken configs crash the planner under the operator:\n" + "\n".join(crashes[:40])
     assert refused > 0
+
+
+def _example_cases():
+    """(example, role) for every config written inline in manifests/examples."""
+    import yaml
+
+    for path in sorted((ROOT / "manifests" / "examples").glob("*.yaml")):
+        sdd = next(d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "SpecDecodeDeployment")
+        for role in ("target", "draft"):
+            if "config" in sdd["spec"].get(role, {}):
+                yield pytest.param(path, role, id=f"{path.stem}-{role}")
+
+
+@pytest.mark.parametrize(("example", "role"), list(_example_cases()))
+def test_example_inline_configs_broken_are_config_invalid(example, role):
+    """The examples' inline configs, broken field by field under their own spec, as the operator
+    sees them (the same planner functions the CLI test above holds to one-line refusals)."""
+    import yaml
+
+    from specdeploy.operator.desired.planning import PlanningError, plan_engine
+
+    text = example.read_text()
+    spec = next(d for d in yaml.safe_load_all(text) if d and d.get("kind") == "SpecDecodeDeployment")["spec"]
+    configs = {}
+    for r in ("target", "draft"):
+        part = spec.get(r)
+        if part is None:
+            configs[r] = None
+        elif "config" in part:
+            configs[r] = part["config"]
+        else:   # named in the comment: `#   target config.json:   manifests/models/.../config.json`
+            line = next(line for line in text.splitlines() if line.lstrip("# ").startswith(f"{r} config.json:"))
+            configs[r] = json.loads((ROOT / line.split(":", 1)[1].strip()).read_text())
+    crashes, refused = [], 0
+    for label, mutated in _mutations(configs[role], OPERATOR_BAD_VALUES):
+        pair = {**configs, role: mutated}
+        try:
+            plan_engine(spec, pair["target"], pair["draft"])
+        except PlanningError as err:
+            refused += err.reason == "ConfigInvalid"
+            if PLANNER_FAILED in err.message:
+                crashes.append(f"{label}: {err.message}")
+        except Exception as exc:  # noqa: BLE001
+            crashes.append(f"{label}: {type(exc).__name__}: {exc}")
+    assert not crashes, "\n".join(crashes[:40])
+    assert refused > 0
