@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_FLAGS ?= -q
 
-.PHONY: install tools test demo fuzz
+.PHONY: install tools test demo fuzz soak
 
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
@@ -24,3 +24,12 @@ FUZZ_MAX_TIME_S ?= 900
 fuzz:
 	SPECDEPLOY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECDEPLOY_FUZZ_MAX_TIME_S=$(FUZZ_MAX_TIME_S) SPECDEPLOY_FUZZ_MIN_CASES=3000 \
 	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_fuzz_openapi.py
+
+# Minutes of concurrent streaming clients against the tiny pair on CPU (tests/engine/serving/test_soak.py);
+# the figures go to $(SOAK_REPORT) and docs/reliability.md.
+SOAK_S ?= 180
+SOAK_CLIENTS ?= 32
+SOAK_REPORT ?= soak-report.json
+soak:
+	SPECDEPLOY_SOAK_S=$(SOAK_S) SPECDEPLOY_SOAK_CLIENTS=$(SOAK_CLIENTS) SPECDEPLOY_SOAK_REPORT=$(abspath $(SOAK_REPORT)) \
+	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_soak.py

@@ -54,18 +54,19 @@ def test_enums_follow_the_catalogs():
 def test_printer_columns_point_at_fields_the_operator_writes():
     _, version, schema = load()
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Shape", "Age"]
+    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Tok/s", "Shape", "Age"]
     assert columns["Shape"] == ".status.serving.speculativeShape"
+    assert columns["Tok/s"] == ".status.serving.tokensPerSecond"
     assert columns["GPUs"] == ".status.plan.gpusPerReplica"
     assert columns["Max tokens"] == ".status.plan.maxTotalTokens"
     assert columns["Accept length"] == ".status.serving.meanAcceptLength"
+    assert columns["Tok/s"] == ".status.serving.tokensPerSecond"
     written = status.status_plan({"tensor_parallel_size": 1, "max_total_tokens": 2, "target": {}})
     status_props = schema["properties"]["status"]["properties"]
     for path in (columns["GPUs"], columns["Max tokens"]):
         key = path.rsplit(".", 1)[1]
         assert key in written and key in status_props["plan"]["properties"]
-    assert "meanAcceptLength" in status_props["serving"]["properties"]
-    assert "speculativeShape" in status_props["serving"]["properties"]
+    assert {"meanAcceptLength", "tokensPerSecond", "speculativeShape"} <= set(status_props["serving"]["properties"])
 
 
 def test_every_model_source_rule_applies_to_target_and_draft():

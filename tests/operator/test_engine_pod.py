@@ -1,0 +1,190 @@
+"""The loop closed: the Deployment the operator renders for manifests/examples/tiny-cpu-demo.yaml
+is run for real, and what the engine measures comes back into the resource's status.
+
+A LocalKubelet (tests/cluster/testcluster/local_kubelet.py) owns one node of the test cluster and
+runs that pod's container exactly as rendered — command, args, env, the ConfigMap mounted at its
+path, its probes — as a process on a loopback address that it reports as the pod's IP. The image's
+demo pair (/opt/specdeploy/demo in Dockerfile.engine) is a pair built here with the example's exact
+config.json. The operator runs as `specdeploy operator`, scrapes the pod's /metrics, and
+`kubectl get sdd` shows the accept length and tok/s; killing the engine turns the resource
+Degraded, and the kubelet's restart makes it Ready again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from testcluster import wait_for
+from testcluster.local_kubelet import LocalKubelet
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"
+IMAGE_DEMO_DIR = "/opt/specdeploy/demo"
+# Small enough that the toy target's next token follows its input often, so drafts get accepted.
+TOY_LAYER_SCALE = 0.1
+
+
+@pytest.fixture(scope="module")
+def example() -> dict:
+    return yaml.safe_load(TINY_CPU_DEMO.read_text())
+
+
+@pytest.fixture(scope="module")
+def demo_pair(tmp_path_factory, example) -> Path:
+    """What the engine image holds at /opt/specdeploy/demo: target/ (with its tokenizer) and draft/,
+    whose config.json files are the example's inline configs, byte for byte the same fields."""
+    from specdeploy.engine.demo import train
+    from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
+
+    tc, dc = example["spec"]["target"]["config"], example["spec"]["draft"]["config"]
+    cfg = tiny_config(
+        vocab_size=tc["vocab_size"], hidden_size=tc["hidden_size"], intermediate_size=tc["intermediate_size"],
+        num_layers=tc["num_hidden_layers"], num_heads=tc["num_attention_heads"],
+        num_kv_heads=tc["num_key_value_heads"], head_dim=tc["head_dim"],
+        max_position_embeddings=tc["max_position_embeddings"], rms_norm_eps=tc["rms_norm_eps"],
+        rope_theta=tc["rope_theta"], tie_word_embeddings=tc["tie_word_embeddings"],
+    )
+    target, perm = predictable_target(cfg, seed=0, layer_scale=TOY_LAYER_SCALE)
+    draft = copy_draft("EAGLE", target, perm, layer_scale=TOY_LAYER_SCALE)
+    root = tmp_path_factory.mktemp("image") / "demo"
+    texts = list(train.read_corpus(train.corpus_files(300_000, roots=[Path(train.__file__).parent])))
+    tok = train.train_tokenizer(texts, vocab_size=tc["vocab_size"])
+    assert (tok.token_to_id(train.BOS_TOKEN), tok.token_to_id(train.EOS_TOKEN)) == (tc["bos_token_id"], tc["eos_token_id"])
+    train.save_model(target, tc, root / "target")
+    train.save_tokenizer(tok, root / "target")
+    train.save_model(draft, dc, root / "draft", prefix="")
+    return root
+
+
+@pytest.fixture
+def local_kubelet(kube_cluster, kube_namespace, demo_pair, tmp_path):
+    """A node that runs pods for real; the fake GPU nodes are cordoned meanwhile, so the CPU-mode
+    engine (no node affinity) lands here."""
+    # `specdeploy` as the image's PATH has it: this interpreter's environment.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    kubelet = LocalKubelet(kube_cluster, tmp_path / "kubelet", image_paths={IMAGE_DEMO_DIR: demo_pair}, path=path)
+    kubelet.start()
+    cordoned = kubelet.cordon_others()
+    try:
+        yield kubelet
+    finally:
+        kubelet.uncordon(cordoned)
+        kubelet.stop()
+
+
+class Traffic:
+    """Completions sent to the engine pod's address in a loop, so that its throughput gauge moves."""
+
+    def __init__(self, base_url: str, model: str):
+        self.base_url, self.model = base_url, model
+        self.done = threading.Event()
+        self.completed = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.done.is_set():
+                try:
+                    r = client.post(f"{self.base_url}/v1/completions",
+                                    json={"model": self.model, "prompt": "def fibonacci(n):", "max_tokens": 48})
+                    self.completed += r.status_code == 200
+                except httpx.TransportError:
+                    time.sleep(0.2)
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(90)
+
+
+def test_the_rendered_engine_pod_runs_and_reports_into_status(
+    kube_cluster, kube_namespace, local_kubelet, operator_process, sdd_of, example, demo_pair, capsys,
+):
+    operator = operator_process(metrics_interval_s=2)
+    kube_cluster.apply(TINY_CPU_DEMO.read_text(), namespace=kube_namespace)
+    sdd = sdd_of("tiny-cpu-demo")
+    deployment = wait_for(sdd.deployment, timeout_s=60, what="the engine Deployment")
+    template = deployment["spec"]["template"]["spec"]
+    (container,) = template["containers"]
+
+    pod = wait_for(lambda: [p for p in sdd.pods() if p["spec"].get("nodeName") == local_kubelet.node_name
+                            and p["status"].get("podIP")], timeout_s=60, what="the engine pod on the local node")[0]
+    runner = local_kubelet.runner(kube_namespace, pod["metadata"]["name"])
+    ip = pod["status"]["podIP"]
+    assert ip.startswith("127.") and ip != "127.0.0.1"
+
+    # Exactly the rendered container: its command and args, with the image's and the volumes'
+    # paths moved to where they are on this machine and 0.0.0.0 meaning the pod's own address.
+    (engine,) = runner.containers
+    config_dir = next(Path(a).parent for a in engine.argv if a.endswith("/plan.json"))
+    expected = [*container["command"], *container["args"]]
+    mapped = {"0.0.0.0": ip}
+    for arg in expected:
+        if arg.startswith(IMAGE_DEMO_DIR):
+            mapped[arg] = str(demo_pair) + arg[len(IMAGE_DEMO_DIR):]
+        elif arg.startswith("/etc/specdeploy/"):
+            mapped[arg] = str(config_dir / arg.rsplit("/", 1)[1])
+    assert engine.argv[1:] == [mapped.get(a, a) for a in expected[1:]]
+    assert Path(engine.argv[0]).name == container["command"][0]
+    # The ConfigMap's files, as mounted: the plan the engine allocates is the one in status.
+    (config_map,) = [c for c in sdd.owned("configmaps") if c["metadata"]["name"] == "tiny-cpu-demo-engine"]
+    for key, text in config_map["data"].items():
+        assert (config_dir / key).read_text() == text
+    # Its env, exactly (the model cache mount mapped too), and nothing of this process's but PATH,
+    # HOME, LANG and thread counts.
+    for var in container["env"]:
+        assert engine.env[var["name"]] in (var["value"], str(runner.dir / "volumes" / "model-cache"))
+    assert set(engine.env) - {v["name"] for v in container["env"]} <= {
+        "PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "HOSTNAME"}
+    assert {k: p.spec for k, p in engine.probes.items()} == {
+        k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+
+    status = sdd.wait_ready(timeout_s=180)
+    assert status["serving"]["readyReplicas"] == 1
+    base_url = f"http://{ip}:8000"
+    assert httpx.get(f"{base_url}/ready").status_code == 200
+
+    model = example["spec"]["target"]["model"]
+    with Traffic(base_url, model) as traffic:
+        serving = wait_for(
+            lambda: (s := sdd.status().get("serving") or {}).get("meanAcceptLength", 0) > 1
+            and s.get("tokensPerSecond", 0) > 0 and s,
+            timeout_s=90, what="the scraped accept length and tok/s in status.serving",
+        )
+    assert traffic.completed > 0
+    table = kube_cluster.kubectl("get", "sdd", "-n", kube_namespace).stdout
+    with capsys.disabled():
+        print("\n" + table)
+    header, row = table.strip().splitlines()
+    columns = dict(zip(["NAME", "READY", "PHASE", "GPUS", "MAX", "ACCEPT", "TOK/S"], row.split()))
+    assert "ACCEPT LENGTH" in header and "TOK/S" in header
+    assert columns["READY"] == "True" and columns["GPUS"] == "0"
+    assert float(columns["ACCEPT"]) > 1 and float(columns["TOK/S"]) > 0
+    assert float(columns["ACCEPT"]) == pytest.approx(serving["meanAcceptLength"], abs=0.5)
+
+    # The engine dies: the pod is no longer ready, the resource is Degraded ...
+    pid = runner.kill()
+    degraded = wait_for(
+        lambda: sdd.condition("Degraded").get("status") == "True" and sdd.condition("Degraded"),
+        timeout_s=30, what="Degraded after the engine was killed",
+    )
+    assert degraded["reason"] == "ReplicasUnavailable"
+    assert sdd.condition("Ready")["status"] == "False"
+    # ... and the kubelet restarts it (crash-loop back-off), which makes it Ready again.
+    wait_for(lambda: engine.proc is not None and engine.proc.pid != pid, timeout_s=30, what="the restart")
+    sdd.wait_ready(timeout_s=120)
+    assert sdd.condition("Degraded")["status"] == "False"
+    restarted = kube_cluster.kubectl_json("get", "pod", pod["metadata"]["name"], "-n", kube_namespace)
+    assert restarted["status"]["containerStatuses"][0]["restartCount"] == 1
+    assert restarted["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] != 0
+    assert "Traceback" not in operator.logs()
