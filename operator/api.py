@@ -54,6 +54,8 @@ REASON_TOKEN_NOT_FOUND = "HubTokenNotFound"
 REASON_UNKNOWN_GPU = "UnknownGPU"
 REASON_PLANNED = "Planned"
 REASON_CHILD_CONFLICT = "ChildConflict"
+REASON_MODEL_CACHE_IMMUTABLE = "ModelCacheImmutable"
+REASON_MODEL_CACHE_NOT_FOUND = "ModelCacheNotFound"
 
 # Ready / Progressing / Degraded reasons, from the engine Deployment's state.
 REASON_DEPLOYMENT_MISSING = "DeploymentMissing"

@@ -146,21 +146,21 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         deployment = kube.apply_children(children)
     except ChildConflict as err:
         logger.warning(f"not applied (will retry): {err}")
-        conflict = str(err)
-        _event(sdd, warning=True, reason=api.EVENT_CHILD_CONFLICT, message=conflict)
+        conflict, reason = str(err), err.reason
+        _event(sdd, warning=True, reason=reason, message=conflict)
 
         def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
             new = status.plan_ready(
                 current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
-                message=summary, now=now(),
+                message=summary, now=now(), model_cache=children.model_cache,
             )
-            return status.apply_blocked(new, generation=generation, reason=api.REASON_CHILD_CONFLICT, message=conflict, now=now())
+            return status.apply_blocked(new, generation=generation, reason=reason, message=conflict, now=now())
 
         kube.update_status(namespace, name, blocked)
         raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
     gpus = planned.tensor_parallel_size
     logger.info(
-        f"applied ConfigMap, Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
+        f"applied ConfigMap, {'PersistentVolumeClaim, ' if children.model_cache_claim else ''}Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
         f" {children.config_hash}) and Service {name}"
     )
     _event(sdd, warning=False, reason=api.EVENT_APPLIED, message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
@@ -168,7 +168,7 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
         new = status.plan_ready(
             current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
-            message=summary, now=now(),
+            message=summary, now=now(), model_cache=children.model_cache,
         )
         # Read the Deployment again on every attempt: the watcher ignores Deployment events until
         # this write lands, so this write must not carry an older view than the last such event.

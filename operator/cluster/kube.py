@@ -4,6 +4,7 @@ optimistic-concurrency status writes, through the official Kubernetes client."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import random
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
+from specdeploy.operator import api
 from specdeploy.operator.api import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
 from specdeploy.operator.desired.render import (
     Children,
@@ -28,8 +30,13 @@ STATUS_WRITE_BACKOFF_S = 0.05
 
 
 class ChildConflict(Exception):
-    """An object with a child's name exists but another owner controls it; the operator never
-    takes over what it did not create."""
+    """A child cannot be applied as rendered: an object with its name exists but another owner
+    controls it (the operator never takes over what it did not create), or the change is one the
+    API refuses (a claim's storage class or access modes are fixed once it exists)."""
+
+    def __init__(self, message: str, reason: str = api.REASON_CHILD_CONFLICT) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def plain(value: Any) -> Any:
@@ -46,6 +53,25 @@ def controller_owner(obj: Mapping[str, Any], kind: str = KIND) -> Mapping[str, A
         if ref.get("controller") and ref.get("kind") == kind:
             return ref
     return None
+
+
+_QUANTITY_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+                      "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+
+
+def _quantity_bytes(quantity: str) -> float:
+    """A storage quantity ("20Gi", "500M", "1e9") in bytes."""
+    for suffix, factor in sorted(_QUANTITY_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
+        if quantity.endswith(suffix):
+            return float(quantity[: -len(suffix)]) * factor
+    return float(quantity)
+
+
+def _api_message(err: ApiException) -> str:
+    try:
+        return json.loads(err.body).get("message", str(err.reason))
+    except (TypeError, ValueError):
+        return str(err.reason)
 
 
 def new_api_client() -> kubernetes.client.ApiClient:
@@ -124,6 +150,7 @@ class KubeClient:
         meta = obj["metadata"]
         read = {
             "ConfigMap": self.core.read_namespaced_config_map,
+            "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim,
             "Service": self.core.read_namespaced_service,
             "Deployment": self.apps.read_namespaced_deployment,
         }[obj["kind"]]
@@ -158,14 +185,38 @@ class KubeClient:
         meta = obj["metadata"]
         patch = {
             "ConfigMap": self.core.patch_namespaced_config_map,
+            "PersistentVolumeClaim": self.core.patch_namespaced_persistent_volume_claim,
             "Service": self.core.patch_namespaced_service,
             "Deployment": self.apps.patch_namespaced_deployment,
         }[obj["kind"]]
-        result = patch(
-            meta["name"], meta["namespace"], obj,
-            field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH,
-        )
+        if obj["kind"] == "PersistentVolumeClaim":
+            obj = self._never_shrink(obj)
+        try:
+            result = patch(
+                meta["name"], meta["namespace"], obj,
+                field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH,
+            )
+        except ApiException as err:
+            if err.status == 422 and obj["kind"] == "PersistentVolumeClaim":
+                raise ChildConflict(
+                    f"PersistentVolumeClaim {meta['namespace']}/{meta['name']} cannot be changed as"
+                    f" spec.modelCache asks (storageClassName and accessModes are fixed once a claim exists,"
+                    f" and its size can only grow where the storage class allows expansion): {_api_message(err)};"
+                    " delete the claim to have it made again",
+                    reason=api.REASON_MODEL_CACHE_IMMUTABLE,
+                ) from None
+            raise
         return self._dict(result)
+
+    def _never_shrink(self, claim: dict[str, Any]) -> dict[str, Any]:
+        """A claim's storage request can grow but never shrink (the API refuses): keep an existing
+        claim's larger size, e.g. after the plan of a smaller model."""
+        existing = self._existing(claim)
+        have = (((existing or {}).get("spec") or {}).get("resources") or {}).get("requests", {}).get("storage")
+        want = claim["spec"]["resources"]["requests"]["storage"]
+        if have and _quantity_bytes(have) > _quantity_bytes(want):
+            claim = {**claim, "spec": {**claim["spec"], "resources": {"requests": {"storage": have}}}}
+        return claim
 
     def apply_children(self, children: Children) -> dict[str, Any]:
         """Apply ConfigMap, Deployment, Service; returns the Deployment as the server has it.
@@ -173,6 +224,16 @@ class KubeClient:
         leave GPU pods running without their Service (or their ConfigMap)."""
         for child in children.all():
             self.check_not_foreign(child)
+        cache = children.model_cache or {}
+        if cache.get("claimName") and not cache.get("managed"):
+            namespace = children.deployment["metadata"]["namespace"]
+            claim = {"kind": "PersistentVolumeClaim", "metadata": {"name": cache["claimName"], "namespace": namespace}}
+            if self._existing(claim) is None:
+                raise ChildConflict(
+                    f"spec.modelCache.claimName: PersistentVolumeClaim {namespace}/{cache['claimName']} does not"
+                    " exist; create it, or leave claimName out to have the operator make one",
+                    reason=api.REASON_MODEL_CACHE_NOT_FOUND,
+                )
         applied = {child["kind"]: self._apply_unchecked(child) for child in children.all()}
         return applied["Deployment"]
 

@@ -43,6 +43,12 @@ STARTUP_PROBE_FAILURES = 180
 PRE_STOP_SLEEP_S = 5
 DEFAULT_TERMINATION_GRACE_S = 120
 CONFIG_HASH_CHARS = 16
+# A model cache claim the operator creates holds both checkpoints as the plan sized them, plus a
+# quarter for what a hub download keeps beside the weights (tokenizer, config, the partial file of
+# an interrupted download) and a fixed margin for small models.
+MODEL_CACHE_HEADROOM = 1.25
+MODEL_CACHE_MARGIN_BYTES = 2 << 30
+GIB = 1 << 30
 # /dev/shm of the engine pod, memory-backed: NCCL's intra-node buffers (its SHM transport and the
 # proxy's host buffers) live there, a few hundred MiB per rank; the container runtime's 64 MiB
 # default makes NCCL fail at the first collective. The engine starts one process per GPU itself
@@ -91,10 +97,13 @@ class Children:
     deployment: dict[str, Any]
     service: dict[str, Any]
     config_hash: str
+    model_cache_claim: dict[str, Any] | None = None  # a PersistentVolumeClaim the operator makes
+    model_cache: dict[str, Any] | None = None  # status.modelCache: where the weights are kept
 
     def all(self) -> list[dict[str, Any]]:
-        # ConfigMap first: the Deployment's pods mount it.
-        return [self.config_map, self.deployment, self.service]
+        # ConfigMap and claim first: the Deployment's pods mount them.
+        claim = [self.model_cache_claim] if self.model_cache_claim else []
+        return [self.config_map, *claim, self.deployment, self.service]
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -123,6 +132,73 @@ def config_map_name(name: str) -> str:
     # Suffixed so that it cannot collide with a user's ConfigMap named after the resource
     # (e.g. the one a configMapRef points at).
     return f"{name}-engine"
+
+
+def model_cache_claim_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def model_cache_size(plan: dict[str, Any]) -> str:
+    """The size of a claim the operator creates: both models' weights (the plan's weight_bytes,
+    whole models before tensor parallelism) with headroom, in whole GiB."""
+    weights = sum(int((plan.get(role) or {}).get("weight_bytes") or 0) for role in ("target", "draft"))
+    wanted = weights * MODEL_CACHE_HEADROOM + MODEL_CACHE_MARGIN_BYTES
+    return f"{-(-int(wanted) // GIB)}Gi"
+
+
+def weights_sources(spec: dict[str, Any], hub_endpoint: str) -> list[dict[str, Any]]:
+    """status.modelCache.weights: where each model's weights come from. A model given as an
+    absolute path is read from the pod's filesystem (the image or a volume); any other is a hub
+    repository, downloaded into the model cache unless it is already there."""
+    sources = []
+    for role in ("target", "draft"):
+        model = spec.get(role)
+        if not model:
+            continue
+        entry: dict[str, Any] = {"role": role, "model": model["model"]}
+        if model["model"].startswith("/"):
+            entry["source"] = "Path"
+        else:
+            entry.update(source="Hub", endpoint=hub_endpoint, revision=model.get("revision", "main"))
+        sources.append(entry)
+    return sources
+
+
+def render_model_cache(
+    sdd: dict[str, Any], plan: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """(the pod's model-cache volume, the claim to create or None, status.modelCache).
+
+    No spec.modelCache: an emptyDir, so every new pod downloads hub weights again. claimName: that
+    existing claim, used as it is. Otherwise a claim of the resource's own (`<name>-model-cache`,
+    owned by it: deleted with it), sized from the plan unless spec.modelCache.size says otherwise."""
+    name = sdd["metadata"]["name"]
+    cache = sdd["spec"].get("modelCache")
+    if cache is None:
+        return ({"name": "model-cache", "emptyDir": {}}, None,
+                {"volume": "EmptyDir", "mountPath": MODEL_CACHE_PATH,
+                 "message": "no spec.modelCache: weights from a hub are downloaded again by every new pod"})
+    if cache.get("claimName"):
+        claim = cache["claimName"]
+        return ({"name": "model-cache", "persistentVolumeClaim": {"claimName": claim}}, None,
+                {"volume": "PersistentVolumeClaim", "claimName": claim, "managed": False, "mountPath": MODEL_CACHE_PATH})
+    claim_name = model_cache_claim_name(name)
+    size = cache.get("size") or model_cache_size(plan)
+    claim_spec: dict[str, Any] = {
+        "accessModes": list(cache.get("accessModes") or ["ReadWriteOnce"]),
+        "resources": {"requests": {"storage": size}},
+    }
+    if cache.get("storageClassName"):
+        claim_spec["storageClassName"] = cache["storageClassName"]
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim_name, "labels": common_labels(name)},
+        "spec": claim_spec,
+    }
+    return ({"name": "model-cache", "persistentVolumeClaim": {"claimName": claim_name}}, claim,
+            {"volume": "PersistentVolumeClaim", "claimName": claim_name, "managed": True, "size": size,
+             "mountPath": MODEL_CACHE_PATH})
 
 
 def is_paused(meta: dict[str, Any]) -> bool:
@@ -319,12 +395,14 @@ def render_children(
         "metadata": {"name": config_map_name(name), "labels": dict(labels)},
         "data": config_map_data,
     }
-    pod_spec = engine_pod_spec(spec, container, config_map_name(name), planned)
+    cache_volume, cache_claim, cache_status = render_model_cache(sdd, planned.plan)
+    cache_status["weights"] = weights_sources(spec, hub_endpoint)
+    pod_spec = engine_pod_spec(spec, container, config_map_name(name), planned, cache_volume)
     deployment = deployment_object(deployment_name(name), labels, selector_labels(name),
                                    spec.get("replicas", 1), hash_value, pod_spec)
     service = service_object(service_name(name), labels, selector_labels(name))
-    finish_children(sdd, [config_map, deployment, service], labels)
-    return Children(config_map, deployment, service, hash_value)
+    finish_children(sdd, [config_map, deployment, service] + ([cache_claim] if cache_claim else []), labels)
+    return Children(config_map, deployment, service, hash_value, cache_claim, cache_status)
 
 
 def engine_container(spec: dict[str, Any], image: str, args: list[str], env: list[dict[str, Any]],
@@ -355,7 +433,8 @@ def engine_container(spec: dict[str, Any], image: str, args: list[str], env: lis
 
 
 def engine_pod_spec(spec: dict[str, Any], container: dict[str, Any], config_map: str,
-                    planned: PlannedEngine) -> dict[str, Any]:
+                    planned: PlannedEngine, cache_volume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`cache_volume`: the model-cache volume (render_model_cache); default an emptyDir."""
     engine = spec.get("engine") or {}
     return {
         "containers": [container],
@@ -365,7 +444,7 @@ def engine_pod_spec(spec: dict[str, Any], container: dict[str, Any], config_map:
         "volumes": [
             {"name": "engine-config", "configMap": {"name": config_map}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _shm_size(planned)}},
-            {"name": "model-cache", "emptyDir": {}},
+            cache_volume or {"name": "model-cache", "emptyDir": {}},
         ],
     }
 

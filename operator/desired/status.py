@@ -139,11 +139,15 @@ def plan_ready(
     config_hash: str,
     message: str,
     now: str,
+    model_cache: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The plan fits. `model_cache`: where the engine keeps its weights (render_model_cache)."""
     status = _base(current)
     status["observedGeneration"] = generation
     status["plan"] = status_plan(plan)
     status["configHash"] = config_hash
+    if model_cache is not None:
+        status["modelCache"] = model_cache
     status.pop("message", None)
     set_condition(status, PLAN_READY, True, api.REASON_PLANNED, message, generation=generation, now=now)
     return status
