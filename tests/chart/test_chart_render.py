@@ -153,6 +153,7 @@ EXPECTED_OPERATOR_RULES = {
     ("specdeploy.dev", "specdecodedeployments/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
     ("", "pods"): {"list"},
     ("", "secrets"): {"get"},

@@ -170,6 +170,8 @@ class Soak:
                 await getattr(self, action)()
         except openai.APIStatusError as err:
             self.api_error(err)
+            if err.status_code == 429:  # queue full: back off, as a client should
+                await asyncio.sleep(self.rng.uniform(0.5, 1.5))
         except (openai.APIConnectionError, httpx.TransportError) as err:
             self.failures.append(f"{action}: {type(err).__name__}: {err}")
 
