@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_FLAGS ?= -q
 
-.PHONY: install tools test demo fuzz soak
+.PHONY: install tools test demo fuzz soak scale images
 
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
@@ -18,12 +18,15 @@ demo:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[engine]'
 	specdeploy demo
 
-# The engine's API fuzzed much longer than CI does (tests/engine/serving/test_fuzz_openapi.py).
+# The engine's API (schemathesis) and the operator (hypothesis-generated resources) fuzzed much
+# longer than CI does: tests/engine/serving/test_fuzz_openapi.py, tests/operator/test_fuzz_resources.py.
 FUZZ_EXAMPLES ?= 2000
 FUZZ_MAX_TIME_S ?= 900
-fuzz:
+FUZZ_RESOURCES ?= 500
+fuzz: tools
 	SPECDEPLOY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECDEPLOY_FUZZ_MAX_TIME_S=$(FUZZ_MAX_TIME_S) SPECDEPLOY_FUZZ_MIN_CASES=3000 \
-	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_fuzz_openapi.py
+	  SPECDEPLOY_FUZZ_RESOURCES=$(FUZZ_RESOURCES) \
+	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_fuzz_openapi.py tests/operator/test_fuzz_resources.py
 
 # Minutes of concurrent streaming clients against the tiny pair on CPU (tests/engine/serving/test_soak.py);
 # the figures go to $(SOAK_REPORT) and docs/reliability.md.
@@ -33,3 +36,15 @@ SOAK_REPORT ?= soak-report.json
 soak:
 	SPECDEPLOY_SOAK_S=$(SOAK_S) SPECDEPLOY_SOAK_CLIENTS=$(SOAK_CLIENTS) SPECDEPLOY_SOAK_REPORT=$(abspath $(SOAK_REPORT)) \
 	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_soak.py
+
+# 200 SpecDecodeDeployments to Ready on the test cluster: time, operator RSS, create -> Deployment p99.
+SCALE_RESOURCES ?= 200
+SCALE_REPORT ?= scale-report.json
+scale: tools
+	SPECDEPLOY_SCALE_RESOURCES=$(SCALE_RESOURCES) SPECDEPLOY_SCALE_REPORT=$(abspath $(SCALE_REPORT)) \
+	  $(PYTHON) -P -m pytest -q -s tests/operator/test_scale.py
+
+# The operator and engine images, built with buildah from a Debian base made by debootstrap (no
+# Docker engine, no registry but Debian's and PyPI): hack/build-images.sh.
+images:
+	bash hack/build-images.sh

@@ -192,9 +192,9 @@ class PodRunner(threading.Thread):
         return dirs
 
     def _env_value(self, var: dict[str, Any]) -> str | None:
-        if "value" in var:
-            return var["value"]
-        source = var.get("valueFrom") or {}
+        source = var.get("valueFrom")
+        if not source:  # the API omits an empty value: the variable is set, to ""
+            return var.get("value", "")
         core = self.kubelet.core
         if "secretKeyRef" in source:
             import base64
@@ -210,7 +210,7 @@ class PodRunner(threading.Thread):
                       "metadata.uid": self.uid, "status.podIP": self.ip, "status.hostIP": "127.0.0.1",
                       "spec.nodeName": self.kubelet.node_name}
             return fields.get(source["fieldRef"]["fieldPath"], "")
-        return None
+        return None  # resourceFieldRef: not known here
 
     def _container(self, spec: dict[str, Any], mounts: list[tuple[str, Path]]) -> Container:
         env: dict[str, str] = {}
@@ -360,7 +360,7 @@ class PodRunner(threading.Thread):
                     if c.proc is not None:
                         self._run_probes(c, now)
             status = self._status()
-            if _comparable(status) != _comparable(last_status):
+            if status != last_status:
                 try:
                     self.kubelet.core.patch_namespaced_pod_status(self.name, self.namespace, {"status": status})
                     last_status = status
@@ -454,10 +454,6 @@ class PodRunner(threading.Thread):
             pid = c.proc.pid
             os.killpg(pid, sig)
         return pid
-
-
-def _comparable(status: Any) -> Any:
-    return status
 
 
 def _stop_process(proc: subprocess.Popen, grace_s: float) -> None:
@@ -554,7 +550,14 @@ class LocalKubelet:
             spec=client.V1LeaseSpec(holder_identity=self.node_name, lease_duration_seconds=40,
                                     renew_time=_now_micro()),
         )
-        client.CoordinationV1Api(self._api).create_namespaced_lease("kube-node-lease", lease)
+        coordination = client.CoordinationV1Api(self._api)
+        try:
+            coordination.create_namespaced_lease("kube-node-lease", lease)
+        except client.exceptions.ApiException as err:
+            if err.status != 409:  # a lease of that name already exists: take it over
+                raise
+            coordination.patch_namespaced_lease(self.node_name, "kube-node-lease", {
+                "spec": {"holderIdentity": self.node_name, "leaseDurationSeconds": 40, "renewTime": _now_micro()}})
 
     def _heartbeat(self) -> None:
         from kubernetes import client
