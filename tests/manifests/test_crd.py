@@ -60,7 +60,6 @@ def test_printer_columns_point_at_fields_the_operator_writes():
     assert columns["GPUs"] == ".status.plan.gpusPerReplica"
     assert columns["Max tokens"] == ".status.plan.maxTotalTokens"
     assert columns["Accept length"] == ".status.serving.meanAcceptLength"
-    assert columns["Tok/s"] == ".status.serving.tokensPerSecond"
     written = status.status_plan({"tensor_parallel_size": 1, "max_total_tokens": 2, "target": {}})
     status_props = schema["properties"]["status"]["properties"]
     for path in (columns["GPUs"], columns["Max tokens"]):

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 IMAGE_DEMO_DIR = "/opt/specdeploy/demo"
 # Small enough that the toy target's next token follows its input often, so drafts get accepted.
-TOY_LAYER_SCALE = 0.1
+TOY_LAYER_SCALE = 0.2
 
 
 @pytest.fixture(scope="module")
