@@ -56,6 +56,7 @@ REASON_PLANNED = "Planned"
 REASON_CHILD_CONFLICT = "ChildConflict"
 REASON_MODEL_CACHE_IMMUTABLE = "ModelCacheImmutable"
 REASON_MODEL_CACHE_NOT_FOUND = "ModelCacheNotFound"
+REASON_ENGINE_SPEC_INVALID = "EngineSpecInvalid"
 
 # Ready / Progressing / Degraded reasons, from the engine Deployment's state.
 REASON_DEPLOYMENT_MISSING = "DeploymentMissing"

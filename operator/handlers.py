@@ -29,6 +29,7 @@ from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
 from specdeploy.operator.cluster import config_source, serving_metrics
 from specdeploy.operator.cluster.kube import (
     ChildConflict,
+    ChildInvalid,
     KubeClient,
     controller_owner,
     new_api_client,
@@ -144,6 +145,10 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
     try:
         deployment = kube.apply_children(children)
+    except ChildInvalid as err:
+        # As a spec that does not plan: what served the previous spec goes, the status says why.
+        _refuse(kube, sdd, err.reason, str(err), transient=False, logger=logger)
+        raise kopf.PermanentError(f"{err.reason}: {err}") from None
     except ChildConflict as err:
         logger.warning(f"not applied (will retry): {err}")
         conflict, reason = str(err), err.reason
@@ -158,12 +163,14 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
 
         kube.update_status(namespace, name, blocked)
         raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
-    gpus = planned.tensor_parallel_size
+    # CPU mode (spec.cpu) requests no GPU: the plan's one "device" is the pod's memory.
+    per_replica = "CPU" if planned.cpu else f"{planned.tensor_parallel_size} GPU"
     logger.info(
-        f"applied ConfigMap, {'PersistentVolumeClaim, ' if children.model_cache_claim else ''}Deployment ({sdd['spec'].get('replicas', 1)} x {gpus} GPU, config hash"
-        f" {children.config_hash}) and Service {name}"
+        f"applied ConfigMap, {'PersistentVolumeClaim, ' if children.model_cache_claim else ''}Deployment"
+        f" ({sdd['spec'].get('replicas', 1)} x {per_replica}, config hash {children.config_hash}) and Service {name}"
     )
-    _event(sdd, warning=False, reason=api.EVENT_APPLIED, message=f"engine Deployment {name}: {gpus} GPU per replica, config hash {children.config_hash}")
+    _event(sdd, warning=False, reason=api.EVENT_APPLIED,
+           message=f"engine Deployment {name}: {per_replica} per replica, config hash {children.config_hash}")
 
     def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
         new = status.plan_ready(

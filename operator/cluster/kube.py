@@ -39,6 +39,14 @@ class ChildConflict(Exception):
         self.reason = reason
 
 
+class ChildInvalid(Exception):
+    """The API server refuses a child as rendered (422 Invalid): the spec asks for something no
+    Deployment, ConfigMap or Service may hold (e.g. an extended resource without a limit, an env
+    name with '='). Permanent: the spec must change."""
+
+    reason = api.REASON_ENGINE_SPEC_INVALID
+
+
 def plain(value: Any) -> Any:
     """Deep copy of a kopf body (read-only mapping views) as plain dicts and lists."""
     if isinstance(value, Mapping):
@@ -197,6 +205,10 @@ class KubeClient:
                 field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH,
             )
         except ApiException as err:
+            if err.status == 422 and obj["kind"] != "PersistentVolumeClaim":
+                raise ChildInvalid(
+                    f"the API server refuses the engine {obj['kind']} this spec renders: {_api_message(err)}"
+                ) from None
             if err.status == 422 and obj["kind"] == "PersistentVolumeClaim":
                 raise ChildConflict(
                     f"PersistentVolumeClaim {meta['namespace']}/{meta['name']} cannot be changed as"

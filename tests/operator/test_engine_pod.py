@@ -12,6 +12,7 @@ Degraded, and the kubelet's restart makes it Ready again.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import threading
@@ -196,3 +197,64 @@ def test_the_rendered_engine_pod_runs_and_reports_into_status(
     assert restarted["status"]["containerStatuses"][0]["restartCount"] == 1
     assert restarted["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] != 0
     assert "Traceback" not in operator.logs()
+
+
+def test_model_cache_claim_keeps_downloaded_weights_for_restarts_and_new_replicas(
+    kube_cluster, kube_namespace, local_kubelet, operator_process, sdd_of, example, demo_pair,
+):
+    """spec.modelCache: the operator's claim (bound here to a PersistentVolume the test makes, as
+    a provisioner would) holds HF_HOME; the first pod downloads the weights from the hub, a
+    restarted pod and a second replica find them there."""
+    from model_hub import FakeHub  # tests/support/model_hub.py
+
+    hub = FakeHub({"org/tiny": demo_pair / "target", "org/tiny-eagle": demo_pair / "draft"}, token="cache-token")
+    try:
+        kube_cluster.apply([
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"cache-{kube_namespace}"},
+             "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "local-test",
+                      "persistentVolumeReclaimPolicy": "Delete",
+                      "claimRef": {"namespace": kube_namespace, "name": "tiny-model-cache"},
+                      "hostPath": {"path": f"/tmp/unused-{kube_namespace}"}}},
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub-token", "namespace": kube_namespace},
+             "stringData": {"token": "cache-token"}},
+        ])
+        resource = copy.deepcopy(example)
+        resource["metadata"]["name"] = "tiny"
+        resource["spec"]["target"]["model"] = "org/tiny"
+        resource["spec"]["draft"]["model"] = "org/tiny-eagle"
+        resource["spec"]["hub"] = {"endpoint": hub.url, "tokenSecretRef": {"name": "hub-token"}}
+        resource["spec"]["modelCache"] = {"storageClassName": "local-test"}
+        operator_process(metrics_interval_s=0)
+        kube_cluster.apply(resource, namespace=kube_namespace)
+        sdd = sdd_of("tiny")
+        status = sdd.wait_ready(timeout_s=180)
+
+        claim = kube_cluster.kubectl_json("get", "pvc", "tiny-model-cache", "-n", kube_namespace)
+        assert claim["metadata"]["ownerReferences"][0]["name"] == "tiny"
+        assert claim["spec"]["storageClassName"] == "local-test" and claim["status"]["phase"] == "Bound"
+        assert claim["spec"]["resources"]["requests"]["storage"] == status["modelCache"]["size"] == "3Gi"
+        assert status["modelCache"]["volume"] == "PersistentVolumeClaim"
+        assert status["modelCache"]["claimName"] == "tiny-model-cache" and status["modelCache"]["managed"] is True
+        assert [(w["role"], w["source"], w["endpoint"]) for w in status["modelCache"]["weights"]] == [
+            ("target", "Hub", hub.url), ("draft", "Hub", hub.url)]
+
+        def weight_downloads() -> int:
+            return sum(r.endswith(".safetensors") for r in hub.requests)
+
+        assert weight_downloads() == 2  # target and draft, once each
+        (first,) = local_kubelet.running(kube_namespace)
+        cache_dir = local_kubelet.workdir / "volumes" / kube_namespace / "tiny-model-cache"
+        assert first.containers[0].env["HF_HOME"] == str(cache_dir)
+        assert list(cache_dir.glob("hub/models--org--tiny/snapshots/*/model.safetensors"))
+
+        # A restarted pod (deleted; the Deployment makes a new one) and a second replica.
+        kube_cluster.kubectl("delete", "pod", first.name, "-n", kube_namespace, "--wait=false")
+        kube_cluster.kubectl("patch", "sdd", "tiny", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"replicas":2}}')
+        wait_for(lambda: (s := sdd.status()).get("phase") == "Ready" and s["serving"]["readyReplicas"] == 2
+                 and first.name not in {r.name for r in local_kubelet.running(kube_namespace)},
+                 timeout_s=180, what="two new replicas Ready")
+        assert len(local_kubelet.running(kube_namespace)) == 2
+        assert weight_downloads() == 2, hub.requests  # both started from the cache
+    finally:
+        hub.close()
+        kube_cluster.kubectl("delete", "pv", f"cache-{kube_namespace}", "--wait=false", check=False)
