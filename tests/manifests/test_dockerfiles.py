@@ -65,6 +65,22 @@ def test_runs_as_a_numeric_non_root_user(name):
     assert not gid or (gid.isdigit() and int(gid) != 0), final
 
 
+@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.engine"])
+def test_the_user_has_a_passwd_entry_in_the_final_stage(name):
+    """Found by running the built operator image (hack/run-operator-image.py): kopf names its
+    peering identity with getpass.getuser(), which raises for a uid /etc/passwd does not know, so
+    the operator died at start-up. The final stage writes an entry for the USER's uid."""
+    pairs = _instructions(name)
+    final_stage = pairs[max(i for i, (word, _) in enumerate(pairs) if word == "FROM"):]
+    uid = [rest for word, rest in final_stage if word == "USER"][-1].partition(":")[0]
+    runs = " ".join(rest for word, rest in final_stage if word == "RUN")
+    assert re.search(rf"[a-z_][a-z0-9_-]*:x:{uid}:\d+:[^:]*:(/[^:]*):", runs), f"{name}: no passwd entry for uid {uid}"
+    if name == "Dockerfile.engine":  # Triton and torch keep caches under the home directory
+        home = re.search(rf":x:{uid}:\d+:[^:]*:(/[^:]*):", runs).group(1)
+        assert f"chown 65532:65532 {home}" in runs and any(
+            word == "ENV" and f"HOME={home}" in rest for word, rest in final_stage)
+
+
 @pytest.mark.parametrize("name, entry", [
     ("Dockerfile.operator", ["operator"]),
     ("Dockerfile.engine", ["engine", "serve"]),
