@@ -104,3 +104,13 @@ def test_status_says_where_each_models_weights_come_from(cache):
          "endpoint": "https://mirror.internal", "revision": "main"},
         {"role": "draft", "model": "/models/eagle3", "source": "Path"},
     ]
+
+
+def test_model_cache_with_disaggregation_is_refused_by_the_crd():
+    """The prefill and decode roles keep an emptyDir: the CRD says so instead of ignoring the field."""
+    import yaml
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "manifests/crd/specdeploy.dev_specdecodedeployments.yaml").read_text())
+    rules = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
+    (rule,) = [r for r in rules if "modelCache" in r["rule"]]
+    assert rule["rule"] == "!has(self.modelCache) || !has(self.disaggregation)" and "not supported" in rule["message"]
