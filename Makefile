@@ -41,10 +41,11 @@ soak:
 SCALE_RESOURCES ?= 200
 SCALE_REPORT ?= scale-report.json
 scale: tools
-	SPECDEPLOY_SCALE_RESOURCES=$(SCALE_RESOURCES) SPECDEPLOY_SCALE_REPORT=$(abspath $(SCALE_REPORT)) \
+	SPECDEPLOY_SCALE_RESOURCES=$(SCALE_RESOURCES) SPECDEPLOY_SCALE_REPORT=$(abspath $(SCALE_REPORT)) SPECDEPLOY_SCALE_ENFORCE_GOALS=1 \
 	  $(PYTHON) -P -m pytest -q -s tests/operator/test_scale.py
 
 # The operator and engine images, built with buildah from a Debian base made by debootstrap (no
 # Docker engine, no registry but Debian's and PyPI): hack/build-images.sh.
 images:
 	bash hack/build-images.sh
+	$(PYTHON) -P hack/run-operator-image.py

@@ -81,6 +81,15 @@ def test_the_user_has_a_passwd_entry_in_the_final_stage(name):
             word == "ENV" and f"HOME={home}" in rest for word, rest in final_stage)
 
 
+def test_the_demo_pair_is_readable_by_the_engines_user():
+    """Found by running the built engine image: the demo pair trained at build time (as root) had
+    model.safetensors at mode 0600, so the engine (uid 65532) could not load the pair that
+    manifests/examples/tiny-cpu-demo.yaml serves."""
+    runs = [rest for word, rest in _instructions("Dockerfile.engine") if word == "RUN"]
+    (train,) = [r for r in runs if "ensure_models(Path('/opt/specdeploy/demo')" in r]
+    assert train.rstrip().endswith("chmod -R a+rX /opt/specdeploy")
+
+
 @pytest.mark.parametrize("name, entry", [
     ("Dockerfile.operator", ["operator"]),
     ("Dockerfile.engine", ["engine", "serve"]),

@@ -2,9 +2,10 @@
 Ready, with the time that takes, the operator's resident memory and the create -> Deployment
 latency of each resource.
 
-CI creates SPECDEPLOY_SCALE_RESOURCES (default 20); `make scale` creates 200 and writes the
-figures to SPECDEPLOY_SCALE_REPORT. Goals at 200: all Ready in < 60 s, the operator's RSS
-< 200 MiB, create -> Deployment p99 < 2 s.
+CI creates SPECDEPLOY_SCALE_RESOURCES (default 20) and checks that all become Ready within the
+operator's memory goal; `make scale` creates 200, writes the figures to SPECDEPLOY_SCALE_REPORT and
+holds them to the goals: all Ready in < 60 s, the operator's RSS < 200 MiB, create -> Deployment
+p99 < 2 s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from testcluster import wait_for
 
 RESOURCES = int(os.environ.get("SPECDEPLOY_SCALE_RESOURCES", "20"))
 REPORT = os.environ.get("SPECDEPLOY_SCALE_REPORT")
+# `make scale` holds the run to the goals; CI's small run (on a shared machine) to correctness,
+# memory and a loose latency bound.
+ENFORCE_GOALS = os.environ.get("SPECDEPLOY_SCALE_ENFORCE_GOALS") == "1"
 EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 GOAL_READY_S, GOAL_RSS_MIB, GOAL_P99_S = 60.0, 200.0, 2.0
 
@@ -112,6 +116,9 @@ def test_many_resources_to_ready(kube_cluster, kube_namespace, operator_process,
     api_client.close()
 
     assert "Traceback" not in operator.logs()
-    assert ready_s < GOAL_READY_S, report
     assert rss_peak < GOAL_RSS_MIB, report
-    assert percentile(latencies, 0.99) < GOAL_P99_S, report
+    if ENFORCE_GOALS:
+        assert ready_s < GOAL_READY_S, report
+        assert percentile(latencies, 0.99) < GOAL_P99_S, report
+    else:
+        assert ready_s < 4 * GOAL_READY_S and percentile(latencies, 0.99) < 30, report
