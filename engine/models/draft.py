@@ -39,8 +39,8 @@ from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_emb
                                   unflatten_streams)
 from specdeploy.engine.runtime.kv import KVPool
 from specdeploy.engine.models.layers import GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, load_state, rope_inv_freq
-from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, read_config,
-                                     rope_tables)
+from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, default_dtype,
+                                     read_config, rope_tables)
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "MTP")
 
@@ -225,7 +225,7 @@ def build_draft(algorithm: str, cfg: ModelConfig, target: LlamaModel, dtype: tor
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown draft algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     cls = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head, "MTP": MTPHead}[algorithm]
-    with torch.device(device):
+    with torch.device(device), default_dtype(dtype):
         head = cls(cfg, target, **kwargs)
     head.to(dtype)
     # As for the target (build_target): recomputed in float32 rather than cast back from dtype.

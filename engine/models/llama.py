@@ -11,6 +11,7 @@ With hc_mult > 1 every block carries hc_mult residual streams (engine/models/hc.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -348,10 +349,35 @@ def _is_mtp(name: str) -> bool:
     return name.removeprefix("model.").startswith("mtp.")
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` (a floating dtype) for the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def random_init_(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights in place, where the module lives: N(0, std) matrices, norms 1 (engine serve
+    --random-weights: real shapes without their checkpoint; the text is noise)."""
+    g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.is_floating_point() and p.element_size() > 1:
+                p.normal_(0.0, std, generator=g)
+
+
 def build_target(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  feature_kind: str | None = None, aux_layers=None,
                  tp_rank: int = 0, tp_size: int = 1) -> LlamaModel:
-    with torch.device(device):
+    # Parameters are allocated in `dtype` from the start: a float32 model cast afterwards would
+    # need twice the final memory (a 70B shard at TP 2 is 70 GiB in bf16, 141 GiB in float32).
+    with torch.device(device), default_dtype(dtype):
         model = LlamaModel(cfg, feature_kind, aux_layers, tp_rank, tp_size)
     model.to(dtype)  # hyper-connection mixers keep float32 (engine/models/hc.py)
     # Rotary frequencies are recomputed in float32 rather than cast back: a round trip through

@@ -91,6 +91,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="decode: how long a request may wait for its prefill server (default: 120)")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="GPUs (processes) one model is split over (default: the plan's, else 1)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random target and draft weights of the checkpoints' shapes instead of reading them "
+                        "(a model directory needs only config.json and a tokenizer): start-up and speed checks "
+                        "of real shapes without their weights; the text is noise")
     p.add_argument("--all-reduce", choices=("nccl", "symm-mem"), default="nccl",
                    help="tensor-parallel all-reduce: NCCL, or PyTorch's symmetric-memory one-shot "
                         "kernel for small messages (CUDA)")
@@ -318,6 +322,7 @@ class RankSpec:
     adaptive: bool = False
     prefix_cache: bool = False
     role: str = "both"
+    random_weights: bool = False
 
     def rank_device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else "cpu"
@@ -330,7 +335,6 @@ def build_runner(spec: RankSpec, rank: int = 0):
     import torch
 
     from specdeploy.engine.models.draft import load_draft
-    from specdeploy.engine.models.llama import load_target
     from specdeploy.engine.planner.plan import Plan, role_prefill_chunk_tokens
     from specdeploy.engine.runtime import distributed
     from specdeploy.engine.runtime.runner import Runner
@@ -341,8 +345,8 @@ def build_runner(spec: RankSpec, rank: int = 0):
     target_dir, draft_dir = Path(spec.target_dir), spec.draft_dir and Path(spec.draft_dir)
     t0 = time.monotonic()
     shard = f", rank {rank} of {spec.tp_size}" if spec.tp_size > 1 else ""
-    log.info("loading target from %s: %s (%s, %s%s)", target_dir, _checkpoint_size(target_dir),
-             spec.dtype, device, shard)
+    log.info("loading target from %s: %s (%s, %s%s)", target_dir,
+             "random weights" if spec.random_weights else _checkpoint_size(target_dir), spec.dtype, device, shard)
     from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
     from specdeploy.engine.models.llama import read_config
 
@@ -353,20 +357,22 @@ def build_runner(spec: RankSpec, rank: int = 0):
     if deepseek_v4:
         target = v4ckpt.load_v4_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
     else:
-        target = load_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
+        target = _load_or_random_target(spec, target_dir, dtype, device, rank)
     weight_bytes = _param_bytes(target)
     log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
              time.monotonic() - t0)
     draft = None
     if plan.algorithm != "NONE":
         t1 = time.monotonic()
-        log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir, _checkpoint_size(draft_dir))
+        log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir,
+                 "random weights" if spec.random_weights else _checkpoint_size(draft_dir))
         if deepseek_v4:
             if plan.algorithm != "MTP":
                 raise ValueError(f"a DeepSeek-V4 target drafts with its own MTP layer, not {plan.algorithm}")
             draft = v4ckpt.load_v4_mtp(str(draft_dir), target, dtype, device)
         else:
-            draft = load_draft(str(draft_dir), plan.algorithm, target, dtype, device)
+            draft = (_random_draft(spec, draft_dir, plan, target, dtype, device, rank) if spec.random_weights
+                     else load_draft(str(draft_dir), plan.algorithm, target, dtype, device))
         weight_bytes += _param_bytes(draft)
         log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
                  human_bytes(_param_bytes(draft)), time.monotonic() - t1)
@@ -412,6 +418,29 @@ def build_runner(spec: RankSpec, rank: int = 0):
     if spec.tp_size > 1:
         distributed.agree_on_shapes(runner, distributed.group())
     return runner, weight_bytes
+
+
+def _load_or_random_target(spec: RankSpec, target_dir: Path, dtype, device: str, rank: int):
+    from specdeploy.engine.models.llama import ModelConfig, build_target, load_target, random_init_, read_config
+
+    if not spec.random_weights:
+        return load_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
+    target = build_target(ModelConfig.from_hf(read_config(str(target_dir))), dtype, device,
+                          tp_rank=rank, tp_size=spec.tp_size)
+    random_init_(target, spec.seed + rank)
+    return target
+
+
+def _random_draft(spec: RankSpec, draft_dir: Path, plan, target, dtype, device: str, rank: int):
+    from specdeploy.engine.models.draft import build_draft
+    from specdeploy.engine.models.llama import ModelConfig, random_init_, read_config
+
+    raw = read_config(str(draft_dir))
+    cfg = ModelConfig.from_hf(raw, allow_any_type=True)
+    kwargs = {"draft_vocab_size": int(raw.get("draft_vocab_size") or cfg.vocab_size)} if plan.algorithm == "EAGLE3" else {}
+    draft = build_draft(plan.algorithm, cfg, target, dtype, device, **kwargs)
+    random_init_(draft, spec.seed + 1000 + rank)
+    return draft
 
 
 def _available_gpu_bytes() -> int:
@@ -530,7 +559,8 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     spec = RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(),
                     str(dtype).removeprefix("torch."), device, args.seed, tp_size,
                     distributed.free_init_method() if tp_size > 1 else "", args.all_reduce,
-                    bool(args.adaptive_speculation), bool(args.prefix_cache), args.role)
+                    bool(args.adaptive_speculation), bool(args.prefix_cache), args.role,
+                    bool(args.random_weights))
     ranks = ranks or TensorParallelRanks()
     if tp_size > 1:
         ranks.start(spec)

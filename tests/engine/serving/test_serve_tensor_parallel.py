@@ -1,17 +1,29 @@
 """`specdeploy engine serve --tensor-parallel-size 2` on CPU (gloo): the real process starts its
 second rank itself, serves through HTTP the same greedy completion as the one-process server,
 and a rank killed under it takes the whole server down with a non-zero exit and a log line
-naming the rank (never a hang); SIGTERM drains and stops every rank with exit code 0."""
+naming the rank (never a hang); SIGTERM drains and stops every rank with exit code 0; with
+--random-weights a directory of config.json and tokenizer alone serves (real shapes, noise)."""
 
 import os
+import shutil
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import openai
 
 PROMPT = "def main(argv):\n    "
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _log_text(path) -> str:
@@ -60,6 +72,35 @@ def test_sigterm_stops_every_rank_with_exit_zero(serve_process_command, tmp_path
         assert proc.wait(timeout=60) == 0, _log_text(log_path)[-3000:]
         assert "tensor-parallel rank 1: exiting" in _log_text(log_path)
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_random_weights_serve_without_a_checkpoint(model_dirs, tmp_path):
+    from specdeploy.engine.serving.cli import free_port
+
+    target = tmp_path / "target"
+    shutil.copytree(model_dirs[0], target, ignore=shutil.ignore_patterns("*.safetensors"))
+    port = free_port()
+    argv = [sys.executable, "-P", "-m", "specdeploy.cli", "engine", "serve", "--target", str(target),
+            "--algorithm", "NONE", "--random-weights", "--tensor-parallel-size", "2", "--dtype", "float32",
+            "--context-length", "128", "--max-running-requests", "2", "--host", "127.0.0.1", "--port", str(port)]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 240
+        while not _ready(f"http://127.0.0.1:{port}"):
+            assert proc.poll() is None, _log_text(log_path)[-3000:]
+            assert time.monotonic() < deadline, "not ready in 240 s"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(model=str(target), prompt="def f(x):", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 8
+        assert "random weights" in _log_text(log_path)
     finally:
         if proc.poll() is None:
             proc.kill()
