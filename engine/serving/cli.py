@@ -565,8 +565,8 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     if tp_size > 1:
         ranks.start(spec)
         tp = distributed.init_tp(0, tp_size, spec.init_method, spec.rank_device(0), args.all_reduce)
-        log.info("tensor parallel %d over %s, all-reduce %s", tp_size,
-                 "NCCL" if device == "cuda" else "gloo", tp.all_reduce_backend)
+        log.info("tensor parallel %d over %s", tp_size,
+                 f"NCCL, all-reduce {tp.all_reduce_backend}" if device == "cuda" else "gloo")
     runner, _ = build_runner(spec, 0)
     if tp_size > 1:
         runner = ranks.leader = distributed.LeaderRunner(runner, tp, ranks.fatal)
