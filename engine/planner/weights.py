@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -227,6 +228,10 @@ def read_pytorch_weights(root: Path, unused: tuple[str, ...] = ()) -> Checkpoint
         shards = sorted(root.glob(torch_files.PYTORCH_FILES))
         if not shards:
             return None
+    if not all(zipfile.is_zipfile(s) for s in shards):
+        # The pre-1.6 torch format (the engine still reads it, into memory) cannot be sized
+        # without torch: the plan counts the parameters from the shapes instead.
+        return None
     try:
         summary = torch_files.summarize(shards, unused)
     except torch_files.TorchFileError as err:

@@ -77,11 +77,14 @@ def test_a_pickle_with_code_is_refused_without_running_it(tmp_path):
         load_model_path(tmp_path)
 
 
-def test_legacy_format_is_a_config_error(tmp_path):
+def test_legacy_format_is_planned_from_the_shapes(tmp_path):
+    """The pre-1.6 format, which the engine still loads, is not sized without torch: no bytes
+    (the plan counts the shapes), no refusal."""
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="not a zip archive"):
-        load_model_path(tmp_path)
+    assert load_model_path(tmp_path) == ({}, None)
+    with pytest.raises(torch_files.TorchFileError, match="not a zip archive"):
+        torch_files.storages(tmp_path / "pytorch_model.bin")
 
 
 def test_model_directories_with_bin_files(tmp_path):
