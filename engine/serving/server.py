@@ -137,9 +137,16 @@ class ErrorBody(BaseModel):
 # status the API answers: request errors are 400 (never FastAPI's 422: see _validation_error).
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "Invalid request", 404: "Unknown model", 429: "Queue full, retry later",
-            503: "Not ready (loading weights) or draining"}
+            503: "Not ready (loading weights) or draining",
+            409: "Aborted (or the room is in use)", 502: "The transfer to the decode server failed",
+            504: "The prefill outlasted the request's deadline"}
     return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
 
+
+# The disaggregation routes (docs/disaggregation.md); 404: a server of another role.
+_DISAGG_INFO_RESPONSES = _errors(404, 503)
+_DISAGG_PREFILL_RESPONSES = _errors(400, 404, 409, 502, 503, 504)
+_DISAGG_ABORT_RESPONSES = _errors(400, 404, 503)
 
 _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The completion; with stream=true, server-sent events (data: chunk, then data: [DONE])",
@@ -320,7 +327,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
             raise APIError(503, f"the server is not ready ({state.not_ready_reason})", code="not_ready")
         return state.disagg
 
-    @app.get("/disagg/info")
+    @app.get("/disagg/info", responses=_DISAGG_INFO_RESPONSES)
     async def disagg_info():
         if state.role == "both":
             raise APIError(404, "this server runs prefill and decode itself (--role both)", code="wrong_role")
@@ -340,7 +347,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
             out.update(transfers=d.transfers, bytes_sent=d.bytes_sent, transfer_s=d.transfer_s)
         return out
 
-    @app.post("/disagg/prefill")
+    @app.post("/disagg/prefill", responses=_DISAGG_PREFILL_RESPONSES)
     async def disagg_prefill(body: PrefillBody):
         from specdeploy.engine.serving.disagg.prefill import PrefillRefused
 
@@ -352,7 +359,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
         except PrefillRefused as e:
             raise APIError(e.status_code, str(e), code="prefill_refused") from None
 
-    @app.post("/disagg/abort")
+    @app.post("/disagg/abort", responses=_DISAGG_ABORT_RESPONSES)
     async def disagg_abort(body: AbortBody):
         return await disagg_service("prefill").abort(body)
 
