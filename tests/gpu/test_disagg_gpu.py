@@ -1,0 +1,94 @@
+"""Prefill/decode disaggregation on the GPU (run on the device): KV pools in GPU memory, the rows
+gathered into pinned host copies on the prefill side, moved by Mooncake (TCP on loopback),
+put into the decode side's slots on activation, decode under CUDA graphs. Greedy tokens equal one
+runner's and the decode side starts from exactly its state, EAGLE-3 and MTP at hc_mult 4."""
+
+import dataclasses
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_requests, tiny_config  # noqa: E402
+from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner  # noqa: E402
+from specdeploy.engine.runtime.transfer import MooncakeAgent, PoolLayout, kv_copies  # noqa: E402
+
+DEV = "cuda"
+
+
+def config_json(cfg, **extra):
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, torch_dtype="float32",
+                hc_mult=cfg.hc_mult, max_position_embeddings=cfg.max_position_embeddings, **extra)
+
+
+def tiny_plan(cfg, algorithm, role):
+    draft_cfg = config_json(tiny_config(num_layers=1))
+    if algorithm == "EAGLE3":
+        draft_cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    target_cfg = config_json(cfg, num_nextn_predict_layers=1) if algorithm == "MTP" else config_json(cfg)
+    plan = plan_from_configs(target_cfg, None if algorithm == "MTP" else draft_cfg, SpecSettings(algorithm, 3, 1, 4),
+                             GPUS["h200"], Limits(max_running_requests=4, context_length=96, cuda_graph_max_bs=4),
+                             role=role)
+    return dataclasses.replace(plan, max_total_tokens=400)
+
+
+@pytest.fixture(scope="module")
+def agents():
+    a, b = MooncakeAgent("127.0.0.1"), MooncakeAgent("127.0.0.1")
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("algorithm,hc_mult", [("EAGLE3", 1), ("MTP", 4)])
+def test_gpu_pools_through_host_copies(agents, algorithm, hc_mult):
+    target, perm = predictable_target(tiny_config(hc_mult=hc_mult), seed=0, layer_scale=0.5, device=DEV)
+    draft = copy_draft(algorithm, target, perm)
+    reqs = random_requests((6, 11, 3), 12, 64)
+    single = Runner(target, draft, plan=tiny_plan(target.cfg, algorithm, "both"), device=DEV)
+    for r in reqs:
+        single.add(r)
+    want = {o.req_id: list(o.token_ids) for o in single.step()}
+    while single.num_running:
+        for o in single.step():
+            want[o.req_id] += o.token_ids
+    prefill = Runner(target, draft, plan=tiny_plan(target.cfg, algorithm, "prefill"), device=DEV, role="prefill",
+                     graph_mode="off")
+    decode = Runner(target, draft, plan=tiny_plan(target.cfg, algorithm, "decode"), device=DEV, role="decode")
+    assert prefill.metadata.hidden.is_pinned() and decode.metadata.hidden.shape[1] == target.cfg.spec_hidden_size
+    for runner, agent in ((prefill, agents[0]), (decode, agents[1])):
+        for t in runner.metadata.tensors:
+            agent.register(t)
+    got = {r.id: [] for r in reqs}
+    free = decode.num_free_slots
+    for r in reqs:
+        row, dst_slots = decode.receive(r)
+        staging = decode.staging_for(len(dst_slots))
+        prefill.add(dataclasses.replace(r, max_tokens=1))
+        while prefill.num_held == 0:
+            prefill.step()
+        src_row, src_slots = prefill.export_held(r.id)
+        gathered = prefill.gather_kv(src_slots)
+        n = list(range(1, len(src_slots) + 1))
+        for src, dst in zip(gathered, staging, strict=True):
+            for t in src:
+                agents[0].register(t)
+            for t in dst:
+                agents[1].register(t)
+            agents[0].write(agents[1].session_id, *kv_copies(PoolLayout.of(src), n, PoolLayout.of(dst), n))
+        agents[0].write(agents[1].session_id, *prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row)))
+        prefill.release_held(r.id)
+        for o in decode.activate(r.id, staging):
+            got[o.req_id] += o.token_ids
+    while decode.num_running:
+        for o in decode.step():
+            got[o.req_id] += o.token_ids
+    assert got == want
+    assert decode.num_free_slots == free and prefill.num_running == 0
+    assert decode.num_draft_tokens_accepted > 0
