@@ -47,3 +47,14 @@ def test_unknown_routes_and_methods_get_openai_errors(server):
     resp = httpx.delete(f"{server.url}/v1/completions")
     assert assert_openai_error(resp, 405)["code"] == "method_not_allowed"
     assert "POST" in resp.headers["allow"]
+
+
+def test_the_disaggregation_routes_document_their_refusals(server):
+    """Found by schemathesis once prefill/decode routes landed: a server of another role answers
+    them 404, a body without its fields 400, both undocumented."""
+    paths = schema(server)["paths"]
+    assert {"404", "503"} <= set(paths["/disagg/info"]["get"]["responses"])
+    assert {"400", "404", "409", "503"} <= set(paths["/disagg/prefill"]["post"]["responses"])
+    assert {"400", "404", "503"} <= set(paths["/disagg/abort"]["post"]["responses"])
+    resp = httpx.get(f"{server.url}/disagg/info")
+    assert assert_openai_error(resp, 404)["code"] == "wrong_role"
