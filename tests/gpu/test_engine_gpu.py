@@ -120,9 +120,10 @@ def test_hyper_connection_kernels_match_torch(dtype):
     def sublayer(x):
         return x @ proj
 
+    from specdeploy.engine import kernels
     from specdeploy.engine.models.layers import fused_kernels
     with torch.no_grad():
-        assert fused_kernels(streams, hc.fn, module="hc_triton") is not None  # the kernels do run
+        assert fused_kernels(streams, hc.fn, ops=kernels.hc_ops) is not None  # the kernels do run
         fast, fast_head = hc(streams, sublayer), head(streams)
     # Frozen mixing, trainable sublayer: the kernels mix, and the sublayer still gets its gradient.
     proj.requires_grad_()

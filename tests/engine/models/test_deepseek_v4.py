@@ -55,7 +55,7 @@ def engine_logits(model, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
             length += take
     table.free_row(row, length)
     # every row of every pool is back
-    for name, pool in kv.pools.items():
+    for name in kv.pools:
         assert kv.free_rows(name) == kv.data[name].shape[1] - 1, name
     return torch.cat(out)
 

@@ -173,7 +173,7 @@ def test_fp8_fp4_published_checkpoint_computes_its_dequantized_twin(tmp_path):
     mtp = load_v4_mtp(str(tmp_path), target, torch.float32, "cpu")
     shifted = torch.roll(ids, -1, 1)
     outs = []
-    for head, tgt, feat in ((mtp, target, feature), (twin_mtp, twin_target, want_feature)):
+    for head, _tgt, feat in ((mtp, target, feature), (twin_mtp, twin_target, want_feature)):
         n = ids.shape[1]
         table = SlotTable(n + 4, 1, n + 4, "cpu")
         kv = head.make_kv(n + 4, n + 3, 1, n + 4, torch.float32, "cpu")
