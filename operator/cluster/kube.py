@@ -269,22 +269,8 @@ class KubeClient:
         for kind, child_names in names.items():
             read, delete = calls[kind]
             for child_name in child_names:
-                try:
-                    child = self._dict(read(child_name, namespace))
-                    owner = controller_owner(child)
-                    if owner is None or owner.get("uid") != owner_uid:
-                        continue  # not ours: never delete what the resource does not control
-                    delete(
-                        child_name, namespace,
-                        body=kubernetes.client.V1DeleteOptions(
-                            propagation_policy="Background",
-                            preconditions=kubernetes.client.V1Preconditions(uid=child["metadata"]["uid"]),
-                        ),
-                    )
+                if self._delete_if_owned(read, delete, namespace, child_name, owner_uid):
                     deleted.append(f"{kind} {child_name}")
-                except ApiException as err:
-                    if err.status not in (404, 409):
-                        raise
         return deleted
 
     def owned_deployment(self, namespace: str, name: str, owner_uid: str) -> dict[str, Any] | None:
@@ -302,24 +288,31 @@ class KubeClient:
             ("Deployment", self.apps.read_namespaced_deployment, self.apps.delete_namespaced_deployment, deployment_name(name)),
             ("ConfigMap", self.core.read_namespaced_config_map, self.core.delete_namespaced_config_map, config_map_name(name)),
         ):
-            try:
-                child = self._dict(read(child_name, namespace))
-                owner = controller_owner(child)
-                if owner is None or owner.get("uid") != owner_uid:
-                    continue  # not ours: never delete what the resource does not control
-                # The uid precondition guards against a same-named replacement in between.
-                delete(
-                    child_name, namespace,
-                    body=kubernetes.client.V1DeleteOptions(
-                        propagation_policy="Background",
-                        preconditions=kubernetes.client.V1Preconditions(uid=child["metadata"]["uid"]),
-                    ),
-                )
+            if self._delete_if_owned(read, delete, namespace, child_name, owner_uid):
                 deleted.append(f"{kind} {child_name}")
-            except ApiException as err:
-                if err.status not in (404, 409):
-                    raise
         return deleted
+
+    def _delete_if_owned(self, read: Callable, delete: Callable, namespace: str, child_name: str, owner_uid: str) -> bool:
+        """Delete one child if the resource `owner_uid` controls it; True when it went. Absent
+        (404) or changed underneath (409) is not an error."""
+        try:
+            child = self._dict(read(child_name, namespace))
+            owner = controller_owner(child)
+            if owner is None or owner.get("uid") != owner_uid:
+                return False  # not ours: never delete what the resource does not control
+            # The uid precondition guards against a same-named replacement in between.
+            delete(
+                child_name, namespace,
+                body=kubernetes.client.V1DeleteOptions(
+                    propagation_policy="Background",
+                    preconditions=kubernetes.client.V1Preconditions(uid=child["metadata"]["uid"]),
+                ),
+            )
+            return True
+        except ApiException as err:
+            if err.status not in (404, 409):
+                raise
+            return False
 
     # -- status ----------------------------------------------------------------------------------
 
