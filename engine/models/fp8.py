@@ -240,6 +240,17 @@ class _FP8Parallel:
     scale_n: int
     block_k: int
 
+    def _make_fp8_scaled(self, fmt: FP8Format) -> None:
+        """_make_fp8 with the scale grid the format implies for this weight [N, K]."""
+        n, k = self.weight.shape
+        if fmt.scheme == "block":
+            bn, bk = fmt.block
+            self._make_fp8(fmt, (-(-n // bn), -(-k // bk)), bn)
+        elif fmt.scheme == "channel":
+            self._make_fp8(fmt, (n,), 1)
+        else:
+            self._make_fp8(fmt, (1,), 1)
+
     def _make_fp8(self, fmt: FP8Format, scale_shape: tuple[int, ...], scale_n: int) -> None:
         self.fmt = fmt
         self.scale_n = scale_n
@@ -282,13 +293,8 @@ class FP8ColumnParallelLinear(_FP8Parallel, ColumnParallelLinear):
         self.rows, self.weight, self.bias = layer.rows, layer.weight, layer.bias
         n, k = self.weight.shape
         if fmt.scheme == "block":
-            bn, bk = fmt.block
-            _aligned(self.rows[0], n, bn, "FP8 column-parallel rows")
-            self._make_fp8(fmt, (-(-n // bn), -(-k // bk)), bn)
-        elif fmt.scheme == "channel":
-            self._make_fp8(fmt, (n,), 1)
-        else:
-            self._make_fp8(fmt, (1,), 1)
+            _aligned(self.rows[0], n, fmt.block[0], "FP8 column-parallel rows")
+        self._make_fp8_scaled(fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -360,13 +366,8 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
         self.tp_size, self.input_is_parallel = layer.tp_size, layer.input_is_parallel
         n, k = self.weight.shape
         if fmt.scheme == "block":
-            bn, bk = fmt.block
-            _aligned(self.cols[0], k, bk, "FP8 row-parallel columns")
-            self._make_fp8(fmt, (-(-n // bn), -(-k // bk)), bn)
-        elif fmt.scheme == "channel":
-            self._make_fp8(fmt, (n,), 1)
-        else:
-            self._make_fp8(fmt, (1,), 1)
+            _aligned(self.cols[0], k, fmt.block[1], "FP8 row-parallel columns")
+        self._make_fp8_scaled(fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:
