@@ -190,10 +190,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     scale in the engine layout (module docstring), covering scale_n rows x block_k columns."""
     fast = fused_kernels(x, ops=kernels.fp8_ops)
     rows = x.numel() // max(x.shape[-1], 1)
-    # Only the weight-only decode kernel (rows <= DECODE_MAX_M) serves: the w8a8 prefill kernel
-    # failed its GPU test (tests/gpu/test_fp8_gpu.py::test_w8a8_prefill_kernel, 2026-12-01), so
-    # larger calls dequantize the weight and run a bf16 GEMM, which is compute-bound there anyway.
-    if (fast is not None and rows <= fast.DECODE_MAX_M and block_k == KERNEL_BLOCK_K
+    if (fast is not None and rows and block_k == KERNEL_BLOCK_K
             and scale.dtype == torch.float32 and _kernels_run_on(x.device.index or 0)):
         return fast.fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     w = (weight.float() * expand_scale(scale, tuple(weight.shape), scale_n, block_k)).to(x.dtype)

@@ -3,8 +3,9 @@
 - the FP8 linear kernels at the Llama-3.1-8B layer shapes against float32 matmuls over the
   dequantized weights. Tolerances: weight-only decode (M <= 64) rounds once to bf16, so every
   element is within 2^-7 of its magnitude plus 2^-10 of the row's largest; W8A8 prefill is
-  within 1e-3 (relative Frobenius) of the same product over DeepSeek-quantized activations, and
-  within 4% of the unquantized product (e4m3 activations carry 3 mantissa bits);
+  within bf16 rounding (2^-8 of each element, plus 2^-9 of its row's largest for boundary codes)
+  of the same product over DeepSeek-quantized activations, and within 4% of the unquantized
+  product (e4m3 activations carry 3 mantissa bits);
 - CUDA-graph replay of an FP8 target equals eager, and speculative decoding on an FP8 target
   with an FP8 KV pool is lossless against target-only decoding of it (greedy, float32 outputs
   from bf16 weights are not bit-stable across M, so this runs in float32);
@@ -63,7 +64,11 @@ def test_w8a8_prefill_kernel(n, k, m, scheme):
     wd = fp8.dequantize_fp8(codes, scale, (scale_n, 128), torch.float32)
     xq, xs = fp8.act_quant_reference(x.float())
     want = F.linear(xq.float() * xs.repeat_interleave(128, 1)[:, :k], wd)
-    assert ((got - want).norm() / want.norm()).item() < 1e-3
+    # bf16 output: rounding alone is up to 2^-8 of each value (measured 1.7e-3 relative Frobenius
+    # on the H200, 2026-12-01); a code that act_quant rounds the other way on a boundary moves a
+    # value by a fraction of its row's largest.
+    err = (got - want).abs()
+    assert (err <= want.abs() * 2**-8 + want.abs().amax(1, keepdim=True) * 2**-9).all(), err.max()
     exact = F.linear(x.float(), wd)
     assert ((got - exact).norm() / exact.norm()).item() < 0.04
 
@@ -107,7 +112,9 @@ def _fp8_target(tmp_path, dtype):
     from specdeploy.engine.models.llama import load_target
     cfg = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=64,
                       intermediate_size=512, num_layers=4)
-    model, perm = predictable_target(cfg, seed=0, layer_scale=0.5)
+    # layer scales chosen on CPU so that a copied draft is accepted about a third of the time
+    # (at 0.5 this 256-wide target is not predictable: 1 of 177 drafts accepted)
+    model, perm = predictable_target(cfg, seed=0, layer_scale=0.05)
     state = {("model." + k if not k.startswith("lm_head") else k): v for k, v in model.state_dict().items()}
     fmt = fp8.FP8Format("block", "weight_scale_inv", (128, 128))
     save_file({k: v.contiguous() for k, v in fp8.quantize_state_dict(state, fmt).items()},
@@ -133,8 +140,9 @@ def test_fp8_target_graphs_and_speculation_are_lossless(tmp_path):
     graphed = run_to_completion(Runner(target, max_total_tokens=512, max_running_requests=4, device=DEV,
                                        cuda_graph_batch_sizes=(1, 2, 4), kv_cache_dtype=fp8_kv), reqs())
     assert graphed == eager
-    draft = copy_draft("EAGLE", target, perm)
+    draft = copy_draft("EAGLE", target, perm, layer_scale=0.2)
     spec = Runner(target, draft, SpecConfig("EAGLE", 3, 1, 4), max_total_tokens=512, max_running_requests=4,
                   device=DEV, cuda_graph_batch_sizes=(1, 2, 4), kv_cache_dtype=fp8_kv)
     assert run_to_completion(spec, reqs()) == eager
-    assert spec.num_draft_tokens_accepted > 0
+    rate = spec.num_draft_tokens_accepted / spec.num_draft_tokens_proposed
+    assert 0.1 < rate < 0.95, rate  # both accepted and rejected drafts were exercised
