@@ -11,6 +11,7 @@ torch code quietly.
 - `hc`: the hyper-connection residual (mHC pre-mix with Sinkhorn, post expand).
 - `fp8`: linears over FP8 e4m3 weights with block / per-channel / per-tensor scales (weight-only
   for decode, per-token-group activation quantization and an FP8 GEMM for prefill).
+- `launch`: launch options the kernel modules share (programmatic dependent launch).
 """
 
 from __future__ import annotations

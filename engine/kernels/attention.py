@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdeploy.engine.kernels.launch import gdc, pdl_args
+
 if TYPE_CHECKING:
     from specdeploy.engine.models.attention import AttnBatch
 
@@ -49,8 +51,9 @@ def _split_attention_kernel(
     stride_ob, stride_oq, stride_oh,
     num_queries, num_heads, prefix_width, num_new, group, num_row_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc(USE_GDC)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // num_row_blocks
     row_block = tl.program_id(1) % num_row_blocks
@@ -132,10 +135,11 @@ def _combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
     stride_ob, stride_oq, stride_oh,
     num_queries, num_heads,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """One program per (request, query token x query head): out = sum_s w_s acc_s / sum_s w_s l_s
     with w_s = 2^(m_s - max_s m_s); splits that saw no key have m_s = -inf, so w_s = 0."""
+    gdc(USE_GDC)
     b = tl.program_id(0)
     qh = tl.program_id(1)                                   # query token * Hq + query head
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -223,10 +227,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=BLOCK_K, NUM_SPLITS=num_splits,
         # float32 models get float32 products (TF32 would round away the reference's precision).
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
     )
     if num_splits > 1:
         _combine_kernel[(b, num_q * hq)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-            num_q, hq, HEAD_DIM=d, NUM_SPLITS=num_splits)
+            num_q, hq, HEAD_DIM=d, NUM_SPLITS=num_splits, **pdl_args(q))
     return out * v_scale if fp8_kv and v_scale != 1.0 else out

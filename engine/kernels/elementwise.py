@@ -14,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from specdeploy.engine.kernels.launch import gdc, pdl_args
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     ADD: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc(USE_GDC)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     valid = cols < n_cols
@@ -58,13 +61,14 @@ def _rms_norm(x, delta, weight, eps):
         _rms_norm_kernel[(rows.shape[0],)](
             rows, rows if delta is None else delta.contiguous().view(-1, h), total, weight, out,
             rows.stride(0), out.stride(0), h, eps, ADD=delta is not None,
-            BLOCK=triton.next_power_of_2(h))
+            BLOCK=triton.next_power_of_2(h), **pdl_args(rows))
     return total.view(x.shape), out.view(x.shape)
 
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_in, stride_out, n_cols,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc(USE_GDC)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < n_cols
@@ -86,7 +90,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     if g.shape[0]:
         _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, g.stride(0), out.stride(0),
-                                                              n, BLOCK=block)
+                                                              n, BLOCK=block, **pdl_args(g))
     return out.view(*gate.shape[:-1], n)
 
 
@@ -94,7 +98,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
                        stride_qkv, stride_cs, stride_cache_s, stride_cache_h,
                        num_heads, num_kv_heads, k_scale, v_scale,
-                       HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, FP8: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc(USE_GDC)
     token = tl.program_id(0)        # b * Q + q
     head = tl.program_id(1)         # [0, Hq): q head; [Hq, Hq + Hkv): k head; then v heads
     half = tl.arange(0, HEAD_DIM // 2)
@@ -159,7 +164,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
             rows, cs_cos, cs_sin, q, k_cache, v_cache, out_slots.reshape(-1),
             rows.stride(0), cs_cos.stride(0), k_cache.stride(0), k_cache.stride(1),
             num_heads, num_kv_heads, float(kv_scales[0]), float(kv_scales[1]),
-            HEAD_DIM=d, FP8=k_cache.dtype == torch.float8_e4m3fn)
+            HEAD_DIM=d, FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(rows))
     return q
 
 
@@ -170,7 +175,9 @@ ARGMAX_CHUNK = 4096
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_chunks, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_chunks, BLOCK: tl.constexpr,
+                          USE_GDC: tl.constexpr = False):
+    gdc(USE_GDC)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -183,7 +190,9 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_chunks,
 
 
 @triton.jit
-def _argmax_combine_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _argmax_combine_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                           USE_GDC: tl.constexpr = False):
+    gdc(USE_GDC)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     valid = c < num_chunks
@@ -207,6 +216,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if n:
         vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
         idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-        _argmax_chunks_kernel[(n, chunks)](rows, vals, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK)
-        _argmax_combine_kernel[(n,)](vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
+        _argmax_chunks_kernel[(n, chunks)](rows, vals, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK,
+                                           **pdl_args(rows))
+        _argmax_combine_kernel[(n,)](vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(chunks),
+                                     **pdl_args(rows))
     return out.view(x.shape[:-1])

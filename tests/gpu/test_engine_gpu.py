@@ -371,3 +371,40 @@ def test_argmax_kernel_matches_torch(shape):
     x[..., -1] = x.max()  # a tie: the first wins
     assert (elementwise_triton.argmax(x) == 7).all()
     assert torch.equal(elementwise_triton.argmax(x.bfloat16()), x.bfloat16().argmax(-1))
+
+
+
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", [("EAGLE", 1, 2, 5), ("MTP", 4, 3, 6)])
+def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mult, topk, n, monkeypatch):
+    """Every Triton kernel of the step launched with PDL (engine/kernels/launch.py), eager and
+    inside captured graphs: target-only and speculative output equal eager target-only decoding
+    without PDL, token for token."""
+    from specdeploy.engine.kernels import launch
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    attention.set_backend("fast")
+    target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
+    reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
+
+    def plain(**kw):
+        return run_to_completion(Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
+                                        device=DEV, **kw), reqs())
+
+    monkeypatch.setenv(launch.PDL_ENV, "0")
+    launch._pdl_on.cache_clear()
+    assert not launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
+    want = plain(graph_mode="off")
+    monkeypatch.setenv(launch.PDL_ENV, "1")
+    launch._pdl_on.cache_clear()
+    try:
+        assert launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
+        assert plain(graph_mode="off") == want
+        assert plain(cuda_graph_batch_sizes=BUCKETS) == want
+        spec = Runner(target, copy_draft(algorithm, target, perm), SpecConfig(algorithm, 3, topk, n),
+                      max_total_tokens=4000, max_running_requests=8, context_length=256, device=DEV,
+                      cuda_graph_batch_sizes=BUCKETS)
+        assert run_to_completion(spec, reqs()) == want
+        assert spec.num_draft_tokens_accepted > 0
+    finally:
+        monkeypatch.delenv(launch.PDL_ENV)
+        launch._pdl_on.cache_clear()

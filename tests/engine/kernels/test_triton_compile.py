@@ -24,6 +24,8 @@ def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> N
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if "USE_GDC" in kernel.arg_names:
+        constexprs = {"USE_GDC": True, **constexprs}  # the variant launched on Hopper (launch.py)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
