@@ -12,12 +12,17 @@ configuration serves it as `specdeploy engine serve` subprocesses; requests are 
 the official openai client with prompts of token ids, greedy, ignore_eos. Per prompt length:
 TTFT (request sent -> first streamed text), ITL ((last - first chunk) / (tokens - 1)), medians
 over the requests; for the split pair also the prefill server's bytes sent / time in transfers
-(/disagg/status). Writes disagg_serving.json.
+(/disagg/status). Writes disagg_serving.json, and each server's output to DIR/logs/NAME.log
+(aggregated, prefill, decode, router); a server that exits or is not ready in time has the tail
+of its log printed. The two engine processes of the split pair share one GPU: each plans for
+SPLIT_GPU_MEMORY_FRACTION of it (engine serve --gpu-memory-fraction), and every server's KV pool
+is capped at the same max_total_tokens, so the three configurations compare at equal KV.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import socket
@@ -46,12 +51,52 @@ SIZES = {
     "smoke": {"model": {"max_position_embeddings": 512}, "vocab_size": 320, "prompts": (16, 64),
               "requests": 3, "max_tokens": 12, "dtype": "float32", "max_total_tokens": 2048},
 }
+# The prefill and the decode server run on one GPU: each plans for this share of its memory.
+SPLIT_GPU_MEMORY_FRACTION = 0.45
+LOG_TAIL_LINES = 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+@dataclasses.dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log.read_text(errors="replace").splitlines()
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(text[-lines:])
+
+
+def report_failure(servers: list[Server]) -> None:
+    """Each server's state and the tail of its log, on stderr (the logs stay under --out)."""
+    for srv in servers:
+        code = srv.proc.poll()
+        state = "running" if code is None else f"exited with {code}"
+        print(f"\n===== {srv.name} ({srv.url}, {state}); last lines of {srv.log} =====\n{srv.tail()}",
+              file=sys.stderr, flush=True)
+
+
+def spawn(name: str, argv: list[str], url: str, logs: Path) -> Server:
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    with open(log, "w") as f:  # the child keeps its own descriptor
+        f.write(f"$ {' '.join(argv)}\n")
+        f.flush()
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    return Server(name, proc, url, log)
 
 
 def hf_config(cfg) -> dict:
@@ -80,31 +125,40 @@ def build_models(root: Path, size: dict) -> tuple[Path, Path]:
     return target_dir, draft_dir
 
 
-def serve(target_dir: Path, draft_dir: Path, size: dict, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def serve(name: str, port: int, logs: Path, target_dir: Path, draft_dir: Path, size: dict, *extra: str) -> Server:
     argv = [sys.executable, "-P", "-m", "specdeploy.cli", "engine", "serve", "--target", str(target_dir),
             "--draft", str(draft_dir), "--algorithm", "EAGLE", "--num-steps", "3", "--topk", "1",
             "--num-draft-tokens", "4", "--dtype", size["dtype"], "--served-model-name", "bench",
             "--max-running-requests", "8", "--max-total-tokens", str(size["max_total_tokens"]),
             "--context-length", str(size["model"]["max_position_embeddings"]),
             "--host", "127.0.0.1", "--port", str(port), *extra]
-    log = open(Path(tempfile.gettempdir()) / f"disagg_bench_{port}.log", "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
+    return spawn(name, argv, f"http://127.0.0.1:{port}", logs)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_ready(srv: Server, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"{srv.name} server {srv.url} exited with {srv.proc.returncode} (log: {srv.log})")
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{srv.url}/ready", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+    raise TimeoutError(f"{srv.name} server {srv.url} not ready after {timeout_s} s (log: {srv.log})")
+
+
+@contextlib.contextmanager
+def running(*servers: Server):
+    """Stop the servers on the way out; on an error, print what each of them said first."""
+    try:
+        yield
+    except BaseException:
+        report_failure(list(servers))
+        raise
+    finally:
+        stop(*(s.proc for s in servers))
 
 
 def measure(url: str, size: dict) -> list[dict]:
@@ -157,42 +211,39 @@ def main() -> int:
     size = SIZES["smoke" if args.smoke else "device"]
     result = {"size": "smoke" if args.smoke else "device", "device": torch.cuda.get_device_name(0)
               if torch.cuda.is_available() else "cpu"}
+    out_dir = Path(args.out)
+    logs = out_dir / "logs"
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = build_models(Path(tmp), size)
-        proc, url = serve(target_dir, draft_dir, size)
-        try:
-            wait_ready(url, proc)
-            result["aggregated"] = measure(url, size)
-        finally:
-            stop(proc)
-        transfer = ("--transfer-host", "127.0.0.1")
-        prefill, prefill_url = serve(target_dir, draft_dir, size, "--role", "prefill", *transfer)
-        decode, decode_url = serve(target_dir, draft_dir, size, "--role", "decode", *transfer)
-        port = free_port()
-        router = subprocess.Popen([sys.executable, "-P", "-m", "specdeploy.cli", "router", "--prefill", prefill_url,
-                                   "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
-                                   "--refresh-s", "0.5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        router_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(prefill_url, prefill)
-            wait_ready(decode_url, decode)
-            wait_ready(router_url, router)
-            result["disaggregated"] = measure(router_url, size)
-            st = httpx.get(f"{prefill_url}/disagg/status").json()
+        one_port, prefill_port, decode_port, router_port = free_ports(4)
+        one = serve("aggregated", one_port, logs, target_dir, draft_dir, size)
+        with running(one):
+            wait_ready(one)
+            result["aggregated"] = measure(one.url, size)
+        split = ("--transfer-host", "127.0.0.1", "--gpu-memory-fraction", str(SPLIT_GPU_MEMORY_FRACTION))
+        prefill = serve("prefill", prefill_port, logs, target_dir, draft_dir, size, "--role", "prefill", *split)
+        decode = serve("decode", decode_port, logs, target_dir, draft_dir, size, "--role", "decode", *split)
+        router = spawn("router", [sys.executable, "-P", "-m", "specdeploy.cli", "router", "--prefill", prefill.url,
+                                  "--decode", decode.url, "--host", "127.0.0.1", "--port", str(router_port),
+                                  "--refresh-s", "0.5"], f"http://127.0.0.1:{router_port}", logs)
+        with running(router, decode, prefill):
+            wait_ready(prefill)
+            wait_ready(decode)
+            wait_ready(router)
+            result["disaggregated"] = measure(router.url, size)
+            st = httpx.get(f"{prefill.url}/disagg/status").json()
             result["transfer"] = {k: st[k] for k in ("transfers", "bytes_sent", "transfer_s")}
             result["transfer"]["gb_per_s"] = st["bytes_sent"] / st["transfer_s"] / 1e9 if st["transfer_s"] else None
-        finally:
-            stop(router, decode, prefill)
     print(f"{'prompt':>7} {'TTFT one':>10} {'TTFT split':>11} {'ITL one':>9} {'ITL split':>10}   (ms, medians)")
     for a, d in zip(result["aggregated"], result["disaggregated"]):
         print(f"{a['prompt_tokens']:7d} {a['ttft_ms']:10.2f} {d['ttft_ms']:11.2f} {a['itl_ms']:9.3f} {d['itl_ms']:10.3f}")
     t = result["transfer"]
     print(f"transfer: {t['transfers']} requests, {t['bytes_sent'] / 2**20:.1f} MiB in {t['transfer_s']:.3f} s "
           f"({t['gb_per_s'] or 0:.2f} GB/s, Mooncake TCP through host copies where the pools are on a GPU)")
-    out = Path(args.out) / "disagg_serving.json"
+    out = out_dir / "disagg_serving.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {out} (server logs in {logs})")
     return 0
 
 

@@ -777,9 +777,11 @@ def plan_from_configs(
     role: str = "both",
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int | None = None,
+    dtype: str | None = None,
 ) -> Plan:
-    """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan()."""
-    target = derive_shapes(target_config, role="target", kv_cache_dtype=kv_cache_dtype)
+    """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan().
+    dtype: the compute dtype, when it is not the config's torch_dtype (`engine serve --dtype`)."""
+    target = derive_shapes(target_config, role="target", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype,
                                 kv_cache_dtype=kv_cache_dtype)
     if spec.algorithm == "MTP" and draft_config is None:

@@ -66,6 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-running-requests", type=int, help=f"default: {DEFAULT_MAX_RUNNING_REQUESTS}")
     p.add_argument("--context-length", type=int, help="default: the target's max_position_embeddings")
     p.add_argument("--max-total-tokens", type=int, help="cap the KV pool at this many token slots (default: the plan's)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=1.0, metavar="F",
+                   help="without --plan: plan for this share of the GPU's memory (default: 1, all of it); "
+                        "servers sharing one GPU, such as a prefill and a decode server, each take a share")
     p.add_argument("--max-queued-requests", type=int, help=f"waiting requests before 429 (default: {QUEUE_PER_RUNNING_REQUEST} x max running)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: --target as given)")
     p.add_argument("--host", default="0.0.0.0")
@@ -152,6 +155,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--prefill-timeout-s must be > 0")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if not 0 < args.gpu_memory_fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    if args.plan and args.gpu_memory_fraction != 1:
+        raise ValueError("--gpu-memory-fraction is for a plan made here; a --plan was made for its GPU already")
 
 
 def _spec_settings(args: argparse.Namespace):
@@ -190,15 +197,18 @@ def _torch_dtype(name: str, device: str):
     return getattr(torch, name)
 
 
-def _host_gpu(device: str):
-    """The device the plan is made for: the GPU as torch sees it; on CPU, the machine's RAM."""
+def _host_gpu(device: str, fraction: float = 1.0):
+    """The device the plan is made for: `fraction` of the GPU as torch sees it; on CPU, of the
+    machine's RAM."""
     import torch
 
     from specdeploy.engine.planner.plan import GIB, custom_gpu
 
     if device == "cuda":
-        return custom_gpu(torch.cuda.get_device_properties(0).total_memory / GIB)
-    return custom_gpu(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
+        total = torch.cuda.get_device_properties(0).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return custom_gpu(fraction * total / GIB)
 
 
 def _check_gpus(tensor_parallel_size: int, device: str) -> None:
@@ -244,11 +254,16 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
         running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         limits = Limits(running, context_length, running)
         tp = args.tensor_parallel_size or 1
-        plan = plan_from_configs(target_config, draft_config, spec, _host_gpu(device), limits,
+        # Planned in the dtype this server computes in (--dtype), not the checkpoint's: the KV
+        # bytes per token and the disaggregation metadata row are that dtype's.
+        plan = plan_from_configs(target_config, draft_config, spec,
+                                 _host_gpu(device, args.gpu_memory_fraction), limits,
                                  target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
                                  gpus_per_node=tp, tensor_parallel_size=tp, role=args.role,
-                                 kv_cache_dtype=args.kv_cache_dtype or "auto")
-        log.info("plan: computed for this %s (no --plan given)", "GPU" if device == "cuda" else "CPU host")
+                                 kv_cache_dtype=args.kv_cache_dtype or "auto",
+                                 dtype=str(_torch_dtype(args.dtype, device)).removeprefix("torch."))
+        share = f", {args.gpu_memory_fraction:g} of its memory" if args.gpu_memory_fraction != 1 else ""
+        log.info("plan: computed for this %s%s (no --plan given)", "GPU" if device == "cuda" else "CPU host", share)
     for line in format_plan(plan).splitlines():
         log.info("plan | %s", line)
     return plan
@@ -543,6 +558,12 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
         # only its KV heads, and the transfer would have to run on every rank.
         raise ValueError(f"--role {args.role} is not supported with tensor parallelism yet")
     dtype = _torch_dtype(args.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if args.role != "both" and plan.target.dtype != dtype_name:
+        # The metadata buffer is allocated with the plan's row bytes: another dtype cannot fill it.
+        raise ValueError(f"--role {args.role}: the plan is for {plan.target.dtype} and this server computes in "
+                         f"{dtype_name} (--dtype {args.dtype}); give --dtype {plan.target.dtype} or a plan "
+                         f"made for {dtype_name}")
 
     max_total_tokens = plan.max_total_tokens
     if args.max_total_tokens is not None and args.max_total_tokens < max_total_tokens:
@@ -557,7 +578,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
                  max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
     plan = dataclasses.replace(plan, max_total_tokens=max_total_tokens)
     spec = RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(),
-                    str(dtype).removeprefix("torch."), device, args.seed, tp_size,
+                    dtype_name, device, args.seed, tp_size,
                     distributed.free_init_method() if tp_size > 1 else "", args.all_reduce,
                     bool(args.adaptive_speculation), bool(args.prefix_cache), args.role,
                     bool(args.random_weights))
@@ -638,10 +659,13 @@ def disaggregation_service(args: argparse.Namespace, scheduler):
 
 
 def _host_address() -> str:
-    """This host's address as peers see it (the pod IP in a cluster)."""
+    """This host's address as peers see it (the pod IP in a cluster); loopback, with a warning,
+    where the hostname does not resolve (peers on other hosts cannot reach it: --transfer-host)."""
     try:
         return socket.gethostbyname(socket.gethostname())
-    except OSError:
+    except OSError as e:
+        log.warning("this host's name %r does not resolve (%s): the transfer engine listens on 127.0.0.1, "
+                    "reachable from this host only; give --transfer-host", socket.gethostname(), e)
         return "127.0.0.1"
 
 class ServerThread:

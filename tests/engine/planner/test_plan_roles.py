@@ -79,3 +79,18 @@ def test_role_round_trips_and_older_plans_read_as_both():
     with pytest.raises(PlanError, match="role 'router'"):
         plan_from_configs(load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"),
                           SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits(), role="router")
+
+
+def test_plan_in_the_compute_dtype_sizes_the_metadata_row_in_it():
+    """`engine serve --dtype bfloat16` on a float32 checkpoint plans in bfloat16: the metadata row
+    and the KV bytes per token are the engine's, not the config's (the servers refuse a row of
+    another size at start-up)."""
+    config = dict(load("llama-3.1-8b-instruct"), torch_dtype="float32")
+    draft = load("eagle3-llama3.1-instruct-8b")
+    spec, limits = SpecSettings("EAGLE3", 3, 1, 4), Limits()
+    f32 = plan_from_configs(config, draft, spec, GPUS["h200"], limits, role="prefill")
+    bf16 = plan_from_configs(config, draft, spec, GPUS["h200"], limits, role="prefill", dtype="bfloat16")
+    assert f32.target.dtype == "float32" and bf16.target.dtype == bf16.draft.dtype == "bfloat16"
+    assert f32.buffers.metadata_hidden_states_bytes_per_request == 4096 * 4
+    assert bf16.buffers.metadata_hidden_states_bytes_per_request == 4096 * 2
+    assert bf16.target.kv_cache_bytes_per_token * 2 == f32.target.kv_cache_bytes_per_token

@@ -230,3 +230,62 @@ def test_host_staged_pair_answers_as_one_server(server, serve_command):
         router.stop()
         decode.stop()
         prefill.stop()
+
+
+def test_split_roles_serve_in_a_dtype_other_than_the_checkpoints(serve_command):
+    """The test checkpoints say float32; --dtype bfloat16 servers plan in bfloat16 (the metadata
+    row is the engine's dtype: planned in the config's, both roles refused to start)."""
+    from specdeploy.engine.serving.cli import ServerThread
+    from specdeploy.engine.serving.disagg.router import RouterThread
+
+    bf16 = ("--transfer-host", "127.0.0.1", "--dtype", "bfloat16", "--gpu-memory-fraction", "0.25")
+    prefill = ServerThread(serve_command("--role", "prefill", *bf16)).start(timeout_s=120)
+    decode = ServerThread(serve_command("--role", "decode", *bf16)).start(timeout_s=120)
+    router = RouterThread([prefill.base_url], [decode.base_url], free_port()).start()
+    try:
+        for url in (prefill.base_url, decode.base_url):
+            info = httpx.get(f"{url}/disagg/info", timeout=10).json()
+            assert info["dtype"] == "bfloat16"
+        out = client_for(router.base_url).completions.create(
+            model=MODEL_NAME, prompt="def main(", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 6 and out.choices[0].text
+    finally:
+        router.stop()
+        decode.stop()
+        prefill.stop()
+
+
+def test_split_role_refuses_a_plan_of_another_dtype(model_dirs, serve_command, tmp_path):
+    import json
+
+    from specdeploy.engine.planner.plan import Limits, SpecSettings, custom_gpu, plan_from_configs
+    from specdeploy.engine.planner.weights import load_model_path
+    from specdeploy.engine.serving.cli import ServerThread
+
+    target_config, _ = load_model_path(model_dirs[0])
+    draft_config, _ = load_model_path(model_dirs[1])
+    plan = plan_from_configs(target_config, draft_config, SpecSettings("EAGLE", 3, 1, 4), custom_gpu(4.0),
+                             Limits(4, 256, 4), gpus_per_node=1, role="prefill")  # float32, the config's
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    server = ServerThread(serve_command("--role", "prefill", "--transfer-host", "127.0.0.1", "--plan", str(path),
+                                        "--dtype", "bfloat16"))
+    with pytest.raises(RuntimeError, match="the plan is for float32 and this server computes in bfloat16"):
+        server.start(timeout_s=120)
+    server.stop()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--gpu-memory-fraction", "0"), "must be in \\(0, 1\\]"),
+    (("--gpu-memory-fraction", "1.5"), "must be in \\(0, 1\\]"),
+    (("--gpu-memory-fraction", "0.5", "--plan", "plan.json"), "a --plan was made for its GPU already"),
+])
+def test_gpu_memory_fraction_is_checked(serve_command, flags, message):
+    import argparse
+
+    from specdeploy.engine.serving.cli import add_parser, check_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(ValueError, match=message):
+        check_args(parser.parse_args(serve_command(*flags)))
