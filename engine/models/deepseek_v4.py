@@ -56,8 +56,8 @@ from specdeploy.engine.models.hc import (HCConfig, HyperHead, _Float32Params, ca
                                          expand_embeddings, flatten_streams, make_residual,
                                          unflatten_streams)
 from specdeploy.engine.models.layers import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
-from specdeploy.engine.planner.deepseek_v4 import (CSA, HASH_MOE, HCA, SLIDING, RopeSpec, V4Config,
-                                                   read_v4_config)
+from specdeploy.engine.planner.deepseek_v4 import (CSA, EXPERT_DEQUANT_CHUNK, HASH_MOE, HCA, SLIDING,
+                                                   RopeSpec, V4Config, read_v4_config)
 from specdeploy.engine.runtime.compressed_kv import V4KV
 from specdeploy.engine.runtime.kv import PAD_SLOT
 
@@ -66,10 +66,52 @@ from specdeploy.engine.runtime.kv import PAD_SLOT
 CONTIGUOUS_MIN_KEYS = 64
 # Queries per block when a long chunk runs the attention (bounds the [block, heads, keys] logits).
 QUERY_BLOCK = 256
-# Routed experts: one grouped GEMM per projection over the tokens sorted by expert (torch's
-# grouped_mm; no host sync, so CUDA graphs capture it) on CUDA; a loop over the experts a batch
-# hits elsewhere. Tests switch the grouped path on for CPU (it needs 16-byte-aligned strides).
-GROUPED_GEMM_ON_CPU = False
+# Routed experts: three computations of the same sums (_Experts.path picks one per call):
+#   "grouped"   the rows (token, expert) sorted by expert, one grouped GEMM per projection over the
+#               layer's experts (torch's grouped_mm). No host sync, so CUDA graphs capture it, but
+#               only on torch's fast path: bf16 on Hopper / Blackwell; anywhere else grouped_mm
+#               copies its offsets to the host (a sync, and an error inside a graph capture).
+#               Quantized experts are dequantized EXPERT_DEQUANT_CHUNK at a time, each chunk's
+#               grouped GEMM over every row with the other experts' rows zeroed (device bounds).
+#   "gathered"  each row with its own expert's weights gathered ([r, N, K]), batched matmuls over
+#               EXPERT_DEQUANT_CHUNK rows at a time: fixed shapes, no host sync, any dtype and
+#               device. Quantized experts take it when a call has fewer rows than the rank has
+#               experts (a decode step dequantizes the experts its rows use, not all of them);
+#               unquantized ones off the fast path up to GATHERED_MAX_ROWS rows, or in a capture.
+#   "chunked"   eager only (one host sync): the experts a call hits, EXPERT_DEQUANT_CHUNK at a time
+#               (a grouped GEMM over the chunk's rows on the fast path, a matmul per expert
+#               elsewhere): the long prefill chunks.
+# So no call holds more than EXPERT_DEQUANT_CHUNK experts' weights dequantized at once: the
+# transient the plan counts (engine/planner/deepseek_v4.py, where the constant lives).
+GATHERED_MAX_ROWS = 256
+# Tests force one path ("grouped" / "gathered" / "chunked"; grouped_mm runs on CPU too, slowly).
+EXPERT_PATH: str | None = None
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether this forward is being captured into a CUDA graph (then every choice between a
+    fixed-shape and a data-dependent computation takes the fixed-shape one)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def grouped_mm_without_sync(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped_mm runs its fast path (device-side offsets, no host copy) here."""
+    if not hasattr(F, "grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def expert_path(rows: int, num_experts: int, quantized: bool, fast_grouped: bool, in_capture: bool) -> str:
+    """The routed-expert computation for a call of `rows` (token, expert) rows (see above)."""
+    if fast_grouped and not quantized:
+        return "grouped"
+    if quantized and rows < num_experts:
+        return "gathered"
+    if in_capture:
+        return "grouped" if fast_grouped else "gathered"
+    if not fast_grouped and rows <= GATHERED_MAX_ROWS:
+        return "gathered"
+    return "chunked"
 
 
 @dataclass
@@ -470,7 +512,7 @@ class V4Attention(_KeepFloat32):
         closes = (step.positions + 1) % r == 0                              # [B, Q]
         span = 2 * r if self.kind == CSA else r
         path, valid = step.path[..., :span], step.path_valid[..., :span]
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() or closes.numel() <= 64:
+        if capturing(x) or closes.numel() <= 64:
             # every query (fixed shapes for the graphs); a query that closes no window writes
             # its own entry row, which nothing reads
             paths, valids = path.reshape(-1, span), valid.reshape(-1, span)
@@ -580,8 +622,8 @@ class _Experts(nn.Module):
     down_proj [E, H, I] in the model dtype; or, from a quantized checkpoint (`quantize`), its codes
     as stored (FP4: e2m1 pairs int8 [E, N, K / 2] with E8M0 scale bits uint8 [E, N, K / 32]; FP8:
     e4m3 [E, N, K] with block scales [E, N / bn, K / bk]) in `<proj>` and `<proj>_scale`,
-    dequantized inside the expert computation (the experts a batch hits on CPU; every expert of
-    the layer, one projection at a time, before the grouped GEMM on CUDA)."""
+    dequantized inside the expert computation, at most EXPERT_DEQUANT_CHUNK experts' copies of
+    one projection at a time (the three paths at the top of this module)."""
 
     def __init__(self, cfg: V4ModelConfig, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -620,8 +662,9 @@ class _Experts(nn.Module):
             setattr(self, name, nn.Parameter(codes, requires_grad=False))
             self.register_parameter(name + "_scale", nn.Parameter(scale, requires_grad=False))
 
-    def weight(self, name: str, experts: slice | int, dtype: torch.dtype) -> torch.Tensor:
-        """[.., N, K] weights of `experts` for projection `name` in `dtype`."""
+    def weight(self, name: str, experts: slice | int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[.., N, K] weights of `experts` (a slice, one id, or ids [R]: one matrix per id) for
+        projection `name` in `dtype`."""
         w = getattr(self, name)[experts]
         if self.quant is None:
             return w.to(dtype)
@@ -636,7 +679,7 @@ class _Experts(nn.Module):
         e, n = w.shape[:2]
         if n % self.block[0] == 0:  # whole row blocks: likewise
             return dequantize_fp8(w.reshape(e * n, -1), s.reshape(-1, s.shape[-1]), self.block, dtype).view(e, n, -1)
-        return torch.stack([self.weight(name, j, dtype) for j in range(e)])
+        return torch.stack([dequantize_fp8(w[j], s[j], self.block, dtype) for j in range(e)])
 
     def _fp4(self, codes: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Packed e2m1 [N, K / 2] (element 2j in the low nibble) with E8M0 bits [N, K / 32] ->
@@ -645,7 +688,8 @@ class _Experts(nn.Module):
 
         c = codes.view(torch.uint8)
         values = torch.stack((self.e2m1[(c & 0xF).long()], self.e2m1[(c >> 4).long()]), dim=-1).flatten(-2)
-        scale = torch.exp2(bits.float() - 127.0).repeat_interleave(FP4_GROUP, dim=-1)[..., :values.shape[-1]]
+        scale = torch.exp2(bits.float() - 127.0)                            # [N, K / 32]
+        scale = scale[..., None].expand(*scale.shape, FP4_GROUP).flatten(-2)[..., :values.shape[-1]]
         return (values * scale).to(dtype)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -654,37 +698,90 @@ class _Experts(nn.Module):
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return F.silu(gate) * up
 
+    def path(self, x: torch.Tensor, rows: int) -> str:
+        if EXPERT_PATH is not None:
+            return EXPERT_PATH
+        return expert_path(rows, self.num_local, self.quant is not None,
+                           grouped_mm_without_sync(x.device, x.dtype), capturing(x))
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, H], idx / w [T, k] (global expert ids) -> [T, H]: this rank's experts' share."""
+        """x [T, H], idx / w [T, k] (global expert ids) -> [T, H]: this rank's experts' share.
+        Every path but "chunked" runs on the device alone with shapes fixed by [T, k]."""
         t, k = idx.shape
         if self.tp_size > 1:
             # Another rank's expert: weight 0, computed by local expert 0 (fixed shapes, no sync).
             local = idx - self.lo
             mine = (local >= 0) & (local < self.num_local)
             idx, w = torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        flat = idx.reshape(-1)                                              # [R = T k]
+        path = self.path(x, flat.numel())
+        if path == "gathered":
+            xr = x[:, None, :].expand(t, k, x.shape[-1]).reshape(t * k, -1, 1)  # [R, H, 1]
+            ys = torch.cat([self._gathered(xr[r0:r0 + EXPERT_DEQUANT_CHUNK], flat[r0:r0 + EXPERT_DEQUANT_CHUNK])
+                            for r0 in range(0, t * k, EXPERT_DEQUANT_CHUNK)])       # [R, H]
+            return (ys.view(t, k, -1) * w[..., None].to(ys.dtype)).sum(1)
+        order = torch.argsort(flat, stable=True)                            # rows by expert
         token = order // k
-        xs = x[token]                                                       # [T k, H] by expert
-        e = self.gate_up_proj.shape[0]
-        if (x.is_cuda or GROUPED_GEMM_ON_CPU) and hasattr(F, "grouped_mm"):
+        xs = x[token]                                                       # [R, H] by expert
+        e = self.num_local
+        if path == "grouped":
+            # rows per expert by scatter_add (bincount would sync for its length), ends as int32
             counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
                 0, flat, torch.ones_like(flat, dtype=torch.int32))
-            offs = counts.cumsum(0).to(torch.int32)                         # no host sync (graphs)
-            every = slice(0, e)
-            h = self._act(F.grouped_mm(xs, self.weight("gate_up_proj", every, x.dtype).transpose(1, 2), offs=offs))
-            ys = F.grouped_mm(h, self.weight("down_proj", every, x.dtype).transpose(1, 2), offs=offs)
+            offs = counts.cumsum(0).to(torch.int32)                         # [E] on the device
+            if self.quant is None:
+                ys = self._grouped(xs, slice(0, e), offs)
+            else:  # dequantized EXPERT_DEQUANT_CHUNK experts at a time: rows outside a chunk add zero
+                ys = torch.zeros_like(xs)
+                for c0 in range(0, e, EXPERT_DEQUANT_CHUNK):
+                    c1 = min(e, c0 + EXPERT_DEQUANT_CHUNK)
+                    ys += self._grouped(xs, slice(c0, c1), offs, chunk=(c0, c1))
         else:
             sorted_ids = flat[order]
             ys = torch.empty_like(xs)
-            bounds = torch.searchsorted(sorted_ids, torch.arange(e + 1, device=x.device)).tolist()
-            for ex in range(e):
-                lo, hi = bounds[ex], bounds[ex + 1]
-                if hi > lo:
-                    h = self._act(F.linear(xs[lo:hi], self.weight("gate_up_proj", ex, x.dtype)))
-                    ys[lo:hi] = F.linear(h, self.weight("down_proj", ex, x.dtype))
+            bounds = torch.searchsorted(sorted_ids, torch.arange(e + 1, device=x.device)).tolist()  # host sync
+            fast = grouped_mm_without_sync(x.device, x.dtype)
+            for c0 in range(0, e, EXPERT_DEQUANT_CHUNK):
+                c1 = min(e, c0 + EXPERT_DEQUANT_CHUNK)
+                lo, hi = bounds[c0], bounds[c1]
+                if hi == lo:
+                    continue
+                if fast:
+                    ends = torch.tensor(bounds[c0 + 1:c1 + 1], dtype=torch.int32) - lo
+                    ys[lo:hi] = self._grouped(xs[lo:hi], slice(c0, c1), ends.to(x.device))
+                    continue
+                for ex in range(c0, c1):
+                    a, b = bounds[ex], bounds[ex + 1]
+                    if b > a:
+                        h = self._act(F.linear(xs[a:b], self.weight("gate_up_proj", ex, x.dtype)))
+                        ys[a:b] = F.linear(h, self.weight("down_proj", ex, x.dtype))
         ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def _gathered(self, xr: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """xr [r, H, 1] rows, ids [r] their experts -> [r, H]: r <= EXPERT_DEQUANT_CHUNK expert copies."""
+        h = self._act(torch.bmm(self.weight("gate_up_proj", ids, xr.dtype), xr)[..., 0])  # [r, I]
+        return torch.bmm(self.weight("down_proj", ids, xr.dtype), h[..., None])[..., 0]
+
+    def _grouped(self, xs: torch.Tensor, experts: slice, offs: torch.Tensor, chunk=None) -> torch.Tensor:
+        """Rows xs [R, H] sorted by expert, offs [E'] the ends of the experts' groups -> [R, H]
+        through the experts `experts` (one grouped GEMM per projection). chunk (c0, c1): offs
+        covers every expert and only the rows of experts c0 .. c1 - 1 come out, the others zero:
+        they are zeroed on the way in (the chunk's first expert takes the rows before its group,
+        its last the rows after) and dropped on the way out, with device-side bounds."""
+        dtype = xs.dtype
+        inside = None
+        if chunk is not None:
+            c0, c1 = chunk
+            r = torch.arange(xs.shape[0], device=xs.device)
+            inside = ((r >= offs[c0 - 1]) if c0 else True) & (r < offs[c1 - 1])   # [R]
+            xs = torch.where(inside[:, None], xs, 0)
+            offs = torch.cat([offs[c0:c1 - 1], offs.new_full((1,), xs.shape[0])])
+        up = self.weight("gate_up_proj", experts, dtype)                    # [E', 2I, H]
+        h = self._act(F.grouped_mm(xs, up.transpose(1, 2), offs=offs))
+        del up  # the dequantized gate/up copy goes before the down projection's comes
+        out = F.grouped_mm(h, self.weight("down_proj", experts, dtype).transpose(1, 2), offs=offs)
+        return out if inside is None else torch.where(inside[:, None], out, 0)
 
 
 class _SharedExpert(nn.Module):

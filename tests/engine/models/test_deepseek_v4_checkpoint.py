@@ -162,13 +162,15 @@ def test_fp8_fp4_published_checkpoint_computes_its_dequantized_twin(tmp_path):
     got, feature, _ = forward_logits(target, ids)
     want, want_feature, _ = forward_logits(twin_target, ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # the CUDA path: every expert's codes dequantized at once, then the grouped GEMM
-    v4mod.GROUPED_GEMM_ON_CPU = True
-    try:
-        grouped, _, _ = forward_logits(target, ids)
-    finally:
-        v4mod.GROUPED_GEMM_ON_CPU = False
-    torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
+    # the CUDA paths: the experts' codes dequantized a chunk at a time before each grouped GEMM
+    # (in a capture, and eagerly for long chunks), and a row's expert gathered (decode)
+    for path in ("grouped", "chunked", "gathered"):
+        v4mod.EXPERT_PATH = path
+        try:
+            other, _, _ = forward_logits(target, ids)
+        finally:
+            v4mod.EXPERT_PATH = None
+        torch.testing.assert_close(other, want, atol=1e-5, rtol=1e-5)
 
     mtp = load_v4_mtp(str(tmp_path), target, torch.float32, "cpu")
     shifted = torch.roll(ids, -1, 1)
