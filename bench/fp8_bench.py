@@ -2,6 +2,8 @@
 
     python3 bench/fp8_bench.py --out RESULTS_DIR          # ~5 min on an H200
     python3 bench/fp8_bench.py --sweep --out RESULTS_DIR  # + the decode kernel's tile sweep first
+    python3 bench/fp8_bench.py --gemv-sweep --out RESULTS_DIR  # + bench/gemv_sweep.py first (~2 min),
+                                                              # its table installed for the decode runs
     python3 bench/fp8_bench.py --smoke --out RESULTS_DIR  # CPU, tiny model, seconds
 
 1. decode: the engine's graphed target decode call and Runner.step() at batch 1 / 16 / 64 and a
@@ -218,6 +220,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script, measures nothing")
     parser.add_argument("--sweep", action="store_true",
                         help="first time the decode kernel's launch parameters at the 8B layer shapes (CUDA only)")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="first measure the small-M linear kernel's launch table (bench/gemv_sweep.py, CUDA "
+                             "only) and run the model measurements with it")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = SIZES["smoke" if args.smoke else "device"]
@@ -229,6 +234,17 @@ def main() -> int:
     bandwidth = copy_bandwidth_bytes_per_s(device=device) if device.type == "cuda" else 1e11
     result["bandwidth_bytes_per_s"] = bandwidth
     dtype = torch.bfloat16
+    if args.gemv_sweep and device.type == "cuda":
+        try:
+            import gemv_sweep
+            measured = gemv_sweep.sweep(device, args.out)
+            gemv_sweep.install(measured["table_tuples"])
+            result["gemv_table"] = measured["table"]
+            log(f"installed a measured gemv table of {len(measured['table'])} entries")
+        except Exception:
+            result["errors"].append(traceback.format_exc()[-3000:])
+            log(f"gemv sweep failed:\n{result['errors'][-1]}")
+        free_device_memory()
     if args.sweep and device.type == "cuda":
         try:
             result["sweep"] = sweep(device, 50)

@@ -12,6 +12,8 @@ torch code quietly.
 - `fp8`: linears over FP8 e4m3 weights with block / per-channel / per-tensor scales (weight-only
   for decode, per-token-group activation quantization and an FP8 GEMM for prefill).
 - `launch`: launch options the kernel modules share (programmatic dependent launch).
+- `gemv`: the small-M (<= 16 rows) weight-streaming linear over FP8 or plain weights, split-K
+  finished in-kernel.
 """
 
 from __future__ import annotations
@@ -60,3 +62,12 @@ def fp8_ops() -> ModuleType | None:
     from specdeploy.engine.kernels import fp8
 
     return fp8
+
+
+@functools.cache
+def gemv_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import gemv
+
+    return gemv

@@ -6,7 +6,9 @@ A weight W [N, K] is stored as e4m3 codes Wq and float32 scales S with W = Wq * 
 [ceil(N/128), ceil(K/128)]), 1 for per-output-channel scales or for block scales that fused
 parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. Two paths:
 
-- decode (M <= DECODE_MAX_M rows): weight-only, `_w8a16_kernel`. Each program streams a
+- decode (M <= DECODE_MAX_M rows): weight-only. Up to GEMV_MAX_M (16) rows the small-M
+  weight-streaming kernel of engine/kernels/gemv.py (narrow slabs, split-K finished in-kernel);
+  above, `_w8a16_kernel`. Each program streams a
   [BLOCK_N, K] slab of codes once, widens them to the activation dtype in registers (e4m3 is
   exactly representable in bf16), multiplies on the tensor cores in float32 and applies the
   scale per 128-wide k block. At batch 1 the layer reads N*K bytes instead of 2*N*K: the whole
@@ -25,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from specdeploy.engine.kernels import gemv
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant: an all-zero group gets this scale, never zero
@@ -193,7 +197,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
         return out.view(*x.shape[:-1], n)
     stride_sn, stride_sk = _scale_strides(scale, scale_n)
     has_bias = bias is not None
-    if m <= DECODE_MAX_M:
+    if m <= gemv.GEMV_MAX_M:
+        gemv.launch(rows, weight, scale, scale_n, bias, out, *gemv.config_for("fp8", n, k, m, x.device))
+    elif m <= DECODE_MAX_M:
         w8a16(rows, weight, scale, scale_n, bias, out, *_decode_tiles(m, n))
     else:
         a, a_s = act_quant(rows, round_scale)

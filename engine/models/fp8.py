@@ -190,7 +190,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     scale in the engine layout (module docstring), covering scale_n rows x block_k columns."""
     fast = fused_kernels(x, ops=kernels.fp8_ops)
     rows = x.numel() // max(x.shape[-1], 1)
-    if (fast is not None and rows and block_k == KERNEL_BLOCK_K
+    # A scale per row or per tensor covers all of K whatever block_k says; a grid must be 128 wide.
+    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
+    if (fast is not None and rows and (block_k == KERNEL_BLOCK_K or per_row)
             and scale.dtype == torch.float32 and _kernels_run_on(x.device.index or 0)):
         return fast.fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     w = (weight.float() * expand_scale(scale, tuple(weight.shape), scale_n, block_k)).to(x.dtype)

@@ -72,6 +72,18 @@ def _rows(src, lo: int, hi: int, full: int) -> torch.Tensor:
     return torch.cat([part, pad])
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except on CUDA for calls of at most GEMV_MAX_M rows (decode, small verify
+    batches) whose shape the small-M kernel's launch table gives to the kernel rather than to
+    cuBLAS (engine/kernels/gemv.py). CPU always runs F.linear."""
+    fast = fused_kernels(x, weight, ops=kernels.gemv_ops)
+    if fast is not None:
+        y = fast.plain_linear(x, weight, bias)
+        if y is not None:
+            return y
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features / tp, in_features] on each rank."""
 
@@ -84,7 +96,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(part), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_param(self, name: str, full) -> None:
         _copy(getattr(self, name), full.narrow(0, self.rows[0], self.rows[1] - self.rows[0]), name)
@@ -113,7 +125,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., sum_i out_i / tp], the parts side by side (`split` cuts them)."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[..., sum_i out_i / tp] -> one view [..., out_i / tp] per part."""
@@ -170,7 +182,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel and self.tp_size > 1:
             x = x[..., self.cols[0]:self.cols[1]]
         # The bias joins on rank 0 only, so that the sum over ranks adds it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return distributed.all_reduce(y) if self.tp_size > 1 else y
 
     def load_param(self, name: str, full) -> None:
@@ -216,7 +228,7 @@ class ParallelLMHead(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size == 1:
             return y
         return distributed.all_gather(y)[..., :self.vocab_size]

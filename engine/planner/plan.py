@@ -60,6 +60,7 @@ from specdeploy.engine.planner.shapes import (
     derive_shapes,
     draft_input_hidden_size,
     kv_cache_bytes_per_token_per_gpu,
+    kv_heads_per_gpu,
     tensor_parallel_params,
 )
 
@@ -75,6 +76,7 @@ __all__ = [
     "PlanError",
     "SpecSettings",
     "cuda_graph_batch_sizes",
+    "gemv_workspace_bytes",
     "plan",
     "plan_from_configs",
 ]
@@ -125,6 +127,15 @@ CUDA_GRAPH_POOL_BASE_BYTES = 320 * MIB
 # FP8 checkpoints the engine computes from with per-token-group (1 x 128) quantized activations.
 FP8_QUANT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 FP8_ACTIVATION_GROUP = 128
+
+# The small-M linear kernel (engine/kernels/gemv.py): decode and verify calls of at most
+# GEMV_MAX_M rows, split-K over at most GEMV_MAX_SPLIT_K ranges finished in-kernel through a
+# float32 workspace [GEMV_MAX_SPLIT_K, GEMV_MAX_M, N] and int32 counters [N / GEMV_MIN_BLOCK_N]
+# kept per distinct output width N (outputs wider than GEMV_SPLIT_MAX_N never split).
+GEMV_MAX_M = 16
+GEMV_MAX_SPLIT_K = 8
+GEMV_SPLIT_MAX_N = 65536
+GEMV_MIN_BLOCK_N = 4
 
 # Logits are computed in float32 for sampling and verification.
 LOGITS_DTYPE_BYTES = 4
@@ -475,6 +486,30 @@ def _fp8_activation_copy(shapes: ModelShapes, tp: int) -> int:
     return width + 4 * -(-width // FP8_ACTIVATION_GROUP)
 
 
+def _linear_output_widths(shapes: ModelShapes, tp: int) -> set[int]:
+    """Output widths N (one GPU's) of the model's linears that the small-M kernel may split-K."""
+    heads = max(1, shapes.num_heads // tp)
+    widths = {shapes.hidden_size, -(-shapes.vocab_size // tp), -(-shapes.draft_vocab_size // tp)}
+    if shapes.intermediate_size:
+        widths.add(2 * shapes.intermediate_size // tp)                    # fused gate/up
+    if shapes.shared_expert_intermediate_size:
+        widths.add(2 * shapes.shared_expert_intermediate_size // tp)
+    if shapes.attention == "gqa":
+        widths.add((heads + 2 * kv_heads_per_gpu(shapes.num_kv_heads, tp)) * shapes.head_dim)
+    else:  # latent / compressed attention: the low-rank projections and their expansions
+        widths |= {shapes.q_lora_rank, shapes.kv_lora_rank + shapes.qk_rope_head_dim,
+                   heads * (shapes.qk_nope_head_dim + shapes.qk_rope_head_dim),
+                   heads * (shapes.qk_nope_head_dim + shapes.v_head_dim), heads * shapes.head_dim}
+    return {w for w in widths if 0 < w <= GEMV_SPLIT_MAX_N}
+
+
+def gemv_workspace_bytes(models: list[ModelShapes], tp: int) -> int:
+    """The small-M kernel's split-K workspaces and counters, kept for the process: one per
+    distinct output width over the target's and the draft's linears (engine/kernels/gemv.py)."""
+    widths = set().union(*(_linear_output_widths(m, tp) for m in models))
+    return sum(GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + -(-n // GEMV_MIN_BLOCK_N) * 4 for n in widths)
+
+
 def _expert_dequant_bytes(shapes: ModelShapes) -> int:
     """DeepSeek-V4 with quantized routed experts (engine/models/deepseek_v4.py _Experts): on CUDA
     the gate/up codes of one layer's experts are dequantized into a model-dtype temporary before
@@ -601,6 +636,8 @@ def _memory_terms(
         # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3).
         features = chunk * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
         workspace = max(workspace, _activation_bytes(draft_shapes, chunk, tp) + features)
+    # The small-M linear kernel's split-K workspaces, made on the first (eager) decode call and kept.
+    workspace += gemv_workspace_bytes([target_shapes] + ([draft_shapes] if draft_shapes is not None else []), tp)
     budget = (
         gpu.memory_bytes - weights - graph_pool - workspace - buffers.static_bytes - per_request - RESERVE_BYTES
     )

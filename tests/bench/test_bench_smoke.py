@@ -111,3 +111,22 @@ def test_fp8_bench_smoke(tmp_path):
     terms = result["planner_truth"]["terms"]
     assert terms["weights"]["measured_over_predicted"] == pytest.approx(1.0, abs=0.05)
     assert result["planner_truth"]["plan"]["target"]["weight_source"] == "quantization_config"
+
+
+def test_gemv_sweep_smoke(tmp_path):
+    """bench/gemv_sweep.py times its configurations (Triton's interpreter on CPU, a tiny shape),
+    writes every timing and a table that engine/kernels/gemv.py accepts as it is pasted."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-P", "bench/gemv_sweep.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "gemv_sweep.json").read_text())
+    assert {(r["weights"], r["m"]) for r in result["rows"]} == {("fp8", 1), ("fp8", 4), ("plain", 1), ("plain", 4)}
+    for row in result["rows"]:
+        assert row["baseline"]["us"] > 0 and row["best"]["us"] > 0 and row["chosen"]
+    source = (tmp_path / "gemv_table.py").read_text()
+    scope: dict = {}
+    exec(source, scope)  # the literal as it would be pasted into gemv.py
+    table = scope["GEMV_TABLE"]
+    assert set(table) == {("fp8", 64, 512, 1), ("fp8", 64, 512, 4), ("plain", 64, 512, 1), ("plain", 64, 512, 4)}
+    assert all(cfg[0] in ("fma", "dot", "cublas") and len(cfg) == 6 for cfg in table.values())

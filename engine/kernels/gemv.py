@@ -1,0 +1,331 @@
+"""Small-M weight-streaming linear: y [M, N] = x [M, K] @ W^T (+ bias) for M <= GEMV_MAX_M
+(decode, small verify batches), W either e4m3 codes with scales (the grids of
+engine/kernels/fp8.py) or plain bf16/fp16/fp32 weights.
+
+At these M a linear is a read of W: the kernel's only job is to keep HBM busy. A 4096-wide
+layer cut into 32-64-row slabs makes 64-128 programs on 132 SMs, one per SM with ~16 KB in
+flight, which is latency-bound; so the output is cut into narrow slabs (BLOCK_N 4-128) and K
+into SPLIT_K ranges, >= ~4 programs per SM, each streaming [BLOCK_N, BLOCK_K] tiles (BLOCK_K up
+to 512, K contiguous, 16-byte loads) through a num_stages-deep pipeline.
+
+Split-K is finished inside the same kernel (no reduce launch, no memset): with SPLIT_K > 1 each
+program stores its float32 partial [M, BLOCK_N] to a workspace [SPLIT_K, M, N], a barrier and one
+acq_rel atomic increment of the tile's counter follow, and the program that sees SPLIT_K - 1 reads
+every partial back through L2 (`.cg`: L1 is not coherent across SMs), adds them and the bias,
+writes y and resets the counter to 0 (atomic_xchg), so each CUDA-graph replay starts from zeros.
+Workspaces and counters are allocated once per (device, N) on the first eager call and kept for
+the process (graphs hold their pointers; the planner counts them: plan.py gemv_workspace_bytes).
+Calls that share an N share them, so calls must be issued on one stream at a time (the engine
+runs a model on one stream). A capture that meets an N with no workspace yet runs SPLIT_K = 1
+instead of allocating inside the graph.
+
+Two inner loops (constexpr VARIANT):
+- "fma" (M 1..4, any BLOCK_N >= 4): W tiles widened to float32 times the x row(s), accumulated
+  element-wise in [BLOCK_M, BLOCK_N, 128] registers and summed once at the end;
+- "dot" (M 5..16): tl.dot with BLOCK_M = 16 (its smallest), float32 accumulation.
+Scales (SCALE_MODE, chosen on the host): 0 none (plain weights); 1 one value per 128-wide k group
+for the whole tile (block scales with BLOCK_N inside one 128-row scale block): folded into x (fma)
+or into the tile's dot (dot), never applied per element; 2 one value per output row for all of
+K (per channel; per tensor has a zero stride): applied to the sums at the end; 3 one value per
+(row, k group) (rows layouts of fused parts, or BLOCK_N wider than a scale block).
+Accumulation is float32 and the output is written in x's dtype. The kernel takes part in
+programmatic dependent launch like the others (engine/kernels/launch.py).
+
+Launch parameters come from GEMV_TABLE, keyed by (weight kind, N, K, M bucket), where
+bench/gemv_sweep.py puts what it measures (`install_table` puts a just-measured table in place
+in-process); shapes not in it get `heuristic_config`. For plain weights an entry may say
+"cublas": the caller then runs F.linear (`plain_linear` returns None).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from specdeploy.engine.kernels.launch import gdc, pdl_args
+from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
+
+GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
+M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
+VARIANTS = ("fma", "dot", "cublas")
+MIN_BLOCK_N = GEMV_MIN_BLOCK_N
+MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
+CTAS_PER_SM = 4  # the heuristic's target occupancy: programs per SM
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                 M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
+                 SCALE_MODE: tl.constexpr, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, SUB_K)
+    # Rows past M / N read the last real row instead of masking (the loads stay unmasked and
+    # vectorized); the stores are masked.
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    x_base = x_ptr + rows_m[:, None] * stride_xm                        # [BLOCK_M, 1]
+    w_base = w_ptr + rows_n[:, None] * stride_wn                        # [BLOCK_N, 1]
+    s_rows = s_ptr + (rows_n // SCALE_N) * stride_sn                    # [BLOCK_N]
+    s_tile = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn           # scalar (SCALE_MODE 1)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, SUB_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, SUB_K), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        for g in tl.static_range(BLOCK_K // SUB_K):
+            k = k0 + g * SUB_K + offs_s                                  # [SUB_K]
+            if EVEN_K:
+                xv = tl.load(x_base + k[None, :])
+                wv = tl.load(w_base + k[None, :])
+            else:
+                k_ok = k < k_hi
+                xv = tl.load(x_base + k[None, :], mask=k_ok[None, :], other=0.0)
+                wv = tl.load(w_base + k[None, :], mask=k_ok[None, :], other=0.0)
+            # the 128-wide k group (a group wholly past K reads the last one, times zeros)
+            kg = tl.minimum((k0 + g * SUB_K) // SUB_K, (K - 1) // SUB_K)
+            if USE_DOT:
+                part = tl.dot(xv, tl.trans(wv.to(xv.dtype)), input_precision=PRECISION)
+                if SCALE_MODE == 1:
+                    part = part * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    part = part * tl.load(s_rows + kg * stride_sk)[None, :]
+                acc += part
+            else:
+                xf = xv.to(tl.float32)
+                wf = wv.to(tl.float32)
+                if SCALE_MODE == 1:
+                    xf = xf * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    wf = wf * tl.load(s_rows + kg * stride_sk)[:, None]
+                if BLOCK_M == 1:
+                    acc += wf * xf                                       # [BLOCK_N, SUB_K]
+                else:
+                    acc += xf[:, None, :] * wf[None, :, :]               # [BLOCK_M, BLOCK_N, SUB_K]
+    if USE_DOT:
+        y = acc
+    elif BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
+    if SCALE_MODE == 2:
+        y = y * tl.load(s_rows)[None, :]
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        part_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]      # [BLOCK_M, BLOCK_N] of split 0
+        tl.store(part_ptrs + pid_k * M * N, y, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# launch configurations
+
+
+def m_bucket(m: int) -> int:
+    return next(b for b in M_BUCKETS if m <= b)
+
+
+# (kind, N, K, M bucket) -> (variant, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); kind
+# "fp8" (e4m3 codes, any scale layout) or "plain" (bf16/fp16/fp32 weights). bench/gemv_sweep.py
+# prints a measured table in this format; paste it here.
+GEMV_TABLE: dict[tuple[str, int, int, int], tuple[str, int, int, int, int, int]] = {}
+
+
+def install_table(table: dict) -> None:
+    """Put measured entries in place in this process (bench/gemv_sweep.py after a sweep)."""
+    for key, cfg in table.items():
+        kind, n, k, mb = key
+        if kind not in ("fp8", "plain") or mb not in M_BUCKETS or cfg[0] not in VARIANTS:
+            raise ValueError(f"gemv table entry {key}: {cfg} is not a launch configuration")
+        GEMV_TABLE[(kind, int(n), int(k), int(mb))] = tuple(cfg)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int) -> tuple[str, int, int, int, int, int]:
+    """A launch for shapes not in GEMV_TABLE: fma up to 4 rows, else dot; BLOCK_K 512 bytes of
+    weight per row; BLOCK_N as narrow as keeps >= CTAS_PER_SM programs per SM without split-K,
+    else the split that gets there with >= MIN_K_BLOCKS_PER_SPLIT k blocks each. Plain weights
+    default to cuBLAS (the sweep decides where the kernel beats it)."""
+    if kind == "plain":
+        return ("cublas", 0, 0, 1, 0, 0)
+    variant = "fma" if m <= 4 else "dot"
+    block_k = 512
+    target = CTAS_PER_SM * num_sms
+    block_n = 16 if variant == "dot" else 8 if m == 1 else 4
+    # fma keeps a [BLOCK_M, BLOCK_N, 128] float32 accumulator: <= 64 registers a thread at 4 warps
+    widest = 64 if variant == "dot" else min(32, 64 // triton.next_power_of_2(m))
+    while block_n < widest and triton.cdiv(n, block_n * 2) >= target:
+        block_n *= 2
+    tiles = triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    split = max(1, min(-(-target // tiles), k_blocks // MIN_K_BLOCKS_PER_SPLIT, GEMV_MAX_SPLIT_K))
+    return (variant, block_n, block_k, split, 4, 3)
+
+
+def _sms(device: torch.device) -> int:
+    # CPU (the interpreter) plans for an H200's 132 SMs.
+    return _num_sms(device.index or 0) if device.type == "cuda" else 132
+
+
+def config_for(kind: str, n: int, k: int, m: int, device: torch.device) -> tuple:
+    cfg = GEMV_TABLE.get((kind, n, k, m_bucket(m)))
+    if cfg is None:
+        cfg = heuristic_config(kind, n, k, m, _sms(device))
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# split-K workspaces
+
+
+_WORKSPACES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(float32 partials [GEMV_MAX_SPLIT_K * GEMV_MAX_M * N], int32 counters [ceil(N / 4)],
+    zeros) for outputs N wide on `device`; made on first use, kept for the process. None when
+    none exists yet and the stream is capturing a graph (never allocate zeroed counters there)."""
+    key = (str(device), n)
+    found = _WORKSPACES.get(key)
+    if found is None:
+        if _capturing(device):
+            return None
+        found = (torch.empty(GEMV_MAX_SPLIT_K * GEMV_MAX_M * n, dtype=torch.float32, device=device),
+                 torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device))
+        _WORKSPACES[key] = found
+    return found
+
+
+def workspace_bytes() -> int:
+    """Bytes this process's split-K workspaces and counters hold (for memory accounting)."""
+    return sum(p.numel() * 4 + c.numel() * 4 for p, c in _WORKSPACES.values())
+
+
+# --------------------------------------------------------------------------------------------
+# host entry points
+
+
+def _scale_layout(scale: torch.Tensor, scale_n: int, block_n: int) -> tuple[int, int, int, int]:
+    """(SCALE_MODE, SCALE_N, stride along scale rows, stride along 128-wide k groups)."""
+    if scale.numel() == 1:
+        return 2, 1, 0, 0                        # per tensor: one value, applied at the end
+    if scale.dim() == 1 or scale.shape[1] == 1:
+        return 2, scale_n, scale.stride(0), 0    # per row (or per scale_n rows), all of K
+    sn, sk = scale.stride(0), scale.stride(1)
+    if scale_n % block_n == 0:
+        return 1, scale_n, sn, sk                # the tile sits inside one scale row
+    return 3, scale_n, sn, sk
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
+           bias: torch.Tensor | None, out: torch.Tensor, variant: str, block_n: int, block_k: int,
+           split_k: int, num_warps: int, num_stages: int) -> None:
+    """One launch into `out` [M, N] with explicit parameters. x [M, K] (unit stride along K),
+    weight [N, K] (unit stride along K), scale as engine/kernels/fp8.py (None: plain weights)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= GEMV_MAX_M:
+        raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
+    if variant not in ("fma", "dot") or block_k % GROUP_K or block_n < MIN_BLOCK_N:
+        raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
+    use_dot = variant == "dot"
+    block_m = 16 if use_dot else triton.next_power_of_2(m)
+    if use_dot and block_n < 16:
+        raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
+    if n > GEMV_SPLIT_MAX_N:
+        split_k = 1
+    k_blocks = triton.cdiv(k, block_k)
+    split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K))
+    ws = workspace(x.device, n) if split_k > 1 else None
+    if ws is None:
+        split_k = 1
+        ws = (out, out)
+    k_split = triton.cdiv(k_blocks, split_k) * block_k
+    split_k = triton.cdiv(k, k_split)  # no empty splits
+    if scale is None:
+        mode, s_n, sn, sk = 0, 1, 0, 0
+        scale = out
+    else:
+        mode, s_n, sn, sk = _scale_layout(scale, scale_n, block_n)
+    grid = (triton.cdiv(n, block_n), split_k)
+    _gemv_kernel[grid](
+        x, weight, scale, bias if bias is not None else out, out, ws[0], ws[1],
+        m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
+        SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
+        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int,
+               bias: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+    """x [..., K] @ (weight * scale)^T + bias for at most GEMV_MAX_M rows; weight e4m3 [N, K],
+    scale a float32 grid [ceil(N / scale_n), ceil(K / 128)], per row [N] / [N, 1], or one value."""
+    rows = _rows(x)
+    n = weight.shape[0]
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    cfg = config or config_for("fp8", n, rows.shape[1], rows.shape[0], x.device)
+    if cfg[0] == "cublas":  # not a choice for codes; the heuristic decides instead
+        cfg = heuristic_config("fp8", n, rows.shape[1], rows.shape[0], _sms(x.device))
+    launch(rows, weight, scale, scale_n, bias, out, *cfg)
+    return out.view(*x.shape[:-1], n)
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: tuple | None = None) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) through the kernel when x has at most GEMV_MAX_M rows, weight
+    is [N, K] in x's dtype with unit stride along K, and the table does not say cuBLAS; None
+    otherwise (the caller runs F.linear)."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if not 0 < m <= GEMV_MAX_M or weight.dtype != x.dtype or weight.stride(-1) != 1:
+        return None
+    n = weight.shape[0]
+    cfg = config or config_for("plain", n, k, m, x.device)
+    if cfg[0] == "cublas":
+        return None
+    rows = _rows(x)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    launch(rows, weight, None, 1, bias, out, *cfg)
+    return out.view(*x.shape[:-1], n)

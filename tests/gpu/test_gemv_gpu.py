@@ -1,0 +1,115 @@
+"""GPU checks of the small-M linear kernel (engine/kernels/gemv.py) at the Llama-3.1-8B layer
+shapes (fused qkv, o, fused gate/up, down; lm_head with bf16 weights) for M = 1 / 4 / 16:
+
+- FP8 block weights (through kernels.fp8.fp8_linear, the engine's entry: table or heuristic
+  launch) and bf16 weights (the kernel forced on, whatever the table says for cuBLAS), each
+  against a float32 matmul of the dequantized weights, element-wise within the bf16 output
+  rounding (2^-8 of the value) plus float32 accumulation-order error (2^-10 of the row's
+  largest magnitude);
+- both inner loops and split-K 1 / 2 / 4 / 8 on the widest-K shape;
+- CUDA-graph capture of split-K launches, three replays each equal to the eager result (the
+  in-kernel counters reset themselves; nothing is allocated in the capture).
+"""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("the e4m3 kernels need compute capability 8.9 or later", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+from specdeploy.engine.kernels import fp8 as fp8_kernels  # noqa: E402
+from specdeploy.engine.kernels import gemv  # noqa: E402
+from specdeploy.engine.models import fp8  # noqa: E402
+
+DEV = "cuda"
+# (N, K) of Llama-3.1-8B's fused qkv, o, fused gate/up and down projections
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LM_HEAD = (128256, 4096)
+
+
+def _fp8_weights(n, k, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(n, k, device=DEV, generator=g) * 0.02
+    codes, scale = fp8.quantize_fp8_block(w, (128, 128))
+    return codes, scale, fp8.dequantize_fp8(codes, scale, (128, 128), torch.float32)
+
+
+def _bf16_weights(n, k, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(n, k, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def _within(got, want):
+    err = (got.float() - want).abs()
+    bound = want.abs() * 2**-8 + want.abs().amax(-1, keepdim=True) * 2**-10
+    assert (err <= bound).all(), (err - bound).max().item()
+
+
+def _forced(kind, n, k, m):
+    """The kernel's launch for this shape even where the table (or the plain-weight default)
+    says cuBLAS: the heuristic of the fp8 path."""
+    cfg = gemv.config_for(kind, n, k, m, torch.device(DEV))
+    return cfg if cfg[0] != "cublas" else gemv.heuristic_config("fp8", n, k, m, gemv._sms(torch.device(DEV)))
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_block_weights(n, k, m):
+    codes, scale, wd = _fp8_weights(n, k)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    bias = torch.randn(n, device=DEV).to(torch.bfloat16) if m == 4 else None
+    got = fp8_kernels.fp8_linear(x, codes, scale, 128, bias)
+    _within(got, F.linear(x.float(), wd, bias.float() if bias is not None else None))
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B + [LM_HEAD])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_bf16_weights(n, k, m):
+    w = _bf16_weights(n, k)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = gemv.plain_linear(x, w, None, config=_forced("plain", n, k, m))
+    _within(got, F.linear(x.float(), w.float()))
+
+
+@pytest.mark.parametrize("variant,block_n,m", [("fma", 4, 1), ("fma", 8, 1), ("fma", 16, 4), ("dot", 16, 16),
+                                               ("dot", 32, 8)])
+@pytest.mark.parametrize("split_k", [1, 2, 4, 8])
+def test_variants_and_splits(variant, block_n, m, split_k):
+    n, k = 4096, 14336
+    codes, scale, wd = _fp8_weights(n, k, seed=1)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = gemv.fp8_linear(x, codes, scale, 128, config=(variant, block_n, 512, split_k, 4, 3))
+    _within(got, F.linear(x.float(), wd))
+    assert all(int(c.abs().sum()) == 0 for _, c in gemv._WORKSPACES.values())
+
+
+def test_graph_replays_equal_eager():
+    """Split-K launches of both weight kinds captured in one graph; each of three replays (new
+    inputs copied in) equals an eager call on the same inputs."""
+    n, k = 4096, 14336
+    codes, scale, _ = _fp8_weights(n, k, seed=2)
+    w = _bf16_weights(n, k, seed=3)
+    fp8_cfg = ("fma", 8, 512, 4, 4, 3)
+    plain_cfg = ("dot", 16, 256, 4, 4, 3)
+    x = torch.randn(4, k, device=DEV).to(torch.bfloat16)
+
+    def step():
+        return (gemv.fp8_linear(x[:1], codes, scale, 128, config=fp8_cfg),
+                gemv.plain_linear(x, w, None, config=plain_cfg))
+
+    step()  # eager warm-up: compiles and makes the workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for i in range(3):
+        x.copy_(torch.randn(4, k, device=DEV).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        for got, ref in zip(outs, want):
+            assert torch.equal(got, ref), i
