@@ -76,6 +76,7 @@ __all__ = [
     "PlanError",
     "SpecSettings",
     "cuda_graph_batch_sizes",
+    "gemv_width_bytes",
     "gemv_workspace_bytes",
     "plan",
     "plan_from_configs",
@@ -507,7 +508,12 @@ def gemv_workspace_bytes(models: list[ModelShapes], tp: int) -> int:
     """The small-M kernel's split-K workspaces and counters, kept for the process: one per
     distinct output width over the target's and the draft's linears (engine/kernels/gemv.py)."""
     widths = set().union(*(_linear_output_widths(m, tp) for m in models))
-    return sum(GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + -(-n // GEMV_MIN_BLOCK_N) * 4 for n in widths)
+    return sum(gemv_width_bytes(n) for n in widths)
+
+
+def gemv_width_bytes(n: int) -> int:
+    """One output width's split-K workspace (float32) and counters (int32)."""
+    return GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + -(-n // GEMV_MIN_BLOCK_N) * 4
 
 
 def _expert_dequant_bytes(shapes: ModelShapes) -> int:

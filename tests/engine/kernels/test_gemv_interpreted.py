@@ -85,6 +85,11 @@ for i, (kind, n, k, m, dtype, cfg) in enumerate(cases):
         gemv.plain_linear(x, codes, bias, config=cfg)
     assert torch.equal(got, again), (kind, cfg)
 
+# the workspaces are what the planner counts for their widths
+from specdeploy.engine.planner.plan import gemv_width_bytes
+assert gemv._WORKSPACES and all(p.numel() * 4 + c.numel() * 4 == gemv_width_bytes(n)
+                                for (_, n), (p, c) in gemv._WORKSPACES.items())
+
 # every M 1..16 through the engine's entry (kernels/fp8.fp8_linear: the table or heuristic
 # launch), batched leading dims, on a 4096-wide-style shape scaled down
 codes, scale, scale_n = weights("block", 40, 1024)
