@@ -473,9 +473,6 @@ class V4Attention(_KeepFloat32):
         b, q_len, _ = x.shape
         dtype = x.dtype
         cos, sin = self.rope(step.positions, dtype)                        # [B, Q, rd / 2]
-        q_res = self.q_a_norm(self.q_a_proj(x))
-        q = _unweighted_rms(self.q_b_proj(q_res).view(b, q_len, self.heads, self.hd), self.eps)
-        q = apply_rope_interleaved(q, cos[:, :, None], sin[:, :, None])
         k = apply_rope_interleaved(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, Q, hd]
 
         window = kv.pool_for(self.layer, "window")
@@ -485,16 +482,26 @@ class V4Attention(_KeepFloat32):
         if self.compressor is not None:
             self._write_states_and_entries(x, step, kv)
             entry_keys = self._entry_candidates(step, kv)
-        # queries in blocks when the chunk is long (the logits are [B, Q, heads, keys])
-        outs = []
-        for start in range(0, q_len, QUERY_BLOCK if q_len > QUERY_BLOCK else q_len):
-            sl = slice(start, min(q_len, start + QUERY_BLOCK) if q_len > QUERY_BLOCK else q_len)
-            outs.append(self._attend(q[:, sl], q_res[:, sl], x[:, sl], step, sl, kv, wpool, window, entry_keys))
-        out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]              # [B, Q, heads, hd]
-        out = apply_rope_interleaved(out, cos[:, :, None], -sin[:, :, None])
-        grouped = out.reshape(b, q_len, self.o_groups, -1)                 # [B, Q, G, heads * hd / G]
+        # Queries in blocks when the chunk is long, each block from its projections to the low-rank
+        # output: the logits are [B, block, heads, keys], and no [B, Q, heads, hd] tensor exists
+        # for the whole chunk (heads x hd is 8 hidden widths on Flash).
+        block = QUERY_BLOCK if q_len > QUERY_BLOCK else q_len
         w = self.o_a_proj.weight.view(self.o_groups, self.o_lora, -1)
-        mixed = torch.einsum("bqgi,goi->bqgo", grouped, w).reshape(b, q_len, -1)
+        mixed = []
+        for start in range(0, q_len, block):
+            sl = slice(start, min(q_len, start + block))
+            c, s = cos[:, sl, None], sin[:, sl, None]
+            q_res = self.q_a_norm(self.q_a_proj(x[:, sl]))
+            n = q_res.shape[1]
+            q = _unweighted_rms(self.q_b_proj(q_res).view(b, n, self.heads, self.hd), self.eps)
+            q = apply_rope_interleaved(q, c, s)
+            out = self._attend(q, q_res, x[:, sl], step, sl, kv, wpool, window, entry_keys)
+            del q
+            out = apply_rope_interleaved(out, c, -s)                        # [B, n, heads, hd]
+            grouped = out.reshape(b, n, self.o_groups, -1)                 # [B, n, G, heads * hd / G]
+            mixed.append(torch.einsum("bqgi,goi->bqgo", grouped, w).reshape(b, n, -1))
+            del out, grouped
+        mixed = torch.cat(mixed, 1) if len(mixed) > 1 else mixed[0]         # [B, Q, G * o_lora]
         return self.o_b_proj(mixed)
 
     # -- compressor -----------------------------------------------------------------------------
@@ -642,15 +649,14 @@ class _Experts(nn.Module):
     def quantize(self, kind: str, block: tuple[int, int] = (128, 128),
                  scale_dtype: torch.dtype = torch.float32) -> None:
         """Hold the codes of a `kind` ("fp4" / "fp8") checkpoint instead of model-dtype weights."""
-        from specdeploy.engine.models.fp8 import FP4_GROUP
-
-        from specdeploy.engine.models.fp8 import E2M1_VALUES
+        from specdeploy.engine.models.fp8 import E2M1_VALUES, FP4_GROUP
 
         self.quant, self.block, self.compute_dtype = kind, block, self.gate_up_proj.dtype
         dev = self.gate_up_proj.device
-        # e2m1 code -> value, made once: a table built during a CUDA-graph capture would be a
-        # host-to-device copy, which capture forbids
-        self.register_buffer("e2m1", torch.tensor(E2M1_VALUES, dtype=torch.float32, device=dev), persistent=False)
+        # code byte -> (value of its low nibble, of its high one), made once: a table built during
+        # a CUDA-graph capture would be a host-to-device copy, which capture forbids
+        pairs = [(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)]
+        self.register_buffer("e2m1_pairs", torch.tensor(pairs, dtype=torch.float32, device=dev), persistent=False)
         for name in ("gate_up_proj", "down_proj"):
             e, n, k = getattr(self, name).shape
             if kind == "fp4":
@@ -683,14 +689,17 @@ class _Experts(nn.Module):
 
     def _fp4(self, codes: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Packed e2m1 [N, K / 2] (element 2j in the low nibble) with E8M0 bits [N, K / 32] ->
-        [N, K] (fp8.dequantize_fp4's layout, with this module's table)."""
+        [N, K] (fp8.dequantize_fp4's layout and values). Computed in `dtype` itself: an e2m1 value
+        times a power of two is exact in bf16 as in float32, so nothing rounds, and the transient
+        is the int32 code bytes and the output (4 bytes per weight in bf16)."""
         from specdeploy.engine.models.fp8 import FP4_GROUP
 
-        c = codes.view(torch.uint8)
-        values = torch.stack((self.e2m1[(c & 0xF).long()], self.e2m1[(c >> 4).long()]), dim=-1).flatten(-2)
-        scale = torch.exp2(bits.float() - 127.0)                            # [N, K / 32]
-        scale = scale[..., None].expand(*scale.shape, FP4_GROUP).flatten(-2)[..., :values.shape[-1]]
-        return (values * scale).to(dtype)
+        n, k = codes.shape[0], 2 * codes.shape[1]
+        values = F.embedding(codes.view(torch.uint8).int(), self.e2m1_pairs.to(dtype)).view(n, k)
+        scale = torch.exp2(bits.float() - 127.0).to(dtype)                  # [N, K / 32]
+        if k % FP4_GROUP == 0:
+            return values.view(n, -1, FP4_GROUP).mul_(scale[..., None]).view(n, k)
+        return values.mul_(scale[..., None].expand(*scale.shape, FP4_GROUP).flatten(-2)[..., :k])
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
