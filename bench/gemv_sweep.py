@@ -4,7 +4,7 @@
     python3 bench/gemv_sweep.py --out RESULTS_DIR          # device, <= ~120 s on an H200
     python3 bench/gemv_sweep.py --smoke --out RESULTS_DIR  # CPU (Triton interpreter), tiny, seconds
 
-Per (weights, N, K, M): ~20-40 launch configurations (variant, BLOCK_N, BLOCK_K, SPLIT_K,
+Per (weights, N, K, M): ~15-40 launch configurations (variant, BLOCK_N, BLOCK_K, SPLIT_K,
 num_warps, num_stages) of engine/kernels/gemv.py, each timed as a CUDA graph of back-to-back
 calls over enough weight copies that the bytes exceed the L2 many times (what a graphed decode
 step does: every layer's weights once), median of >= 30 replays after warm-up; against cuBLAS
@@ -59,18 +59,20 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
     the split-K values that leave 1-16 programs per SM and >= 2 BLOCK_Ks per split."""
     if smoke:
         return [("fma" if m <= 4 else "dot", 16, 256, s, 4, 2) for s in (1, 2)]
-    bk = (256, 512)
+    # Every program re-reads x ([M, its K range]) from L2: BLOCK_N well above 2 * M keeps that
+    # traffic below the weight bytes; shared memory holds (num_stages - 1) x and W tiles.
     if m == 1:
-        base = [("fma", bn, b, 4, 3) for bn in (4, 8, 16, 32) for b in bk]
-        base += [("fma", 8, 512, 8, 3), ("fma", 16, 512, 8, 3), ("fma", 8, 512, 4, 5), ("fma", 4, 512, 2, 3),
-                 ("fma", 16, 256, 4, 5)]
+        base = [("fma", bn, b, 4, 3) for bn in (8, 16, 32) for b in (256, 512)]
+        base += [("fma", 8, 512, 4, 5), ("fma", 16, 512, 4, 4), ("fma", 32, 512, 8, 3), ("fma", 4, 512, 4, 3),
+                 ("fma", 8, 512, 2, 4)]
     elif m <= 4:
-        base = [("fma", bn, b, 4, 3) for bn in (4, 8, 16) for b in bk]
-        base += [("fma", 8, 512, 8, 3), ("fma", 8, 256, 4, 5), ("fma", 16, 512, 8, 3), ("dot", 16, 512, 4, 3),
-                 ("dot", 32, 256, 4, 4)]
+        base = [("fma", bn, b, 4, 3) for bn in (8, 16) for b in (256, 512)]
+        base += [("fma", 16, 512, 8, 3), ("fma", 16, 256, 4, 5), ("fma", 32, 256, 8, 3),
+                 ("dot", 16, 256, 4, 3), ("dot", 32, 256, 4, 3), ("dot", 64, 256, 4, 3)]
     else:
-        base = [("dot", bn, b, 4, 3) for bn in (16, 32, 64) for b in bk]
-        base += [("dot", 32, 512, 8, 4), ("dot", 16, 512, 4, 5), ("dot", 64, 256, 8, 3), ("dot", 32, 256, 4, 5)]
+        base = [("dot", bn, b, 4, 3) for bn in (32, 64) for b in (128, 256)]
+        base += [("dot", 64, 256, 4, 4), ("dot", 128, 256, 8, 3), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 5),
+                 ("dot", 64, 512, 4, 2), ("dot", 64, 128, 4, 5)]
     out = []
     for variant, bn, b, w, st in base:
         tiles = -(-n // bn)

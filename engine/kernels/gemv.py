@@ -62,7 +62,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  SCALE_MODE: tl.constexpr, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, USE_GDC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -85,15 +85,19 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc = tl.zeros((BLOCK_N, SUB_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, SUB_K), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    # tl.range's num_stages: without it Triton pipelines only loads that feed a tl.dot, so the
+    # fma loop would keep one tile in flight.
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for g in tl.static_range(BLOCK_K // SUB_K):
             k = k0 + g * SUB_K + offs_s                                  # [SUB_K]
+            # one x row: a 1-D load, broadcast over the tile's rows as a slice of its layout
+            x_ptrs = x_ptr + k if BLOCK_M == 1 and not USE_DOT else x_base + k[None, :]
             if EVEN_K:
-                xv = tl.load(x_base + k[None, :])
+                xv = tl.load(x_ptrs)
                 wv = tl.load(w_base + k[None, :])
             else:
                 k_ok = k < k_hi
-                xv = tl.load(x_base + k[None, :], mask=k_ok[None, :], other=0.0)
+                xv = tl.load(x_ptrs, mask=k_ok if BLOCK_M == 1 and not USE_DOT else k_ok[None, :], other=0.0)
                 wv = tl.load(w_base + k[None, :], mask=k_ok[None, :], other=0.0)
             # the 128-wide k group (a group wholly past K reads the last one, times zeros)
             kg = tl.minimum((k0 + g * SUB_K) // SUB_K, (K - 1) // SUB_K)
@@ -112,7 +116,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 elif SCALE_MODE == 3:
                     wf = wf * tl.load(s_rows + kg * stride_sk)[:, None]
                 if BLOCK_M == 1:
-                    acc += wf * xf                                       # [BLOCK_N, SUB_K]
+                    acc += wf * xf[None, :]                              # [BLOCK_N, SUB_K]
                 else:
                     acc += xf[:, None, :] * wf[None, :, :]               # [BLOCK_M, BLOCK_N, SUB_K]
     if USE_DOT:
@@ -174,18 +178,21 @@ def _num_sms(device_index: int) -> int:
 
 
 def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int) -> tuple[str, int, int, int, int, int]:
-    """A launch for shapes not in GEMV_TABLE: fma up to 4 rows, else dot; BLOCK_K 512 bytes of
-    weight per row; BLOCK_N as narrow as keeps >= CTAS_PER_SM programs per SM without split-K,
-    else the split that gets there with >= MIN_K_BLOCKS_PER_SPLIT k blocks each. Plain weights
-    default to cuBLAS (the sweep decides where the kernel beats it)."""
+    """A launch for shapes not in GEMV_TABLE. fma up to 4 rows (BLOCK_K 512), else dot (BLOCK_K
+    256: its x tile [16, BLOCK_K] is staged too). Every program re-reads x for its k range from
+    L2, so BLOCK_N starts at 4 * M (x traffic at most half the e4m3 weight bytes) and widens
+    while >= CTAS_PER_SM programs per SM remain; split-K makes up the rest, keeping
+    >= MIN_K_BLOCKS_PER_SPLIT k blocks per split. Plain weights default to cuBLAS (the sweep
+    decides where the kernel beats it)."""
     if kind == "plain":
         return ("cublas", 0, 0, 1, 0, 0)
     variant = "fma" if m <= 4 else "dot"
-    block_k = 512
+    block_k = 512 if variant == "fma" else 256
     target = CTAS_PER_SM * num_sms
-    block_n = 16 if variant == "dot" else 8 if m == 1 else 4
-    # fma keeps a [BLOCK_M, BLOCK_N, 128] float32 accumulator: <= 64 registers a thread at 4 warps
-    widest = 64 if variant == "dot" else min(32, 64 // triton.next_power_of_2(m))
+    rows = triton.next_power_of_2(m)
+    # fma keeps a [BLOCK_M, BLOCK_N, 128] float32 accumulator: <= ~96 registers a thread at 4 warps
+    widest = 128 if variant == "dot" else min(32, 64 // rows)
+    block_n = min(widest, max(8 if variant == "fma" else 32, 4 * rows))
     while block_n < widest and triton.cdiv(n, block_n * 2) >= target:
         block_n *= 2
     tiles = triton.cdiv(n, block_n)
@@ -289,7 +296,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K,
+        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
 
 

@@ -146,3 +146,61 @@ def test_split_attention_over_an_fp8_pool_compiles(act):
                    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
                   {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": 4,
                    "PRECISION": "ieee" if act == "*fp32" else "tf32"})
+
+
+def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True):
+    """The small-M linear kernel's source for one launch; ints (but M) divisible by 16, as Triton
+    specializes them at the engine's shapes (K, N, strides, the split's k range)."""
+    from triton.compiler import ASTSource
+
+    from specdeploy.engine.kernels import gemv as gemv_triton
+    kernel = gemv_triton._gemv_kernel
+    constexprs = {"USE_GDC": True, "SUB_K": gemv_triton.GROUP_K, **constexprs}
+    pointers = {"w_ptr": weight, "s_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    signature = {name: "constexpr" if name in constexprs else
+                 pointers.get(name, act) if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if divisible and signature[name] != "constexpr" and name != "M"}
+    return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16"):
+    return {"SCALE_MODE": mode, "SCALE_N": 128 if mode == 1 else 1, "HAS_BIAS": split != 2, "USE_DOT": dot,
+            "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
+
+
+@pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
+                                             ("*bf16", "*bf16", 0), ("*fp32", "*fp32", 0)])
+@pytest.mark.parametrize("dot,block_m,block_n", [(False, 1, 8), (False, 4, 16), (True, 16, 32)])
+@pytest.mark.parametrize("split,even", [(1, True), (4, False)])
+def test_gemv_lowers(weight, act, mode, dot, block_m, block_n, split, even):
+    from triton.backends.compiler import GPUTarget
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({})
+    libtriton = triton._C.libtriton
+    context = libtriton.ir.context()
+    libtriton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = _gemv_source(weight, act, _gemv_constexprs(mode, dot, split, block_m, block_n, 256, even=even, act=act))
+    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+
+
+@pytest.mark.parametrize("weight,mode,dot,block_m,block_n,block_k", [
+    ("*fp8e4nv", 1, False, 1, 8, 512),     # decode over FP8 block weights
+    ("*fp8e4nv", 1, True, 16, 64, 256),    # a 16-row verify batch
+    ("*bf16", 0, False, 4, 16, 256),       # plain weights, 4 rows
+])
+def test_gemv_compiles_to_a_pipelined_cubin(weight, mode, dot, block_m, block_n, block_k):
+    """The whole compiler (PTX and cubin, no GPU needed): the weight tiles stream through
+    cp.async into shared memory, (num_stages - 1) deep. Without tl.range's num_stages the fma
+    loop (no tl.dot) would not be pipelined at all."""
+    from triton.backends.compiler import GPUTarget
+    stages = 3
+    compiled = triton.compile(_gemv_source(weight, "*bf16", _gemv_constexprs(mode, dot, 2, block_m, block_n, block_k,
+                                                                             stages)),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    assert "cp.async" in compiled.asm["ptx"]
+    tile = block_n * block_k * (1 if weight == "*fp8e4nv" else 2)
+    assert compiled.metadata.shared >= (stages - 1) * tile
