@@ -4,6 +4,7 @@
     python3 bench/fp8_bench.py --sweep --out RESULTS_DIR  # + the decode kernel's tile sweep first
     python3 bench/fp8_bench.py --gemv-sweep --out RESULTS_DIR  # + bench/gemv_sweep.py first (~2 min),
                                                               # its table installed for the decode runs
+    python3 bench/fp8_bench.py --gemv-table DIR/gemv_table.py --out RESULTS_DIR  # a table measured before
     python3 bench/fp8_bench.py --smoke --out RESULTS_DIR  # CPU, tiny model, seconds
 
 1. decode: the engine's graphed target decode call and Runner.step() at batch 1 / 16 / 64 and a
@@ -223,6 +224,8 @@ def main() -> int:
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="first measure the small-M linear kernel's launch table (bench/gemv_sweep.py, CUDA "
                              "only) and run the model measurements with it")
+    parser.add_argument("--gemv-table", type=Path, default=None,
+                        help="install the small-M linear kernel's table from a gemv_table.py bench/gemv_sweep.py wrote")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = SIZES["smoke" if args.smoke else "device"]
@@ -234,6 +237,12 @@ def main() -> int:
     bandwidth = copy_bandwidth_bytes_per_s(device=device) if device.type == "cuda" else 1e11
     result["bandwidth_bytes_per_s"] = bandwidth
     dtype = torch.bfloat16
+    if args.gemv_table is not None:
+        import gemv_sweep
+        table = gemv_sweep.load_table(args.gemv_table)
+        gemv_sweep.install(table)
+        result["gemv_table"] = {repr(k): list(v) for k, v in table.items()}
+        log(f"installed the gemv table of {args.gemv_table} ({len(table)} entries)")
     if args.gemv_sweep and device.type == "cuda":
         try:
             import gemv_sweep

@@ -16,7 +16,8 @@ The kernels compile first in parallel worker processes (Triton's on-disk cache),
 itself only loads them. Writes gemv_sweep.json (every timing) and gemv_table.py (the best table
 as the Python literal engine/kernels/gemv.py's GEMV_TABLE takes: paste it there) into
 RESULTS_DIR, prints one line per shape and the table. Other benchmarks call `sweep()` and
-`install()` to run with the just-measured table in-process (bench/fp8_bench.py --gemv-sweep).
+`install()` to run with the just-measured table in-process (bench/fp8_bench.py --gemv-sweep), or
+`load_table()` + `install()` for a table measured before (bench/fp8_bench.py --gemv-table FILE).
 """
 
 from __future__ import annotations
@@ -97,18 +98,16 @@ def _effective(cfg: tuple, k: int) -> tuple:
 
 
 def _tensors(kind: str, n: int, k: int, device, copies: int = 1):
+    """`copies` equal weights [N, K] (e4m3 codes + block scales, or bf16) as (weight, scale) pairs."""
     from specdeploy.engine.models import fp8
-    out = []
     g = torch.Generator(device=device).manual_seed(0)
     base = torch.randn(n, k, device=device, generator=g) * 0.02
-    for _ in range(copies):
-        if kind == "fp8":
-            codes, scale = fp8.quantize_fp8_block(base, (128, 128))
-            out.append((codes, scale))
-        else:
-            out.append((base.to(torch.bfloat16), None))
+    if kind == "fp8":
+        codes, scale = fp8.quantize_fp8_block(base, (128, 128))
+    else:
+        codes, scale = base.to(torch.bfloat16), None
     del base
-    return out
+    return [(codes, scale)] + [(codes.clone(), scale) for _ in range(copies - 1)]
 
 
 def _call(kind, x, w, s, y, cfg):
@@ -248,6 +247,16 @@ def table_literal(table: dict) -> str:
         lines.append(f"    {key!r}: {tuple(table[key])!r},")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def load_table(path: Path) -> dict:
+    """The GEMV_TABLE literal of a gemv_table.py this script wrote (or any file assigning one)."""
+    import ast
+    for node in ast.parse(Path(path).read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "GEMV_TABLE":
+            return ast.literal_eval(node.value)
+    raise ValueError(f"{path}: no GEMV_TABLE assignment")
 
 
 def install(table: dict) -> None:

@@ -13,8 +13,8 @@ program stores its float32 partial [M, BLOCK_N] to a workspace [SPLIT_K, M, N], 
 acq_rel atomic increment of the tile's counter follow, and the program that sees SPLIT_K - 1 reads
 every partial back through L2 (`.cg`: L1 is not coherent across SMs), adds them and the bias,
 writes y and resets the counter to 0 (atomic_xchg), so each CUDA-graph replay starts from zeros.
-Workspaces and counters are allocated once per (device, N) on the first eager call and kept for
-the process (graphs hold their pointers; the planner counts them: plan.py gemv_workspace_bytes).
+Workspaces and counters are allocated once per (device, N) on the first eager call at that N
+(whatever its split) and kept for the process (graphs hold their pointers; the planner counts them: plan.py gemv_workspace_bytes).
 Calls that share an N share them, so calls must be issued on one stream at a time (the engine
 runs a model on one stream). A capture that meets an N with no workspace yet runs SPLIT_K = 1
 instead of allocating inside the graph.
@@ -275,12 +275,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     block_m = 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
-    if n > GEMV_SPLIT_MAX_N:
-        split_k = 1
     k_blocks = triton.cdiv(k, block_k)
-    split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K))
-    ws = workspace(x.device, n) if split_k > 1 else None
-    if ws is None:
+    split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K)) if n <= GEMV_SPLIT_MAX_N else 1
+    # Made on any eager call at this width, so that a capture at another M finds it.
+    ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None
+    if ws is None or split_k == 1:
         split_k = 1
         ws = (out, out)
     k_split = triton.cdiv(k_blocks, split_k) * block_k
