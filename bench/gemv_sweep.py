@@ -52,6 +52,7 @@ SHAPES = {
 M_VALUES = {"device": (1, 4, 16), "smoke": (1, 4)}
 L2_MULTIPLE_BYTES = 512 << 20  # weight copies per graph: at least this many bytes (the L2 is 50-60 MB)
 REPS, WARMUP = 30, 5
+BUDGET_S = 105.0  # the whole sweep stays within ~2 minutes on the device
 SPLITS = (1, 2, 4, 8)
 
 
@@ -165,9 +166,11 @@ def _time_graph(calls, device) -> float:
     return ms
 
 
-def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int | None = None) -> dict:
+def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int | None = None,
+          budget_s: float = BUDGET_S) -> dict:
     """Time the configuration space at every shape; returns {"rows": [...], "table": {...}} with the
-    best launch per (kind, N, K, M bucket) (bucket 8 takes bucket 16's winner)."""
+    best launch per (kind, N, K, M bucket) (bucket 8 takes bucket 16's winner). Past `budget_s`
+    the remaining shapes time only the baseline and the heuristic's launch (the row says so)."""
     from specdeploy.engine.kernels import gemv
     size = "smoke" if smoke else "device"
     t0 = time.time()
@@ -193,6 +196,9 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
         moved = w_bytes + (weights[0][1].numel() * 4 if kind == "fp8" else 0) + 2 * m * (k + n)
         results = []
         baseline_cfg = ("w8a16",) if kind == "fp8" else ("cublas",)
+        over_budget = time.time() - t0 > budget_s
+        if over_budget:
+            cands = [tuple(gemv.heuristic_config("fp8", n, k, m, num_sms))]
         for cfg in [baseline_cfg] + cands:
             calls = [lambda w=w, s=s, y=y, cfg=cfg: _call(kind, x, w, s, y, cfg) for (w, s), y in zip(weights, ys)]
             try:
@@ -216,7 +222,7 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
         default = gemv.config_for(kind, n, k, m, device) if not gemv.GEMV_TABLE else None
         row = {"name": name, "n": n, "k": k, "m": m, "weights": kind, "bytes": moved, "copies": copies,
                "baseline": base, "best": best, "chosen": list(choice["config"]) if choice else None,
-               "heuristic": list(default) if default else None, "all": results}
+               "heuristic": list(default) if default else None, "over_budget": over_budget, "all": results}
         rows.append(row)
         speedup = base["us"] / best["us"] if base and best else float("nan")
         log(f"{kind:<5} {name:<8} N={n:<6} K={k:<5} M={m:<2} "
@@ -224,7 +230,8 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
             f"{base['tb_s'] if base else float('nan'):.2f} TB/s | best {tuple(best['config']) if best else None} "
             f"{best['us'] if best else float('nan'):7.1f} us {best['tb_s'] if best else float('nan'):.2f} TB/s "
             f"= {100 * (best['fraction_of_copy_bandwidth'] if best else float('nan')):.1f}% of copy | "
-            f"{speedup:.2f}x {baseline_cfg[0]} | table {tuple(choice['config']) if choice else None}")
+            f"{speedup:.2f}x {baseline_cfg[0]} | table {tuple(choice['config']) if choice else None}"
+            + (" (over budget: heuristic only)" if over_budget else ""))
         del weights, ys
         free_device_memory()
     result = {"environment": environment(), "bandwidth_bytes_per_s": bandwidth, "num_sms": num_sms,
@@ -270,6 +277,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), tiny: checks the script")
     parser.add_argument("--workers", type=int, default=None, help="compile processes (default: min(16, cores))")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="seconds after which the remaining shapes time only the heuristic launch")
     parser.add_argument("--compile-worker", nargs=3, metavar=("JOBS", "INDEX", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_worker:
@@ -280,7 +289,7 @@ def main() -> int:
     if args.out is None:
         parser.error("--out is required")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    result = sweep(device, args.out, smoke=args.smoke, workers=args.workers)
+    result = sweep(device, args.out, smoke=args.smoke, workers=args.workers, budget_s=args.budget_s)
     return 0 if result["rows"] and all(r["best"] for r in result["rows"]) else 1
 
 

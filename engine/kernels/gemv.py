@@ -167,7 +167,8 @@ def install_table(table: dict) -> None:
     """Put measured entries in place in this process (bench/gemv_sweep.py after a sweep)."""
     for key, cfg in table.items():
         kind, n, k, mb = key
-        if kind not in ("fp8", "plain") or mb not in M_BUCKETS or cfg[0] not in VARIANTS:
+        if (kind not in ("fp8", "plain") or mb not in M_BUCKETS or cfg[0] not in VARIANTS or len(cfg) != 6
+                or (kind == "fp8" and cfg[0] == "cublas")):
             raise ValueError(f"gemv table entry {key}: {cfg} is not a launch configuration")
         GEMV_TABLE[(kind, int(n), int(k), int(mb))] = tuple(cfg)
 
