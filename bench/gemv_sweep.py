@@ -65,8 +65,8 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
     # traffic below the weight bytes; shared memory holds (num_stages - 1) x and W tiles.
     if m == 1:
         base = [("fma", bn, b, 4, 3) for bn in (8, 16, 32) for b in (256, 512)]
-        base += [("fma", 8, 512, 4, 5), ("fma", 16, 512, 4, 4), ("fma", 32, 512, 8, 3), ("fma", 4, 512, 4, 3),
-                 ("fma", 8, 512, 2, 4)]
+        base += [("fma", 8, 512, 4, 5), ("fma", 16, 512, 4, 4), ("fma", 32, 512, 8, 3), ("fma", 4, 512, 1, 3),
+                 ("fma", 8, 512, 2, 4), ("fma", 8, 512, 2, 3), ("fma", 8, 256, 2, 3)]
     elif m <= 4:
         base = [("fma", bn, b, 4, 3) for bn in (8, 16) for b in (256, 512)]
         base += [("fma", 16, 512, 8, 3), ("fma", 16, 256, 4, 5), ("fma", 32, 256, 8, 3),

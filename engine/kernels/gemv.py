@@ -199,7 +199,10 @@ def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int) -> tuple[s
     tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(-(-target // tiles), k_blocks // MIN_K_BLOCKS_PER_SPLIT, GEMV_MAX_SPLIT_K))
-    return (variant, block_n, block_k, split, 4, 3)
+    # fma: as many warps as 16-byte loads of a [BLOCK_N, 128] e4m3 tile take (fewer threads
+    # than that make Triton narrow the loads; more replicate them)
+    warps = max(1, min(8, block_n // 4)) if variant == "fma" else 4
+    return (variant, block_n, block_k, split, warps, 3)
 
 
 def _sms(device: torch.device) -> int:
