@@ -240,6 +240,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-hf-compile", action="store_true", help="section 2: skip transformers' compile")
     parser.add_argument("--hf-batches", default=None,
                         help="section 2: comma-separated batch sizes for transformers (default: all)")
+    parser.add_argument("--gemv-table", type=Path, default=None,
+                        help="install the small-M linear kernel's launch table from a gemv_table.py that "
+                             "bench/gemv_sweep.py wrote (default: the table in engine/kernels/gemv.py)")
     args = parser.parse_args(argv)
 
     out = Path(args.out or os.environ.get("SPECDEPLOY_BENCH_OUT") or ".bench")
@@ -264,6 +267,12 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     env = environment()
     env["command"] = " ".join(["python3", "bench/run.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.gemv_table is not None:
+        import gemv_sweep
+        table = gemv_sweep.load_table(args.gemv_table)
+        gemv_sweep.install(table)
+        env["gemv_table"] = {repr(k): list(v) for k, v in table.items()}
+        log(f"installed the gemv table of {args.gemv_table} ({len(table)} entries)")
     write_json("env.json", env, out)
     log(f"device {env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"sections {','.join(k for k in ORDER if k in wanted)}{' (smoke)' if args.smoke else ''}")
