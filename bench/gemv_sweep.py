@@ -75,6 +75,15 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
         base = [("dot", bn, b, 4, 3) for bn in (32, 64) for b in (128, 256)]
         base += [("dot", 64, 256, 4, 4), ("dot", 128, 256, 8, 3), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 5),
                  ("dot", 64, 512, 4, 2), ("dot", 64, 128, 4, 5)]
+    if kind == "fp8":
+        # e4m3 x e4m3 on the tensor cores (x quantized in-kernel): BLOCK_M is 16 whatever M is
+        base += [("dot8", bn, b, w, st) for bn, b, w, st in
+                 ((16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3),
+                  (32, 256, 4, 5), (64, 256, 8, 3), (128, 256, 8, 3), (16, 512, 4, 4))]
+        # the same padded to 64 rows: Hopper's native e4m3 wgmma
+        base += [("wg8", bn, b, w, st) for bn, b, w, st in
+                 ((32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 4, 2),
+                  (32, 256, 4, 3))]
     out = []
     for variant, bn, b, w, st in base:
         tiles = -(-n // bn)

@@ -198,7 +198,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     stride_sn, stride_sk = _scale_strides(scale, scale_n)
     has_bias = bias is not None
     if m <= gemv.GEMV_MAX_M:
-        gemv.launch(rows, weight, scale, scale_n, bias, out, *gemv.config_for("fp8", n, k, m, x.device))
+        gemv.launch(rows, weight, scale, scale_n, bias, out, *gemv.config_for("fp8", n, k, m, x.device),
+                    round_scale=round_scale)
     elif m <= DECODE_MAX_M:
         w8a16(rows, weight, scale, scale_n, bias, out, *_decode_tiles(m, n))
     else:

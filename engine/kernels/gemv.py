@@ -19,10 +19,18 @@ Calls that share an N share them, so calls must be issued on one stream at a tim
 runs a model on one stream). A capture that meets an N with no workspace yet runs SPLIT_K = 1
 instead of allocating inside the graph.
 
-Two inner loops (constexpr VARIANT):
+Three inner loops (the launch's variant):
 - "fma" (M 1..4, any BLOCK_N >= 4): W tiles widened to float32 times the x row(s), accumulated
   element-wise in [BLOCK_M, BLOCK_N, 128] registers and summed once at the end;
-- "dot" (M 5..16): tl.dot with BLOCK_M = 16 (its smallest), float32 accumulation.
+- "dot" (M 5..16): tl.dot with BLOCK_M = 16 (its smallest), float32 accumulation;
+- "dot8" / "wg8" (FP8 weights, any M): each 128-wide group of x quantized to e4m3 in registers exactly
+  as act_quant does it for the W8A8 prefill path (DeepSeek's per-token-group scales), then an
+  e4m3 x e4m3 tl.dot: the weight codes go to the tensor cores as loaded. Widening e4m3 costs
+  ALU work per weight byte that a 4 TB/s stream cannot afford on every SM; this has none, and
+  its numerics are the prefill kernel's (activations rounded to e4m3, as the checkpoint's
+  producers define FP8 inference), where fma/dot keep activations unquantized. dot8 pads x to
+  16 rows (Triton's mma.sync path, which widens both operands to f16 on sm_90); wg8 pads to 64
+  rows, where Triton emits Hopper's native e4m3 wgmma (m64nNk32) and the codes stay 8-bit.
 Scales (SCALE_MODE, chosen on the host): 0 none (plain weights); 1 one value per 128-wide k group
 for the whole tile (block scales with BLOCK_N inside one 128-row scale block): folded into x (fma)
 or into the tile's dot (dot), never applied per element; 2 one value per output row for all of
@@ -50,7 +58,7 @@ from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MI
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
 M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
-VARIANTS = ("fma", "dot", "cublas")
+VARIANTS = ("fma", "dot", "dot8", "wg8", "cublas")
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
 CTAS_PER_SM = 4  # the heuristic's target occupancy: programs per SM
@@ -62,7 +70,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  SCALE_MODE: tl.constexpr, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
+                 QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False):
     gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -101,7 +110,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 wv = tl.load(w_base + k[None, :], mask=k_ok[None, :], other=0.0)
             # the 128-wide k group (a group wholly past K reads the last one, times zeros)
             kg = tl.minimum((k0 + g * SUB_K) // SUB_K, (K - 1) // SUB_K)
-            if USE_DOT:
+            if USE_DOT and QUANT_X:
+                # "dot8": x quantized per row and 128-wide group as act_quant does it (DeepSeek's
+                # s = max(|x|, 1e-4) / 448, ue8m0 checkpoints round s up to a power of two), then
+                # e4m3 x e4m3 on the tensor cores: the weight codes are never widened.
+                xf = xv.to(tl.float32)
+                sx = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4) / 448.0          # [BLOCK_M]
+                if ROUND_SCALE:
+                    sx = tl.exp2(tl.ceil(tl.log2(sx)))
+                part = tl.dot((xf / sx[:, None]).to(tl.float8e4nv), tl.trans(wv)) * sx[:, None]
+                if SCALE_MODE == 1:
+                    part = part * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    part = part * tl.load(s_rows + kg * stride_sk)[None, :]
+                acc += part
+            elif USE_DOT:
                 part = tl.dot(xv, tl.trans(wv.to(xv.dtype)), input_precision=PRECISION)
                 if SCALE_MODE == 1:
                     part = part * tl.load(s_tile + kg * stride_sk)
@@ -266,17 +289,21 @@ def _scale_layout(scale: torch.Tensor, scale_n: int, block_n: int) -> tuple[int,
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
            bias: torch.Tensor | None, out: torch.Tensor, variant: str, block_n: int, block_k: int,
-           split_k: int, num_warps: int, num_stages: int) -> None:
+           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False) -> None:
     """One launch into `out` [M, N] with explicit parameters. x [M, K] (unit stride along K),
-    weight [N, K] (unit stride along K), scale as engine/kernels/fp8.py (None: plain weights)."""
+    weight [N, K] (unit stride along K), scale as engine/kernels/fp8.py (None: plain weights).
+    round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints)."""
     m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= GEMV_MAX_M:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
-    if variant not in ("fma", "dot") or block_k % GROUP_K or block_n < MIN_BLOCK_N:
+    if variant not in ("fma", "dot", "dot8", "wg8") or block_k % GROUP_K or block_n < MIN_BLOCK_N:
         raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
-    use_dot = variant == "dot"
-    block_m = 16 if use_dot else triton.next_power_of_2(m)
+    quant_x = variant in ("dot8", "wg8")
+    if quant_x and (scale is None or weight.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"gemv: the {variant} variant multiplies e4m3 codes (FP8 weights only)")
+    use_dot = variant != "fma"
+    block_m = 64 if variant == "wg8" else 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
     k_blocks = triton.cdiv(k, block_k)
@@ -298,6 +325,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         x, weight, scale, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
+        QUANT_X=quant_x, ROUND_SCALE=round_scale,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
@@ -309,16 +337,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int,
-               bias: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, config: tuple | None = None,
+               round_scale: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight * scale)^T + bias for at most GEMV_MAX_M rows; weight e4m3 [N, K],
-    scale a float32 grid [ceil(N / scale_n), ceil(K / 128)], per row [N] / [N, 1], or one value."""
+    scale a float32 grid [ceil(N / scale_n), ceil(K / 128)], per row [N] / [N, 1], or one value.
+    round_scale: the checkpoint's activation scales are powers of two (dot8 launches)."""
     rows = _rows(x)
     n = weight.shape[0]
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     cfg = config or config_for("fp8", n, rows.shape[1], rows.shape[0], x.device)
     if cfg[0] == "cublas":  # not a choice for codes; the heuristic decides instead
         cfg = heuristic_config("fp8", n, rows.shape[1], rows.shape[0], _sms(x.device))
-    launch(rows, weight, scale, scale_n, bias, out, *cfg)
+    launch(rows, weight, scale, scale_n, bias, out, *cfg, round_scale=round_scale)
     return out.view(*x.shape[:-1], n)
 
 

@@ -6,7 +6,9 @@ shapes (fused qkv, o, fused gate/up, down; lm_head with bf16 weights) for M = 1 
   against a float32 matmul of the dequantized weights, element-wise within the bf16 output
   rounding (2^-8 of the value) plus float32 accumulation-order error (2^-10 of the row's
   largest magnitude);
-- both inner loops and split-K 1 / 2 / 4 / 8 on the widest-K shape;
+- both inner loops and split-K 1 / 2 / 4 / 8 on the widest-K shape; the e4m3 tensor-core
+  launches (dot8, wg8: activations quantized per token group in the kernel) against the product
+  over DeepSeek-quantized activations;
 - CUDA-graph capture of split-K launches, three replays each equal to the eager result (the
   in-kernel counters reset themselves; nothing is allocated in the capture).
 """
@@ -56,6 +58,23 @@ def _forced(kind, n, k, m):
     return cfg if cfg[0] != "cublas" else gemv.heuristic_config("fp8", n, k, m, gemv._sms(torch.device(DEV)))
 
 
+def _quantized_x(x):
+    """x as the dot8 / wg8 launches see it: DeepSeek's per-token-group e4m3 activations."""
+    xq, xs = fp8.act_quant_reference(x.float())
+    return xq.float() * xs.repeat_interleave(128, 1)[:, :x.shape[1]]
+
+
+def _within_quantized(got, x, wd, bias=None):
+    """A launch that quantizes x: within bf16 rounding of the product over the quantized x, plus
+    a fraction of the row's largest for a code the GPU's fast division rounds the other way on a
+    boundary; and within 4% of the unquantized product (e4m3 carries 3 mantissa bits)."""
+    want = F.linear(_quantized_x(x), wd, bias)
+    err = (got.float() - want).abs()
+    assert (err <= want.abs() * 2**-8 + want.abs().amax(-1, keepdim=True) * 2**-9).all(), err.max().item()
+    exact = F.linear(x.float(), wd, bias)
+    assert ((got.float() - exact).norm() / exact.norm()).item() < 0.04
+
+
 @pytest.mark.parametrize("n,k", LLAMA_8B)
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_fp8_block_weights(n, k, m):
@@ -63,7 +82,21 @@ def test_fp8_block_weights(n, k, m):
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     bias = torch.randn(n, device=DEV).to(torch.bfloat16) if m == 4 else None
     got = fp8_kernels.fp8_linear(x, codes, scale, 128, bias)
-    _within(got, F.linear(x.float(), wd, bias.float() if bias is not None else None))
+    b = bias.float() if bias is not None else None
+    if gemv.config_for("fp8", n, k, m, torch.device(DEV))[0] in ("dot8", "wg8"):
+        _within_quantized(got, x, wd, b)
+    else:
+        _within(got, F.linear(x.float(), wd, b))
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("variant,block_n,block_k,m", [("dot8", 32, 256, 1), ("dot8", 64, 256, 16),
+                                                       ("wg8", 64, 128, 1), ("wg8", 64, 128, 16)])
+def test_fp8_tensor_core_variants(n, k, variant, block_n, block_k, m):
+    codes, scale, wd = _fp8_weights(n, k)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = gemv.fp8_linear(x, codes, scale, 128, config=(variant, block_n, block_k, 2, 4, 3))
+    _within_quantized(got, x, wd)
 
 
 @pytest.mark.parametrize("n,k", LLAMA_8B + [LM_HEAD])

@@ -164,10 +164,12 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16"):
+def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16",
+                     quant_x=False, round_scale=False):
     return {"SCALE_MODE": mode, "SCALE_N": 128 if mode == 1 else 1, "HAS_BIAS": split != 2, "USE_DOT": dot,
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
-            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
+            "QUANT_X": quant_x, "ROUND_SCALE": round_scale}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
@@ -204,3 +206,23 @@ def test_gemv_compiles_to_a_pipelined_cubin(weight, mode, dot, block_m, block_n,
     assert "cp.async" in compiled.asm["ptx"]
     tile = block_n * block_k * (1 if weight == "*fp8e4nv" else 2)
     assert compiled.metadata.shared >= (stages - 1) * tile
+
+
+@pytest.mark.parametrize("mode,round_scale", [(1, False), (2, False), (3, True)])
+def test_gemv_wg8_compiles_to_native_e4m3_wgmma(mode, round_scale):
+    """The wg8 variant (activations quantized to e4m3 in-kernel, 64 padded rows) multiplies e4m3
+    by e4m3 on Hopper's wgmma: the weight codes are never widened to f16 (dot8, 16 rows, goes
+    through mma.sync, which widens both operands on sm_90: also checked, so a Triton that starts
+    emitting native e4m3 there shows up here)."""
+    from triton.backends.compiler import GPUTarget
+
+    def ptx(block_m):
+        return triton.compile(_gemv_source("*fp8e4nv", "*bf16", _gemv_constexprs(
+            mode, True, 2, block_m, 64, 128, quant_x=True, round_scale=round_scale)),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+
+    wg8 = ptx(64)
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in wg8
+    assert "cvt.rn.f16x2.e4m3x2" not in wg8
+    assert "cvt.rn.satfinite.e4m3x2.f32" in wg8  # x rounded to e4m3 in the kernel
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx(16)
