@@ -345,20 +345,103 @@ def timed_steps(runner, steps: int, warmup: int, device, instrumented: bool) -> 
     return results
 
 
-def decode_runner(target, batch: int, context: int, max_new: int, device, graph_mode: str):
-    """A plain-decode Runner with B requests of a `context`-token prompt each, prefilled: every
-    later step() is one decode step for all B (for max_new - 1 steps)."""
-    from specdeploy.engine.runtime.runner import Request, Runner
+def decode_runner(target, batch: int, context: int, max_new: int, device, graph_mode: str,
+                  overlap: bool | None = None, head=None, shape: tuple[int, int, int] | None = None,
+                  fused: bool = True):
+    """A decode Runner with B requests of a `context`-token prompt each, prefilled: every later
+    step() is one decode step for all B (plain; speculative with `head` and shape (steps, topk,
+    draft tokens), whose steps may emit up to steps + 1 tokens each), for max_new - 1 steps at least."""
+    from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
-    runner = Runner(target, max_total_tokens=batch * (context + max_new + 2) + 8,
-                    max_running_requests=batch, context_length=context + max_new + 8, device=device,
-                    cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode)
+    spec, scratch, ahead = None, 1, 0
+    if head is not None:
+        steps, topk, n = shape
+        spec = SpecConfig(head.algorithm, steps, topk, n)
+        scratch, ahead = (steps - 1) * topk + n, steps
+        max_new *= steps + 1
+    runner = Runner(target, head, spec, max_total_tokens=batch * (context + max_new + 2 * scratch + 2) + 8,
+                    max_running_requests=batch, context_length=context + max_new + ahead + 8, device=device,
+                    cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode, overlap=overlap,
+                    fused_spec_step=fused)
     gen = torch.Generator().manual_seed(3)
     for i in range(batch):
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
         runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
     runner.step()  # prefill
     return runner
+
+
+def loop_ms(runner, steps: int, warmup: int, device) -> float:
+    """Mean wall time of `steps` back-to-back Runner.step() calls after `warmup`, nothing in
+    between (the serving loop: each step waits for its own output, and with overlap has staged
+    the next one meanwhile). Raises if a request finished (the batch changed) while timed."""
+    import time
+
+    running = runner.num_running
+    for _ in range(warmup):
+        runner.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.step()
+    sync(device)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    if runner.num_running != running:
+        raise RuntimeError("a request finished while the runner's steps were timed")
+    return ms
+
+
+def row_graph_ms(runner, device, reps: int = 20) -> float | None:
+    """Median device time of one replay of the graph the runner's last decode step ran (its
+    static input still holds that step's rows and slots), the row state restored before each
+    replay so that every one does the same work. None without a captured graph. Leaves the
+    runner unusable (its host and device state disagree): time this last."""
+    steps = runner._row_steps[runner.spec_shape]
+    b = runner.num_running
+    graph = steps.graphs.get(False) if steps.graphs else None
+    entry = graph.graphs.get(graph.bucket(b)) if graph is not None and graph.bucket(b) else None
+    if entry is None:
+        return None
+    st = runner.rows
+    saved = [(t, t.clone()) for t in (st.lens, st.roots, st.draft_hidden, st.catch_count) if t is not None]
+    times = []
+    for i in range(reps + 3):
+        for t, v in saved:
+            t.copy_(v)
+        start = Mark(device)
+        entry[0].replay()
+        end = Mark(device)
+        sync(device)
+        if i >= 3:
+            times.append(start.ms_until(end))
+    return sorted(times)[len(times) // 2]
+
+
+def runner_overlap_gap(target, batch: int, context: int, steps: int, warmup: int, device, graph_mode: str,
+                       head=None, shape=None, call_ms: float | None = None, profile: bool = False,
+                       fused: bool = True) -> dict:
+    """The Runner's decode step with overlap on and off (back-to-back steps, loop_ms) against
+    the bare replay of the runner's own step graph and, if given, the graphed call `call_ms`:
+    the gaps in % are the host work the device still waits for. profile: torch.profiler's
+    host-time table of one step in each mode."""
+    out = {}
+    for overlap in (True, False):
+        runner = decode_runner(target, batch, context, steps + warmup + 12, device, graph_mode,
+                               overlap=overlap, head=head, shape=shape, fused=fused)
+        key = "on" if overlap else "off"
+        out[f"step_ms_overlap_{key}"] = loop_ms(runner, steps, warmup, device)
+        out[f"overlapped_steps_{key}"] = runner.num_overlapped_steps / max(runner.num_decode_steps, 1)
+        if profile:
+            out[f"profile_overlap_{key}"] = profile_top(runner.step, device, reps=5, by="host", top=16)
+        if overlap:
+            out["graph_ms"] = row_graph_ms(runner, device)
+        del runner
+    base = {"graph": out["graph_ms"], "call": call_ms}
+    for name, ms in base.items():
+        if ms:
+            for key in ("on", "off"):
+                out[f"gap_pct_overlap_{key}_vs_{name}"] = 100 * (out[f"step_ms_overlap_{key}"] / ms - 1)
+    return out
 
 
 def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, device,

@@ -103,6 +103,33 @@ def s1(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _overlap_lines(r: dict) -> list[str]:
+    """Runner.step with overlap on and off against the runner's own step graph and the call."""
+    rows = []
+    for x in r["ours"]:
+        g = x.get("runner")
+        if g:
+            rows.append([f"plain bs{x['batch']}", _f(g.get("graph_ms"), 3), _f(g["step_ms_overlap_on"], 3),
+                         _f(g["step_ms_overlap_off"], 3), _f(g.get("gap_pct_overlap_on_vs_graph"), 1, 1, "%"),
+                         _f(g.get("gap_pct_overlap_off_vs_graph"), 1, 1, "%"),
+                         _f(g.get("gap_pct_overlap_on_vs_call"), 1, 1, "%"), _pct(g.get("overlapped_steps_on"))])
+    for x in r.get("spec_overlap", []):
+        if "step_ms_overlap_on" in x:
+            rows.append([f"EAGLE {x['shape']} {tuple(x['steps_topk_draft'])} bs{x['batch']}", _f(x.get("graph_ms"), 3),
+                         _f(x["step_ms_overlap_on"], 3), _f(x["step_ms_overlap_off"], 3),
+                         _f(x.get("gap_pct_overlap_on_vs_graph"), 1, 1, "%"),
+                         _f(x.get("gap_pct_overlap_off_vs_graph"), 1, 1, "%"), "—", _pct(x.get("overlapped_steps_on"))])
+    if not rows:
+        return []
+    goal = r.get("overlap_goal", {})
+    return ["", "Host work the device waits for: Runner.step back to back (ms), overlap on (the next step "
+                "staged while this one runs) and off, against the replay of the runner's own step graph "
+                f"(goal: within 3% with overlap on; worst {_f(goal.get('worst_pct'), 1, 1, '%')}, "
+                f"{_met(goal.get('met')) if goal else '—'}) and, for plain decode, the graphed call above.", "",
+            _table(["step", "step graph", "overlap on", "overlap off", "gap on", "gap off", "on vs call",
+                    "steps staged ahead"], rows)]
+
+
 def s2(r: dict) -> str:
     hf = r.get("transformers", {})
     eager = {x["batch"]: x for x in hf.get("eager", [])}
@@ -118,6 +145,7 @@ def s2(r: dict) -> str:
     label = "static + compile" if hf.get("static_compiled_is_compiled") else "static (not compiled)"
     lines.append(_table(["batch", "roofline tok/s", "engine call tok/s", "% roofline", "Runner step tok/s",
                          "% roofline", "transformers eager", f"transformers {label}"], rows))
+    lines += _overlap_lines(r)
     par = hf.get("parity")
     if par:
         lines += ["", f"Same weights in both implementations: logits differ by {par['rel_l2_logits']:.2e} "
@@ -313,8 +341,10 @@ def profiles(sections: dict) -> str:
     rec = sections.get("2")
     if rec and rec.get("results"):
         parts.append(_profile_table("Decode call, batch 1, eager", rec["results"].get("profile_bs1_eager_call")))
-        parts.append(_profile_table("Runner decode step, batch 1, graphed",
+        parts.append(_profile_table("Runner decode step, batch 1, graphed, overlap on",
                                     rec["results"].get("profile_bs1_runner_step")))
+        parts.append(_profile_table("Runner decode step, batch 1, graphed, overlap off",
+                                    rec["results"].get("profile_bs1_runner_step_no_overlap")))
     rec = sections.get("3")
     if rec and rec.get("results"):
         for x in rec["results"]["rows"]:

@@ -102,14 +102,20 @@ class _Graphed:
     def _views(self, bs: int) -> dict[str, torch.Tensor]:
         return {name: inp.buf[:bs] for name, inp in self.inputs.items()}
 
-    def _fill_padding(self, b: int, bs: int) -> None:
-        for inp in self.inputs.values():
-            if b < bs:
+    def _fill_padding(self, b: int, bs: int, skip=()) -> None:
+        for name, inp in self.inputs.items():
+            if b < bs and name not in skip:
                 rows = inp.buf[b:bs]
                 rows.copy_(inp.pad.expand_as(rows)) if torch.is_tensor(inp.pad) else rows.fill_(inp.pad)
 
-    def __call__(self, b: int, values: dict[str, torch.Tensor]):
-        bs = next((s for s in self.buckets if s >= b), None)
+    def bucket(self, b: int) -> int | None:
+        """The batch size whose graph serves b rows (None: above the largest, eager)."""
+        return next((s for s in self.buckets if s >= b), None)
+
+    def __call__(self, b: int, values: dict[str, torch.Tensor], padded=()):
+        """padded: inputs the caller has already written, rows 0..bs of the bucket with their
+        padding (a step's packed input, copied straight from pinned host memory)."""
+        bs = self.bucket(b)
         if bs is None:
             return self.eager(**values)
         for name, value in values.items():
@@ -119,7 +125,7 @@ class _Graphed:
             else:  # narrower prefix table: copy the data, pad the remaining columns
                 buf[:b, :value.shape[1]].copy_(value)
                 buf[:b, value.shape[1]:].fill_(PAD_SLOT)
-        self._fill_padding(b, bs)
+        self._fill_padding(b, bs, padded)
         if bs in self.graphs:
             graph, out = self.graphs[bs]
             graph.replay()
@@ -130,10 +136,12 @@ class _Graphed:
 
 class GraphedCalls:
     def __init__(self, calls: ModelCalls, batch_sizes, context_length: int, capture: bool = True,
-                 fused: bool = True, pool=None):
+                 fused: bool = True, pool=None, step_graphs: bool = True):
         """pool: a graph memory pool to capture into (the runner's shapes share one: only one
         of their graphs replays at a time and its outputs are consumed before the next);
-        `self.pool` is the pool after capture."""
+        `self.pool` is the pool after capture. step_graphs=False captures no whole-step graph
+        (target decode, the fused speculative step): the runner captures its own, addressed by
+        request row (rows.py), around the eager calls and these static hidden-state buffers."""
         self.calls = calls
         self.pool = pool
         target, draft = calls.target, calls.draft
@@ -151,17 +159,18 @@ class GraphedCalls:
 
         self.fused = fused and draft is not None
         stream = torch.cuda.Stream() if capture else None
+        step_sizes = batch_sizes if step_graphs else ()
         decode_inputs = {"ids": ints(1), "positions": ints(1), "out_slots": ints(1, pad=PAD_SLOT),
                          **prefix()}
         # Plain decode runs without a draft head, or as the NONE shape of an adaptive runner
         # (num_steps 0), which also returns the feature its draft catches up from.
         self.target_decode_graph = _Graphed(
-            self._decode, decode_inputs, batch_sizes if draft is None else (), capture, stream,
+            self._decode, decode_inputs, step_sizes if draft is None else (), capture, stream,
             name="target decode", pool=self.pool)
         self.pool = self.target_decode_graph.pool
         if draft is not None and calls.num_steps == 0:
             self.target_decode_feature_graph = _Graphed(
-                calls.target_decode_feature, decode_inputs, batch_sizes, capture, stream,
+                calls.target_decode_feature, decode_inputs, step_sizes, capture, stream,
                 name="target decode (with feature)", pool=self.pool)
             self.pool = self.target_decode_feature_graph.pool
             self.fused = False
@@ -197,7 +206,7 @@ class GraphedCalls:
                                               sampling=sampling)
             for sampling in (True, False):
                 self.spec_step_graphs[sampling] = g = _Graphed(
-                    body(bodies, sampling), spec_inputs, batch_sizes, capture, stream, pool=pool,
+                    body(bodies, sampling), spec_inputs, step_sizes, capture, stream, pool=pool,
                     eager=body(calls, sampling),
                     name="speculative step (" + ("sampling" if sampling else "greedy") + ")")
                 pool = self.pool = g.pool

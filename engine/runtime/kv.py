@@ -36,8 +36,13 @@ class KVPool:
 
 
 class SlotTable:
-    """Free-slot stack plus `req_to_slot` [max_running_requests, max_context_len]: row r holds the
-    committed slots of the request in row r, position by position."""
+    """Free-slot stack plus `req_to_slot` [max_running_requests + 1, max_context_len]: row r holds
+    the committed slots of the request in row r, position by position; the last row
+    (`pad_row`) is never handed out: padded rows of a decode graph read and write it.
+
+    The stack lives in host memory whatever the device: taking and giving back slots is host
+    bookkeeping that never launches a kernel or waits for the device (a decode step packs the
+    slots it took into its one host-to-device copy)."""
 
     def __init__(self, num_slots: int, max_running_requests: int, max_context_len: int,
                  device: torch.device | str):
@@ -46,9 +51,11 @@ class SlotTable:
         self.num_slots = num_slots
         self.max_context_len = max_context_len
         # The stack holds every usable slot; the top `num_free` entries are free.
-        self._stack = torch.arange(num_slots - 1, 0, -1, dtype=torch.int64, device=device)
+        self._stack = torch.arange(num_slots - 1, 0, -1, dtype=torch.int64)
         self.num_free = num_slots - 1
-        self.req_to_slot = torch.zeros(max_running_requests, max_context_len, dtype=torch.int64,
+        self.device = torch.device(device)
+        self.pad_row = max_running_requests
+        self.req_to_slot = torch.zeros(max_running_requests + 1, max_context_len, dtype=torch.int64,
                                        device=device)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self.listeners: list = []
@@ -58,26 +65,30 @@ class SlotTable:
         return self.num_slots - 1
 
     def alloc(self, n: int) -> torch.Tensor:
-        """n free slots [n] (a fresh tensor: later frees overwrite the stack region)."""
+        """n free slots [n], a fresh host tensor (later frees overwrite the stack region)."""
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
         self.num_free -= n
         slots = self._stack[self.num_free:self.num_free + n].clone()
-        for listener in self.listeners:
-            listener.taken(slots)
+        if self.listeners and n:
+            on_device = slots.to(self.device)
+            for listener in self.listeners:
+                listener.taken(on_device)
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        """Give back in-flight slots (a step's, never committed)."""
-        for listener in self.listeners:
-            listener.released(slots)
+        """Give back in-flight slots (a step's, never committed; host or device tensor)."""
+        if self.listeners and slots.numel():
+            on_device = slots.to(self.device)
+            for listener in self.listeners:
+                listener.released(on_device)
         self._push(slots)
 
     def _push(self, slots: torch.Tensor) -> None:
         n = slots.numel()
         if self.num_free + n > self.capacity:
             raise RuntimeError("freeing more slots than were allocated")
-        self._stack[self.num_free:self.num_free + n] = slots.reshape(-1)
+        self._stack[self.num_free:self.num_free + n] = slots.reshape(-1).cpu()
         self.num_free += n
 
     def commit(self, row: int, old_len: int, new_len: int) -> None:

@@ -31,6 +31,20 @@ request between steps: its committed length, the last emitted token (the next tr
 in the KV) and the draft's hidden state after that token (`draft_hidden`, one row per request).
 HTTP, tokenization, stop strings and queueing live elsewhere.
 
+Decode steps by row (rows.py): that per-request state lives on the device, indexed by request
+row, and each decode step reads and updates it inside its graph; what the host sends is which
+rows run and the slots the step took, packed into one pinned buffer and one copy, and what
+comes back is one packed copy (tokens; accepted counts, bonus and path tokens, slots to free)
+with an event. The host keeps its mirror (lengths, roots, emitted tokens) from that copy.
+
+Overlap (`overlap=True`, the default on CUDA): since a step's input does not depend on the
+step before, `_decode` launches step N, then stages step N+1 for the same requests in the same
+shape (takes its slots from the free ones, writes its pinned rows, queues their copy behind
+step N), and only then waits for step N. The commit that follows gives the staged step back
+if the batch changed (a request finished, was aborted, or one joined) or slots run short; the
+next step then stages itself as without overlap. The tokens are the same either way; the
+staged slots count as free for admission (they are the running requests' reserved scratch).
+
 Roles (prefill/decode disaggregation, docs/disaggregation.md): "both" does all of the above.
 "prefill" stops after step 1: a request (max_tokens 1) that has its first token is *held*, its
 slots and row kept, until `export_held` has put its state into the metadata buffer and the
@@ -55,6 +69,7 @@ from specdeploy.engine.runtime.calls import ModelCalls
 from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, SlotTable
 from specdeploy.engine.runtime.prefix_cache import DEFER_MIN_TOKENS, PrefixCache, shared_prefix_len
+from specdeploy.engine.runtime.rows import RowState, RowSteps
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
 from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
@@ -124,6 +139,15 @@ class _Seq:
     pending: int = 0                # committed tokens the draft has not run over yet (adaptive NONE steps)
 
 
+@dataclass
+class _Staged:
+    """A decode step's input, staged: host rows copied to `packed` (on the device), the slots
+    it took [B * (K - 1)], row after row; `key` says which step it was staged for."""
+    key: tuple
+    packed: torch.Tensor
+    slots: torch.Tensor
+
+
 class Runner:
     def __init__(self, target: LlamaModel, draft: DraftHead | None = None, spec=None, *,
                  plan=None, max_total_tokens: int | None = None,
@@ -134,7 +158,7 @@ class Runner:
                  role: str = "both", prefix_cache: bool = False, adaptive: bool = False,
                  adaptive_shapes: list[SpecShape] | None = None, step_costs_s: dict | None = None,
                  catch_up_tokens: int = 16, policy_options=None,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, overlap: bool | None = None):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
@@ -149,7 +173,10 @@ class Runner:
         role: "both", "prefill" or "decode" (module docstring); the two split roles need a plan,
         whose metadata buffer shape they allocate.
         prefix_cache: keep finished requests' KV in the slot pool and reuse it for prompts that
-        share a prefix (prefix_cache.py); evicted least recently used when slots are needed."""
+        share a prefix (prefix_cache.py); evicted least recently used when slots are needed.
+        overlap: stage the next decode step (its slots and packed input) while the current one
+        runs on the device (module docstring); default on for CUDA. The tokens are the same
+        either way."""
         if role not in ROLES:
             raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
         if role != "both" and plan is None:
@@ -259,8 +286,9 @@ class Runner:
             else:
                 self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
                                        kv_dtype, self.device, *tp)
-            # [max_running_requests, carried width]: the draft state after each request's root.
-            self.draft_hidden = torch.zeros(max_running_requests, draft.carried_size, dtype=dtype,
+            # [max_running_requests + 1, carried width]: the draft state after each request's
+            # root (the last row is the padding row's, rows.py).
+            self.draft_hidden = torch.zeros(max_running_requests + 1, draft.carried_size, dtype=dtype,
                                             device=self.device)
         self.metadata = None
         if role != "both":
@@ -287,7 +315,8 @@ class Runner:
                 raise ValueError(f"graph_mode {graph_mode!r} needs cuda_graph_batch_sizes (or a plan)")
             from specdeploy.engine.runtime.graphs import GraphedCalls
             self.calls = GraphedCalls(self.calls, cuda_graph_batch_sizes, self.context_length,
-                                      capture=graph_mode == "capture", fused=fused_spec_step)
+                                      capture=graph_mode == "capture", fused=fused_spec_step,
+                                      step_graphs=False)
             if plan is not None and draft is not None:
                 _check_buffers_against_plan(self.calls.buffer_shapes(), plan.buffers)
         # The calls of every shape this runner may run, the configured one's being self.calls.
@@ -308,18 +337,39 @@ class Runner:
                 calls = ModelCalls(target, draft, self.target_kv, self.draft_kv, *_fields(sh))
                 if graph_mode != "off":
                     calls = GraphedCalls(calls, cuda_graph_batch_sizes, self.context_length,
-                                         capture=graph_mode == "capture", fused=fused_spec_step, pool=pool)
+                                         capture=graph_mode == "capture", fused=fused_spec_step, pool=pool,
+                                         step_graphs=False)
                     pool = calls.pool
                 self._calls[sh] = calls
             self.catch_up_tokens = catch_up_tokens
             hin = target.feature_size
-            # [max_running_requests, catch_up_tokens(, Hin)]: per row the (next token, target
+            # [max_running_requests + 1, catch_up_tokens(, Hin)]: per row the (next token, target
             # feature) entries of its plain steps since the draft last ran, and how many.
-            self._catch_up_ids = torch.zeros(max_running_requests, catch_up_tokens, dtype=torch.int64,
+            self._catch_up_ids = torch.zeros(max_running_requests + 1, catch_up_tokens, dtype=torch.int64,
                                              device=self.device)
-            self._catch_up_feature = torch.zeros(max_running_requests, catch_up_tokens, hin, dtype=dtype,
+            self._catch_up_feature = torch.zeros(max_running_requests + 1, catch_up_tokens, hin, dtype=dtype,
                                                  device=self.device)
-            self._catch_up_count = torch.zeros(max_running_requests, dtype=torch.int64, device=self.device)
+            self._catch_up_count = torch.zeros(max_running_requests + 1, dtype=torch.int64, device=self.device)
+        # The decode steps by request row (rows.py), one per shape, their graphs in one pool.
+        self.rows = RowState(self.table, self.draft_hidden if draft is not None else None,
+                             (self._catch_up_ids, self._catch_up_feature, self._catch_up_count)
+                             if adaptive else None)
+        self._row_steps: dict[SpecShape, RowSteps] = {}
+        pool = None
+        for sh, calls in self._calls.items():
+            kind = "plain" if draft is None else "feature" if sh.is_none else "spec"
+            pool = getattr(calls, "pool", None) or pool
+            self._row_steps[sh] = steps = RowSteps(
+                calls, self.rows, kind, sh, graph_mode, cuda_graph_batch_sizes or (), self.context_length,
+                fused_spec_step, pool)
+            pool = steps.pool
+        # Overlap: the next step's staged input (and the slots it took), see _decode. Not with
+        # pools that follow every slot handed out (DeepSeek-V4's): they are sized for one step.
+        self.overlap = (self.device.type == "cuda") if overlap is None else overlap
+        self.overlap = self.overlap and not self.table.listeners
+        self._ahead: _Staged | None = None
+        self.num_decode_steps = 0
+        self.num_overlapped_steps = 0     # decode steps whose input was staged during the previous
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
         self._held: dict[str, _Seq] = {}        # prefill role: first token out, state not sent yet
@@ -331,11 +381,18 @@ class Runner:
         self._step_entries: list[tuple[int, int, int]] = []
         self._step_rows: list[_Seq] = []
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        # Staging for the per-step index copy (pinned, so it need not wait for the device).
-        self._pinned = self._h2d_done = None
-        if self.device.type == "cuda":
-            self._pinned = torch.empty(3, max_running_requests, dtype=torch.int64, pin_memory=True)
-            self._h2d_done = torch.cuda.Event()
+        # Host staging of the decode steps' packed input and output (pinned on CUDA, so that
+        # neither copy waits): two input buffers, one being filled while the other's copy may
+        # still be queued behind the running step, each with the event of its last copy.
+        pin = self.device.type == "cuda"
+        rows_max = max([max_running_requests, *(cuda_graph_batch_sizes or ())])
+        width = max(st.width for st in self._row_steps.values())
+        out_width = max(st.out_width for st in self._row_steps.values())
+        self._ring = [torch.zeros(rows_max * width, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._ring_events = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._ring_next = 0
+        self._out_host = torch.zeros(max_running_requests * out_width, dtype=torch.int64, pin_memory=pin)
+        self._out_event = torch.cuda.Event() if pin else None
         # Greedy requests' sampling parameters and (unused) uniform draws, as device constants.
         m = max_running_requests
         self._greedy = (torch.zeros(m, device=self.device),
@@ -495,6 +552,8 @@ class Runner:
         seq.num_cached_tokens = cached
         outputs = self._emit([seq], [[first]], [0])
         outputs[0].num_cached_tokens = cached
+        if req_id in self._running:
+            self.rows.start([seq.row], [seq.length], [seq.root])
         return outputs
 
     def export_held(self, req_id: str) -> tuple[int, list[int]]:
@@ -550,6 +609,7 @@ class Runner:
 
     def _release(self, seq: _Seq, hold: bool = False) -> None:
         del self._running[seq.req.id]
+        self._drop_ahead()  # it was staged for a batch with this request in it
         if hold:  # prefill role: its state has yet to reach a decode server
             self._held[seq.req.id] = seq
             return
@@ -564,7 +624,10 @@ class Runner:
     def num_free_slots(self) -> int:
         """Slots a request can get now: free ones and unlocked cached ones (evicted on demand)."""
         cache = self.prefix_cache
-        return self.table.num_free + (cache.evictable_slots if cache is not None else 0)
+        # The staged next step's slots count as free: they are the running requests' scratch,
+        # which their reservations already hold, and are given back whenever slots run short.
+        ahead = self._ahead.slots.numel() if self._ahead is not None else 0
+        return self.table.num_free + ahead + (cache.evictable_slots if cache is not None else 0)
 
     # ---- prefix cache (prefix_cache.py) --------------------------------------------------------
 
@@ -680,9 +743,9 @@ class Runner:
                 if self.policy is not None:
                     outs = self._adaptive_decode(decoding)
                 elif self.draft is not None:
-                    outs = self._spec_decode(decoding, self.spec_shape)
+                    outs = self._decode(decoding, self.spec_shape)
                 else:
-                    outs = self._plain_decode(decoding)
+                    outs = self._decode(decoding, NONE)
                 self.decoded_shape = self.spec_shape
                 for out in outs:
                     outputs[out.req_id] = out
@@ -694,6 +757,8 @@ class Runner:
         return list(outputs.values())
 
     def _alloc(self, n: int) -> torch.Tensor:
+        if self.table.num_free < n:
+            self._drop_ahead()
         if self.prefix_cache is not None and self.table.num_free < n:
             self.prefix_cache.evict(n - self.table.num_free)
         return self.table.alloc(n)
@@ -710,6 +775,7 @@ class Runner:
         self._step_rows.clear()
 
     def _undo_step(self) -> None:
+        self._drop_ahead()
         for slots in self._step_slots:
             self.table.free(slots)
         for row, start, end in self._step_entries:
@@ -796,6 +862,9 @@ class Runner:
         outputs = self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished)) if done else []
         for out, seq in zip(outputs, finished):
             out.num_cached_tokens = seq.num_cached_tokens
+        started = [seq for seq in finished if seq.req.id in self._running]
+        if started:
+            self.rows.start([s.row for s in started], [s.length for s in started], [s.root for s in started])
         if self.prefix_cache is not None:
             for seq, _ in chosen:
                 if seq.row >= 0:  # not released (running, pending, or held for export)
@@ -813,79 +882,123 @@ class Runner:
         t0 = time.perf_counter()
         if shape.is_none:
             self._catch_up([s for s in seqs if s.pending >= self.catch_up_tokens])
-            outs = self._plain_decode(seqs)
+            outs = self._decode(seqs, shape)
         else:
             self._catch_up([s for s in seqs if s.pending])
-            outs = self._spec_decode(seqs, shape)
+            outs = self._decode(seqs, shape)
         self.policy.observe_time(shape, len(seqs), time.perf_counter() - t0)
         self.policy.observe(shape, [o.num_accepted_drafts for o in outs])
         self.spec_shape = shape
         return outs
 
-    def _spec_decode(self, seqs: list[_Seq], shape: SpecShape) -> list[StepOutput]:
-        calls = self._calls[shape]
-        steps, n, topk = shape.num_steps, shape.num_draft_tokens, shape.topk
+    def _decode(self, seqs: list[_Seq], shape: SpecShape) -> list[StepOutput]:
+        """One decode step of `shape` (plain, or speculative) for every running request.
+
+        Host side: the staged input (made while the previous step ran, when it is this
+        step's), one copy to the device, the graph, one copy back; with overlap the next step
+        is staged before this one is waited for (assuming every request continues; a request
+        that finishes drops it). Then the commit: the slots off the accepted paths and the
+        scratch go back, lengths and tokens are emitted."""
+        steps = self._row_steps[shape]
         b = len(seqs)
-        rows, lens, roots = self._seq_tensors(seqs)
-        prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
+        key = (shape, tuple(s.row for s in seqs))
+        staged, self._ahead = self._ahead, None
+        if staged is not None and staged.key != key:
+            self.table.free(staged.slots)
+            staged = None
+        self.num_decode_steps += 1
+        if staged is not None:
+            self.num_overlapped_steps += 1
+        else:
+            staged = self._stage(steps, seqs, key)
+        self._step_slots.append(staged.slots)
         sampling = any(s.req.temperature > 0 for s in seqs)
-        params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
-        # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
-        uniforms = self._uniforms(seqs, n + 1 + steps) if sampling else \
-            self._greedy_uniforms[:b, :n + 1 + steps]
-        scratch = self._take_slots(b * (steps - 1) * topk).view(b, -1)       # draft K/V, steps 1..S-1
-        tree_slots = self._take_slots(b * n).view(b, n)                      # target K/V of the tree
-        hidden = self.draft_hidden[rows][:, None].expand(-1, topk, -1).reshape(b * topk, -1)
-        num_acc, bonus, path_tokens, path_slots, positions, to_free, draft_hidden = \
-            calls.spec_step(roots, lens, prefix, hidden, scratch, tree_slots, *params, uniforms,
-                                 sampling)
-        host = torch.cat([num_acc[:, None], bonus[:, None], path_tokens], 1).tolist()  # the one sync
-        accepted = [h[0] for h in host]
+        width = max(s.length for s in seqs)                  # prefix columns an eager body reads
+        if steps.kind == "spec":
+            n, m = shape.num_draft_tokens, shape.num_steps
+            params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
+            # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
+            uniforms = self._uniforms(seqs, n + 1 + m) if sampling else self._greedy_uniforms[:b, :n + 1 + m]
+            out, _ = steps.run(staged.packed, b, width, sampling, params, uniforms)
+        else:
+            out, logits = steps.run(staged.packed, b, width)
+            if sampling:  # the body wrote the argmax; the drawn tokens replace it
+                tokens = self._sample(seqs, logits)
+                rows = staged.packed[:b, 0]
+                self.rows.roots[rows] = tokens
+                if steps.kind == "feature":
+                    self._catch_up_ids[rows, self._catch_up_count[rows] - 1] = tokens
+                out = tokens[:, None]
+        host = self._to_host(out)
+        if self.overlap:
+            self._ahead = self._stage(steps, seqs, key, ahead=True)
+        if self._out_event is not None:
+            self._out_event.synchronize()                    # the one wait of the step
+        values = host.tolist()
 
         # Commit (after the last model call, so a failure above leaves the requests as they
-        # were): the accepted nodes' slots (root first) join the requests, every other slot is
-        # freed. All S + 1 columns are written; those past the new length hold the pad slot and
-        # are never read (prefix_lens bounds every read) before being overwritten.
-        self.table.req_to_slot[rows[:, None], positions] = path_slots
-        self.table.free(to_free.view(-1)[:b * (n - 1) - sum(accepted)])
-        self.table.free(scratch)
-        self.draft_hidden[rows] = draft_hidden
-        for s, a in zip(seqs, accepted):
-            self.table.commit(s.row, s.length, s.length + a + 1)
-            s.length += a + 1
-        self._commit_step()
-
-        self.num_draft_tokens_proposed += b * steps
-        self.num_draft_tokens_accepted += sum(accepted)
-        emitted = [h[3:a + 3] + [h[1]] for h, a in zip(host, accepted)]
-        return self._emit(seqs, emitted, accepted, steps)
-
-    # ---- plain decoding --------------------------------------------------------------------------
-
-    def _plain_decode(self, seqs: list[_Seq]) -> list[StepOutput]:
-        b = len(seqs)
-        rows, lens, roots = self._seq_tensors(seqs)
-        slots = self._take_slots(b).view(b, 1)
-        prefix = self.table.req_to_slot[rows, :max(s.length for s in seqs)]
-        if self.draft is None:
-            logits = self.calls.target_decode(roots[:, None], lens[:, None], slots, prefix, lens)  # [B, V]
-            tokens = self._sample(seqs, logits)
-        else:  # the NONE shape: the draft's entry (next token, feature at the root) waits
-            logits, feature = self._calls[NONE].target_decode_feature(
-                roots[:, None], lens[:, None], slots, prefix, lens)            # [B, V], [B, Hin]
-            tokens = self._sample(seqs, logits)
-            count = self._catch_up_count[rows]
-            self._catch_up_ids[rows, count] = tokens
-            self._catch_up_feature[rows, count] = feature
-            self._catch_up_count[rows] = count + 1
-            for s in seqs:
-                s.pending += 1
-        self.table.req_to_slot[rows, lens] = slots[:, 0]
+        # were; the device side was committed by the step itself, rows.py).
+        if steps.kind == "spec":
+            accepted = [v[0] for v in values]
+            per = steps.width - 1
+            self.table.free(host[:, 2 + m + 1:].reshape(-1)[:b * (n - 1) - sum(accepted)])
+            self.table.free(staged.slots.view(b, per)[:, :(m - 1) * shape.topk])
+            for s, a in zip(seqs, accepted):
+                self.table.commit(s.row, s.length, s.length + a + 1)
+                s.length += a + 1
+            self._commit_step()
+            self.num_draft_tokens_proposed += b * m
+            self.num_draft_tokens_accepted += sum(accepted)
+            emitted = [v[3:a + 3] + [v[1]] for v, a in zip(values, accepted)]
+            return self._emit(seqs, emitted, accepted, m)
         for s in seqs:
             self.table.commit(s.row, s.length, s.length + 1)
             s.length += 1
+            if steps.kind == "feature":
+                s.pending += 1
         self._commit_step()
-        return self._emit(seqs, [[t] for t in tokens.tolist()], [0] * b)
+        return self._emit(seqs, values, [0] * b)
+
+    def _stage(self, steps: RowSteps, seqs: list[_Seq], key: tuple, ahead: bool = False) -> _Staged | None:
+        """Take the step's slots, write its packed rows (and padding) into a host buffer and
+        start their copy. ahead: for the next step, from free slots only (None if they are
+        short: it is staged when it runs instead)."""
+        b, width = len(seqs), steps.width
+        need = b * (width - 1)
+        if ahead and self.table.num_free < need:
+            return None
+        slots = self.table.alloc(need) if ahead else self._alloc(need)
+        bs = steps.bucket(b) or b
+        i = self._ring_next
+        self._ring_next ^= 1
+        if self._ring_events is not None:
+            self._ring_events[i].synchronize()              # its last copy has left it
+        host = self._ring[i][:bs * width].view(bs, width)
+        host[:b, 0] = torch.tensor([s.row for s in seqs], dtype=torch.int64)
+        host[:b, 1:] = slots.view(b, width - 1)
+        host[b:, 0] = self.table.pad_row
+        host[b:, 1:] = PAD_SLOT
+        packed = steps.upload(host, b)
+        if self._ring_events is not None:
+            self._ring_events[i].record()
+        return _Staged(key, packed, slots)
+
+    def _drop_ahead(self) -> None:
+        """Give back the staged next step's slots (its batch changed, or slots are short)."""
+        if self._ahead is not None:
+            self.table.free(self._ahead.slots)
+            self._ahead = None
+
+    def _to_host(self, out: torch.Tensor) -> torch.Tensor:
+        """out [B, K] on the device -> its host copy, queued (pinned, with the event the
+        step waits on) on CUDA."""
+        if self._out_event is None:
+            return out.cpu() if out.device.type != "cpu" else out
+        b, k = out.shape
+        host = self._out_host[:b * k].view(b, k)
+        host.copy_(out, non_blocking=True)
+        self._out_event.record()
+        return host
 
     def _catch_up(self, seqs: list[_Seq]) -> None:
         """The draft runs over the entries its requests' plain steps left (one draft extend of
@@ -913,8 +1026,9 @@ class Runner:
     @torch.inference_mode()
     def measure_step_costs(self, buckets: list[int], reps: int = 3) -> dict[tuple[SpecShape, int], float]:
         """Seconds per decode step of every shape at every bucket, timed on padded inputs with
-        empty prefixes (graph replays where captured, eager calls otherwise; the median of
-        `reps` after one warm-up). NONE includes 1 / catch_up_tokens of a catch-up."""
+        empty prefixes (every row the padding row; graph replays where captured, eager calls
+        otherwise; the median of `reps` after one warm-up). NONE includes 1 / catch_up_tokens
+        of a catch-up."""
         dev = self.device
         costs = {}
 
@@ -934,43 +1048,31 @@ class Runner:
         def zeros(*shape, value=0, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=dev)
 
-        hc, hin = self.draft.carried_size, self.target.feature_size
+        hin = self.target.feature_size
         act = self.draft_hidden.dtype
         for b in buckets:
-            lens, prefix = zeros(b), zeros(b, 1, value=PAD_SLOT)
+            prefix, lens = zeros(b, 1, value=PAD_SLOT), zeros(b)
             greedy = self._greedy_params(b)
             for sh in self.shapes:
+                steps = self._row_steps[sh]
+                # Every row the padding row: empty prefixes, every write to the pad slot.
+                host = torch.full((steps.bucket(b) or b, steps.width), PAD_SLOT, dtype=torch.int64)
+                host[:, 0] = self.table.pad_row
+                packed = steps.upload(host, b)
                 if sh.is_none:
                     d = self.catch_up_tokens
-                    decode = timed(lambda: self._calls[NONE].target_decode_feature(
-                        zeros(b, 1), zeros(b, 1), zeros(b, 1, value=PAD_SLOT), prefix, lens))
+                    decode = timed(lambda: steps.run(packed, b, 1))
                     catch_up = timed(lambda: self._eager_calls.draft_extend(
                         zeros(b, d), zeros(b, d, hin, dtype=act), zeros(b, d), zeros(b, d, value=PAD_SLOT),
                         prefix, lens, zeros(b, value=d)))
                     costs[(sh, b)] = decode + catch_up / d
                     continue
-                s, k, n = _fields(sh)
-                costs[(sh, b)] = timed(lambda: self._calls[sh].spec_step(
-                    zeros(b), lens, prefix, zeros(b * k, hc, dtype=act), zeros(b, (s - 1) * k, value=PAD_SLOT),
-                    zeros(b, n, value=PAD_SLOT), *greedy, self._greedy_uniforms[:b, :n + 1 + s], False))
+                s, _, n = _fields(sh)
+                costs[(sh, b)] = timed(lambda: steps.run(packed, b, 1, False, greedy,
+                                                         self._greedy_uniforms[:b, :n + 1 + s]))
         return costs
 
     # ---- sampling and bookkeeping ---------------------------------------------------------------
-
-    def _seq_tensors(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows, committed lengths and roots [B] of the decoding requests, in one host-to-device
-        copy (on CUDA from pinned memory, without waiting for it)."""
-        packed = torch.tensor([[s.row for s in seqs], [s.length for s in seqs], [s.root for s in seqs]],
-                              dtype=torch.int64)
-        if self._pinned is not None:
-            self._h2d_done.synchronize()  # the previous step's copy has left the pinned buffer
-            staged = self._pinned[:, :len(seqs)]
-            staged.copy_(packed)
-            packed = staged.to(self.device, non_blocking=True)
-            self._h2d_done.record()
-        else:
-            packed = packed.to(self.device)
-        return packed[0], packed[1], packed[2]
 
     def _greedy_params(self, b: int):
         """Sampling parameters of B greedy requests (device constants made once)."""

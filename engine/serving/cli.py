@@ -80,6 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (system prompts, chat history) held in "
                         "the KV pool's unused slots (default: on)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="stage the next decode step while the current one runs on the GPU (its "
+                        "slots and packed input), waiting for the device once per step; the same "
+                        "tokens either way (default: on; --no-overlap for comparison)")
     p.add_argument("--role", choices=ROLES, default="both",
                    help="both: prefill and decode here (default); prefill / decode: one half of a "
                         "disaggregated pair behind `specdeploy router` (docs/disaggregation.md)")
@@ -338,6 +342,7 @@ class RankSpec:
     prefix_cache: bool = False
     role: str = "both"
     random_weights: bool = False
+    overlap: bool = True
 
     def rank_device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else "cpu"
@@ -415,7 +420,8 @@ def build_runner(spec: RankSpec, rank: int = 0):
                     prefix_cache=prefix_cache and spec.role != "decode", role=spec.role,
                     prefill_chunk_tokens=role_prefill_chunk_tokens(spec.role),
                     # A prefill server never decodes: no decode graphs to capture.
-                    graph_mode="off" if spec.role == "prefill" else None)
+                    graph_mode="off" if spec.role == "prefill" else None,
+                    overlap=None if spec.overlap else False)
     if adaptive:
         costs = runner.policy.base_costs_s
         log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
@@ -581,7 +587,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
                     dtype_name, device, args.seed, tp_size,
                     distributed.free_init_method() if tp_size > 1 else "", args.all_reduce,
                     bool(args.adaptive_speculation), bool(args.prefix_cache), args.role,
-                    bool(args.random_weights))
+                    bool(args.random_weights), bool(args.overlap))
     ranks = ranks or TensorParallelRanks()
     if tp_size > 1:
         ranks.start(spec)

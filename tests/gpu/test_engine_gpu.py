@@ -179,15 +179,25 @@ def attn_inv_freq(cfg):
 CASES = [("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("EAGLE3", 1, 1, 4), ("MTP", 4, 3, 6)]
 
 
+def _graphed(runner, fused=True):
+    """A runner's eager calls wrapped in GraphedCalls with every graph of its own (the runner
+    captures whole steps by request row instead, rows.py: the runner tests cover those)."""
+    from types import SimpleNamespace
+
+    from specdeploy.engine.runtime.graphs import GraphedCalls
+
+    calls = GraphedCalls(runner.calls, BUCKETS, runner.context_length, fused=fused)
+    return SimpleNamespace(calls=calls, target_kv=runner.target_kv, draft_kv=runner.draft_kv)
+
+
 def graphed_and_eager(algorithm, hc_mult, topk, n, fused):
-    """-> (target, draft, a graphed Runner, eager ModelCalls reading and writing the graphed
-    runner's K/V pools)."""
+    """-> (target, draft, graphed calls, eager ModelCalls reading and writing the graphed
+    calls' K/V pools)."""
     target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
     spec = SpecConfig(algorithm, 3, topk, n)
-    graphed = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
-                     context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
-                     fused_spec_step=fused)
+    graphed = _graphed(Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
+                              context_length=256, device=DEV, graph_mode="off"), fused)
     eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
                          context_length=256, device=DEV, graph_mode="off").calls
     eager_calls.target_kv, eager_calls.draft_kv = graphed.target_kv, graphed.draft_kv
@@ -286,8 +296,8 @@ def test_fused_step_graph_equals_eager_per_bucket(algorithm, hc_mult, topk, n, b
 @pytest.mark.parametrize("hc_mult", [1, 4])
 def test_decode_graph_equals_eager_per_bucket(hc_mult, backend):
     target, _ = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
-    graphed = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
-                     device=DEV, cuda_graph_batch_sizes=BUCKETS)
+    graphed = _graphed(Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
+                              device=DEV, graph_mode="off"))
     eager_calls = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
                          device=DEV, graph_mode="off").calls
     eager_calls.target_kv = graphed.target_kv
