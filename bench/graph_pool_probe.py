@@ -64,6 +64,9 @@ def probe(name: str, config: dict, algorithm: str, fused: bool) -> dict:
         g = getattr(calls, attr, None)
         if g is not None and g.capture_bytes:
             kinds[attr] = g.capture_bytes
+    for shape, steps in runner._row_steps.items():  # the whole-step graphs by request row
+        for sampling, g in steps.graphs.items():
+            kinds[f"row_step[{shape.label}, {'sampling' if sampling else 'greedy'}]"] = g.capture_bytes
     private = [s for s in snap["segments"] if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
     seg_sizes = collections.Counter(s["total_size"] for s in private)
     live_by_frame = collections.Counter()

@@ -119,10 +119,15 @@ def _spec_inputs(b, context, steps, topk, n, hidden, device, dtype):
 def _runner(target, draft, spec, batches, context, device):
     from specdeploy.engine.runtime.runner import Runner
 
+    from specdeploy.engine.runtime.graphs import GraphedCalls
+
+    # The runner's pools with the calls graphed one kind at a time (the runner itself captures
+    # whole steps by request row, which take no inputs of a call's own): what is timed here.
     slots = max(batches) * (context + 16) + 1
-    return Runner(target, draft, spec, max_total_tokens=slots, max_running_requests=max(batches),
-                  context_length=context + 64, device=device, cuda_graph_batch_sizes=tuple(batches),
-                  graph_mode="capture" if device.type == "cuda" else "padded")
+    runner = Runner(target, draft, spec, max_total_tokens=slots, max_running_requests=max(batches),
+                    context_length=context + 64, device=device, graph_mode="off")
+    runner.calls = GraphedCalls(runner.calls, tuple(batches), context + 64, capture=device.type == "cuda")
+    return runner
 
 
 def _all_reduce_ms(tp_group, rows, hidden, device, reps):
