@@ -65,6 +65,10 @@ class SlotTable:
         return self.num_slots - 1
 
     def alloc(self, n: int) -> torch.Tensor:
+        """n free slots [n] on the table's device (a fresh tensor)."""
+        return self.alloc_host(n).to(self.device)
+
+    def alloc_host(self, n: int) -> torch.Tensor:
         """n free slots [n], a fresh host tensor (later frees overwrite the stack region)."""
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")

@@ -756,12 +756,14 @@ class Runner:
             raise
         return list(outputs.values())
 
-    def _alloc(self, n: int) -> torch.Tensor:
+    def _alloc(self, n: int, host: bool = False) -> torch.Tensor:
+        """n slots, on the device (host: a host tensor); gives back the staged next step and
+        evicts from the prefix cache first where the free ones are short."""
         if self.table.num_free < n:
             self._drop_ahead()
         if self.prefix_cache is not None and self.table.num_free < n:
             self.prefix_cache.evict(n - self.table.num_free)
-        return self.table.alloc(n)
+        return self.table.alloc_host(n) if host else self.table.alloc(n)
 
     def _take_slots(self, n: int) -> torch.Tensor:
         slots = self._alloc(n)
@@ -967,7 +969,7 @@ class Runner:
         need = b * (width - 1)
         if ahead and self.table.num_free < need:
             return None
-        slots = self.table.alloc(need) if ahead else self._alloc(need)
+        slots = self.table.alloc_host(need) if ahead else self._alloc(need, host=True)
         bs = steps.bucket(b) or b
         i = self._ring_next
         self._ring_next ^= 1
