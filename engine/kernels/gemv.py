@@ -216,15 +216,15 @@ def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int) -> tuple[s
     rows = triton.next_power_of_2(m)
     # fma keeps a [BLOCK_M, BLOCK_N, 128] float32 accumulator: <= ~96 registers a thread at 4 warps
     widest = 128 if variant == "dot" else min(32, 64 // rows)
-    block_n = min(widest, max(8 if variant == "fma" else 32, 4 * rows))
+    block_n = min(widest, max(16 if variant == "fma" else 32, 4 * rows))
     while block_n < widest and triton.cdiv(n, block_n * 2) >= target:
         block_n *= 2
     tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(-(-target // tiles), k_blocks // MIN_K_BLOCKS_PER_SPLIT, GEMV_MAX_SPLIT_K))
-    # fma: as many warps as 16-byte loads of a [BLOCK_N, 128] e4m3 tile take (fewer threads
-    # than that make Triton narrow the loads; more replicate them)
-    warps = max(1, min(8, block_n // 4)) if variant == "fma" else 4
+    # fma at one row: two tile rows a thread (16-byte loads of a [BLOCK_N, 128] e4m3 tile; x's
+    # conversion and scaling shared by both rows); more rows: the 3-D accumulator's layout
+    warps = max(1, min(8, block_n // 8)) if variant == "fma" and m == 1 else 4
     return (variant, block_n, block_k, split, warps, 3)
 
 
