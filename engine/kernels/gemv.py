@@ -182,8 +182,47 @@ def m_bucket(m: int) -> int:
 
 # (kind, N, K, M bucket) -> (variant, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); kind
 # "fp8" (e4m3 codes, any scale layout) or "plain" (bf16/fp16/fp32 weights). bench/gemv_sweep.py
-# prints a measured table in this format; paste it here.
-GEMV_TABLE: dict[tuple[str, int, int, int], tuple[str, int, int, int, int, int]] = {}
+# prints a measured table in this format; paste it here. Measured on an H200 (132 SMs, 2026-12-01,
+# `python3 bench/gemv_sweep.py --out DIR`: the Llama-3.1-8B shapes, bf16 activations, graphs of
+# back-to-back launches); other GPUs run these launches too, only perhaps not the fastest ones.
+GEMV_TABLE: dict[tuple[str, int, int, int], tuple[str, int, int, int, int, int]] = {
+    ('fp8', 4096, 4096, 1): ('fma', 8, 512, 1, 2, 3),
+    ('fp8', 4096, 4096, 4): ('fma', 16, 256, 1, 4, 5),
+    ('fp8', 4096, 4096, 8): ('dot', 32, 128, 8, 4, 3),
+    ('fp8', 4096, 4096, 16): ('dot', 32, 128, 8, 4, 3),
+    ('fp8', 4096, 14336, 1): ('fma', 8, 512, 1, 2, 4),
+    ('fp8', 4096, 14336, 4): ('dot8', 128, 256, 8, 8, 3),
+    ('fp8', 4096, 14336, 8): ('dot8', 128, 256, 8, 8, 3),
+    ('fp8', 4096, 14336, 16): ('dot8', 128, 256, 8, 8, 3),
+    ('fp8', 6144, 4096, 1): ('fma', 8, 512, 1, 2, 3),
+    ('fp8', 6144, 4096, 4): ('dot8', 64, 256, 4, 4, 3),
+    ('fp8', 6144, 4096, 8): ('dot8', 64, 256, 4, 4, 3),
+    ('fp8', 6144, 4096, 16): ('dot8', 64, 256, 4, 4, 3),
+    ('fp8', 28672, 4096, 1): ('fma', 8, 512, 1, 2, 3),
+    ('fp8', 28672, 4096, 4): ('dot8', 128, 256, 1, 8, 3),
+    ('fp8', 28672, 4096, 8): ('dot8', 128, 256, 1, 8, 3),
+    ('fp8', 28672, 4096, 16): ('dot8', 128, 256, 1, 8, 3),
+    ('plain', 4096, 4096, 1): ('fma', 4, 512, 1, 1, 3),
+    ('plain', 4096, 4096, 4): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 4096, 4096, 8): ('dot', 32, 128, 2, 4, 5),
+    ('plain', 4096, 4096, 16): ('dot', 32, 128, 2, 4, 5),
+    ('plain', 4096, 14336, 1): ('fma', 4, 512, 1, 1, 3),
+    ('plain', 4096, 14336, 4): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 4096, 14336, 8): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 4096, 14336, 16): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 6144, 4096, 1): ('fma', 4, 512, 1, 1, 3),
+    ('plain', 6144, 4096, 4): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 6144, 4096, 8): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 6144, 4096, 16): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 28672, 4096, 1): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 28672, 4096, 4): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 28672, 4096, 8): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 28672, 4096, 16): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 128256, 4096, 1): ('fma', 8, 256, 1, 2, 3),
+    ('plain', 128256, 4096, 4): ('dot', 64, 256, 1, 4, 3),
+    ('plain', 128256, 4096, 8): ('dot', 128, 256, 1, 8, 3),
+    ('plain', 128256, 4096, 16): ('dot', 128, 256, 1, 8, 3),
+}
 
 
 def install_table(table: dict) -> None:
