@@ -56,16 +56,16 @@ from specdeploy.engine.models.hc import (HCConfig, HyperHead, _Float32Params, ca
                                          expand_embeddings, flatten_streams, make_residual,
                                          unflatten_streams)
 from specdeploy.engine.models.layers import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
-from specdeploy.engine.planner.deepseek_v4 import (CSA, EXPERT_DEQUANT_CHUNK, HASH_MOE, HCA, SLIDING,
-                                                   RopeSpec, V4Config, read_v4_config)
+# QUERY_BLOCK: queries per block when a long chunk runs the attention (bounds the [block, heads,
+# keys] logits; the plan's workspace counts one block)
+from specdeploy.engine.planner.deepseek_v4 import (CSA, EXPERT_DEQUANT_CHUNK, HASH_MOE, HCA, QUERY_BLOCK,
+                                                   SLIDING, RopeSpec, V4Config, read_v4_config)
 from specdeploy.engine.runtime.compressed_kv import V4KV
 from specdeploy.engine.runtime.kv import PAD_SLOT
 
 # In-flight key sets larger than this are prefill / extend chunks (causal, contiguous positions):
 # their paths are indexed by position instead of matched key by key.
 CONTIGUOUS_MIN_KEYS = 64
-# Queries per block when a long chunk runs the attention (bounds the [block, heads, keys] logits).
-QUERY_BLOCK = 256
 # Routed experts: three computations of the same sums (_Experts.path picks one per call):
 #   "grouped"   the rows (token, expert) sorted by expert, one grouped GEMM per projection over the
 #               layer's experts (torch's grouped_mm). No host sync, so CUDA graphs capture it, but

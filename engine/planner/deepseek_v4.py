@@ -368,3 +368,104 @@ def v4_kv_bytes(v4: V4Config, role: str, dtype_bytes: int) -> V4KVBytes:
         else:
             per_request += p.keep * size
     return V4KVBytes(math.ceil(per_token), per_request, in_flight)
+
+
+# ---------------------------------------------------------------------------------------------
+# transient memory of one forward (the plan's activation workspace and graph pool)
+
+# Queries one attention block carries when a forward has more (engine/models/deepseek_v4.py
+# runs each block from its q projections to the low-rank output).
+QUERY_BLOCK = 256
+
+# Bytes per weight element one projection's dequantization holds while it runs
+# (engine/models/deepseek_v4.py _Experts.weight), by checkpoint kind, for model dtype bytes d:
+# FP4 its int32 code-byte lookup (2 bytes per weight) and the output; FP8 the float32 codes,
+# their float32 per-element scales and product (fp8.dequantize_fp8), and the output.
+DEQUANT_TRANSIENT_BYTES = {"fp4": (2, 1), "fp8": (12, 1)}  # (bytes, times d)
+
+
+@dataclass(frozen=True)
+class V4ForwardDims:
+    """What the transient memory needs beyond V4Config (the planner's shapes carry these)."""
+
+    hc_mult: int
+    num_experts: int  # router width
+    local_experts: int  # routed experts on one rank
+    experts_per_tok: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    expert_quant: str = ""  # "" | "fp4" | "fp8"
+
+
+def v4_forward_peak_bytes(v4: V4Config, role: str, dims: V4ForwardDims, tokens: int, prefix: int,
+                          dtype_bytes: int) -> dict[str, int]:
+    """Bytes one V4 forward over `tokens` rows (B x Q, after `prefix` committed positions) allocates
+    beyond its inputs and the pools, at the peak of each phase of a layer, the largest over the
+    role's layers: {phase: bytes}; the largest phase is what the forward needs. Named after the
+    tensors of engine/models/deepseek_v4.py and models/hc.py on CUDA (the hyper-connection
+    kernels), held to the code by tests/engine/planner/test_v4_workspace.py. d = dtype bytes,
+    T = tokens, S = T hc H d (one copy of the streams), R = T k (token, expert) rows; every phase
+    adds the step's gather plan (T span 9 + per ratio T entries + entries 8):
+
+        hc_mixes   2 S (the layer's input streams, which the model loop holds, and the sublayer's)
+                   + T hc H 4 (the float32 flattened streams the mixes matmul reads)
+        attention  2 S + 2 T H d (collapsed and normed input) + the larger of the blocks'
+                   low-rank outputs T G o_lora d with one query block and their concatenation
+                   (2 T G o_lora d); a query block of
+                   n = min(T, QUERY_BLOCK) rows, the larger of its q norm (q = n heads hd
+                   elements at d + 8: the projection, its float32 copy and square) and its
+                   attention: q d + on CSA layers the indexer's float32 scores n index_heads
+                   entries 4 (entries = prefix / r + T / r + 1), with the larger of their
+                   weighted copy and what the softmax then holds: the keys' and values' gathers
+                   n (W + keys) hd d x 2 and logits n heads (W + keys) 4 x 3 (keys: CSA
+                   min(index_topk, entries), HCA entries)
+        moe        2 S + 2 T H d + router T E 4 x 3 + xs R H d + the activation R (2I + 4I) d
+                   (gate/up output, clamped gate and up, silu, product) + the sort R 24 + quantized experts:
+                   EXPERT_DEQUANT_CHUNK experts' gate/up dequantized and the output R H d
+        shared     2 S + 3 T H d + the shared expert's gate, up, clamps, silu, product 6 T Is d
+        mtp_input  (MTP) the hnorm of the target's streams: 2 S + T hc H 4 x 2
+    """
+    d, h = dtype_bytes, v4.hidden_size
+    s = tokens * dims.hc_mult * h * d
+    rows = tokens * dims.experts_per_tok
+    i = dims.moe_intermediate_size
+    n = min(tokens, QUERY_BLOCK)
+    w = v4.sliding_window
+    low_rank = tokens * v4.o_groups * v4.o_lora_rank * d
+    attention = 0
+    for layer in v4.layers(role):
+        kind, r = v4.attention_kinds[layer], v4.compress_ratios[layer]
+        keys = scores = 0
+        if kind == CSA:
+            entries = -(-prefix // r) + -(-tokens // r) + 1
+            keys = min(v4.index_topk, entries)
+            scores = n * v4.index_n_heads * entries * 4
+        elif kind == HCA:
+            keys = -(-prefix // r) + -(-tokens // r) + 1
+        q = n * v4.num_heads * v4.head_dim
+        keys_values = 2 * n * (w + keys) * v4.head_dim * d + 3 * n * v4.num_heads * (w + keys) * 4
+        block = max(q * (d + 8), q * d + max(2 * scores, scores + keys_values))
+        attention = max(attention, block)
+    # the step's gather plan (_build_step), alive through the forward: the path's slots and
+    # validity [T, span], per ratio the entry candidates' visibility [T, entries] and slots
+    ratios = {(v4.attention_kinds[j], v4.compress_ratios[j]) for j in v4.layers(role) if v4.compress_ratios[j]}
+    span = max([w] + [2 * r if kind == CSA else r for kind, r in ratios])
+    step = tokens * span * 9
+    for r in {r for _, r in ratios}:
+        entries = -(-prefix // r) + -(-tokens // r) + 1
+        step += tokens * entries + entries * 8
+    moe = 2 * tokens * h * d + 3 * tokens * dims.num_experts * 4 + rows * (h * d + 6 * i * d + 24)
+    if dims.expert_quant:
+        per, times_d = DEQUANT_TRANSIENT_BYTES[dims.expert_quant]
+        chunk = min(EXPERT_DEQUANT_CHUNK, dims.local_experts)
+        moe += chunk * 2 * i * h * (per + times_d * d) + rows * h * d
+    s2 = 2 * s + step
+    phases = {
+        "hc_mixes": s2 + tokens * dims.hc_mult * h * 4,
+        "attention": s2 + 2 * tokens * h * d + max(low_rank + attention, 2 * low_rank),
+        "moe": s2 + moe,
+        "shared": s2 + 3 * tokens * h * d + 6 * tokens * dims.shared_intermediate_size * d,
+    }
+    if role == "MTP":
+        phases["mtp_input"] = 2 * s + 2 * tokens * dims.hc_mult * h * 4
+    return phases

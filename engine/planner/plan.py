@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from specdeploy.engine.planner.deepseek_v4 import v4_in_flight_rows
+from specdeploy.engine.planner.deepseek_v4 import V4ForwardDims, v4_forward_peak_bytes, v4_in_flight_rows
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
     ConfigError,
@@ -115,10 +115,12 @@ LIVE_MLP_WIDTHS = 3
 # collapse and the expand are Triton kernels that keep nothing else stream-wide).
 LIVE_HC_FLOAT32_STREAMS = 1
 
-# DeepSeek-V4 activations beyond the Llama-shaped terms (see _activation_bytes): q and the
-# attention output at heads x head_dim, and the expert-sorted token copies in and out.
-V4_LIVE_HEAD_WIDTHS = 2
-V4_LIVE_SORTED_TOKEN_COPIES = 2
+# Blocks the caching allocator holds reserved but cannot hand out at a prefill's peak (a
+# freed block serves only requests no larger than itself): 28% (FP8 Llama-3.1-8B) and 34%
+# (DeepSeek-V4-Flash, reduced depth) of the transient allocated when their prefills ran out of
+# memory on the H200 (docs/benchmarks.md, planner truth). The workspace is the forward's peak
+# times 1 + this.
+PREFILL_ALLOCATOR_SLACK = 0.35
 
 # Fixed private memory of the CUDA-graph pool beyond the activations of the largest captured
 # batch: per-graph bookkeeping and the allocator's segment rounding across the batch-size buckets
@@ -460,21 +462,36 @@ def _mlp_width_per_token(shapes: ModelShapes) -> int:
     return max(shapes.intermediate_size, routed)
 
 
-def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int) -> int:
+def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int = 0) -> int:
     """Transient activations of `tokens` rows through one layer, on one GPU (layers run one at a
-    time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product."""
+    time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product.
+    DeepSeek-V4: its own phases (engine/planner/deepseek_v4.py v4_forward_peak_bytes), after
+    `prefix` committed positions (its compressed entries grow with them)."""
+    if shapes.v4 is not None:
+        return _v4_activation_bytes(shapes, tokens, tp, prefix)
     # hc_mult = 1: spec_hidden_size is hidden_size, and the residual widths are plain hidden widths.
     per_token = ((LIVE_HIDDEN_WIDTHS - LIVE_RESIDUAL_WIDTHS) * shapes.hidden_size
                  + LIVE_RESIDUAL_WIDTHS * shapes.spec_hidden_size
                  + LIVE_MLP_WIDTHS * _mlp_width_per_token(shapes) // tp)
     hc_float32 = LIVE_HC_FLOAT32_STREAMS * shapes.spec_hidden_size * 4 if shapes.hc_mult > 1 else 0
-    if shapes.attention == "compressed":
-        # DeepSeek-V4 (engine/models/deepseek_v4.py): the queries and the attention output are
-        # heads x head_dim wide (8 x hidden on Flash), and the routed experts work on a copy of
-        # the tokens sorted by expert, in and out, one row per (token, expert).
-        per_token += (V4_LIVE_HEAD_WIDTHS * shapes.num_heads * shapes.head_dim
-                      + V4_LIVE_SORTED_TOKEN_COPIES * shapes.num_experts_per_tok * shapes.hidden_size)
     return tokens * (per_token * shapes.dtype_bytes + hc_float32 + _fp8_activation_copy(shapes, tp))
+
+
+def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int) -> int:
+    """The largest phase of a DeepSeek-V4 forward, plus the e4m3 copies its FP8 linears make of
+    their widest input (the grouped output projection's, o_groups x o_lora_rank)."""
+    v4 = shapes.v4
+    dims = V4ForwardDims(hc_mult=shapes.hc_mult, num_experts=shapes.num_routed_experts,
+                         local_experts=max(1, shapes.num_routed_experts // tp),
+                         experts_per_tok=shapes.num_experts_per_tok,
+                         moe_intermediate_size=shapes.moe_intermediate_size,
+                         shared_intermediate_size=shapes.shared_expert_intermediate_size,
+                         expert_quant=shapes.expert_quant)
+    peak = max(v4_forward_peak_bytes(v4, shapes.role, dims, tokens, prefix, shapes.dtype_bytes).values())
+    if shapes.quantization in FP8_QUANT_METHODS and shapes.quantized_weight_bytes:
+        width = max(v4.o_groups * v4.o_lora_rank, shapes.hidden_size)
+        peak += tokens * (width + 4 * -(-width // FP8_ACTIVATION_GROUP))
+    return peak
 
 
 def _fp8_activation_copy(shapes: ModelShapes, tp: int) -> int:
@@ -514,16 +531,6 @@ def gemv_workspace_bytes(models: list[ModelShapes], tp: int) -> int:
 def gemv_width_bytes(n: int) -> int:
     """One output width's split-K workspace (float32) and counters (int32)."""
     return GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + -(-n // GEMV_MIN_BLOCK_N) * 4
-
-
-def _expert_dequant_bytes(shapes: ModelShapes) -> int:
-    """DeepSeek-V4 with quantized routed experts (engine/models/deepseek_v4.py _Experts): on CUDA
-    the gate/up codes of one layer's experts are dequantized into a model-dtype temporary before
-    the grouped GEMM (2/3 of a layer's expert parameters; the down projection's, 1/3, follows
-    once it is freed). 0 for other models."""
-    if shapes.attention != "compressed" or not shapes.quantization or not shapes.num_moe_layers:
-        return 0
-    return 2 * shapes.routed_expert_params // (3 * shapes.num_moe_layers) * shapes.dtype_bytes
 
 
 def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
@@ -628,20 +635,23 @@ def _memory_terms(
     logits_copies = SAMPLING_LOGITS_COPIES if draft_shapes is not None else 1
     graph_pool = 0 if role == "prefill" else (  # a prefill server captures no graphs
         CUDA_GRAPH_POOL_BASE_BYTES
-        + _activation_bytes(target_shapes, graph_rows, tp)
+        + _activation_bytes(target_shapes, graph_rows, tp, prefix=limits.context_length)
         + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
-        + _expert_dequant_bytes(target_shapes)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
     # narrower and runs after it); logits only for the last token of each request in the chunk.
+    # The chunk may be a long prompt's last (its prefix the rest of the context).
     chunk = role_prefill_chunk_tokens(role)
-    workspace = _activation_bytes(target_shapes, chunk, tp) + _logits_bytes(
+    prefix = max(limits.context_length - chunk, 0)
+    workspace = _activation_bytes(target_shapes, chunk, tp, prefix) + _logits_bytes(
         limits.max_running_requests, target_shapes.vocab_size, tp
-    ) + _expert_dequant_bytes(target_shapes)
+    )
     if draft_shapes is not None:
-        # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3).
+        # The draft extend over the chunk holds the target's features for it (3 H wide for EAGLE-3)
+        # and its own output (DeepSeek-V4's MTP: the streams, hc H).
         features = chunk * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
-        workspace = max(workspace, _activation_bytes(draft_shapes, chunk, tp) + features)
+        workspace = max(workspace, _activation_bytes(draft_shapes, chunk, tp, prefix) + features)
+    workspace = math.ceil(workspace * (1 + PREFILL_ALLOCATOR_SLACK))
     # The small-M linear kernel's split-K workspaces, made on the first (eager) decode call and kept.
     workspace += gemv_workspace_bytes([target_shapes] + ([draft_shapes] if draft_shapes is not None else []), tp)
     budget = (

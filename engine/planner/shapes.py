@@ -124,6 +124,8 @@ class ModelShapes:
     quantized_weight_bytes: int
     routed_expert_params: int  # elements of the routed experts' matrices (in num_params)
     has_vision_tower: bool  # a multimodal checkpoint; its vision encoder is not in num_params
+    v4: V4Config | None = None  # DeepSeek-V4's layer schedule and dims (the plan's V4 transients)
+    expert_quant: str = ""  # V4 routed experts as stored: "fp4" | "fp8" | "" (model dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -477,7 +479,19 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
         ),
         routed_expert_params=routed_experts,
         has_vision_tower=isinstance(config.get("vision_config"), dict),
+        v4=v4,
+        expert_quant=_expert_quant(c, quantization_config) if v4 is not None else "",
     )
+
+
+def _expert_quant(c: dict[str, Any], q: dict[str, Any]) -> str:
+    """How a DeepSeek-V4 checkpoint stores its routed experts (engine/models/deepseek_v4.py
+    dequantizes them inside the expert computation)."""
+    if not q:
+        return ""
+    if (q.get("expert_dtype") or c.get("expert_dtype")) == "fp4":
+        return "fp4"
+    return "fp8" if q.get("quant_method") == "fp8" else ""
 
 
 # --------------------------------------------------------------------------------------------
