@@ -215,5 +215,8 @@ class RowSteps:
         if graph is None or graph.bucket(b) is None:
             return spec_body(self.eager_spec, self.st, packed[:b], width, sampling, temperature, top_k,
                              top_p, uniforms), None
-        values = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms) if sampling else {}
-        return graph(b, values, padded=("packed",))[0], None
+        if sampling:
+            values = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms)
+            return graph(b, values, padded=("packed",))[0], None
+        # The greedy graph reads no sampling input: nothing to copy or pad for it.
+        return graph(b, {}, padded=tuple(graph.inputs))[0], None
