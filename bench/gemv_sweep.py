@@ -58,7 +58,7 @@ SPLITS = (1, 2, 4, 8)
 
 def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = False) -> list[tuple]:
     """The configurations worth timing for one shape: a fixed base per (weights, M bucket), times
-    the split-K values that leave 1-16 programs per SM and >= 2 BLOCK_Ks per split."""
+    the split-K values that leave 2-8 programs per SM and >= 2 BLOCK_Ks per split."""
     if smoke:
         return [("fma" if m <= 4 else "dot", 16, 256, s, 4, 2) for s in (1, 2)]
     # Every program re-reads x ([M, its K range]) from L2: BLOCK_N well above 2 * M keeps that
@@ -68,9 +68,8 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
     # holds, so tiles where each thread owns several rows (BLOCK_N large for its warps) are
     # leaner; the dot loop converts only W (the tensor cores do the rest).
     if m == 1:
-        base = [("fma", 8, 512, 2, 3), ("fma", 8, 512, 2, 4), ("fma", 16, 512, 2, 3), ("fma", 16, 512, 4, 3),
-                ("fma", 16, 256, 4, 3), ("fma", 16, 512, 4, 4), ("fma", 32, 512, 2, 3), ("fma", 32, 512, 4, 3),
-                ("fma", 32, 256, 4, 3), ("fma", 32, 512, 8, 3), ("fma", 64, 256, 4, 3),
+        base = [("fma", 8, 512, 2, 3), ("fma", 16, 512, 2, 3), ("fma", 16, 512, 4, 3), ("fma", 16, 512, 4, 4),
+                ("fma", 32, 512, 2, 3), ("fma", 32, 512, 4, 3), ("fma", 32, 256, 4, 3), ("fma", 64, 256, 4, 3),
                 ("dot", 16, 256, 4, 3), ("dot", 32, 256, 4, 3), ("dot", 64, 256, 4, 3)]
     elif m <= 4:
         base = [("fma", 8, 512, 4, 3), ("fma", 16, 512, 4, 3), ("fma", 16, 256, 4, 3), ("fma", 16, 512, 8, 3),
@@ -81,14 +80,19 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
         base += [("dot", 64, 256, 4, 4), ("dot", 128, 256, 8, 3), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 5),
                  ("dot", 64, 512, 4, 2), ("dot", 64, 128, 4, 5)]
     if kind == "fp8":
-        # e4m3 x e4m3 on the tensor cores (x quantized in-kernel): BLOCK_M is 16 whatever M is
-        base += [("dot8", bn, b, w, st) for bn, b, w, st in
-                 ((16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3),
-                  (32, 256, 4, 5), (64, 256, 8, 3), (128, 256, 8, 3), (16, 512, 4, 4))]
+        # FP8 codes: the f16 tensor cores (dot16) take the bf16 dot's place, the same product with
+        # one e4m3 -> f16 cvt per two codes instead of three per code (bf16); more of them.
+        base = [("dot16", *c[1:]) if c[0] == "dot" else c for c in base]
+        base += [("dot16", bn, b, w, st) for bn, b, w, st in
+                 ((32, 512, 4, 3), (64, 512, 4, 3), (64, 256, 8, 3), (128, 256, 8, 3))
+                 if ("dot16", bn, b, w, st) not in base]
+        # ... padded to 64 rows: f16 wgmma (W converted into shared memory)
+        base += [("wg16", bn, b, w, st) for bn, b, w, st in ((64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 2))]
+        # e4m3 x e4m3 on the tensor cores (x quantized in-kernel, lossy): BLOCK_M is 16 whatever M is
+        base += [("dot8", bn, b, w, st) for bn, b, w, st in ((32, 256, 4, 3), (64, 256, 4, 3))]
         # the same padded to 64 rows: Hopper's native e4m3 wgmma
         base += [("wg8", bn, b, w, st) for bn, b, w, st in
-                 ((32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 4, 2),
-                  (32, 256, 4, 3))]
+                 ((32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 2))]
     out = []
     for variant, bn, b, w, st in base:
         tiles = -(-n // bn)
@@ -96,7 +100,7 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
         for s in SPLITS:
             if s > 1 and (k_blocks // s < 2 or n > 65536):
                 continue
-            if not num_sms <= tiles * s <= 16 * num_sms and not (s == 1 and tiles * s > 16 * num_sms):
+            if not 2 * num_sms <= tiles * s <= 8 * num_sms and not (s == 1 and tiles > 8 * num_sms):
                 continue
             out.append((variant, bn, b, s, w, st))
     return out

@@ -30,7 +30,11 @@ Three inner loops (the launch's variant):
   its numerics are the prefill kernel's (activations rounded to e4m3, as the checkpoint's
   producers define FP8 inference), where fma/dot keep activations unquantized. dot8 pads x to
   16 rows (Triton's mma.sync path, which widens both operands to f16 on sm_90); wg8 pads to 64
-  rows, where Triton emits Hopper's native e4m3 wgmma (m64nNk32) and the codes stay 8-bit.
+  rows, where Triton emits Hopper's native e4m3 wgmma (m64nNk32) and the codes stay 8-bit;
+- "dot16" / "wg16" (FP8 weights, bf16/fp16 x): the weight-only product on the f16 tensor cores
+  (16 / 64 padded rows). e4m3 -> f16 is a single cvt per two codes; x is scaled per row and
+  128-wide group by a power of two into f16 exactly (unquantized, unlike dot8), the scale
+  multiplied back onto the group's partial dot. float32 x runs the plain dot instead.
 Scales (SCALE_MODE, chosen on the host): 0 none (plain weights); 1 one value per 128-wide k group
 for the whole tile (block scales with BLOCK_N inside one 128-row scale block): folded into x (fma)
 or into the tile's dot (dot), never applied per element; 2 one value per output row for all of
@@ -58,7 +62,7 @@ from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MI
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
 M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
-VARIANTS = ("fma", "dot", "dot8", "wg8", "cublas")
+VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "cublas")
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
 CTAS_PER_SM = 4  # the heuristic's target occupancy: programs per SM
@@ -71,20 +75,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
-                 QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False):
+                 QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False):
     gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, SUB_K)
-    # Rows past M / N read the last real row instead of masking (the loads stay unmasked and
-    # vectorized); the stores are masked.
-    rows_m = tl.minimum(offs_m, M - 1)
+    # Weight rows past N read the last real row instead of masking (the loads stay unmasked and
+    # vectorized); x rows past M are masked (zeros, no memory traffic: a one-row call padded to
+    # 16 or 64 rows would otherwise stage the same row that many times); the stores are masked.
+    m_ok = offs_m < M
     rows_n = tl.minimum(offs_n, N - 1)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    x_base = x_ptr + rows_m[:, None] * stride_xm                        # [BLOCK_M, 1]
+    x_base = x_ptr + offs_m[:, None] * stride_xm                        # [BLOCK_M, 1]
     w_base = w_ptr + rows_n[:, None] * stride_wn                        # [BLOCK_N, 1]
     s_rows = s_ptr + (rows_n // SCALE_N) * stride_sn                    # [BLOCK_N]
     s_tile = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn           # scalar (SCALE_MODE 1)
@@ -99,15 +104,20 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for g in tl.static_range(BLOCK_K // SUB_K):
             k = k0 + g * SUB_K + offs_s                                  # [SUB_K]
-            # one x row: a 1-D load, broadcast over the tile's rows as a slice of its layout
-            x_ptrs = x_ptr + k if BLOCK_M == 1 and not USE_DOT else x_base + k[None, :]
+            if BLOCK_M == 1 and not USE_DOT:
+                # one x row: a 1-D load, broadcast over the tile's rows as a slice of its layout
+                if EVEN_K:
+                    xv = tl.load(x_ptr + k)
+                else:
+                    xv = tl.load(x_ptr + k, mask=k < k_hi, other=0.0)
+            elif EVEN_K:
+                xv = tl.load(x_base + k[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                xv = tl.load(x_base + k[None, :], mask=m_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             if EVEN_K:
-                xv = tl.load(x_ptrs)
                 wv = tl.load(w_base + k[None, :])
             else:
-                k_ok = k < k_hi
-                xv = tl.load(x_ptrs, mask=k_ok if BLOCK_M == 1 and not USE_DOT else k_ok[None, :], other=0.0)
-                wv = tl.load(w_base + k[None, :], mask=k_ok[None, :], other=0.0)
+                wv = tl.load(w_base + k[None, :], mask=(k < k_hi)[None, :], other=0.0)
             # the 128-wide k group (a group wholly past K reads the last one, times zeros)
             kg = tl.minimum((k0 + g * SUB_K) // SUB_K, (K - 1) // SUB_K)
             if USE_DOT and QUANT_X:
@@ -119,6 +129,23 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 if ROUND_SCALE:
                     sx = tl.exp2(tl.ceil(tl.log2(sx)))
                 part = tl.dot((xf / sx[:, None]).to(tl.float8e4nv), tl.trans(wv)) * sx[:, None]
+                if SCALE_MODE == 1:
+                    part = part * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    part = part * tl.load(s_rows + kg * stride_sk)[None, :]
+                acc += part
+            elif USE_DOT and X_F16:
+                # "dot16": f16 tensor cores, e4m3 -> f16 is one cvt per two codes (-> bf16 is
+                # two more per code). x rides along scaled by a power of two per row and 128-wide
+                # group, 2^floor(log2 max|x|) from the exponent bits: x / s is exact and < 2 (a
+                # bf16 value's 8 bits fit f16's 11; only parts below 2^-14 of the group's largest
+                # round, by at most 2^-25 of it), so this is the weight-only product, unquantized.
+                xf = xv.to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30)               # [BLOCK_M]
+                e_bits = amax.to(tl.int32, bitcast=True) & 0x7F800000
+                sx = e_bits.to(tl.float32, bitcast=True)                           # 2^floor(log2 amax)
+                inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)           # 1 / sx, exactly
+                part = tl.dot((xf * inv[:, None]).to(tl.float16), tl.trans(wv.to(tl.float16))) * sx[:, None]
                 if SCALE_MODE == 1:
                     part = part * tl.load(s_tile + kg * stride_sk)
                 elif SCALE_MODE == 3:
@@ -241,30 +268,24 @@ def _num_sms(device_index: int) -> int:
 
 
 def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int) -> tuple[str, int, int, int, int, int]:
-    """A launch for shapes not in GEMV_TABLE. fma up to 4 rows (BLOCK_K 512), else dot (BLOCK_K
-    256: its x tile [16, BLOCK_K] is staged too). Every program re-reads x for its k range from
-    L2, so BLOCK_N starts at 4 * M (x traffic at most half the e4m3 weight bytes) and widens
-    while >= CTAS_PER_SM programs per SM remain; split-K makes up the rest, keeping
-    >= MIN_K_BLOCKS_PER_SPLIT k blocks per split. Plain weights default to cuBLAS (the sweep
-    decides where the kernel beats it)."""
+    """A launch for shapes not in GEMV_TABLE: "dot16" at every M (counted in PTX: one cvt per two
+    codes, where fma spends ~2.5 instructions per code and the bf16 dot ~1.5), BLOCK_K 256.
+    Each program converts and scales its [16, BLOCK_K] x tile whatever BLOCK_N is, so BLOCK_N
+    starts at 64 (x's work under ~2.5x the codes') and widens to 128 while >= CTAS_PER_SM
+    programs per SM remain; split-K makes up the rest, keeping >= MIN_K_BLOCKS_PER_SPLIT k
+    blocks per split. Plain weights default to cuBLAS (the sweep decides where the kernel beats
+    it)."""
     if kind == "plain":
         return ("cublas", 0, 0, 1, 0, 0)
-    variant = "fma" if m <= 4 else "dot"
-    block_k = 512 if variant == "fma" else 256
+    block_k = 256
     target = CTAS_PER_SM * num_sms
-    rows = triton.next_power_of_2(m)
-    # fma keeps a [BLOCK_M, BLOCK_N, 128] float32 accumulator: <= ~96 registers a thread at 4 warps
-    widest = 128 if variant == "dot" else min(32, 64 // rows)
-    block_n = min(widest, max(16 if variant == "fma" else 32, 4 * rows))
-    while block_n < widest and triton.cdiv(n, block_n * 2) >= target:
-        block_n *= 2
+    block_n = 64
+    if triton.cdiv(n, 128) >= target:
+        block_n = 128
     tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(-(-target // tiles), k_blocks // MIN_K_BLOCKS_PER_SPLIT, GEMV_MAX_SPLIT_K))
-    # fma at one row: two tile rows a thread (16-byte loads of a [BLOCK_N, 128] e4m3 tile; x's
-    # conversion and scaling shared by both rows); more rows: the 3-D accumulator's layout
-    warps = max(1, min(8, block_n // 8)) if variant == "fma" and m == 1 else 4
-    return (variant, block_n, block_k, split, warps, 3)
+    return ("dot16", block_n, block_k, split, 4, 3)
 
 
 def _sms(device: torch.device) -> int:
@@ -336,13 +357,16 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     n = weight.shape[0]
     if not 0 < m <= GEMV_MAX_M:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
-    if variant not in ("fma", "dot", "dot8", "wg8") or block_k % GROUP_K or block_n < MIN_BLOCK_N:
+    if variant not in VARIANTS[:-1] or block_k % GROUP_K or block_n < MIN_BLOCK_N:
         raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
     quant_x = variant in ("dot8", "wg8")
-    if quant_x and (scale is None or weight.dtype != torch.float8_e4m3fn):
+    x_f16 = variant in ("dot16", "wg16")
+    if (quant_x or x_f16) and (scale is None or weight.dtype != torch.float8_e4m3fn):
         raise ValueError(f"gemv: the {variant} variant multiplies e4m3 codes (FP8 weights only)")
+    if x_f16 and x.dtype == torch.float32:
+        x_f16 = False  # float32 activations keep the exact (ieee) dot; f16 would round them
     use_dot = variant != "fma"
-    block_m = 64 if variant == "wg8" else 16 if use_dot else triton.next_power_of_2(m)
+    block_m = 64 if variant in ("wg8", "wg16") else 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
     k_blocks = triton.cdiv(k, block_k)
@@ -364,7 +388,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         x, weight, scale, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
-        QUANT_X=quant_x, ROUND_SCALE=round_scale,
+        QUANT_X=quant_x, ROUND_SCALE=round_scale, X_F16=x_f16,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out))

@@ -8,7 +8,8 @@ shapes (fused qkv, o, fused gate/up, down; lm_head with bf16 weights) for M = 1 
   largest magnitude);
 - both inner loops and split-K 1 / 2 / 4 / 8 on the widest-K shape; the e4m3 tensor-core
   launches (dot8, wg8: activations quantized per token group in the kernel) against the product
-  over DeepSeek-quantized activations;
+  over DeepSeek-quantized activations; dot16 / wg16 (f16 tensor cores, activations unquantized)
+  against the weight-only bound;
 - CUDA-graph capture of split-K launches, three replays each equal to the eager result (the
   in-kernel counters reset themselves; nothing is allocated in the capture).
 """
@@ -97,6 +98,17 @@ def test_fp8_tensor_core_variants(n, k, variant, block_n, block_k, m):
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     got = gemv.fp8_linear(x, codes, scale, 128, config=(variant, block_n, block_k, 2, 4, 3))
     _within_quantized(got, x, wd)
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("variant,block_n,block_k,m", [("dot16", 32, 256, 1), ("dot16", 64, 256, 16),
+                                                       ("wg16", 64, 128, 1), ("wg16", 64, 128, 16)])
+def test_fp8_f16_tensor_core_variants(n, k, variant, block_n, block_k, m):
+    """dot16 / wg16 keep activations unquantized: held to the weight-only bound."""
+    codes, scale, wd = _fp8_weights(n, k)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = gemv.fp8_linear(x, codes, scale, 128, config=(variant, block_n, block_k, 2, 4, 3))
+    _within(got, F.linear(x.float(), wd))
 
 
 @pytest.mark.parametrize("n,k", LLAMA_8B + [LM_HEAD])

@@ -96,7 +96,7 @@ codes, scale, scale_n = weights("block", 40, 1024)
 for m in range(1, 17):
     x = torch.randn(1, m, 1024).to(torch.bfloat16)
     cfg = gemv.config_for("fp8", 40, 1024, m, x.device)
-    assert cfg[0] == ("fma" if m <= 4 else "dot") and cfg[3] >= 1, cfg
+    assert cfg[0] == "dot16" and cfg[3] >= 1, cfg
     got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
     assert got.shape == (1, m, 40)
     check(got.reshape(m, 40), reference(x.reshape(m, 1024), codes, scale, scale_n, None), torch.bfloat16, m)
@@ -141,6 +141,29 @@ for i, (kind, n, k, m, dtype, cfg, round_scale) in enumerate([
     want = quantized_reference(x, codes, scale, scale_n, bias.float() if bias is not None else None, round_scale)
     check(got, want, dtype, (kind, cfg, round_scale))
     assert counters_zero(), (kind, cfg)
+# dot16 / wg16: the weight-only product on the f16 tensor cores, x scaled into f16 by a power of
+# two per row and group: held to the unquantized reference like fma and dot, with one group of a
+# row a million times smaller than the rest (it must keep its own scale) and fp16 / fp32 x
+for i, (kind, n, k, m, dtype, cfg) in enumerate([
+        ("block", 40, 512, 1, torch.bfloat16, ("dot16", 16, 256, 2, 4, 2)),
+        ("block", 72, 512, 16, torch.bfloat16, ("wg16", 32, 128, 4, 4, 2)),
+        ("rows", 40, 512, 3, torch.float16, ("dot16", 32, 256, 1, 4, 2)),
+        ("channel", 40, 320, 5, torch.bfloat16, ("wg16", 16, 128, 2, 4, 2)),
+        ("tensor", 40, 512, 2, torch.float32, ("dot16", 16, 256, 2, 4, 2))]):
+    codes, scale, scale_n = weights(kind, n, k)
+    x = torch.randn(m, k) * 3
+    x[0, 128:256] *= 1e-6
+    x = x.to(dtype)
+    bias = torch.randn(n).to(dtype) if i % 2 else None
+    got = gemv.fp8_linear(x, codes, scale, scale_n, bias, config=cfg)
+    check(got, reference(x, codes, scale, scale_n, bias.float() if bias is not None else None), dtype, (kind, cfg))
+    assert counters_zero(), (kind, cfg)
+for variant in ("dot16", "wg16"):
+    try:
+        gemv.plain_linear(torch.randn(1, 512), torch.randn(40, 512), config=(variant, 16, 256, 1, 4, 2))
+        raise AssertionError(f"{variant} ran over plain weights")
+    except ValueError:
+        pass
 try:
     gemv.plain_linear(torch.randn(1, 512), torch.randn(40, 512), config=("dot8", 16, 256, 1, 4, 2))
     raise AssertionError("dot8 ran over plain weights")

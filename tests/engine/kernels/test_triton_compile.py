@@ -165,11 +165,11 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
 
 
 def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16",
-                     quant_x=False, round_scale=False):
+                     quant_x=False, round_scale=False, x_f16=False):
     return {"SCALE_MODE": mode, "SCALE_N": 128 if mode == 1 else 1, "HAS_BIAS": split != 2, "USE_DOT": dot,
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
-            "QUANT_X": quant_x, "ROUND_SCALE": round_scale}
+            "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
@@ -226,3 +226,22 @@ def test_gemv_wg8_compiles_to_native_e4m3_wgmma(mode, round_scale):
     assert "cvt.rn.f16x2.e4m3x2" not in wg8
     assert "cvt.rn.satfinite.e4m3x2.f32" in wg8  # x rounded to e4m3 in the kernel
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx(16)
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_gemv_dot16_widens_codes_once(mode):
+    """dot16 (16 rows, mma.sync) and wg16 (64 rows, wgmma): the weight-only product on the f16
+    tensor cores. Each pair of codes takes one cvt.rn.f16x2.e4m3x2 and nothing else, where the
+    bf16 dot widens every code again (cvt.bf16.f16)."""
+    from triton.backends.compiler import GPUTarget
+
+    def ptx(block_m, x_f16):
+        return triton.compile(_gemv_source("*fp8e4nv", "*bf16", _gemv_constexprs(
+            mode, True, 2, block_m, 64, 128, x_f16=x_f16)),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+
+    dot16, bf16 = ptx(16, True), ptx(16, False)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in dot16
+    assert "cvt.rn.f16x2.e4m3x2" in dot16 and "cvt.bf16.f16" not in dot16
+    assert "cvt.bf16.f16" in bf16  # what dot16 saves
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx(64, True)
