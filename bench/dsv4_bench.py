@@ -11,9 +11,15 @@ weights made on the device), served by the engine's Runner with CUDA graphs:
     planner     planner truth: Runner(plan=...) for the plan of this config on this GPU (MTP, 3
                 steps, 16 requests), the plan's terms against what the engine holds: weights,
                 KV pools (compressed entries + recent rows + slot maps), graphs and buffers,
-                prefill peak, the driver's total
+                a prefill of the plan's whole chunk (its peak against activation_workspace: a
+                chunk that does not fit is reported as that term's shortfall), the driver's total
+    fp4         the routed experts as FP4 codes (the published checkpoint's e2m1 pairs and E8M0
+                scales, random): the decode step at batch 1 and 16 against the bf16 experts'
+                step, and the dequantization alone (every MoE layer's copies of the experts a
+                step's rows use, as the captured step makes them): its share of the FP4 step.
+                Runs last (the experts stay FP4)
 
-    python3 bench/dsv4_bench.py [--parts decode,mtp,planner] [--context 4096] [--out DIR]
+    python3 bench/dsv4_bench.py [--parts decode,mtp,planner,fp4] [--context 4096] [--out DIR]
     python3 bench/dsv4_bench.py --smoke          (CPU, a tiny config, seconds: the code path only)
 
 Prints one SUMMARY line per figure and writes 8_dsv4.json (bench/report.py renders it as section 8
@@ -35,13 +41,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under python3 -P too
 
 from common import (REPO_ROOT, argv_command, bootstrap_specdeploy, device_memory, environment,  # noqa: E402
-                    free_device_memory, log, param_bytes, sync, write_json)
+                    free_device_memory, log, param_bytes, sync, time_ms, write_json)
 
 bootstrap_specdeploy()
 
 from harness import random_init_, timed_steps  # noqa: E402
 from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, build_mtp, build_target  # noqa: E402
-from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs  # noqa: E402
+from specdeploy.engine.models import deepseek_v4 as v4mod  # noqa: E402
+from specdeploy.engine.planner.plan import (GPUS, PREFILL_ALLOCATOR_SLACK, Limits, SpecSettings,  # noqa: E402
+                                            custom_gpu, plan_from_configs)
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
 
 FLASH = REPO_ROOT / "manifests" / "models" / "deepseek-v4-flash" / "config.json"
@@ -162,9 +170,20 @@ def planner_truth(config: dict, target, head, args, device) -> dict:
     for i in range(n_req):
         runner.add(Request(f"p{i}", torch.randint(3, target.cfg.vocab_size, (args.context,), generator=gen).tolist(),
                            max_tokens=4))
+    chunk = n_req * args.context
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    runner.step()
+        allocated = torch.cuda.memory_allocated()
+    try:
+        runner.step()
+    except torch.OutOfMemoryError as e:
+        peak = torch.cuda.max_memory_allocated() - allocated
+        del runner
+        free_device_memory()
+        raise RuntimeError(
+            f"a prefill of the plan's chunk ({n_req} x {args.context} tokens) does not fit: the plan's "
+            f"activation_workspace term ({m.activation_workspace_bytes / 2**30:.2f} GiB) under-counts it "
+            f"(allocated {peak / 2**30:.2f} GiB beyond the runner before failing: {str(e)[:160]})") from None
     sync(device)
     after = device_memory(device)
     out = {
@@ -172,7 +191,8 @@ def planner_truth(config: dict, target, head, args, device) -> dict:
                  **{k: getattr(m, k) for k in ("weight_bytes", "cuda_graph_pool_bytes", "activation_workspace_bytes",
                                                "static_buffer_bytes", "per_request_state_bytes", "reserve_bytes",
                                                "kv_cache_bytes", "kv_cache_bytes_per_token", "gpu_memory_bytes")}},
-        "measured": {"weights": weights, "kv_pools": kv, "build_s": time.perf_counter() - t0},
+        "measured": {"weights": weights, "kv_pools": kv, "build_s": time.perf_counter() - t0,
+                     "prefill_tokens": chunk},
     }
     planned_kv = m.kv_cache_bytes + m.per_request_state_bytes
     out["kv_pools_vs_plan"] = kv / planned_kv
@@ -186,17 +206,86 @@ def planner_truth(config: dict, target, head, args, device) -> dict:
         unusable = m.gpu_memory_bytes - after["driver_total"]
         out["total_vs_plan"] = (after["driver_used"] + unusable) / planned_total
         out["graphs_and_buffers_vs_plan"] = (runner_reserved - kv) / (m.cuda_graph_pool_bytes + m.static_buffer_bytes)
+        out["measured"]["prefill_peak_allocated"] = torch.cuda.max_memory_allocated() - allocated
         out["prefill_peak_vs_plan"] = out["measured"]["prefill_peak_reserved"] / m.activation_workspace_bytes
+        # the forward's tensors alone against the plan's count of them (the workspace less its
+        # allocator slack)
+        out["prefill_allocated_vs_plan"] = out["measured"]["prefill_peak_allocated"] / (
+            m.activation_workspace_bytes / (1 + PREFILL_ALLOCATOR_SLACK))
         out["within_goal"] = abs(out["total_vs_plan"] - 1) <= PLANNER_TRUTH_GOAL
     del runner
     free_device_memory()
     return out
 
 
+@torch.no_grad()
+def quantize_experts_fp4(models, seed: int) -> int:
+    """Every routed expert of `models` as FP4 codes, in place: random e2m1 pairs and E8M0 scale
+    bits around 2^-7 (weights of about 0.01, like the bf16 init). Returns the MoE layers."""
+    layers = 0
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, v4mod._Experts):
+                m.quantize("fp4")
+                dev = m.gate_up_proj.device
+                gen = torch.Generator(device=dev).manual_seed(seed + layers)
+                for name in ("gate_up_proj", "down_proj"):
+                    codes, bits = getattr(m, name), getattr(m, name + "_scale")
+                    codes.copy_(torch.randint(-128, 128, codes.shape, device=dev, generator=gen, dtype=torch.int8))
+                    bits.copy_(torch.randint(118, 124, bits.shape, device=dev, generator=gen, dtype=torch.uint8))
+                layers += 1
+    return layers
+
+
+def dequant_ms(experts: list, batch: int, rows_per_token: int, device) -> float:
+    """The dequantization a captured decode step of `batch` rows does, alone: per MoE layer the
+    path's copies (the rows' experts EXPERT_DEQUANT_CHUNK at a time when fewer rows than experts,
+    else every expert EXPERT_DEQUANT_CHUNK at a time), both projections."""
+    rows = batch * rows_per_token
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(9)
+    calls = []
+    for m in experts:
+        e, chunk = m.num_local, v4mod.EXPERT_DEQUANT_CHUNK
+        if v4mod.expert_path(rows, e, True, True, True) == "gathered":
+            ids = torch.randint(0, e, (rows,), device=device, generator=gen)
+            calls += [(m, ids[r0:r0 + chunk]) for r0 in range(0, rows, chunk)]
+        else:
+            calls += [(m, slice(c0, min(e, c0 + chunk))) for c0 in range(0, e, chunk)]
+
+    def run():
+        for m, sel in calls:
+            m.weight("gate_up_proj", sel, dtype)
+            m.weight("down_proj", sel, dtype)
+    return time_ms(run, device, warmup=2, reps=5)["median_ms"]
+
+
+def run_fp4(target, head, args, device, graph_mode, bf16_rows) -> list[dict]:
+    bf16 = {r["batch"]: r["step_ms"] for r in bf16_rows if r.get("kind") == "decode" and "error" not in r}
+    for batch in args.batches:  # the bf16 steps, unless the decode part measured them
+        if batch not in bf16:
+            bf16[batch] = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup,
+                                  device, graph_mode)["step_ms"]
+    quantize_experts_fp4([target, head], seed=11)
+    free_device_memory()
+    experts = [m for m in target.modules() if isinstance(m, v4mod._Experts)]
+    out = []
+    for batch in args.batches:
+        fp4 = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup, device, graph_mode)
+        alone = dequant_ms(experts, batch, target.cfg.num_experts_per_tok, device)
+        row = {"kind": "fp4", "batch": batch, "moe_layers": len(experts), "bf16_step_ms": bf16[batch],
+               "fp4_step_ms": fp4["step_ms"], "x_bf16_step": fp4["step_ms"] / bf16[batch],
+               "dequant_ms": alone, "dequant_share": alone / fp4["step_ms"]}
+        log(f"fp4 experts bs={batch:<3} step {fp4['step_ms']:.2f} ms ({row['x_bf16_step']:.2f}x bf16), "
+            f"dequantization alone {alone:.2f} ms = {row['dequant_share']:.0%} of the step")
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny config: the code path only")
-    ap.add_argument("--parts", default="decode,mtp,planner")
+    ap.add_argument("--parts", default="decode,mtp,planner,fp4")
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 4096; smoke 40)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=None)
@@ -238,6 +327,13 @@ def main() -> None:
             except Exception as e:
                 traceback.print_exc()
                 result["planner_truth"] = {"error": f"{type(e).__name__}: {e}"[:600]}
+                free_device_memory()
+        if "fp4" in parts:  # last: the experts stay FP4
+            try:
+                result["fp4"] = run_fp4(target, head, args, device, graph_mode, result["rows"])
+            except Exception as e:
+                traceback.print_exc()
+                result["fp4"] = [{"kind": "fp4", "error": f"{type(e).__name__}: {e}"[:400]}]
     for r in result["rows"]:
         if "error" in r:
             result["summary"].append(f"{r['kind']} {r.get('shape', '')} bs={r['batch']}: ERROR {r['error'][:120]}")
@@ -246,19 +342,28 @@ def main() -> None:
         else:
             result["summary"].append(f"mtp {r['shape']} bs={r['batch']}: {r['step_ms']:.2f} ms/step = "
                                      f"{r['x_decode_step']:.2f}x decode, {r['tokens_per_step']:.2f} tok/step")
+    for r in result.get("fp4", []):
+        if "error" in r:
+            result["summary"].append(f"fp4 experts: ERROR {r['error'][:200]}")
+        else:
+            result["summary"].append(
+                f"fp4 experts bs={r['batch']}: {r['fp4_step_ms']:.2f} ms/step = {r['x_bf16_step']:.2f}x the bf16 "
+                f"experts' step; dequantization {r['dequant_ms']:.2f} ms = {r['dequant_share']:.0%} of it")
     pt = result.get("planner_truth")
     if pt and "error" not in pt:
         line = f"planner truth: KV pools {pt['kv_pools_vs_plan']:.4f}x plan, weights {pt['weights_vs_plan']:.4f}x"
         if "total_vs_plan" in pt:
-            line += (f", graphs+buffers {pt['graphs_and_buffers_vs_plan']:.2f}x, prefill peak "
-                     f"{pt['prefill_peak_vs_plan']:.2f}x, total {pt['total_vs_plan']:.4f}x "
+            line += (f", graphs+buffers {pt['graphs_and_buffers_vs_plan']:.2f}x, prefill of "
+                     f"{pt['measured']['prefill_tokens']} tokens: peak reserved {pt['prefill_peak_vs_plan']:.2f}x "
+                     f"the workspace, allocated {pt['prefill_allocated_vs_plan']:.2f}x its tensors, "
+                     f"total {pt['total_vs_plan']:.4f}x "
                      f"(goal within {PLANNER_TRUTH_GOAL:.0%}: {'met' if pt['within_goal'] else 'NOT met'})")
         result["summary"].append(line)
     elif pt:
         result["summary"].append(f"planner truth: ERROR {pt['error'][:200]}")
     for line in result["summary"]:
         print("SUMMARY", line, flush=True)
-    failed = any("error" in r for r in result["rows"]) or "error" in (pt or {})
+    failed = (any("error" in r for r in result["rows"] + result.get("fp4", [])) or "error" in (pt or {}))
     # As a section of the benchmark page (bench/report.py renders it as section 8).
     write_json("8_dsv4.json", {"section": "8", "title": "DeepSeek-V4-Flash, reduced depth: decode, MTP steps, planner truth",
                                "status": "partial" if failed else "ok", "command": argv_command(),

@@ -465,9 +465,23 @@ def s8(r: dict) -> str:
     elif pt:
         lines += ["", "Planner truth (Runner(plan=...) on this GPU, MTP 3 steps, 16 requests): measured / planned:", ""]
         keys = [("weights", "weights_vs_plan"), ("KV pools", "kv_pools_vs_plan"),
-                ("graphs + static buffers", "graphs_and_buffers_vs_plan"), ("prefill peak", "prefill_peak_vs_plan"),
+                ("graphs + static buffers", "graphs_and_buffers_vs_plan"),
+                ("prefill peak reserved / activation workspace", "prefill_peak_vs_plan"),
+                ("prefill peak allocated / the workspace's tensors (less allocator slack)", "prefill_allocated_vs_plan"),
                 ("total", "total_vs_plan")]
         lines.append(_table(["term", "ratio"], [[name, _f(pt.get(key), 4)] for name, key in keys if key in pt]))
+    fp4 = r.get("fp4") or []
+    if fp4:
+        lines += ["", "FP4 routed experts (the published layout, random codes), dequantized to bf16 inside the expert "
+                  "computation: the decode step against the bf16 experts' step, and the dequantization alone:", ""]
+        rows = []
+        for x in fp4:
+            if "error" in x:
+                rows.append(["error", x["error"][:80], "—", "—", "—"])
+            else:
+                rows.append([x["batch"], _f(x["fp4_step_ms"], 2, 1, " ms"), f"{x['x_bf16_step']:.2f}x",
+                             _f(x["dequant_ms"], 2, 1, " ms"), f"{x['dequant_share']:.0%}"])
+        lines.append(_table(["batch", "FP4 decode step", "x bf16 step", "dequantization", "share of the step"], rows))
     return "\n".join(lines)
 
 
