@@ -228,7 +228,7 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
                             "fraction_of_copy_bandwidth": moved / (ms / 1e3) / bandwidth})
         ok = [r for r in results if "us" in r]
         base = next((r for r in ok if tuple(r["config"]) == baseline_cfg), None)
-        kernel = [r for r in ok if r["config"][0] in ("fma", "dot", "dot8", "wg8")]
+        kernel = [r for r in ok if r["config"][0] not in ("cublas", "w8a16")]
         best = min(kernel, key=lambda r: r["us"]) if kernel else None
         choice = best
         if kind == "plain" and base is not None and (best is None or base["us"] <= best["us"]):
