@@ -398,6 +398,7 @@ class Runner:
         self._greedy = (torch.zeros(m, device=self.device),
                         torch.zeros(m, dtype=torch.int64, device=self.device),
                         torch.ones(m, device=self.device))
+        self._greedy_views: dict[tuple[int, int], tuple] = {}
         self._greedy_uniforms = torch.full(
             (m, max(sh.num_draft_tokens + 1 + sh.num_steps for sh in self.shapes)), 0.5, device=self.device)
         self.num_draft_tokens_proposed = 0
@@ -918,10 +919,19 @@ class Runner:
         width = max(s.length for s in seqs)                  # prefix columns an eager body reads
         if steps.kind == "spec":
             n, m = shape.num_draft_tokens, shape.num_steps
-            params = self._sampling_params(seqs) if sampling else self._greedy_params(b)
-            # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
-            uniforms = self._uniforms(seqs, n + 1 + m) if sampling else self._greedy_uniforms[:b, :n + 1 + m]
+            if sampling:
+                # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
+                params, uniforms = self._sampling_params(seqs), self._uniforms(seqs, n + 1 + m)
+            else:
+                params, uniforms = self._greedy_args(b, n + 1 + m)
             out, _ = steps.run(staged.packed, b, width, sampling, params, uniforms)
+            # The scratch goes back now: the device is done with it before any later step
+            # (one stream), and the next step may take it.
+            per, scratch = steps.width - 1, (m - 1) * shape.topk
+            if scratch:
+                taken = staged.slots.view(b, per)
+                self.table.free(taken[:, :scratch])
+                self._step_slots[-1] = taken[:, scratch:]
         else:
             out, logits = steps.run(staged.packed, b, width)
             if sampling:  # the body wrote the argmax; the drawn tokens replace it
@@ -940,13 +950,13 @@ class Runner:
 
         # Commit (after the last model call, so a failure above leaves the requests as they
         # were; the device side was committed by the step itself, rows.py).
+        listeners = self.table.listeners
         if steps.kind == "spec":
             accepted = [v[0] for v in values]
-            per = steps.width - 1
             self.table.free(host[:, 2 + m + 1:].reshape(-1)[:b * (n - 1) - sum(accepted)])
-            self.table.free(staged.slots.view(b, per)[:, :(m - 1) * shape.topk])
             for s, a in zip(seqs, accepted):
-                self.table.commit(s.row, s.length, s.length + a + 1)
+                if listeners:
+                    self.table.commit(s.row, s.length, s.length + a + 1)
                 s.length += a + 1
             self._commit_step()
             self.num_draft_tokens_proposed += b * m
@@ -954,7 +964,8 @@ class Runner:
             emitted = [v[3:a + 3] + [v[1]] for v, a in zip(values, accepted)]
             return self._emit(seqs, emitted, accepted, m)
         for s in seqs:
-            self.table.commit(s.row, s.length, s.length + 1)
+            if listeners:
+                self.table.commit(s.row, s.length, s.length + 1)
             s.length += 1
             if steps.kind == "feature":
                 s.pending += 1
@@ -1079,6 +1090,14 @@ class Runner:
     def _greedy_params(self, b: int):
         """Sampling parameters of B greedy requests (device constants made once)."""
         return tuple(x[:b] for x in self._greedy)
+
+    def _greedy_args(self, b: int, draws: int):
+        """(sampling parameters, uniform draws [B, draws]) of B greedy requests, the views
+        made once per (B, draws)."""
+        key = (b, draws)
+        if key not in self._greedy_views:
+            self._greedy_views[key] = (self._greedy_params(b), self._greedy_uniforms[:b, :draws])
+        return self._greedy_views[key]
 
     def _sampling_params(self, seqs):
         dev = self.device
