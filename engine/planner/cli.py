@@ -14,6 +14,7 @@ from specdeploy.engine.planner.plan import (
     Plan,
     PlanError,
     SpecSettings,
+    TRANSFER_STAGING_REQUESTS,
     custom_gpu,
     plan_from_configs,
 )
@@ -148,6 +149,11 @@ def format_plan(p: Plan) -> str:
         ("  verify hidden_states", str(list(b.verify_hidden_states_shape))),
         ("  cuda_graph_hidden_states_bytes", str(b.cuda_graph_hidden_states_bytes)),
         ("  metadata per request", f"{b.metadata_hidden_states_bytes_per_request} hidden + {b.metadata_fixed_fields_bytes_per_request} fixed bytes"),
+    ]
+    if b.transfer_staging_bytes:
+        rows.append(("  transfer staging (host)", f"{_gib(b.transfer_staging_bytes)} ({TRANSFER_STAGING_REQUESTS} "
+                                                  f"context-length requests' KV, one region each)"))
+    rows += [
         ("per GPU: memory", _gib(m.gpu_memory_bytes)),
         ("  - weights", _gib(m.weight_bytes)),
         ("  - CUDA-graph pool", _gib(m.cuda_graph_pool_bytes)),

@@ -158,6 +158,20 @@ METADATA_FIXED_FIELDS = (
     ("output_token_logprob", 4, 1),
 )
 
+# Host staging of a split-role server's KV transfers (engine/runtime/transfer.py: StagingArena):
+# a request's target and draft KV rows of every layer are packed into one contiguous region and
+# moved with one batched write. Each server holds this many full-context requests' regions at once
+# (more wait for a region); a region has one unused row per layer and pool (the pad slot, so that
+# each half is addressed like a pool) and starts on an alignment boundary.
+TRANSFER_STAGING_REQUESTS = 2
+TRANSFER_STAGING_ALIGN_BYTES = 4096
+
+
+def transfer_staging_request_bytes(tokens: int, kv_bytes_per_token: int) -> int:
+    """Bytes one staged request of `tokens` prompt tokens takes in the arena, aligned."""
+    raw = (tokens + 1) * kv_bytes_per_token
+    return -(-raw // TRANSFER_STAGING_ALIGN_BYTES) * TRANSFER_STAGING_ALIGN_BYTES
+
 # cuda_graph_batch_sizes: every power of two up to this, then multiples of the step.
 CUDA_GRAPH_SMALL_BATCH_LIMIT = 8
 CUDA_GRAPH_BATCH_STEP = 8
@@ -323,6 +337,9 @@ class BufferPlan:
     metadata_hidden_states_bytes_per_request: int
     metadata_fixed_fields_bytes_per_request: int
     metadata_bytes: int
+    # Split roles: the host staging arena of KV transfers (TRANSFER_STAGING_REQUESTS full-context
+    # requests); host memory (pinned on a GPU), so not part of the GPU budget. 0 for "both".
+    transfer_staging_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -785,7 +802,9 @@ def plan(
                 required_tokens=required,
                 target=target_terms,
                 draft=draft_terms,
-                buffers=buffers,
+                buffers=buffers if role == "both" else dataclasses.replace(
+                    buffers, transfer_staging_bytes=TRANSFER_STAGING_REQUESTS * transfer_staging_request_bytes(
+                        limits.context_length, memory.kv_cache_bytes_per_token)),
                 memory_per_gpu=memory,
                 cuda_graph_batch_sizes=() if role == "prefill" else cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),

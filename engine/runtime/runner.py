@@ -499,33 +499,34 @@ class Runner:
     def kv_pools(self) -> list[KVPool]:
         return [p for p in (self.target_kv, self.draft_kv) if p is not None]
 
-    def gather_kv(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of the K and V rows of `slots` in every pool, each [layers, n + 1, heads,
-        head_dim] with row j + 1 holding slots[j] (row 0 stands for the pad slot, so that the
-        copy is addressed like a pool: transfer.PoolLayout.of). Pinned on CUDA."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        out = []
-        for pool in self.kv_pools():
-            pair = []
-            for t in (pool.k, pool.v):
-                host = torch.empty((t.shape[0], len(slots) + 1, *t.shape[2:]), dtype=t.dtype,
-                                   pin_memory=self.device.type == "cuda")
-                host[:, 1:].copy_(t[:, index])
-                pair.append(host)
-            out.append(tuple(pair))
-        return out
+    def staged_kv(self, n: int):
+        """Where n prompt tokens' rows of every pool lie in a staging region (transfer.StagedKV)."""
+        from specdeploy.engine.runtime.transfer import StagedKV
 
-    def staging_for(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Empty host copies for n received slots, shaped as gather_kv's."""
-        return [tuple(torch.zeros((t.shape[0], n + 1, *t.shape[2:]), dtype=t.dtype,
-                                  pin_memory=self.device.type == "cuda") for t in (pool.k, pool.v))
-                for pool in self.kv_pools()]
+        return StagedKV.of(self._kv_pairs(), n)
 
-    def activate(self, req_id: str, staged: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[StepOutput]:
-        """Decode role: the prompt KV has arrived (in the request's slots, or in `staged`, host
-        copies shaped as staging_for's, which go to its slots now) and the metadata buffer's row
-        holds the first token and the draft's carried state; the request runs from here, as
-        after a local prefill. -> the first token's output."""
+    def _kv_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p.k, p.v) for p in self.kv_pools()]
+
+    def gather_kv(self, slots: list[int], region: torch.Tensor) -> None:
+        """Pack the K and V rows of `slots` in every pool into a staging region (a 1-d uint8 host
+        tensor, pinned on CUDA; layout transfer.StagedKV): row j + 1 of each half is slots[j].
+        Returns when the bytes are in host memory."""
+        from specdeploy.engine.runtime.transfer import gather_rows
+
+        gather_rows(self._kv_pairs(), torch.tensor(slots, dtype=torch.int64, device=self.device), region)
+
+    def _scatter_kv(self, index: torch.Tensor, region: torch.Tensor) -> None:
+        """The inverse of gather_kv, into the slots `index`; returns when the region may be reused."""
+        from specdeploy.engine.runtime.transfer import scatter_rows
+
+        scatter_rows(self._kv_pairs(), index, region)
+
+    def activate(self, req_id: str, staged: torch.Tensor | None = None) -> list[StepOutput]:
+        """Decode role: the prompt KV has arrived (in the request's slots, or in `staged`, a
+        staging region laid out as gather_kv's, which goes to its slots now) and the metadata
+        buffer's row holds the first token and the draft's carried state; the request runs from
+        here, as after a local prefill. -> the first token's output."""
         seq = self._receiving[req_id]
         md = self.metadata
         cached = int(md.fixed["cached_tokens"][seq.row])
@@ -536,10 +537,7 @@ class Runner:
         if not 0 <= first < self.target.cfg.vocab_size:
             raise ValueError(f"request {req_id}: first token {first} outside the vocabulary")
         if staged is not None:
-            index = self.table.req_to_slot[seq.row, :seq.length]
-            for pool, (k, v) in zip(self.kv_pools(), staged, strict=True):
-                pool.k[:, index] = k[:, 1:].to(self.device, non_blocking=True)
-                pool.v[:, index] = v[:, 1:].to(self.device, non_blocking=True)
+            self._scatter_kv(self.table.req_to_slot[seq.row, :seq.length], staged)
         del self._receiving[req_id]
         if self.draft is not None:
             self.draft_hidden[seq.row] = md.hidden[seq.row].to(self.device)

@@ -11,27 +11,40 @@ What moves, per request (docs/disaggregation.md):
                 prefill server's prefix cache held (usage's cached_tokens), the first token's
                 log-probability.
 
-On a GPU the pools are device memory, which this Mooncake build does not register: the prefill
-side gathers the request's rows into host copies (runner.gather_kv), the decode side receives into
-host copies of its own (runner.staging_for) and puts them into its slots on activation; the
-metadata buffer lives in host memory on every device. `--transfer-staging on` takes that path on
-CPU too (the tests do).
+Staged (the default, `--transfer-staging auto|on`): each server registers one host staging arena
+once, at start-up, sized from the plan (BufferPlan.transfer_staging_bytes). Per request the
+prefill side gathers the prompt's target and draft rows of every layer into one contiguous region
+of its arena (runner.gather_kv: a torch gather, on a GPU into pinned host memory), writes that
+region into the region the decode side took in its own arena with one batched write
+(region_copies: a few large entries), and the decode side scatters it into the request's slots on
+activation (runner.activate). One write per request instead of one per slot run per layer: a
+fragmented pool costs nothing more than a fresh one. On a GPU this is the only path (the pools
+are device memory, which this Mooncake build does not register).
+
+Direct (`--transfer-staging off`, host pools only): each side registers its KV pools; the prefill
+side writes straight from its slots into the slots the decode side took (one-sided writes, as
+SGLang's Mooncake connector does), one write per run of consecutive slots per layer (kv_copies).
+A staged side pairs with a direct one: a region is addressed like a pool (StagedKV.pool_layouts).
 
 The bytes go through Mooncake's transfer engine (`mooncake-transfer-engine`, the extra
-`specdeploy[disagg]`): each side registers its KV pools and metadata buffer once; the prefill side
-writes straight from its slots into the slots the decode side took for the request (one-sided
-writes, as SGLang's Mooncake connector does), coalescing runs of consecutive slots. TCP is the
-transport on CPU and in CI; RDMA where the NICs are. The peer is named by its session id
-(`host:rpc_port`, Mooncake's P2P handshake: no metadata server).
+`specdeploy[disagg]`); the metadata buffer, in host memory on every device, is registered once
+on both sides. TCP is the transport on CPU and in CI; RDMA where the NICs are. The peer is named
+by its session id (`host:rpc_port`, Mooncake's P2P handshake: no metadata server).
 
 A pool's memory is `k, v [num_layers, num_slots, heads, head_dim]`, contiguous: the row of
 (layer l, slot s) starts at `base + (l * num_slots + s) * slot_bytes`. `PoolLayout` is that
 description as plain numbers (it travels in the prefill request); `kv_copies` is pure arithmetic.
+A staged region of n tokens is, pool after pool, K [L, n + 1, slot_bytes] then V [L, n + 1,
+slot_bytes], row j + 1 holding prompt position j (row 0 stands for the pad slot): each half is a
+pool of n + 1 slots, the whole region one byte range (StagedKV).
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +54,10 @@ TRANSFER_PROTOCOLS = ("tcp", "rdma")
 # Entries one batch_transfer_sync_write takes: 2048 pass and 4096 fail with the 0.3.13 build
 # (bench/disagg_transfer.py); a fragmented pool needs 2 x layers x prompt tokens entries.
 MAX_BATCH_ENTRIES = 2048
+# A staged region is written in entries of at most this many bytes: Mooncake's TCP transport
+# moves the entries of one batch in parallel, one large entry over one connection (1-4 MiB pieces
+# beat one 256 MiB entry 2x on loopback here; bench/disagg_transfer.py measures both).
+STAGED_PIECE_BYTES = 2 << 20
 
 
 class TransferError(RuntimeError):
@@ -59,7 +76,7 @@ class PoolLayout:
 
     @classmethod
     def of(cls, pool) -> PoolLayout:
-        """Of a KVPool, or of a (k, v) pair of host copies (runner.gather_kv / staging_for)."""
+        """Of a KVPool, or of a (k, v) pair of tensors shaped like one."""
         if isinstance(pool, tuple):
             pool = _Pair(*pool)
         k = pool.k
@@ -118,6 +135,170 @@ def kv_copies(src: PoolLayout, src_slots: list[int], dst: PoolLayout,
                 dsts.append(base_dst + (layer * dst.num_slots + d) * dst.slot_bytes)
                 lens.append(n * src.slot_bytes)
     return srcs, dsts, lens
+
+
+@dataclass(frozen=True)
+class StagedKV:
+    """Where one request's KV rows of every pool lie in a staging region (module docstring):
+    `shapes` (layers, slot_bytes) per pool, target first; `n` prompt tokens."""
+
+    shapes: tuple[tuple[int, int], ...]
+    n: int
+
+    @classmethod
+    def of(cls, pools: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> StagedKV:
+        """Of (k, v) pool tensors, each [layers, slots, ...]."""
+        return cls(tuple(PoolLayout.of(pair).shape() for pair in pools), n)
+
+    def _half_bytes(self, layers: int, slot_bytes: int) -> int:
+        return layers * (self.n + 1) * slot_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * self._half_bytes(*shape) for shape in self.shapes)
+
+    def pool_layouts(self, address: int) -> list[PoolLayout]:
+        """Each pool's K and V halves of a region at `address`, as pools of n + 1 slots (1..n used)."""
+        out, offset = [], 0
+        for layers, slot_bytes in self.shapes:
+            half = self._half_bytes(layers, slot_bytes)
+            out.append(PoolLayout(address + offset, address + offset + half, layers, self.n + 1, slot_bytes))
+            offset += 2 * half
+        return out
+
+    def views(self, region: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """uint8 views (K, V), each [layers, n + 1, slot_bytes], of a region tensor of >= nbytes."""
+        if region.dtype != torch.uint8 or region.dim() != 1 or region.numel() < self.nbytes:
+            raise ValueError(f"a staging region must be a 1-d uint8 tensor of >= {self.nbytes} bytes")
+        out, offset = [], 0
+        for layers, slot_bytes in self.shapes:
+            half = self._half_bytes(layers, slot_bytes)
+            k = region[offset:offset + half].view(layers, self.n + 1, slot_bytes)
+            v = region[offset + half:offset + 2 * half].view(layers, self.n + 1, slot_bytes)
+            out.append((k, v))
+            offset += 2 * half
+        return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A pool tensor [layers, slots, ...] as uint8 [layers, slots, slot_bytes] (any KV dtype)."""
+    return t.view(torch.uint8).view(t.shape[0], t.shape[1], -1)
+
+
+def gather_rows(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, region: torch.Tensor) -> None:
+    """Pack the rows `index` (slots, on the pools' device) of every (k, v) pool into a host
+    staging region laid out as StagedKV's; returns when the bytes are in host memory. Layer by
+    layer: on a GPU the temporary is one layer's rows, [n, slot_bytes], copied to pinned memory."""
+    staged = StagedKV.of(pools, index.numel())
+    device = pools[0][0].device
+    for pair, views in zip(pools, staged.views(region), strict=True):
+        for t, host in zip(pair, views):
+            rows = _rows(t)
+            for layer in range(rows.shape[0]):
+                if device.type == "cpu":
+                    torch.index_select(rows[layer], 0, index, out=host[layer, 1:])
+                else:
+                    host[layer, 1:].copy_(rows[layer].index_select(0, index), non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def scatter_rows(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, region: torch.Tensor) -> None:
+    """The inverse of gather_rows: the region's rows into the slots `index` of every pool;
+    returns when the region may be reused."""
+    staged = StagedKV.of(pools, index.numel())
+    device = pools[0][0].device
+    for pair, views in zip(pools, staged.views(region), strict=True):
+        for t, host in zip(pair, views):
+            rows = _rows(t)
+            for layer in range(rows.shape[0]):
+                rows[layer, index] = host[layer, 1:].to(device, non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def region_copies(src: int, dst: int, nbytes: int,
+                  piece_bytes: int = STAGED_PIECE_BYTES) -> tuple[list[int], list[int], list[int]]:
+    """One contiguous region to another, in entries of at most piece_bytes."""
+    if nbytes <= 0 or piece_bytes <= 0:
+        raise ValueError(f"region of {nbytes} bytes in pieces of {piece_bytes}")
+    starts = range(0, nbytes, piece_bytes)
+    return ([src + o for o in starts], [dst + o for o in starts],
+            [min(piece_bytes, nbytes - o) for o in starts])
+
+
+class StagingFull(Exception):
+    """No region of the asked size became free before the deadline."""
+
+
+class StagingArena:
+    """Host memory for staged KV transfers, allocated and registered once (pinned on a GPU):
+    requests take aligned regions first fit and give them back. Used from one event loop only:
+    `acquire` waits there (until its deadline) for a region to be released."""
+
+    def __init__(self, nbytes: int, pin: bool = False):
+        from specdeploy.engine.planner.plan import TRANSFER_STAGING_ALIGN_BYTES
+
+        if nbytes <= 0:
+            raise ValueError(f"staging arena of {nbytes} bytes")
+        self.align = TRANSFER_STAGING_ALIGN_BYTES
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.nbytes = nbytes
+        self._free: list[tuple[int, int]] = [(0, nbytes)]   # (offset, size), sorted by offset
+        self._taken: dict[int, int] = {}                     # offset -> size
+        self._released: asyncio.Event | None = None
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    def alloc(self, nbytes: int) -> torch.Tensor | None:
+        """A region of >= nbytes (a view of the arena), or None while none is free."""
+        if nbytes > self.nbytes:
+            raise ValueError(f"a staged request of {nbytes} bytes does not fit the {self.nbytes}-byte arena")
+        size = -(-max(nbytes, 1) // self.align) * self.align
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self._taken[offset] = size
+                return self.buffer[offset:offset + size]
+        return None
+
+    def release(self, region: torch.Tensor) -> None:
+        offset = region.data_ptr() - self.buffer.data_ptr()
+        size = self._taken.pop(offset)
+        i = bisect.bisect(self._free, (offset, size))
+        self._free.insert(i, (offset, size))
+        # Merge with the neighbours.
+        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+            size += self._free.pop(i + 1)[1]
+            self._free[i] = (offset, size)
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            prev = self._free.pop(i - 1)
+            self._free[i - 1] = (prev[0], prev[1] + size)
+        if self._released is not None:
+            self._released.set()
+
+    async def acquire(self, nbytes: int, deadline: float) -> torch.Tensor:
+        """alloc, waiting for releases until `deadline` (time.monotonic()); raises StagingFull."""
+        while True:
+            region = self.alloc(nbytes)
+            if region is not None:
+                return region
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StagingFull(f"no {nbytes}-byte staging region free ({self.free_bytes} of "
+                                  f"{self.nbytes} bytes free, fragmented or in use)")
+            if self._released is None:
+                self._released = asyncio.Event()
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
 
 # The metadata buffer's fields: (name, dtype). The hidden state's width and the row count come

@@ -92,8 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--transfer-protocol", default="tcp", choices=("tcp", "rdma"),
                    help="prefill/decode: Mooncake transport (default: tcp)")
     p.add_argument("--transfer-staging", choices=("auto", "on", "off"), default="auto",
-                   help="prefill/decode: move KV rows through host copies (auto: on a GPU, whose "
-                        "memory this Mooncake build cannot register)")
+                   help="prefill/decode: move each request's KV as one region of a host staging arena, one "
+                        "batched write (auto, on: the default); off: slot run by slot run between registered "
+                        "pools (host memory only: this Mooncake build cannot register GPU memory)")
     p.add_argument("--prefill-timeout-s", type=float, default=None,
                    help="decode: how long a request may wait for its prefill server (default: 120)")
     p.add_argument("--tensor-parallel-size", type=int,
@@ -626,22 +627,25 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
              "on" if runner.prefix_cache is not None else "off", f", tensor parallel {tp_size}" if tp_size > 1 else "")
     if args.role == "both":
         return scheduler, tokenizer
-    return scheduler, tokenizer, disaggregation_service(args, scheduler)
+    return scheduler, tokenizer, disaggregation_service(args, scheduler, plan)
 
 
-def disaggregation_service(args: argparse.Namespace, scheduler):
+def disaggregation_service(args: argparse.Namespace, scheduler, plan):
     """The split roles: a Mooncake agent with the KV pools and the metadata buffer registered,
     and the role's service (engine/serving/disagg/)."""
     from specdeploy.engine.runtime.transfer import MooncakeAgent
     from specdeploy.engine.serving.disagg.protocol import DEFAULT_PREFILL_TIMEOUT_S, server_info
 
     runner = scheduler.runner
-    staged = args.transfer_staging == "on" or (args.transfer_staging == "auto" and runner.device.type != "cpu")
+    staged = args.transfer_staging != "off"
     if not staged and runner.device.type != "cpu":
         raise RuntimeError("--transfer-staging off: this Mooncake build registers host memory only")
     host = args.transfer_host or _host_address()
+    arena = _staging_arena(runner, plan) if staged else None
     agent = MooncakeAgent(host, args.transfer_protocol)
-    if not staged:  # peers read and write the pools themselves
+    if staged:
+        agent.register(arena.buffer)
+    else:  # peers read and write the pools themselves
         for pool in runner.kv_pools():
             agent.register(pool.k)
             agent.register(pool.v)
@@ -652,16 +656,33 @@ def disaggregation_service(args: argparse.Namespace, scheduler):
     log.info("%s role: Mooncake %s session %s; metadata buffer [%d, %d] %s (%s) registered; KV rows %s",
              args.role, args.transfer_protocol, agent.session_id, rows, width, info.dtype,
              human_bytes(runner.metadata.nbytes),
-             "through host copies" if staged else "written pool to pool")
+             f"through a {human_bytes(arena.nbytes)} staging arena{' (pinned)' if arena.buffer.is_pinned() else ''}, "
+             "one region and one batched write per request" if staged else "written pool to pool")
     if args.role == "prefill":
         from specdeploy.engine.serving.disagg.prefill import PrefillService
 
-        return PrefillService(scheduler, agent, info, staged)
+        return PrefillService(scheduler, agent, info, arena)
     from specdeploy.engine.serving.disagg.decode import DecodeService
 
-    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S, agent, staged)
+    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S, agent, arena)
     scheduler.remote = service
     return service
+
+
+def _staging_arena(runner, plan):
+    """The plan's transfer staging arena (host memory, pinned on a GPU); refused if it cannot
+    hold one context-length request of this runner's pools."""
+    from specdeploy.engine.planner.plan import TRANSFER_STAGING_REQUESTS, transfer_staging_request_bytes
+    from specdeploy.engine.runtime.transfer import StagingArena
+
+    per_token = runner.staged_kv(0).nbytes  # one row of every layer of every pool
+    need = transfer_staging_request_bytes(plan.context_length, per_token)
+    # Plans written before the staging term existed have none: size it as the planner does.
+    planned = plan.buffers.transfer_staging_bytes or TRANSFER_STAGING_REQUESTS * need
+    if planned < need:
+        raise RuntimeError(f"the plan's transfer staging ({planned} bytes) cannot hold one {plan.context_length}-token "
+                           f"request of these KV pools ({need} bytes): the plan was made for other pools")
+    return StagingArena(planned, pin=runner.device.type == "cuda")
 
 
 def _host_address() -> str:

@@ -297,8 +297,8 @@ class Scheduler:
     # ---- decode role: requests prefilled elsewhere (engine thread) -----------------------------
 
     def activate_remote(self, req_id: str, staged=None) -> None:
-        """The prefill server has written the request's KV (into its slots, or into `staged`
-        host copies) and metadata row: run it."""
+        """The prefill server has written the request's KV (into its slots, or into `staged`, a
+        staging region: runner.activate) and metadata row: run it."""
         state = self._running.get(req_id)
         if not self.runner.is_receiving(req_id):
             return

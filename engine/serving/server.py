@@ -342,8 +342,10 @@ def create_app(state: EngineState, loader: Loader | None = None,
             out.update(running=s._num_running_published, waiting=len(s._waiting),
                        max_running_requests=s.runner.max_running_requests,
                        free_slots=s.runner.num_free_slots, capacity_slots=s.capacity_slots)
-        if state.role == "prefill" and state.disagg is not None:
-            d = state.disagg
+        d = state.disagg
+        if d is not None and getattr(d, "arena", None) is not None:
+            out.update(staging_bytes=d.arena.nbytes, staging_free_bytes=d.arena.free_bytes)
+        if state.role == "prefill" and d is not None:
             out.update(transfers=d.transfers, bytes_sent=d.bytes_sent, transfer_s=d.transfer_s)
         return out
 

@@ -1,7 +1,8 @@
-"""Prefill/decode disaggregation on the GPU (run on the device): KV pools in GPU memory, the rows
-gathered into pinned host copies on the prefill side, moved by Mooncake (TCP on loopback),
-put into the decode side's slots on activation, decode under CUDA graphs. Greedy tokens equal one
-runner's and the decode side starts from exactly its state, EAGLE-3 and MTP at hc_mult 4."""
+"""Prefill/decode disaggregation on the GPU (run on the device): KV pools in GPU memory, a
+request's rows of every layer and pool gathered into one region of a pinned host staging arena on
+the prefill side, moved by one batched Mooncake write (TCP on loopback) into the decode side's
+arena, scattered into its slots on activation, decode under CUDA graphs. Greedy tokens equal one
+runner's, EAGLE-3 and MTP at hc_mult 4."""
 
 import dataclasses
 
@@ -14,7 +15,8 @@ if not torch.cuda.is_available():
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_requests, tiny_config  # noqa: E402
 from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs  # noqa: E402
 from specdeploy.engine.runtime.runner import Runner  # noqa: E402
-from specdeploy.engine.runtime.transfer import MooncakeAgent, PoolLayout, kv_copies  # noqa: E402
+from specdeploy.engine.planner.plan import transfer_staging_request_bytes  # noqa: E402
+from specdeploy.engine.runtime.transfer import MooncakeAgent, StagingArena, region_copies  # noqa: E402
 
 DEV = "cuda"
 
@@ -62,30 +64,32 @@ def test_gpu_pools_through_host_copies(agents, algorithm, hc_mult):
                      graph_mode="off")
     decode = Runner(target, draft, plan=tiny_plan(target.cfg, algorithm, "decode"), device=DEV, role="decode")
     assert prefill.metadata.hidden.is_pinned() and decode.metadata.hidden.shape[1] == target.cfg.spec_hidden_size
-    for runner, agent in ((prefill, agents[0]), (decode, agents[1])):
+    arena_bytes = 2 * transfer_staging_request_bytes(96, decode.staged_kv(0).nbytes)
+    arenas = [StagingArena(arena_bytes, pin=True), StagingArena(arena_bytes, pin=True)]
+    for runner, agent, arena in ((prefill, agents[0], arenas[0]), (decode, agents[1], arenas[1])):
+        agent.register(arena.buffer)
         for t in runner.metadata.tensors:
             agent.register(t)
     got = {r.id: [] for r in reqs}
     free = decode.num_free_slots
     for r in reqs:
         row, dst_slots = decode.receive(r)
-        staging = decode.staging_for(len(dst_slots))
+        layout = decode.staged_kv(len(dst_slots))
+        dst_region = arenas[1].alloc(layout.nbytes)
         prefill.add(dataclasses.replace(r, max_tokens=1))
         while prefill.num_held == 0:
             prefill.step()
         src_row, src_slots = prefill.export_held(r.id)
-        gathered = prefill.gather_kv(src_slots)
-        n = list(range(1, len(src_slots) + 1))
-        for src, dst in zip(gathered, staging, strict=True):
-            for t in src:
-                agents[0].register(t)
-            for t in dst:
-                agents[1].register(t)
-            agents[0].write(agents[1].session_id, *kv_copies(PoolLayout.of(src), n, PoolLayout.of(dst), n))
-        agents[0].write(agents[1].session_id, *prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row)))
+        src_region = arenas[0].alloc(layout.nbytes)
+        prefill.gather_kv(src_slots, src_region)
+        copies = [region_copies(src_region.data_ptr(), dst_region.data_ptr(), layout.nbytes),
+                  prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row))]
+        agents[0].write(agents[1].session_id, *(sum((c[i] for c in copies), []) for i in range(3)))
         prefill.release_held(r.id)
-        for o in decode.activate(r.id, staging):
+        arenas[0].release(src_region)
+        for o in decode.activate(r.id, dst_region):
             got[o.req_id] += o.token_ids
+        arenas[1].release(dst_region)
     while decode.num_running:
         for o in decode.step():
             got[o.req_id] += o.token_ids

@@ -4,10 +4,13 @@ The scheduler admits a request that names a prefill server with `runner.receive`
 KV slots and its metadata row taken) and calls `start` on the event loop. The exchange:
   1. handshake, once per prefill server: GET /disagg/info, refused unless the two pair
      (protocol.ServerInfo.mismatch);
-  2. POST /disagg/prefill with the prompt, the sampling parameters (the prefill server samples
-     the first token), a deadline, and where to write: the slots, both pools' layouts, the
-     metadata row's addresses;
-  3. on 200 the KV and the metadata row are here: `scheduler.activate_remote` starts decoding.
+  2. take a region of this server's staging arena for the request's KV (waiting, until the
+     deadline, while the arena is full), then POST /disagg/prefill with the prompt, the sampling
+     parameters (the prefill server samples the first token), a deadline, and where to write:
+     the staging region (or, without an arena, the slots and both pools' layouts), the metadata
+     row's addresses;
+  3. on 200 the KV and the metadata row are here: `scheduler.activate_remote` scatters the
+     region into the request's slots and starts decoding; the region is given back.
 Failures: an error answer fails the request with the prefill server's message. When the
 prefill server's state is unknown (timeout, connection lost, the client aborted) the slots
 may still be written: POST /disagg/abort and free them once it is acknowledged (or refused as
@@ -23,7 +26,7 @@ import time
 import uuid
 
 import httpx
-from specdeploy.engine.runtime.transfer import PoolLayout
+from specdeploy.engine.runtime.transfer import PoolLayout, StagingArena
 from specdeploy.engine.serving.disagg.protocol import (
     ABORT_ACK_TIMEOUT_S,
     TRANSFER_GRACE_S,
@@ -39,10 +42,11 @@ class PrefillFailed(Exception):
 
 
 class DecodeService:
-    def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float, agent=None, staged: bool = False):
+    def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float, agent=None,
+                 arena: StagingArena | None = None):
         self.scheduler, self.runner, self.info, self.timeout_s = scheduler, scheduler.runner, info, timeout_s
         self.agent = agent  # kept alive: peers write into the memory it registered
-        self.staged = staged  # receive into host copies, put into the slots on activation
+        self.arena = arena  # registered staging: receive there, scatter into the slots on activation
         self._peers: dict[str, ServerInfo] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._client: httpx.AsyncClient | None = None
@@ -100,30 +104,27 @@ class DecodeService:
         room = f"{req_id}-{uuid.uuid4().hex[:12]}"
         deadline = time.monotonic() + self.timeout_s
         sent = False  # whether the prefill server may have the request
-        staged = None
+        region = None
         try:
             await self._peer(url)
-            if self.staged:
-                staged = self.runner.staging_for(len(slots))
-                for pair in staged:
-                    for t in pair:
-                        self.agent.register(t)
-                pools, slots = staged, list(range(1, len(slots) + 1))
-            else:
-                pools = self.runner.kv_pools()
-            layouts = [PoolLayout.of(p).to_dict() for p in pools]
+            staging = None
+            if self.arena is not None:
+                nbytes = self.runner.staged_kv(len(slots)).nbytes
+                region = await self.arena.acquire(nbytes, deadline)
+                staging = {"address": region.data_ptr(), "bytes": nbytes}
+            layouts = [PoolLayout.of(p).to_dict() for p in self.runner.kv_pools()]
             body = {"room": room, "peer": self.info.to_dict(), "prompt_ids": prompt_ids,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "seed": params.seed, "timeout_s": self.timeout_s, "slots": slots,
                     "target_kv": layouts[0], "draft_kv": layouts[1] if len(layouts) > 1 else None,
-                    "metadata": self.runner.metadata.row_addresses(row)}
+                    "metadata": self.runner.metadata.row_addresses(row), "staging": staging}
             sent = True
             r = await self._http().post(f"{url}/disagg/prefill", json=body)
             sent = False  # it answered: it has finished with the request either way
             if r.status_code != 200:
                 raise PrefillFailed(f"the prefill server answered {r.status_code}: {_message(r)}")
             self.transfers += 1
-            await self.scheduler.run_in_engine(lambda: self.scheduler.activate_remote(req_id, staged))
+            await self.scheduler.run_in_engine(lambda: self.scheduler.activate_remote(req_id, region))
         except asyncio.CancelledError:  # the client went away
             await asyncio.shield(self._stop_peer(url, room, deadline, sent))
             await asyncio.shield(self.scheduler.run_in_engine(lambda: self.scheduler.release_remote(req_id)))
@@ -140,10 +141,10 @@ class DecodeService:
                 lambda: self.scheduler.release_remote(req_id, error=message)))
         finally:
             self._tasks.pop(req_id, None)
-            # Only now: the prefill server has finished with (or given up on) the room.
-            for pair in staged or ():
-                for t in pair:
-                    self.agent.unregister(t)
+            # Only now: the prefill server has finished with (or given up on) the room, and
+            # activation has copied the region into the slots.
+            if region is not None:
+                self.arena.release(region)
 
     async def _stop_peer(self, url: str, room: str, deadline: float, sent: bool) -> None:
         """Return once the prefill server will not write into this room's slots any more."""

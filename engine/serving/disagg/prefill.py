@@ -4,9 +4,12 @@ POST /disagg/prefill (protocol.PrefillBody), per request:
   1. check the peer pairs with this server (protocol.ServerInfo.mismatch) and the slots fit;
   2. submit the prompt with max_tokens 1 (the runner, role "prefill", prefills target and draft,
      samples the first token and holds the slots);
-  3. export the held state into this server's metadata row, then write the prompt's target and
-     draft KV rows and the metadata row into the decode server's memory (transfer.kv_copies,
-     MetadataBuffers.row_copies) with Mooncake, in a worker thread;
+  3. export the held state into this server's metadata row, gather the prompt's target and draft
+     KV rows of every layer into one region of this server's staging arena (runner.gather_kv),
+     then write that region into the decode server's staging region, and the metadata row into
+     its row, with one batched Mooncake write (transfer.region_copies, MetadataBuffers.row_copies)
+     in a worker thread. A side without an arena (--transfer-staging off, host pools) is written
+     to or read from slot run by slot run (transfer.kv_copies);
   4. release the slots and answer 200 (or an error: 4xx for a request this server refuses,
      409 aborted, 503 busy, 502 transfer failed, 504 past the deadline).
 POST /disagg/abort {room}: stop that request (waiting for a transfer under way to end) and answer
@@ -24,8 +27,11 @@ import time
 from specdeploy.engine.runtime.transfer import (
     MetadataBuffers,
     PoolLayout,
+    StagingArena,
+    StagingFull,
     TransferError,
     kv_copies,
+    region_copies,
 )
 from specdeploy.engine.serving.disagg.protocol import AbortBody, PrefillBody, ServerInfo
 from specdeploy.engine.serving.scheduler import (
@@ -48,9 +54,9 @@ class PrefillRefused(Exception):
 
 
 class PrefillService:
-    def __init__(self, scheduler: Scheduler, agent, info: ServerInfo, staged: bool = False):
+    def __init__(self, scheduler: Scheduler, agent, info: ServerInfo, arena: StagingArena | None = None):
         self.scheduler, self.runner, self.agent, self.info = scheduler, scheduler.runner, agent, info
-        self.staged = staged  # send from host copies of the rows (GPU pools: transfer.py)
+        self.arena = arena  # registered staging (transfer.py); None: send from the registered pools
         self._jobs: dict[str, asyncio.Task] = {}
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.bytes_sent = 0
@@ -119,36 +125,34 @@ class PrefillService:
             row, src_slots = await self.scheduler.run_in_engine(lambda: self.runner.export_held(req_id))
             if time.monotonic() > deadline:
                 raise PrefillRefused(504, f"the prefill took longer than the request's {body.timeout_s:.0f} s")
-            staged = None
-            if self.staged:
-                # Host copies of the rows, gathered between steps (the slots are held).
-                staged = await self.scheduler.run_in_engine(lambda: self.runner.gather_kv(src_slots))
-                sources, src_slots = staged, list(range(1, len(src_slots) + 1))
-            else:
-                sources = self.runner.kv_pools()
+            n = len(src_slots)
+            layout = self.runner.staged_kv(n)
+            if body.staging is not None and body.staging.get("bytes") != layout.nbytes:
+                raise PrefillRefused(400, f"the decode server's staging region is {body.staging.get('bytes')} "
+                                          f"bytes; {n} tokens of these pools take {layout.nbytes}")
+            region = None
             try:
-                copies = [kv_copies(PoolLayout.of(src), src_slots, dst, body.slots)
-                          for src, dst in zip(sources, [dst_target, dst_draft][:len(sources)])]
-                copies.append(self._metadata().row_copies(row, body.metadata))
-            except ValueError as e:
-                raise PrefillRefused(400, f"the decode server's destination does not fit: {e}") from None
-            for pair in staged or ():
-                for t in pair:
-                    self.agent.register(t)
-            t1 = time.monotonic()
-            # A transfer under way is not interrupted: an abort waits for it to end.
-            write = asyncio.ensure_future(asyncio.to_thread(self._write_all, peer.session_id, copies))
-            try:
-                sent = await asyncio.shield(write)
-            except asyncio.CancelledError:
-                await asyncio.wait({write})
-                raise
-            except (TransferError, ValueError) as e:
-                raise PrefillRefused(502, f"transfer to the decode server failed: {e}") from None
+                if self.arena is not None:
+                    try:
+                        region = await self.arena.acquire(layout.nbytes, deadline)
+                    except StagingFull as e:
+                        raise PrefillRefused(503, f"the prefill server's transfer staging is full: {e}") from None
+                    # Gathered between steps (the slots are held), into host memory.
+                    await self.scheduler.run_in_engine(lambda: self.runner.gather_kv(src_slots, region))
+                copies = self._copies(layout, src_slots, region, body, dst_target, dst_draft, row)
+                t1 = time.monotonic()
+                # A transfer under way is not interrupted: an abort waits for it to end.
+                write = asyncio.ensure_future(asyncio.to_thread(self.agent.write, peer.session_id, *copies))
+                try:
+                    sent = await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    await asyncio.wait({write})
+                    raise
+                except (TransferError, ValueError) as e:
+                    raise PrefillRefused(502, f"transfer to the decode server failed: {e}") from None
             finally:
-                for pair in staged or ():  # the write has ended, one way or the other
-                    for t in pair:
-                        self.agent.unregister(t)
+                if region is not None:  # the write has ended, one way or the other
+                    self.arena.release(region)
             transfer_s = time.monotonic() - t1
             self.bytes_sent += sent
             self.transfers += 1
@@ -164,8 +168,29 @@ class PrefillService:
     def _metadata(self) -> MetadataBuffers:
         return self.runner.metadata
 
-    def _write_all(self, session_id: str, copies) -> int:
-        return sum(self.agent.write(session_id, *c) for c in copies)
+    def _copies(self, layout, src_slots, region, body: PrefillBody, dst_target, dst_draft, row: int):
+        """(sources, destinations, lengths) of the whole request, for one batched write: the
+        staged region whole when both sides stage, else per slot run and layer (kv_copies) from
+        and to whichever side has pools or a region; then the metadata row."""
+        n = len(src_slots)
+        one_to_n = list(range(1, n + 1))
+        try:
+            if region is not None and body.staging is not None:
+                copies = [region_copies(region.data_ptr(), body.staging["address"], layout.nbytes)]
+            else:
+                if region is not None:
+                    sources, src_rows = layout.pool_layouts(region.data_ptr()), one_to_n
+                else:
+                    sources, src_rows = [PoolLayout.of(p) for p in self.runner.kv_pools()], src_slots
+                if body.staging is not None:
+                    dests, dst_rows = layout.pool_layouts(body.staging["address"]), one_to_n
+                else:
+                    dests, dst_rows = [dst_target, dst_draft][:len(sources)], body.slots
+                copies = [kv_copies(s, src_rows, d, dst_rows) for s, d in zip(sources, dests, strict=True)]
+            copies.append(self._metadata().row_copies(row, body.metadata))
+        except (ValueError, KeyError) as e:
+            raise PrefillRefused(400, f"the decode server's destination does not fit: {e}") from None
+        return tuple(sum((list(c[i]) for c in copies), []) for i in range(3))
 
     def _release(self, req_id: str) -> None:
         if self.runner.is_held(req_id):

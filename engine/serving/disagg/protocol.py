@@ -86,6 +86,9 @@ class PrefillBody(_Body):
     target_kv: dict                                     # decode's PoolLayout of the target pool
     draft_kv: dict | None = None
     metadata: dict[str, int]                            # decode's metadata row, field -> address
+    # decode's staging region for this request ({"address", "bytes"}: transfer.StagedKV's layout),
+    # or None: write into the slots of its (registered) pools
+    staging: dict[str, int] | None = None
 
 
 class AbortBody(_Body):

@@ -15,12 +15,23 @@ from specdeploy.engine.demo.toy import (
     random_requests,
     tiny_config,
 )
-from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs
+from specdeploy.engine.planner.plan import (
+    GPUS,
+    TRANSFER_STAGING_ALIGN_BYTES,
+    Limits,
+    SpecSettings,
+    plan_from_configs,
+    transfer_staging_request_bytes,
+)
 from specdeploy.engine.runtime.runner import Request, Runner
 from specdeploy.engine.runtime.transfer import (
+    STAGED_PIECE_BYTES,
     MooncakeAgent,
     PoolLayout,
+    StagingArena,
+    StagingFull,
     kv_copies,
+    region_copies,
     slot_runs,
 )
 
@@ -262,12 +273,14 @@ def test_writes_beyond_one_batch_arrive(agents):
 
 @pytest.mark.parametrize("algorithm,hc_mult", [("EAGLE3", 1), ("MTP", 4)])
 def test_host_staged_transfer_gives_the_same_state(agents, algorithm, hc_mult):
-    """The GPU path, run on CPU: the prefill side gathers the rows into host copies, the decode
-    side receives into host copies of its own and puts them into its slots on activation."""
+    """The staged path (a GPU's, run here on CPU): each side registers one staging arena once; per
+    request the prefill side gathers every pool's rows into one region, one batched write moves
+    the region and the metadata row, the decode side scatters the region into its slots on
+    activation. Greedy tokens and the decode side's starting state are one runner's."""
     target, perm = target_for(hc_mult)
     draft = copy_draft(algorithm, target, perm)
     plan = tiny_plan(target.cfg, algorithm)
-    reqs = random_requests((6, 11), 10, 64)
+    reqs = random_requests((6, 11, 3), 10, 64)
     single = Runner(target, draft, plan=plan)
     for r in reqs:
         single.add(r)
@@ -278,30 +291,98 @@ def test_host_staged_transfer_gives_the_same_state(agents, algorithm, hc_mult):
             want[o.req_id] += o.token_ids
     prefill = Runner(target, draft, plan=plan, role="prefill")
     decode = Runner(target, draft, plan=plan, role="decode")
-    for runner, agent in ((prefill, agents[0]), (decode, agents[1])):
+    per_token = decode.staged_kv(0).nbytes
+    arenas = [StagingArena(2 * transfer_staging_request_bytes(plan.context_length, per_token)) for _ in range(2)]
+    for runner, agent, arena in ((prefill, agents[0], arenas[0]), (decode, agents[1], arenas[1])):
+        agent.register(arena.buffer)
         for t in runner.metadata.tensors:
             agent.register(t)
     got = {r.id: [] for r in reqs}
     for r in reqs:
         row, dst_slots = decode.receive(r)
-        staging = decode.staging_for(len(dst_slots))
+        layout = decode.staged_kv(len(dst_slots))
+        dst_region = arenas[1].alloc(layout.nbytes)
         prefill.add(dataclasses.replace(r, max_tokens=1))
         while prefill.num_held == 0:
             prefill.step()
         src_row, src_slots = prefill.export_held(r.id)
-        gathered = prefill.gather_kv(src_slots)
-        n = len(src_slots)
-        for src, dst in zip(gathered, staging, strict=True):
-            for t in (*src, *dst):
-                (agents[0] if any(t is x for x in src) else agents[1]).register(t)
-            agents[0].write(agents[1].session_id, *kv_copies(PoolLayout.of(src), list(range(1, n + 1)),
-                                                              PoolLayout.of(dst), list(range(1, n + 1))))
-        agents[0].write(agents[1].session_id, *prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row)))
+        src_region = arenas[0].alloc(layout.nbytes)
+        prefill.gather_kv(src_slots, src_region)
+        copies = [region_copies(src_region.data_ptr(), dst_region.data_ptr(), layout.nbytes),
+                  prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row))]
+        srcs, dsts, lens = (sum((c[i] for c in copies), []) for i in range(3))
+        assert len(srcs) == -(-layout.nbytes // STAGED_PIECE_BYTES) + 4  # one batch, not one per slot
+        assert agents[0].write(agents[1].session_id, srcs, dsts, lens) == sum(lens)
         prefill.release_held(r.id)
-        for o in decode.activate(r.id, staging):
+        arenas[0].release(src_region)
+        for o in decode.activate(r.id, dst_region):
             got[o.req_id] += o.token_ids
+        arenas[1].release(dst_region)
         assert_same_state(state_after_prefill(decode, r.id), want_state[r.id])
     while decode.num_running:
         for o in decode.step():
             got[o.req_id] += o.token_ids
     assert got == want
+    assert all(a.free_bytes == a.nbytes for a in arenas)
+    assert prefill.num_free_slots == prefill.table.capacity and decode.num_free_slots == decode.table.capacity
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_gather_and_scatter_move_scattered_slots_exactly(kv_dtype):
+    """A region packs rows of any slots (a fragmented pool) and unpacks them into any others, byte
+    for byte, in every layer of both pools and any KV dtype; a region of the wrong size is refused."""
+    target, perm = target_for(1)
+    draft = copy_draft("EAGLE3", target, perm)
+    plan = tiny_plan(target.cfg, "EAGLE3")
+    a = Runner(target, draft, plan=plan, role="prefill", kv_cache_dtype=kv_dtype)
+    b = Runner(target, draft, plan=plan, role="decode", kv_cache_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    for pool in a.kv_pools():
+        for t in (pool.k, pool.v):
+            t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    src, dst = [37, 5, 120, 6, 301], [2, 250, 3, 77, 150]
+    layout = a.staged_kv(len(src))
+    assert layout.nbytes == (len(src) + 1) * a.staged_kv(0).nbytes
+    region = torch.zeros(layout.nbytes + 100, dtype=torch.uint8)
+    a.gather_kv(src, region)
+    b._scatter_kv(torch.tensor(dst), region)
+    for pa, pb in zip(a.kv_pools(), b.kv_pools(), strict=True):
+        for ta, tb in ((pa.k, pb.k), (pa.v, pb.v)):
+            assert torch.equal(ta.view(torch.uint8)[:, src], tb.view(torch.uint8)[:, dst])
+    # Each half of the region is addressed like a pool with slots 1..n (a direct peer's view).
+    k0 = layout.pool_layouts(region.data_ptr())[0]
+    assert k0.num_slots == len(src) + 1 and (k0.num_layers, k0.slot_bytes) == PoolLayout.of(a.target_kv).shape()
+    with pytest.raises(ValueError, match="staging region"):
+        a.gather_kv(src, region[:layout.nbytes - 1])
+
+
+def test_staging_arena_allocates_releases_and_waits():
+    import asyncio
+    import time
+
+    arena = StagingArena(4 * TRANSFER_STAGING_ALIGN_BYTES)
+    one = arena.alloc(10)
+    two = arena.alloc(TRANSFER_STAGING_ALIGN_BYTES + 1)      # two alignment units
+    assert one.numel() == TRANSFER_STAGING_ALIGN_BYTES and two.numel() == 2 * TRANSFER_STAGING_ALIGN_BYTES
+    assert two.data_ptr() - one.data_ptr() == TRANSFER_STAGING_ALIGN_BYTES
+    assert arena.alloc(2 * TRANSFER_STAGING_ALIGN_BYTES) is None  # one unit left
+    with pytest.raises(ValueError, match="does not fit"):
+        arena.alloc(5 * TRANSFER_STAGING_ALIGN_BYTES)
+    arena.release(one)
+    arena.release(two)
+    assert arena.free_bytes == arena.nbytes and len(arena._free) == 1  # merged back into one
+
+    async def scenario():
+        held = arena.alloc(3 * TRANSFER_STAGING_ALIGN_BYTES)
+        with pytest.raises(StagingFull):
+            await arena.acquire(2 * TRANSFER_STAGING_ALIGN_BYTES, time.monotonic() + 0.05)
+        waiter = asyncio.ensure_future(arena.acquire(2 * TRANSFER_STAGING_ALIGN_BYTES, time.monotonic() + 5))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        arena.release(held)
+        region = await asyncio.wait_for(waiter, 1)
+        assert region.numel() == 2 * TRANSFER_STAGING_ALIGN_BYTES
+        arena.release(region)
+
+    asyncio.run(scenario())
+    assert arena.free_bytes == arena.nbytes

@@ -35,8 +35,10 @@ def status(url: str) -> dict:
 
 
 def idle(url: str) -> bool:
+    """No request, every slot free and (a staged server) every staging byte free."""
     s = status(url)
-    return s["running"] == 0 and s["waiting"] == 0 and s["free_slots"] == s["capacity_slots"]
+    return (s["running"] == 0 and s["waiting"] == 0 and s["free_slots"] == s["capacity_slots"]
+            and s.get("staging_free_bytes") == s.get("staging_bytes"))
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +190,10 @@ def test_killed_prefill_server_fails_requests_cleanly(engine_process, disagg):
         router.stop()
 
 
-def test_killed_decode_server_frees_the_prefill_servers_slots(engine_process, disagg):
-    """The decode server dies before its prefill is written: the transfer fails, the prefill
-    server answers 502 and its slots come back."""
+@pytest.mark.parametrize("staged", [True, False])
+def test_killed_decode_server_frees_the_prefill_servers_slots(engine_process, disagg, staged):
+    """The decode server dies before its prefill is written: the transfer fails (into its staging
+    region, or into its slots), the prefill server answers 502, its slots and staging come back."""
     prefill = disagg[0]
     proc, decode = engine_process("--role", "decode", "--transfer-host", "127.0.0.1")
     info = httpx.get(f"{decode}/disagg/info").json()
@@ -205,20 +208,27 @@ def test_killed_decode_server_frees_the_prefill_servers_slots(engine_process, di
                          "slot_bytes": info["draft_kv"][1]},
             "metadata": {"hidden": 1 << 24, "output_token_id": 1 << 25, "cached_tokens": 1 << 26,
                          "output_token_logprob": 1 << 27}}
+    if staged:  # 39 tokens + the pad row, K and V of every layer of both pools
+        per_token = sum(2 * layers * slot_bytes for layers, slot_bytes in (info["target_kv"], info["draft_kv"]))
+        body["staging"] = {"address": 1 << 28, "bytes": 40 * per_token}
     r = httpx.post(f"{prefill}/disagg/prefill", json=body, timeout=60)
     assert r.status_code == 502 and "transfer to the decode server failed" in r.json()["error"]["message"]
     wait_until(lambda: idle(prefill), what="the prefill server's slots back")
     assert status(prefill)["free_slots"] == baseline
 
 
-def test_host_staged_pair_answers_as_one_server(server, serve_command):
-    """--transfer-staging on: the path a GPU takes (KV rows through host copies), on CPU."""
+@pytest.mark.parametrize("prefill_staging,decode_staging", [("off", "off"), ("on", "off"), ("off", "on")])
+def test_direct_and_mixed_pairs_answer_as_one_server(server, serve_command, prefill_staging, decode_staging):
+    """The pair above stages on both sides (the default, a GPU's only path); --transfer-staging
+    off writes slot runs between registered host pools, and pairs with a staged peer either way."""
     from specdeploy.engine.serving.cli import ServerThread
     from specdeploy.engine.serving.disagg.router import RouterThread
 
-    staged = ("--transfer-host", "127.0.0.1", "--transfer-staging", "on")
-    prefill = ServerThread(serve_command("--role", "prefill", *staged)).start(timeout_s=120)
-    decode = ServerThread(serve_command("--role", "decode", *staged)).start(timeout_s=120)
+    host = ("--transfer-host", "127.0.0.1")
+    prefill = ServerThread(serve_command("--role", "prefill", *host, "--transfer-staging", prefill_staging)
+                           ).start(timeout_s=120)
+    decode = ServerThread(serve_command("--role", "decode", *host, "--transfer-staging", decode_staging)
+                          ).start(timeout_s=120)
     router = RouterThread([prefill.base_url], [decode.base_url], free_port()).start()
     try:
         one, split = client_for(server.url), client_for(router.base_url)
