@@ -5,6 +5,7 @@ saves to its KV pool. The metadata buffer is the same on both sides ([max_runnin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from specdeploy.engine.planner.plan import (
     Limits,
     Plan,
     PlanError,
+    TRANSFER_STAGING_ALIGN_BYTES,
+    TRANSFER_STAGING_REQUESTS,
     SpecSettings,
     plan_from_configs,
     role_prefill_chunk_tokens,
@@ -53,7 +56,7 @@ def test_decode_plan_keeps_graphs_and_sizes_a_small_prefill_workspace():
     assert role_prefill_chunk_tokens("decode") == MIN_PREFILL_CHUNK_TOKENS < PREFILL_CHUNK_TOKENS
     assert decode.memory_per_gpu.cuda_graph_pool_bytes == both.memory_per_gpu.cuda_graph_pool_bytes
     assert decode.cuda_graph_batch_sizes == both.cuda_graph_batch_sizes
-    assert decode.buffers == both.buffers
+    assert dataclasses.replace(decode.buffers, transfer_staging_bytes=0) == both.buffers
     ws, ws_both = decode.memory_per_gpu.activation_workspace_bytes, both.memory_per_gpu.activation_workspace_bytes
     assert ws < ws_both
     assert decode.memory_per_gpu.kv_cache_budget_bytes - both.memory_per_gpu.kv_cache_budget_bytes == ws_both - ws
@@ -94,3 +97,24 @@ def test_plan_in_the_compute_dtype_sizes_the_metadata_row_in_it():
     assert f32.buffers.metadata_hidden_states_bytes_per_request == 4096 * 4
     assert bf16.buffers.metadata_hidden_states_bytes_per_request == 4096 * 2
     assert bf16.target.kv_cache_bytes_per_token * 2 == f32.target.kv_cache_bytes_per_token
+
+
+def test_split_roles_plan_a_transfer_staging_arena_of_two_context_length_requests():
+    """Each split role's plan carries its host staging arena: TRANSFER_STAGING_REQUESTS regions of
+    (context + 1 pad row) x the KV bytes per token of both pools, aligned; one server has none.
+    A plan written before the field existed reads as none (the engine then sizes it the same way)."""
+    from specdeploy.engine.planner.cli import format_plan
+
+    both, prefill, decode = llama8b_eagle3("both"), llama8b_eagle3("prefill"), llama8b_eagle3("decode")
+    per_token = prefill.memory_per_gpu.kv_cache_bytes_per_token   # target 128 KiB + draft 4 KiB
+    assert per_token == (32 + 1) * 2 * 8 * 128 * 2
+    region = -(-(prefill.context_length + 1) * per_token // TRANSFER_STAGING_ALIGN_BYTES) * TRANSFER_STAGING_ALIGN_BYTES
+    assert prefill.buffers.transfer_staging_bytes == decode.buffers.transfer_staging_bytes == \
+        TRANSFER_STAGING_REQUESTS * region
+    assert both.buffers.transfer_staging_bytes == 0
+    assert prefill.memory_per_gpu.static_buffer_bytes == both.memory_per_gpu.static_buffer_bytes - \
+        both.buffers.cuda_graph_hidden_states_bytes  # host memory: not in the GPU budget
+    assert "transfer staging (host)" in format_plan(prefill) and "transfer staging" not in format_plan(both)
+    old = prefill.to_dict()
+    del old["buffers"]["transfer_staging_bytes"]
+    assert Plan.from_dict(old).buffers.transfer_staging_bytes == 0
