@@ -34,7 +34,9 @@ Three inner loops (the launch's variant):
 - "dot16" / "wg16" (FP8 weights, bf16/fp16 x): the weight-only product on the f16 tensor cores
   (16 / 64 padded rows). e4m3 -> f16 is a single cvt per two codes; x is scaled per row and
   128-wide group by a power of two into f16 exactly (unquantized, unlike dot8), the scale
-  multiplied back onto the group's partial dot. float32 x runs the plain dot instead.
+  multiplied back onto the group's partial dot. float32 x runs the plain dot instead. With one
+  row (batch-1 decode) x is scaled and converted as a 1-D row, one element a thread, and put in
+  row 0 of the operand (ONE_ROW), so the padding rows cost no ALU work.
 Scales (SCALE_MODE, chosen on the host): 0 none (plain weights); 1 one value per 128-wide k group
 for the whole tile (block scales with BLOCK_N inside one 128-row scale block): folded into x (fma)
 or into the tile's dot (dot), never applied per element; 2 one value per output row for all of
@@ -75,7 +77,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
-                 QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False):
+                 QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
+                 ONE_ROW: tl.constexpr = False):
     gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,7 +107,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for g in tl.static_range(BLOCK_K // SUB_K):
             k = k0 + g * SUB_K + offs_s                                  # [SUB_K]
-            if BLOCK_M == 1 and not USE_DOT:
+            if ONE_ROW or (BLOCK_M == 1 and not USE_DOT):
                 # one x row: a 1-D load, broadcast over the tile's rows as a slice of its layout
                 if EVEN_K:
                     xv = tl.load(x_ptr + k)
@@ -129,6 +132,20 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 if ROUND_SCALE:
                     sx = tl.exp2(tl.ceil(tl.log2(sx)))
                 part = tl.dot((xf / sx[:, None]).to(tl.float8e4nv), tl.trans(wv)) * sx[:, None]
+                if SCALE_MODE == 1:
+                    part = part * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    part = part * tl.load(s_rows + kg * stride_sk)[None, :]
+                acc += part
+            elif USE_DOT and X_F16 and ONE_ROW:
+                # dot16 with one row (batch-1 decode): x's scaling and conversion on the 1-D row
+                # (one element a thread, not 16 or 64 padded rows' worth), then placed in row 0 of
+                # the MMA operand, zeros below
+                xf = xv.to(tl.float32)                                              # [SUB_K]
+                e_bits = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30).to(tl.int32, bitcast=True) & 0x7F800000
+                inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
+                xh = tl.where(offs_m[:, None] == 0, (xf * inv)[None, :], 0.0).to(tl.float16)
+                part = tl.dot(xh, tl.trans(wv.to(tl.float16))) * e_bits.to(tl.float32, bitcast=True)
                 if SCALE_MODE == 1:
                     part = part * tl.load(s_tile + kg * stride_sk)
                 elif SCALE_MODE == 3:
@@ -388,7 +405,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         x, weight, scale, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
-        QUANT_X=quant_x, ROUND_SCALE=round_scale, X_F16=x_f16,
+        QUANT_X=quant_x, ROUND_SCALE=round_scale, X_F16=x_f16, ONE_ROW=x_f16 and m == 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
