@@ -349,6 +349,20 @@ class RankSpec:
         return f"cuda:{rank}" if self.device == "cuda" else "cpu"
 
 
+def check_plan_for_target(plan, target_config: dict, role: str) -> bool:
+    """What the engine refuses of a plan for this target before it loads a weight (the rest of
+    the plan was checked as it was read); -> whether the target is DeepSeek-V4."""
+    from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
+
+    deepseek_v4 = v4ckpt.is_deepseek_v4_config(target_config)
+    if deepseek_v4 and role != "both":
+        # Its compressed pools keep per-request recent rows outside the slot rows that move.
+        raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
+    if deepseek_v4 and plan.algorithm not in ("NONE", "MTP"):
+        raise ValueError(f"a DeepSeek-V4 target drafts with its own MTP layer, not {plan.algorithm}")
+    return deepseek_v4
+
+
 def build_runner(spec: RankSpec, rank: int = 0):
     """Load this rank's shards of target and draft and build its Runner (pools, graphs) from the
     plan; -> (runner, weight bytes held). Under TP every rank calls this with the same spec, and
@@ -371,10 +385,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
     from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
     from specdeploy.engine.models.llama import read_config
 
-    deepseek_v4 = v4ckpt.is_deepseek_v4_config(read_config(str(target_dir)))
-    if deepseek_v4 and spec.role != "both":
-        # Its compressed pools keep per-request recent rows outside the slot rows that move.
-        raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
+    deepseek_v4 = check_plan_for_target(plan, read_config(str(target_dir)), spec.role)
     if deepseek_v4:
         target = v4ckpt.load_v4_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
     else:
@@ -388,8 +399,6 @@ def build_runner(spec: RankSpec, rank: int = 0):
         log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir,
                  "random weights" if spec.random_weights else _checkpoint_size(draft_dir))
         if deepseek_v4:
-            if plan.algorithm != "MTP":
-                raise ValueError(f"a DeepSeek-V4 target drafts with its own MTP layer, not {plan.algorithm}")
             draft = v4ckpt.load_v4_mtp(str(draft_dir), target, dtype, device)
         else:
             draft = (_random_draft(spec, draft_dir, plan, target, dtype, device, rank) if spec.random_weights
