@@ -12,6 +12,7 @@ from specdeploy.engine.planner.plan import (
     GPUS,
     Limits,
     Plan,
+    ROLES,
     PlanError,
     SpecSettings,
     TRANSFER_STAGING_REQUESTS,
@@ -60,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes, per-layer scales)")
+    parser.add_argument("--role", choices=ROLES, default="both",
+                        help="both: one server (default); prefill / decode: one half of a disaggregated pair "
+                             "(no graphs / a small prefill workspace, and a host staging arena for the transfers)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the operator's plan.json)")
     parser.set_defaults(func=run)
     return parser
@@ -102,7 +106,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
         target_weight_source=target_weights.source if target_weights else None,
         draft_weight_source=draft_weights.source if draft_weights else None,
-        gpus_per_node=args.gpus_per_node, kv_cache_dtype=args.kv_cache_dtype,
+        gpus_per_node=args.gpus_per_node, kv_cache_dtype=args.kv_cache_dtype, role=args.role,
     )
 
 

@@ -37,6 +37,17 @@ def test_llama_eagle3_json(capsys):
     assert d["buffers"]["verify_hidden_states_shape"] == [32 * 4, 12288]
 
 
+
+def test_role_plans_a_split_server(capsys):
+    both = run_json(capsys, "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3")
+    prefill = run_json(capsys, "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3", "--role", "prefill")
+    assert both["role"] == "both" and both["buffers"]["transfer_staging_bytes"] == 0
+    assert prefill["role"] == "prefill" and prefill["cuda_graph_batch_sizes"] == []
+    assert prefill["buffers"]["transfer_staging_bytes"] > 2 * 8192 * (131072 + 4096)
+    assert main(["plan", "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "EAGLE3", "--role", "decode"]) == 0
+    assert "transfer staging (host)" in capsys.readouterr().out
+
+
 def test_deepseek_v4_mtp_json(capsys):
     d = run_json(capsys, "--target", V4, "--algorithm", "MTP", "--steps", "1", "--gpu", "h100")
     assert d["spec_hidden_size"] == 16384 and d["draft_input_hidden_size"] == 16384
