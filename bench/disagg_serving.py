@@ -239,7 +239,7 @@ def main() -> int:
         print(f"{a['prompt_tokens']:7d} {a['ttft_ms']:10.2f} {d['ttft_ms']:11.2f} {a['itl_ms']:9.3f} {d['itl_ms']:10.3f}")
     t = result["transfer"]
     print(f"transfer: {t['transfers']} requests, {t['bytes_sent'] / 2**20:.1f} MiB in {t['transfer_s']:.3f} s "
-          f"({t['gb_per_s'] or 0:.2f} GB/s, Mooncake TCP through host copies where the pools are on a GPU)")
+          f"({t['gb_per_s'] or 0:.2f} GB/s, Mooncake TCP, one staged region and one batched write per request)")
     out = out_dir / "disagg_serving.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
