@@ -36,7 +36,8 @@ Three inner loops (the launch's variant):
   128-wide group by a power of two into f16 exactly (unquantized, unlike dot8), the scale
   multiplied back onto the group's partial dot. float32 x runs the plain dot instead. With one
   row (batch-1 decode) x is scaled and converted as a 1-D row, one element a thread, and put in
-  row 0 of the operand (ONE_ROW), so the padding rows cost no ALU work.
+  row 0 of the operand (ONE_ROW), so the padding rows cost no ALU work; with 2-8 rows (X_ROWS)
+  the same on [next_pow2(M), 128], repeated down the operand and zeroed past the real rows.
 Scales (SCALE_MODE, chosen on the host): 0 none (plain weights); 1 one value per 128-wide k group
 for the whole tile (block scales with BLOCK_N inside one 128-row scale block): folded into x (fma)
 or into the tile's dot (dot), never applied per element; 2 one value per output row for all of
@@ -78,7 +79,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
                  QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
-                 ONE_ROW: tl.constexpr = False):
+                 ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0):
     gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -113,6 +114,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                     xv = tl.load(x_ptr + k)
                 else:
                     xv = tl.load(x_ptr + k, mask=k < k_hi, other=0.0)
+            elif X_ROWS > 0:
+                # the real rows only (a power of two >= M), [X_ROWS, SUB_K]
+                offs_xr = tl.arange(0, X_ROWS)
+                xr_ptrs = x_ptr + offs_xr[:, None] * stride_xm + k[None, :]
+                if EVEN_K:
+                    xv = tl.load(xr_ptrs, mask=(offs_xr < M)[:, None], other=0.0)
+                else:
+                    xv = tl.load(xr_ptrs, mask=(offs_xr < M)[:, None] & (k < k_hi)[None, :], other=0.0)
             elif EVEN_K:
                 xv = tl.load(x_base + k[None, :], mask=m_ok[:, None], other=0.0)
             else:
@@ -146,6 +155,24 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
                 xh = tl.where(offs_m[:, None] == 0, (xf * inv)[None, :], 0.0).to(tl.float16)
                 part = tl.dot(xh, tl.trans(wv.to(tl.float16))) * e_bits.to(tl.float32, bitcast=True)
+                if SCALE_MODE == 1:
+                    part = part * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    part = part * tl.load(s_rows + kg * stride_sk)[None, :]
+                acc += part
+            elif USE_DOT and X_F16 and X_ROWS > 0:
+                # dot16 with 2-8 rows: x scaled and converted as [X_ROWS, SUB_K], then repeated
+                # down the operand's BLOCK_M rows and zeroed past X_ROWS
+                xf = xv.to(tl.float32)
+                e_bits = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30).to(tl.int32, bitcast=True) & 0x7F800000
+                inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
+                xh = (xf * inv[:, None]).to(tl.float16)                             # [X_ROWS, SUB_K]
+                rep: tl.constexpr = BLOCK_M // X_ROWS
+                xh = tl.reshape(tl.broadcast_to(xh[None, :, :], (rep, X_ROWS, SUB_K)), (BLOCK_M, SUB_K))
+                xh = tl.where(offs_m[:, None] < X_ROWS, xh, 0.0).to(tl.float16)
+                sx = tl.reshape(tl.broadcast_to(e_bits.to(tl.float32, bitcast=True)[None, :], (rep, X_ROWS)),
+                                (BLOCK_M,))
+                part = tl.dot(xh, tl.trans(wv.to(tl.float16))) * sx[:, None]
                 if SCALE_MODE == 1:
                     part = part * tl.load(s_tile + kg * stride_sk)
                 elif SCALE_MODE == 3:
@@ -406,6 +433,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
         QUANT_X=quant_x, ROUND_SCALE=round_scale, X_F16=x_f16, ONE_ROW=x_f16 and m == 1,
+        X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out))

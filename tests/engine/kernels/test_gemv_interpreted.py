@@ -149,10 +149,13 @@ for i, (kind, n, k, m, dtype, cfg) in enumerate([
         ("block", 72, 512, 16, torch.bfloat16, ("wg16", 32, 128, 4, 4, 2)),
         ("rows", 40, 512, 3, torch.float16, ("dot16", 32, 256, 1, 4, 2)),
         ("channel", 40, 320, 5, torch.bfloat16, ("wg16", 16, 128, 2, 4, 2)),
-        ("tensor", 40, 512, 2, torch.float32, ("dot16", 16, 256, 2, 4, 2))]):
+        ("tensor", 40, 512, 2, torch.float32, ("dot16", 16, 256, 2, 4, 2)),
+        ("block", 40, 512, 2, torch.bfloat16, ("dot16", 16, 256, 2, 4, 2)),      # X_ROWS 2 of 16
+        ("block", 72, 512, 5, torch.bfloat16, ("wg16", 32, 128, 4, 4, 2))]):     # X_ROWS 8 of 64
     codes, scale, scale_n = weights(kind, n, k)
     x = torch.randn(m, k) * 3
     x[0, 128:256] *= 1e-6
+    x[-1, :128] *= 1e3  # and one 1000 times larger
     x = x.to(dtype)
     bias = torch.randn(n).to(dtype) if i % 2 else None
     got = gemv.fp8_linear(x, codes, scale, scale_n, bias, config=cfg)

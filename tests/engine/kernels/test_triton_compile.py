@@ -165,11 +165,12 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
 
 
 def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16",
-                     quant_x=False, round_scale=False, x_f16=False, one_row=False):
+                     quant_x=False, round_scale=False, x_f16=False, one_row=False, x_rows=0):
     return {"SCALE_MODE": mode, "SCALE_N": 128 if mode == 1 else 1, "HAS_BIAS": split != 2, "USE_DOT": dot,
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
-            "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16, "ONE_ROW": one_row}
+            "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16, "ONE_ROW": one_row,
+            "X_ROWS": x_rows}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
@@ -235,9 +236,9 @@ def test_gemv_dot16_widens_codes_once(mode):
     bf16 dot widens every code again (cvt.bf16.f16)."""
     from triton.backends.compiler import GPUTarget
 
-    def ptx(block_m, x_f16, one_row=False):
+    def ptx(block_m, x_f16, one_row=False, x_rows=0):
         return triton.compile(_gemv_source("*fp8e4nv", "*bf16", _gemv_constexprs(
-            mode, True, 2, block_m, 64, 128, x_f16=x_f16, one_row=one_row)),
+            mode, True, 2, block_m, 64, 128, x_f16=x_f16, one_row=one_row, x_rows=x_rows)),
             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
 
     dot16, bf16 = ptx(16, True), ptx(16, False)
@@ -249,3 +250,7 @@ def test_gemv_dot16_widens_codes_once(mode):
     one = ptx(16, True, one_row=True)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in one
     assert one.count("cvt.f32.bf16") < dot16.count("cvt.f32.bf16") // 4
+    four = ptx(16, True, x_rows=4)  # 4 rows (a chain's verify step): a fraction of the padded widening
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in four
+    assert four.count("cvt.f32.bf16") < dot16.count("cvt.f32.bf16") // 2
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx(64, True, x_rows=8)
