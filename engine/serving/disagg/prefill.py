@@ -137,8 +137,15 @@ class PrefillService:
                         region = await self.arena.acquire(layout.nbytes, deadline)
                     except StagingFull as e:
                         raise PrefillRefused(503, f"the prefill server's transfer staging is full: {e}") from None
-                    # Gathered between steps (the slots are held), into host memory.
-                    await self.scheduler.run_in_engine(lambda: self.runner.gather_kv(src_slots, region))
+                    # Gathered between steps (the slots are held), into host memory. An abort waits
+                    # for it too: the region is not given back while the engine thread writes it.
+                    gather = asyncio.ensure_future(
+                        self.scheduler.run_in_engine(lambda: self.runner.gather_kv(src_slots, region)))
+                    try:
+                        await asyncio.shield(gather)
+                    except asyncio.CancelledError:
+                        await asyncio.wait({gather})
+                        raise
                 copies = self._copies(layout, src_slots, region, body, dst_target, dst_draft, row)
                 t1 = time.monotonic()
                 # A transfer under way is not interrupted: an abort waits for it to end.
