@@ -252,6 +252,7 @@ class StagingArena:
         if nbytes <= 0:
             raise ValueError(f"staging arena of {nbytes} bytes")
         self.align = TRANSFER_STAGING_ALIGN_BYTES
+        nbytes = -(-nbytes // self.align) * self.align  # whole regions: one of nbytes always fits
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]   # (offset, size), sorted by offset
@@ -264,9 +265,9 @@ class StagingArena:
 
     def alloc(self, nbytes: int) -> torch.Tensor | None:
         """A region of >= nbytes (a view of the arena), or None while none is free."""
-        if nbytes > self.nbytes:
-            raise ValueError(f"a staged request of {nbytes} bytes does not fit the {self.nbytes}-byte arena")
         size = -(-max(nbytes, 1) // self.align) * self.align
+        if size > self.nbytes:
+            raise ValueError(f"a staged request of {nbytes} bytes does not fit the {self.nbytes}-byte arena")
         for i, (offset, free) in enumerate(self._free):
             if free >= size:
                 if free == size:

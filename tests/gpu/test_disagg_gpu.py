@@ -96,3 +96,30 @@ def test_gpu_pools_through_host_copies(agents, algorithm, hc_mult):
     assert got == want
     assert decode.num_free_slots == free and prefill.num_running == 0
     assert decode.num_draft_tokens_accepted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gather_and_scatter_between_gpu_pools_and_a_pinned_region(dtype):
+    """The staged path's device copies: rows of scattered slots of GPU pools into a pinned region
+    and back into other scattered slots, byte for byte, every layer of both pools."""
+    from specdeploy.engine.runtime.transfer import StagedKV, StagingArena, gather_rows, scatter_rows
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    def pools():
+        return [tuple(torch.empty(layers, 700, 8, 128, dtype=dtype, device=DEV) for _ in "kv") for layers in (4, 1)]
+    src, dst = pools(), pools()
+    for pair in src:
+        for t in pair:
+            t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=g, device=DEV,
+                                                    dtype=torch.uint8))
+    src_slots = torch.tensor([5, 600, 3, 77, 140, 9], device=DEV)
+    dst_slots = torch.tensor([650, 2, 300, 301, 17, 88], device=DEV)
+    layout = StagedKV.of(src, len(src_slots))
+    arena = StagingArena(layout.nbytes, pin=True)
+    region = arena.alloc(layout.nbytes)
+    assert region.is_pinned()
+    gather_rows(src, src_slots, region)
+    scatter_rows(dst, dst_slots, region)
+    for a, b in zip(src, dst, strict=True):
+        for ta, tb in zip(a, b):
+            assert torch.equal(ta.view(torch.uint8)[:, src_slots], tb.view(torch.uint8)[:, dst_slots])
