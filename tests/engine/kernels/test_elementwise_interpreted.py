@@ -114,9 +114,16 @@ from specdeploy.engine.models.attention import AttnBatch
 from specdeploy.engine.runtime.kv import KVPool
 from specdeploy.engine.demo.toy import predictable_target, tiny_config
 
+from specdeploy.engine import kernels
+from specdeploy.engine.kernels import gemv
+
+# The small-M linear kernel on every plain linear of <= 16 rows (on CUDA the launch table decides
+# between it and cuBLAS): split-K at 5-16 rows, the fma loop below.
+gemv.config_for = lambda kind, n, k, m, device: ("dot", 16, 128, 2, 4, 2) if m > 4 else ("fma", 8, 128, 2, 4, 2)
+
 def use_kernels(on):
     # What CUDA would take: the Triton kernels wherever no gradient is tracked.
-    pick = (lambda *a: elementwise_triton) if on else (lambda *a: None)
+    pick = (lambda *a, ops=kernels.elementwise_ops: ops()) if on else (lambda *a, **kw: None)
     layers.fused_kernels = model_module.fused_kernels = pick
     model_module.attend = attention_triton.attend if on else model_module.attention_attend
 
