@@ -482,26 +482,37 @@ class V4Attention(_KeepFloat32):
         if self.compressor is not None:
             self._write_states_and_entries(x, step, kv)
             entry_keys = self._entry_candidates(step, kv)
-        # Queries in blocks when the chunk is long, each block from its projections to the low-rank
-        # output: the logits are [B, block, heads, keys], and no [B, Q, heads, hd] tensor exists
-        # for the whole chunk (heads x hd is 8 hidden widths on Flash).
-        block = QUERY_BLOCK if q_len > QUERY_BLOCK else q_len
+        # Queries in blocks of at most QUERY_BLOCK rows (B x Q: a long chunk's queries, or many
+        # prompts' of one prefill), each block from its projections to the low-rank output: the
+        # logits are [block, heads, keys], and no [B, Q, heads, hd] tensor exists for the whole
+        # forward (heads x hd is 8 hidden widths on Flash). A captured forward (decode, verify,
+        # draft steps) is one block.
         w = self.o_a_proj.weight.view(self.o_groups, self.o_lora, -1)
-        mixed = []
-        for start in range(0, q_len, block):
-            sl = slice(start, min(q_len, start + block))
-            c, s = cos[:, sl, None], sin[:, sl, None]
-            q_res = self.q_a_norm(self.q_a_proj(x[:, sl]))
-            n = q_res.shape[1]
-            q = _unweighted_rms(self.q_b_proj(q_res).view(b, n, self.heads, self.hd), self.eps)
+        if capturing(x) or b * q_len <= QUERY_BLOCK:
+            blocks = [(slice(0, b), slice(0, q_len))]
+        else:
+            qb = min(q_len, QUERY_BLOCK)
+            bb = max(1, QUERY_BLOCK // qb)
+            blocks = [(slice(b0, min(b, b0 + bb)), slice(q0, min(q_len, q0 + qb)))
+                      for b0 in range(0, b, bb) for q0 in range(0, q_len, qb)]
+        mixed = x.new_empty(b, q_len, self.o_groups * self.o_lora) if len(blocks) > 1 else None
+        for bs, sl in blocks:
+            c, s = cos[bs, sl, None], sin[bs, sl, None]
+            xb = x[bs, sl]
+            q_res = self.q_a_norm(self.q_a_proj(xb))
+            nb, n = q_res.shape[:2]
+            q = _unweighted_rms(self.q_b_proj(q_res).view(nb, n, self.heads, self.hd), self.eps)
             q = apply_rope_interleaved(q, c, s)
-            out = self._attend(q, q_res, x[:, sl], step, sl, kv, wpool, window, entry_keys)
+            out = self._attend(q, q_res, xb, step, bs, sl, kv, wpool, window, entry_keys)
             del q
-            out = apply_rope_interleaved(out, c, -s)                        # [B, n, heads, hd]
-            grouped = out.reshape(b, n, self.o_groups, -1)                 # [B, n, G, heads * hd / G]
-            mixed.append(torch.einsum("bqgi,goi->bqgo", grouped, w).reshape(b, n, -1))
+            out = apply_rope_interleaved(out, c, -s)                        # [b', n, heads, hd]
+            grouped = out.reshape(nb, n, self.o_groups, -1)                # [b', n, G, heads * hd / G]
+            low_rank = torch.einsum("bqgi,goi->bqgo", grouped, w).reshape(nb, n, -1)
             del out, grouped
-        mixed = torch.cat(mixed, 1) if len(mixed) > 1 else mixed[0]         # [B, Q, G * o_lora]
+            if mixed is None:
+                mixed = low_rank                                            # [B, Q, G * o_lora]
+            else:
+                mixed[bs, sl] = low_rank
         return self.o_b_proj(mixed)
 
     # -- compressor -----------------------------------------------------------------------------
@@ -548,22 +559,22 @@ class V4Attention(_KeepFloat32):
 
     # -- attention core -------------------------------------------------------------------------
 
-    def _attend(self, q, q_res, x, step: _Step, sl: slice, kv: V4KV, wpool, window, entry_keys):
-        """q [B, q, heads, hd] for the queries `sl` of this forward -> [B, q, heads, hd]."""
+    def _attend(self, q, q_res, x, step: _Step, bs: slice, sl: slice, kv: V4KV, wpool, window, entry_keys):
+        """q [b', q, heads, hd] for the rows `bs` and queries `sl` of this forward -> [b', q, heads, hd]."""
         scale = self.hd ** -0.5
-        path = step.path[:, sl, :self.window]
+        path = step.path[bs, sl, :self.window]
         wk = wpool[kv.maps[window][path]].to(q.dtype)                       # [B, q, W, hd]
         logits = [torch.einsum("bqhd,bqkd->bqhk", q, wk) * scale]
-        masks = [step.path_valid[:, sl, :self.window]]
+        masks = [step.path_valid[bs, sl, :self.window]]
         values = [wk]
         if entry_keys is not None:
             ent_all, vis = entry_keys
-            vis = vis[:, sl]
-            ent_all = ent_all.to(q.dtype)
+            vis = vis[bs, sl]
+            ent_all = ent_all[bs].to(q.dtype)
             ent = ent_all[..., :self.hd]                                    # [B, Ke, hd]
             if self.kind == CSA:
                 ix = self.compressor.indexer
-                cos, sin = self.rope(step.positions[:, sl], q.dtype)
+                cos, sin = self.rope(step.positions[bs, sl], q.dtype)
                 qi = ix.q_b_proj(q_res).view(*q_res.shape[:2], ix.heads, ix.dim)
                 qi = apply_rope_interleaved(qi, cos[:, :, None], sin[:, :, None])
                 ikey = ent_all[..., self.hd:]                                # [B, Ke, ihd]

@@ -375,7 +375,7 @@ def v4_kv_bytes(v4: V4Config, role: str, dtype_bytes: int) -> V4KVBytes:
 
 # Queries one attention block carries when a forward has more (engine/models/deepseek_v4.py
 # runs each block from its q projections to the low-rank output).
-QUERY_BLOCK = 256
+QUERY_BLOCK = 256  # query rows (B x Q) of one block
 
 # Bytes per weight element one projection's dequantization holds while it runs
 # (engine/models/deepseek_v4.py _Experts.weight), by checkpoint kind, for model dtype bytes d:
@@ -398,7 +398,7 @@ class V4ForwardDims:
 
 
 def v4_forward_peak_bytes(v4: V4Config, role: str, dims: V4ForwardDims, tokens: int, prefix: int,
-                          dtype_bytes: int) -> dict[str, int]:
+                          dtype_bytes: int, captured: bool = False) -> dict[str, int]:
     """Bytes one V4 forward over `tokens` rows (B x Q, after `prefix` committed positions) allocates
     beyond its inputs and the pools, at the peak of each phase of a layer, the largest over the
     role's layers: {phase: bytes}; the largest phase is what the forward needs. Named after the
@@ -411,8 +411,9 @@ def v4_forward_peak_bytes(v4: V4Config, role: str, dims: V4ForwardDims, tokens: 
                    + T hc H 4 (the float32 flattened streams the mixes matmul reads)
         attention  2 S + 2 T H d (collapsed and normed input) + the larger of the blocks'
                    low-rank outputs T G o_lora d with one query block and their concatenation
-                   (2 T G o_lora d); a query block of
-                   n = min(T, QUERY_BLOCK) rows, the larger of its q norm (q = n heads hd
+                   (2 T G o_lora d); a query block of n = min(T, QUERY_BLOCK) rows (over prompts
+                   and queries; `captured`: a graph's forward is one block, n = T), the larger
+                   of its q norm (q = n heads hd
                    elements at d + 8: the projection, its float32 copy and square) and its
                    attention: q d + on CSA layers the indexer's float32 scores n index_heads
                    entries 4 (entries = prefix / r + T / r + 1), with the larger of their
@@ -429,7 +430,7 @@ def v4_forward_peak_bytes(v4: V4Config, role: str, dims: V4ForwardDims, tokens: 
     s = tokens * dims.hc_mult * h * d
     rows = tokens * dims.experts_per_tok
     i = dims.moe_intermediate_size
-    n = min(tokens, QUERY_BLOCK)
+    n = tokens if captured else min(tokens, QUERY_BLOCK)  # rows of one query block
     w = v4.sliding_window
     low_rank = tokens * v4.o_groups * v4.o_lora_rank * d
     attention = 0

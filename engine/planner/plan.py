@@ -479,13 +479,13 @@ def _mlp_width_per_token(shapes: ModelShapes) -> int:
     return max(shapes.intermediate_size, routed)
 
 
-def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int = 0) -> int:
+def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int = 0, captured: bool = False) -> int:
     """Transient activations of `tokens` rows through one layer, on one GPU (layers run one at a
     time, so one layer's worth is live): hidden-width tensors plus the MLP's gate, up and product.
     DeepSeek-V4: its own phases (engine/planner/deepseek_v4.py v4_forward_peak_bytes), after
-    `prefix` committed positions (its compressed entries grow with them)."""
+    `prefix` committed positions (its compressed entries grow with them); `captured`: a graph's."""
     if shapes.v4 is not None:
-        return _v4_activation_bytes(shapes, tokens, tp, prefix)
+        return _v4_activation_bytes(shapes, tokens, tp, prefix, captured)
     # hc_mult = 1: spec_hidden_size is hidden_size, and the residual widths are plain hidden widths.
     per_token = ((LIVE_HIDDEN_WIDTHS - LIVE_RESIDUAL_WIDTHS) * shapes.hidden_size
                  + LIVE_RESIDUAL_WIDTHS * shapes.spec_hidden_size
@@ -494,7 +494,7 @@ def _activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int = 0
     return tokens * (per_token * shapes.dtype_bytes + hc_float32 + _fp8_activation_copy(shapes, tp))
 
 
-def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int) -> int:
+def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int, captured: bool) -> int:
     """The largest phase of a DeepSeek-V4 forward, plus the e4m3 copies its FP8 linears make of
     their widest input (the grouped output projection's, o_groups x o_lora_rank)."""
     v4 = shapes.v4
@@ -504,7 +504,7 @@ def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int)
                          moe_intermediate_size=shapes.moe_intermediate_size,
                          shared_intermediate_size=shapes.shared_expert_intermediate_size,
                          expert_quant=shapes.expert_quant)
-    peak = max(v4_forward_peak_bytes(v4, shapes.role, dims, tokens, prefix, shapes.dtype_bytes).values())
+    peak = max(v4_forward_peak_bytes(v4, shapes.role, dims, tokens, prefix, shapes.dtype_bytes, captured).values())
     if shapes.quantization in FP8_QUANT_METHODS and shapes.quantized_weight_bytes:
         width = max(v4.o_groups * v4.o_lora_rank, shapes.hidden_size)
         peak += tokens * (width + 4 * -(-width // FP8_ACTIVATION_GROUP))
@@ -652,7 +652,7 @@ def _memory_terms(
     logits_copies = SAMPLING_LOGITS_COPIES if draft_shapes is not None else 1
     graph_pool = 0 if role == "prefill" else (  # a prefill server captures no graphs
         CUDA_GRAPH_POOL_BASE_BYTES
-        + _activation_bytes(target_shapes, graph_rows, tp, prefix=limits.context_length)
+        + _activation_bytes(target_shapes, graph_rows, tp, prefix=limits.context_length, captured=True)
         + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is

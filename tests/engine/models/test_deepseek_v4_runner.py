@@ -94,6 +94,18 @@ def test_chunked_prefill_changes_nothing(models, reference):
     assert chunked == reference
 
 
+def test_attention_blocks_over_prompts_and_queries_change_nothing(models, reference, monkeypatch):
+    """Attention blocks of at most QUERY_BLOCK query rows: a prefill of the three prompts splits
+    over prompts and over each prompt's queries; eager decode and verify of a batch as well."""
+    import specdeploy.engine.models.deepseek_v4 as v4mod
+
+    monkeypatch.setattr(v4mod, "QUERY_BLOCK", 4)
+    out, _ = serve(models[0], None, SpecConfig())
+    assert out == reference
+    out, _ = serve(*models, SpecConfig("MTP", 2, 2, 4))
+    assert out == reference
+
+
 def test_runner_allocates_the_plan(models):
     """A plan for this config on a GPU just big enough for a few thousand tokens, served by the
     Runner: its pools are exactly v4_pool_rows of the planner's widths, and the plan's KV terms

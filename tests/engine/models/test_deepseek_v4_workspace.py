@@ -84,13 +84,15 @@ def dims(cfg: V4ModelConfig, quant: str = "") -> V4ForwardDims:
                          cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.num_shared_experts, quant)
 
 
-def measure(model, tokens: int, prefix: int, hidden=None) -> int:
-    """Peak transient bytes of one forward of `tokens` new tokens after `prefix` committed ones."""
+def measure(model, tokens: int, prefix: int, hidden=None, requests: int = 1) -> int:
+    """Peak transient bytes of one forward of `tokens` new tokens (`requests` prompts of
+    tokens / requests each) after `prefix` committed ones."""
     meta = dict(dtype=torch.int64, device="meta")
-    kv = model.make_kv(tokens + prefix + 8, tokens + prefix, 1, tokens + 8, torch.bfloat16, "meta")
-    slots, ids = torch.zeros(1, tokens, **meta), torch.zeros(1, tokens, **meta)
-    batch = causal_batch(slots, torch.full((1,), tokens, **meta), torch.zeros(1, prefix, **meta),
-                         torch.full((1,), prefix, **meta))
+    b, q = requests, tokens // requests
+    kv = model.make_kv(b * (q + prefix) + 8, b * (q + prefix), b, tokens + 8, torch.bfloat16, "meta")
+    slots, ids = torch.zeros(b, q, **meta), torch.zeros(b, q, **meta)
+    batch = causal_batch(slots, torch.full((b,), q, **meta), torch.zeros(b, prefix, **meta),
+                         torch.full((b,), prefix, **meta))
     mode = LiveBytes()
     with torch.no_grad(), mode:
         if hidden is None:
@@ -135,6 +137,26 @@ def test_target_forward_is_what_the_plan_counts(flash, as_on_h200, monkeypatch, 
     _closing_queries(monkeypatch)
     measured = measure(target, tokens, prefix)
     planned = max(v4_forward_peak_bytes(cfg.v4, "target", dims(cfg), tokens, prefix, 2).values())
+    assert TOLERANCE[0] <= planned / measured <= TOLERANCE[1], (planned, measured)
+
+
+def test_many_prompts_in_one_chunk(flash, as_on_h200, monkeypatch):
+    """32 prompts of 64 tokens: the attention blocks hold QUERY_BLOCK rows over the prompts. The
+    formula counts the chunk's entries as one prompt's (its worst case: one long prompt closes
+    T / r windows), 32 prompts of 64 close fewer, so it may count up to 1.35x here."""
+    cfg, target = flash
+    _closing_queries(monkeypatch)
+    measured = measure(target, 2048, 1024, requests=32)
+    planned = max(v4_forward_peak_bytes(cfg.v4, "target", dims(cfg), 2048, 1024, 2).values())
+    assert TOLERANCE[0] <= planned / measured <= 1.35, (planned, measured)
+
+
+def test_a_captured_step_is_one_block(flash, as_on_h200, monkeypatch):
+    """A graph's forward (16 requests verifying 8 nodes each after 4096 tokens) is one block."""
+    cfg, target = flash
+    monkeypatch.setattr(v4mod, "capturing", lambda t: True)
+    measured = measure(target, 128, 4096, requests=16)
+    planned = max(v4_forward_peak_bytes(cfg.v4, "target", dims(cfg), 128, 4096, 2, captured=True).values())
     assert TOLERANCE[0] <= planned / measured <= TOLERANCE[1], (planned, measured)
 
 
