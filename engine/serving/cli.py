@@ -679,8 +679,9 @@ def disaggregation_service(args: argparse.Namespace, scheduler, plan):
 
 
 def _staging_arena(runner, plan):
-    """The plan's transfer staging arena (host memory, pinned on a GPU); refused if it cannot
-    hold one context-length request of this runner's pools."""
+    """The plan's transfer staging arena (host memory, pinned on a GPU), grown with a warning if
+    it cannot hold one context-length request of this runner's pools (the plan counted other KV
+    bytes per token: the `plan check: KV cache` line says so too)."""
     from specdeploy.engine.planner.plan import TRANSFER_STAGING_REQUESTS, transfer_staging_request_bytes
     from specdeploy.engine.runtime.transfer import StagingArena
 
@@ -689,8 +690,10 @@ def _staging_arena(runner, plan):
     # Plans written before the staging term existed have none: size it as the planner does.
     planned = plan.buffers.transfer_staging_bytes or TRANSFER_STAGING_REQUESTS * need
     if planned < need:
-        raise RuntimeError(f"the plan's transfer staging ({planned} bytes) cannot hold one {plan.context_length}-token "
-                           f"request of these KV pools ({need} bytes): the plan was made for other pools")
+        log.warning("the plan's transfer staging (%s) cannot hold one %d-token request of these KV pools (%s): "
+                    "allocating %s", human_bytes(planned), plan.context_length, human_bytes(need),
+                    human_bytes(TRANSFER_STAGING_REQUESTS * need))
+        planned = TRANSFER_STAGING_REQUESTS * need
     return StagingArena(planned, pin=runner.device.type == "cuda")
 
 

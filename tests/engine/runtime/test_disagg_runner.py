@@ -387,3 +387,24 @@ def test_staging_arena_allocates_releases_and_waits():
 
     asyncio.run(scenario())
     assert arena.free_bytes == arena.nbytes
+
+
+def test_server_arena_is_the_plans_or_grown_to_one_context(caplog):
+    """engine serve's arena: the plan's transfer_staging_bytes; a plan that counted too few KV
+    bytes per token (or none: written before the term) gets two context-length regions."""
+    import logging
+
+    from specdeploy.engine.serving.cli import _staging_arena
+
+    target, perm = target_for(1)
+    draft = copy_draft("EAGLE3", target, perm)
+    plan = tiny_plan(target.cfg, "EAGLE3")
+    runner = Runner(target, draft, plan=plan, role="decode")
+    need = transfer_staging_request_bytes(plan.context_length, runner.staged_kv(0).nbytes)
+    planned = dataclasses.replace(plan, buffers=dataclasses.replace(plan.buffers, transfer_staging_bytes=3 * need))
+    assert _staging_arena(runner, planned).nbytes == 3 * need
+    short = dataclasses.replace(plan, buffers=dataclasses.replace(plan.buffers, transfer_staging_bytes=need // 2))
+    with caplog.at_level(logging.WARNING, logger="specdeploy"):
+        assert _staging_arena(runner, short).nbytes == 2 * need
+    assert "cannot hold one 96-token request" in caplog.text
+    assert _staging_arena(runner, plan).nbytes == 2 * need  # no staging term in a role "both" plan
