@@ -347,22 +347,22 @@ def timed_steps(runner, steps: int, warmup: int, device, instrumented: bool) -> 
 
 def decode_runner(target, batch: int, context: int, max_new: int, device, graph_mode: str,
                   overlap: bool | None = None, head=None, shape: tuple[int, int, int] | None = None,
-                  fused: bool = True):
+                  fused: bool = True, launch_ahead: bool = False):
     """A decode Runner with B requests of a `context`-token prompt each, prefilled: every later
     step() is one decode step for all B (plain; speculative with `head` and shape (steps, topk,
     draft tokens), whose steps may emit up to steps + 1 tokens each), for max_new - 1 steps at least."""
     from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
-    spec, scratch, ahead = None, 1, 0
+    spec, scratch, ahead = None, 1, 2
     if head is not None:
         steps, topk, n = shape
         spec = SpecConfig(head.algorithm, steps, topk, n)
-        scratch, ahead = (steps - 1) * topk + n, steps
+        scratch, ahead = (steps - 1) * topk + n, 2 * (steps + 1)
         max_new *= steps + 1
     runner = Runner(target, head, spec, max_total_tokens=batch * (context + max_new + 2 * scratch + 2) + 8,
                     max_running_requests=batch, context_length=context + max_new + ahead + 8, device=device,
                     cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode, overlap=overlap,
-                    fused_spec_step=fused)
+                    fused_spec_step=fused, launch_ahead=launch_ahead)
     gen = torch.Generator().manual_seed(3)
     for i in range(batch):
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
@@ -420,27 +420,35 @@ def row_graph_ms(runner, device, reps: int = 20) -> float | None:
 def runner_overlap_gap(target, batch: int, context: int, steps: int, warmup: int, device, graph_mode: str,
                        head=None, shape=None, call_ms: float | None = None, profile: bool = False,
                        fused: bool = True) -> dict:
-    """The Runner's decode step with overlap on and off (back-to-back steps, loop_ms) against
-    the bare replay of the runner's own step graph and, if given, the graphed call `call_ms`:
-    the gaps in % are the host work the device still waits for. profile: torch.profiler's
-    host-time table of one step in each mode."""
+    """The Runner's decode step with overlap on (the next step staged while this one runs),
+    off, and launch-ahead (the next step launched before this one is waited for), back-to-back
+    steps (loop_ms), against the bare replay of the runner's own step graph and, if given, the
+    graphed call `call_ms`: the gaps in % are the host work the device still waits for.
+    profile: torch.profiler's host-time table of one step in each mode."""
     out = {}
-    for overlap in (True, False):
-        runner = decode_runner(target, batch, context, steps + warmup + 12, device, graph_mode,
-                               overlap=overlap, head=head, shape=shape, fused=fused)
-        key = "on" if overlap else "off"
-        out[f"step_ms_overlap_{key}"] = loop_ms(runner, steps, warmup, device)
-        out[f"overlapped_steps_{key}"] = runner.num_overlapped_steps / max(runner.num_decode_steps, 1)
-        if profile:
-            out[f"profile_overlap_{key}"] = profile_top(runner.step, device, reps=5, by="host", top=16)
-        if overlap:
-            out["graph_ms"] = row_graph_ms(runner, device)
-        del runner
+    for key, kw in (("on", dict(overlap=True)), ("off", dict(overlap=False)),
+                    ("launch", dict(overlap=False, launch_ahead=True))):
+        try:
+            runner = decode_runner(target, batch, context, steps + warmup + 12, device, graph_mode,
+                                   head=head, shape=shape, fused=fused, **kw)
+            out[f"step_ms_overlap_{key}"] = loop_ms(runner, steps, warmup, device)
+            out[f"overlapped_steps_{key}"] = runner.num_overlapped_steps / max(runner.num_decode_steps, 1)
+            if profile:
+                out[f"profile_overlap_{key}"] = profile_top(runner.step, device, reps=5, by="host", top=16)
+            if key == "on":
+                out["graph_ms"] = row_graph_ms(runner, device)
+            del runner
+        except Exception as e:  # one mode failing leaves the others' figures
+            if key == "on":
+                raise
+            out[f"error_overlap_{key}"] = f"{type(e).__name__}: {e}"[:300]
+            log(f"Runner.step with overlap {key} failed: {out[f'error_overlap_{key}']}")
     base = {"graph": out["graph_ms"], "call": call_ms}
     for name, ms in base.items():
         if ms:
-            for key in ("on", "off"):
-                out[f"gap_pct_overlap_{key}_vs_{name}"] = 100 * (out[f"step_ms_overlap_{key}"] / ms - 1)
+            for key in ("on", "off", "launch"):
+                if f"step_ms_overlap_{key}" in out:
+                    out[f"gap_pct_overlap_{key}_vs_{name}"] = 100 * (out[f"step_ms_overlap_{key}"] / ms - 1)
     return out
 
 

@@ -110,24 +110,30 @@ def _overlap_lines(r: dict) -> list[str]:
         g = x.get("runner")
         if g:
             rows.append([f"plain bs{x['batch']}", _f(g.get("graph_ms"), 3), _f(g["step_ms_overlap_on"], 3),
-                         _f(g["step_ms_overlap_off"], 3), _f(g.get("gap_pct_overlap_on_vs_graph"), 1, 1, "%"),
+                         _f(g.get("step_ms_overlap_off"), 3), _f(g.get("step_ms_overlap_launch"), 3),
+                         _f(g.get("gap_pct_overlap_on_vs_graph"), 1, 1, "%"),
                          _f(g.get("gap_pct_overlap_off_vs_graph"), 1, 1, "%"),
+                         _f(g.get("gap_pct_overlap_launch_vs_graph"), 1, 1, "%"),
                          _f(g.get("gap_pct_overlap_on_vs_call"), 1, 1, "%"), _pct(g.get("overlapped_steps_on"))])
     for x in r.get("spec_overlap", []):
         if "step_ms_overlap_on" in x:
             rows.append([f"EAGLE {x['shape']} {tuple(x['steps_topk_draft'])} bs{x['batch']}", _f(x.get("graph_ms"), 3),
-                         _f(x["step_ms_overlap_on"], 3), _f(x["step_ms_overlap_off"], 3),
+                         _f(x["step_ms_overlap_on"], 3), _f(x.get("step_ms_overlap_off"), 3),
+                         _f(x.get("step_ms_overlap_launch"), 3),
                          _f(x.get("gap_pct_overlap_on_vs_graph"), 1, 1, "%"),
-                         _f(x.get("gap_pct_overlap_off_vs_graph"), 1, 1, "%"), "—", _pct(x.get("overlapped_steps_on"))])
+                         _f(x.get("gap_pct_overlap_off_vs_graph"), 1, 1, "%"),
+                         _f(x.get("gap_pct_overlap_launch_vs_graph"), 1, 1, "%"), "—",
+                         _pct(x.get("overlapped_steps_on"))])
     if not rows:
         return []
     goal = r.get("overlap_goal", {})
-    return ["", "Host work the device waits for: Runner.step back to back (ms), overlap on (the next step "
-                "staged while this one runs) and off, against the replay of the runner's own step graph "
+    return ["", "Host work the device waits for: Runner.step back to back (ms), overlap on (the default: the "
+                "next step staged while this one runs), off, and launch-ahead (`--launch-ahead`: the next step "
+                "launched before this one is waited for), against the replay of the runner's own step graph "
                 f"(goal: within 3% with overlap on; worst {_f(goal.get('worst_pct'), 1, 1, '%')}, "
                 f"{_met(goal.get('met')) if goal else '—'}) and, for plain decode, the graphed call above.", "",
-            _table(["step", "step graph", "overlap on", "overlap off", "gap on", "gap off", "on vs call",
-                    "steps staged ahead"], rows)]
+            _table(["step", "step graph", "overlap on", "overlap off", "launch-ahead", "gap on", "gap off",
+                    "gap launch-ahead", "on vs call", "steps staged ahead"], rows)]
 
 
 def s2(r: dict) -> str:
@@ -345,6 +351,8 @@ def profiles(sections: dict) -> str:
                                     rec["results"].get("profile_bs1_runner_step")))
         parts.append(_profile_table("Runner decode step, batch 1, graphed, overlap off",
                                     rec["results"].get("profile_bs1_runner_step_no_overlap")))
+        parts.append(_profile_table("Runner decode step, batch 1, graphed, launch-ahead",
+                                    rec["results"].get("profile_bs1_runner_step_launch_ahead")))
     rec = sections.get("3")
     if rec and rec.get("results"):
         for x in rec["results"]["rows"]:

@@ -45,6 +45,15 @@ if the batch changed (a request finished, was aborted, or one joined) or slots r
 next step then stages itself as without overlap. The tokens are the same either way; the
 staged slots count as free for admission (they are the running requests' reserved scratch).
 
+Launch-ahead (`launch_ahead=True`, `--launch-ahead`): step N+1 is launched, for every request
+running then, before step N is waited for (it reads the row state step N leaves on the
+device), so the device never waits for the host between steps, not even for the commit and
+the caller's work between calls. A request that step N finishes (or that is aborted) rides
+step N+1 too: its output is discarded and its slots go back when N+1 is collected, so each
+request needs one more step of context (`max_sequence_tokens`). Each call still returns one
+step's outputs; every request gets the same tokens. Not with adaptive speculation, whose
+policy sees each step before choosing the next.
+
 Roles (prefill/decode disaggregation, docs/disaggregation.md): "both" does all of the above.
 "prefill" stops after step 1: a request (max_tokens 1) that has its first token is *held*, its
 slots and row kept, until `export_held` has put its state into the metadata buffer and the
@@ -140,6 +149,19 @@ class _Seq:
 
 
 @dataclass
+class _Launched:
+    """A decode step on its way: its requests in batch order, the slots it holds past the
+    scratch [B, N] (the out slot of a plain step), its output's host copy and the event it is
+    done at (None: already there)."""
+    seqs: list
+    shape: SpecShape
+    steps: RowSteps
+    slots: torch.Tensor
+    host: torch.Tensor
+    event: object
+
+
+@dataclass
 class _Staged:
     """A decode step's input, staged: host rows copied to `packed` (on the device), the slots
     it took [B * (K - 1)], row after row; `key` says which step it was staged for."""
@@ -158,7 +180,8 @@ class Runner:
                  role: str = "both", prefix_cache: bool = False, adaptive: bool = False,
                  adaptive_shapes: list[SpecShape] | None = None, step_costs_s: dict | None = None,
                  catch_up_tokens: int = 16, policy_options=None,
-                 kv_cache_dtype: torch.dtype | None = None, overlap: bool | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, overlap: bool | None = None,
+                 launch_ahead: bool = False):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
@@ -176,12 +199,19 @@ class Runner:
         share a prefix (prefix_cache.py); evicted least recently used when slots are needed.
         overlap: stage the next decode step (its slots and packed input) while the current one
         runs on the device (module docstring); default on for CUDA. The tokens are the same
-        either way."""
+        either way.
+        launch_ahead: launch the next decode step before waiting for the current one (module
+        docstring): a request rides one discarded step past its end, so each needs one more
+        step of context (max_sequence_tokens); not with adaptive speculation."""
         if role not in ROLES:
             raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
         if role != "both" and plan is None:
             raise ValueError(f"role {role!r} needs a plan (its disaggregation metadata buffer)")
         self.role = role
+        if launch_ahead and adaptive:
+            raise ValueError("launch_ahead: not with adaptive speculation (its policy sees each step "
+                             "before choosing the next)")
+        self.launch_ahead = launch_ahead
         if plan is not None:
             max_total_tokens = plan.max_total_tokens
             max_running_requests = plan.max_running_requests
@@ -366,8 +396,13 @@ class Runner:
         # Overlap: the next step's staged input (and the slots it took), see _decode. Not with
         # pools that follow every slot handed out (DeepSeek-V4's): they are sized for one step.
         self.overlap = (self.device.type == "cuda") if overlap is None else overlap
-        self.overlap = self.overlap and not self.table.listeners
+        self.overlap = self.overlap and not self.table.listeners and not launch_ahead
+        if launch_ahead and self.table.listeners:
+            raise ValueError(f"launch_ahead: not for {type(target).__name__} targets (pools sized for one step)")
         self._ahead: _Staged | None = None
+        self._current: _Launched | None = None      # launched, not collected yet (this call)
+        self._in_flight: _Launched | None = None    # launched ahead, collected next call
+        self._stashed: list[StepOutput] = []        # a collected step's outputs, for the next call
         self.num_decode_steps = 0
         self.num_overlapped_steps = 0     # decode steps whose input was staged during the previous
         self._pending: list[_Seq] = []
@@ -391,8 +426,10 @@ class Runner:
         self._ring = [torch.zeros(rows_max * width, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ring_events = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._ring_next = 0
-        self._out_host = torch.zeros(max_running_requests * out_width, dtype=torch.int64, pin_memory=pin)
-        self._out_event = torch.cuda.Event() if pin else None
+        self._out_host = [torch.zeros(max_running_requests * out_width, dtype=torch.int64, pin_memory=pin)
+                          for _ in range(2)]
+        self._out_events = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._out_next = 0
         # Greedy requests' sampling parameters and (unused) uniform draws, as device constants.
         m = max_running_requests
         self._greedy = (torch.zeros(m, device=self.device),
@@ -421,7 +458,7 @@ class Runner:
     def max_sequence_tokens(self) -> int:
         """The most prompt + max_tokens one request may have: the context minus the positions
         one draft tree looks ahead past the committed tokens."""
-        return self.context_length - self._max_steps - 1
+        return self.context_length - (self._max_steps + 1) * (2 if self.launch_ahead else 1)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The largest max_tokens a request with this prompt can be admitted with (by context
@@ -587,6 +624,7 @@ class Runner:
         return len(self._receiving)
 
     def abort(self, req_id: str) -> None:
+        self._stashed = [o for o in self._stashed if o.req_id != req_id]
         for i, seq in enumerate(self._pending):
             if seq.req.id == req_id:
                 self._pending.pop(i)
@@ -609,6 +647,8 @@ class Runner:
     def _release(self, seq: _Seq, hold: bool = False) -> None:
         del self._running[seq.req.id]
         self._drop_ahead()  # it was staged for a batch with this request in it
+        if not self._running:
+            self._drop_in_flight()
         if hold:  # prefill role: its state has yet to reach a decode server
             self._held[seq.req.id] = seq
             return
@@ -722,8 +762,8 @@ class Runner:
 
     @property
     def has_work(self) -> bool:
-        """Whether step() would compute anything."""
-        return bool(self._running or self._pending)
+        """Whether step() would compute anything (or has outputs to give)."""
+        return bool(self._running or self._pending or self._stashed)
 
     # ---- one iteration -----------------------------------------------------------------------
 
@@ -731,6 +771,9 @@ class Runner:
     def step(self) -> list[StepOutput]:
         if self.draft is not None and (self.target.feature_kind, self.target.aux_layers) != self._feature:
             self.target.set_feature(*self._feature)
+        if self._stashed:  # a step collected by a call that then failed: its outputs first
+            outs, self._stashed = self._stashed, []
+            return outs
         decoding = list(self._running.values())
         outputs: dict[str, StepOutput] = {}
         self.decoded_shape = None
@@ -777,6 +820,9 @@ class Runner:
 
     def _undo_step(self) -> None:
         self._drop_ahead()
+        if self._current is not None:  # launched, its output never read: nothing committed
+            self.table.free(self._current.slots)
+            self._current = None
         for slots in self._step_slots:
             self.table.free(slots)
         for row, start, end in self._step_entries:
@@ -898,77 +944,152 @@ class Runner:
         Host side: the staged input (made while the previous step ran, when it is this
         step's), one copy to the device, the graph, one copy back; with overlap the next step
         is staged before this one is waited for (assuming every request continues; a request
-        that finishes drops it). Then the commit: the slots off the accepted paths and the
-        scratch go back, lengths and tokens are emitted."""
-        steps = self._row_steps[shape]
-        b = len(seqs)
+        that finishes drops it). Then the commit: the slots off the accepted paths go back,
+        lengths and tokens are emitted."""
+        if self.launch_ahead:
+            return self._decode_launch_ahead(seqs, shape)
         key = (shape, tuple(s.row for s in seqs))
         staged, self._ahead = self._ahead, None
         if staged is not None and staged.key != key:
             self.table.free(staged.slots)
             staged = None
-        self.num_decode_steps += 1
         if staged is not None:
             self.num_overlapped_steps += 1
+        self._current = step = self._launch(seqs, shape, staged)
+        if self.overlap:
+            self._ahead = self._stage(step.steps, seqs, key, ahead=True)
+        outs = self._collect(step)
+        self._current = None
+        return outs
+
+    def _decode_launch_ahead(self, seqs: list[_Seq], shape: SpecShape) -> list[StepOutput]:
+        """Launch-ahead overlap: the step launched last call (for every request then running)
+        is this call's; the next one is launched now, for every request running now, before
+        this one is waited for, so that the device never waits for the host between steps.
+        A request that this step finishes (or that is aborted) rides one step too many, whose
+        output is discarded and whose slots go back when it is collected."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            step = self._launch(seqs, shape)
         else:
-            staged = self._stage(steps, seqs, key)
-        self._step_slots.append(staged.slots)
+            self.num_overlapped_steps += 1
+            launched = {id(s) for s in step.seqs}
+            if any(id(s) not in launched for s in seqs):
+                # A request started between calls (activate): it decodes from the next call,
+                # when the pipeline restarts with everyone.
+                return self._collect(step)
+        ahead = list(self._running.values())
+        try:
+            self._in_flight = self._launch(ahead, shape, lookahead=self._max_steps + 1) if ahead else None
+        except BaseException:
+            self._stashed = self._collect(step)  # kept consistent; returned by the next call
+            raise
+        outs = self._collect(step)
+        if not self._running:
+            self._drop_in_flight()
+        return outs
+
+    def _launch(self, seqs: list[_Seq], shape: SpecShape, staged: _Staged | None = None,
+                lookahead: int = 0) -> _Launched:
+        """Stage (unless staged), copy and launch one decode step, and queue its output's copy
+        to the host; -> the launched step, which owns its slots past the scratch.
+        lookahead: positions the requests may have grown by since their host lengths (a step
+        launched before the one before it is collected)."""
+        steps = self._row_steps[shape]
+        b = len(seqs)
+        self.num_decode_steps += 1
+        if staged is None:
+            staged = self._stage(steps, seqs, (shape, tuple(s.row for s in seqs)))
         sampling = any(s.req.temperature > 0 for s in seqs)
-        width = max(s.length for s in seqs)                  # prefix columns an eager body reads
-        if steps.kind == "spec":
-            n, m = shape.num_draft_tokens, shape.num_steps
-            if sampling:
-                # [B, N + 1 + S]: verify coins per node, the bonus draw, one draw per chain draft step.
-                params, uniforms = self._sampling_params(seqs), self._uniforms(seqs, n + 1 + m)
+        # Prefix columns an eager body reads: the longest committed length.
+        width = max(s.length for s in seqs) + lookahead
+        taken = staged.slots.view(b, steps.width - 1)
+        try:
+            if steps.kind == "spec":
+                n, m = shape.num_draft_tokens, shape.num_steps
+                if sampling:
+                    # [B, N + 1 + S]: verify coins per node, the bonus draw, one per chain draft step.
+                    params, uniforms = self._sampling_params(seqs), self._uniforms(seqs, n + 1 + m)
+                else:
+                    params, uniforms = self._greedy_args(b, n + 1 + m)
+                out, _ = steps.run(staged.packed, b, width, sampling, params, uniforms)
             else:
-                params, uniforms = self._greedy_args(b, n + 1 + m)
-            out, _ = steps.run(staged.packed, b, width, sampling, params, uniforms)
+                out, logits = steps.run(staged.packed, b, width)
+                if sampling:  # the body wrote the argmax; the drawn tokens replace it
+                    tokens = self._sample(seqs, logits)
+                    rows = staged.packed[:b, 0]
+                    self.rows.roots[rows] = tokens
+                    if steps.kind == "feature":
+                        self._catch_up_ids[rows, self._catch_up_count[rows] - 1] = tokens
+                    out = tokens[:, None]
+        except BaseException:  # a failed forward commits nothing: its slots go back
+            self.table.free(staged.slots)
+            raise
+        scratch = (shape.num_steps - 1) * shape.topk if steps.kind == "spec" else 0
+        if scratch:
             # The scratch goes back now: the device is done with it before any later step
             # (one stream), and the next step may take it.
-            per, scratch = steps.width - 1, (m - 1) * shape.topk
-            if scratch:
-                taken = staged.slots.view(b, per)
-                self.table.free(taken[:, :scratch])
-                self._step_slots[-1] = taken[:, scratch:]
-        else:
-            out, logits = steps.run(staged.packed, b, width)
-            if sampling:  # the body wrote the argmax; the drawn tokens replace it
-                tokens = self._sample(seqs, logits)
-                rows = staged.packed[:b, 0]
-                self.rows.roots[rows] = tokens
-                if steps.kind == "feature":
-                    self._catch_up_ids[rows, self._catch_up_count[rows] - 1] = tokens
-                out = tokens[:, None]
-        host = self._to_host(out)
-        if self.overlap:
-            self._ahead = self._stage(steps, seqs, key, ahead=True)
-        if self._out_event is not None:
-            self._out_event.synchronize()                    # the one wait of the step
-        values = host.tolist()
+            self.table.free(taken[:, :scratch])
+            taken = taken[:, scratch:]
+        host, event = self._to_host(out)
+        return _Launched(seqs, shape, steps, taken, host, event)
 
-        # Commit (after the last model call, so a failure above leaves the requests as they
-        # were; the device side was committed by the step itself, rows.py).
+    def _collect(self, step: _Launched) -> list[StepOutput]:
+        """Wait for a launched step's output and commit it on the host: the slots off the
+        accepted paths go back, lengths and tokens are emitted. Requests released since the
+        launch (finished or aborted: a launch-ahead over-run) give back all its slots."""
+        if step.event is not None:
+            step.event.synchronize()                         # the one wait of the step
+        values = step.host.tolist()
+        live = [self._running.get(s.req.id) is s for s in step.seqs]
+        shape, b = step.shape, len(step.seqs)
         listeners = self.table.listeners
-        if steps.kind == "spec":
+        if step.steps.kind == "spec":
+            n, m = shape.num_draft_tokens, shape.num_steps
             accepted = [v[0] for v in values]
-            self.table.free(host[:, 2 + m + 1:].reshape(-1)[:b * (n - 1) - sum(accepted)])
+            off_path = step.host[:, 2 + m + 1:].reshape(-1)  # [B * N], sum(N - 1 - accepted) first
+            if all(live):
+                self.table.free(off_path[:b * (n - 1) - sum(accepted)])
+            else:
+                at = 0
+                for i, (ok, a) in enumerate(zip(live, accepted)):
+                    self.table.free(off_path[at:at + n - 1 - a] if ok else step.slots[i])
+                    at += n - 1 - a
+            seqs = [s for s, ok in zip(step.seqs, live) if ok]
+            values = [v for v, ok in zip(values, live) if ok]
+            accepted = [v[0] for v in values]
             for s, a in zip(seqs, accepted):
                 if listeners:
                     self.table.commit(s.row, s.length, s.length + a + 1)
                 s.length += a + 1
             self._commit_step()
-            self.num_draft_tokens_proposed += b * m
+            self.num_draft_tokens_proposed += len(seqs) * m
             self.num_draft_tokens_accepted += sum(accepted)
             emitted = [v[3:a + 3] + [v[1]] for v, a in zip(values, accepted)]
             return self._emit(seqs, emitted, accepted, m)
+        if not all(live):
+            for i, ok in enumerate(live):
+                if not ok:
+                    self.table.free(step.slots[i])
+            seqs = [s for s, ok in zip(step.seqs, live) if ok]
+            values = [v for v, ok in zip(values, live) if ok]
+        else:
+            seqs = step.seqs
         for s in seqs:
             if listeners:
                 self.table.commit(s.row, s.length, s.length + 1)
             s.length += 1
-            if steps.kind == "feature":
+            if step.steps.kind == "feature":
                 s.pending += 1
         self._commit_step()
-        return self._emit(seqs, values, [0] * b)
+        return self._emit(seqs, values, [0] * len(seqs))
+
+    def _drop_in_flight(self) -> None:
+        """No request is left running: the launched-ahead step's slots go back (the device
+        finishes it before any later work that could reuse them) and its output is ignored."""
+        if self._in_flight is not None:
+            self.table.free(self._in_flight.slots)
+            self._in_flight = None
 
     def _stage(self, steps: RowSteps, seqs: list[_Seq], key: tuple, ahead: bool = False) -> _Staged | None:
         """Take the step's slots, write its packed rows (and padding) into a host buffer and
@@ -1000,16 +1121,18 @@ class Runner:
             self.table.free(self._ahead.slots)
             self._ahead = None
 
-    def _to_host(self, out: torch.Tensor) -> torch.Tensor:
-        """out [B, K] on the device -> its host copy, queued (pinned, with the event the
-        step waits on) on CUDA."""
-        if self._out_event is None:
-            return out.cpu() if out.device.type != "cpu" else out
+    def _to_host(self, out: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """out [B, K] on the device -> (its host copy, the event it is done at): on CUDA queued
+        into one of two pinned buffers (two steps may be in flight), else a plain copy."""
+        if self._out_events is None:
+            return (out.cpu() if out.device.type != "cpu" else out), None
         b, k = out.shape
-        host = self._out_host[:b * k].view(b, k)
+        i = self._out_next
+        self._out_next ^= 1
+        host = self._out_host[i][:b * k].view(b, k)
         host.copy_(out, non_blocking=True)
-        self._out_event.record()
-        return host
+        self._out_events[i].record()
+        return host, self._out_events[i]
 
     def _catch_up(self, seqs: list[_Seq]) -> None:
         """The draft runs over the entries its requests' plain steps left (one draft extend of

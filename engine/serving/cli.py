@@ -84,6 +84,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="stage the next decode step while the current one runs on the GPU (its "
                         "slots and packed input), waiting for the device once per step; the same "
                         "tokens either way (default: on; --no-overlap for comparison)")
+    p.add_argument("--launch-ahead", action="store_true",
+                   help="launch the next decode step before waiting for the current one, so the GPU never "
+                        "waits for the host between steps (a finished request rides one discarded step; "
+                        "one more step of context per request; not with --adaptive-speculation)")
     p.add_argument("--role", choices=ROLES, default="both",
                    help="both: prefill and decode here (default); prefill / decode: one half of a "
                         "disaggregated pair behind `specdeploy router` (docs/disaggregation.md)")
@@ -152,6 +156,11 @@ def check_args(args: argparse.Namespace) -> None:
     # Without --algorithm the plan names it (checked once loaded), else it is NONE.
     if args.adaptive_speculation and (args.algorithm == "NONE" or (args.algorithm is None and not args.plan)):
         raise ValueError("--adaptive-speculation needs a draft (--algorithm EAGLE, EAGLE3 or MTP)")
+    if args.launch_ahead and args.adaptive_speculation:
+        raise ValueError("--launch-ahead and --adaptive-speculation exclude each other (the policy "
+                         "sees each step before choosing the next)")
+    if args.launch_ahead and not args.overlap:
+        raise ValueError("--launch-ahead is an overlap; drop --no-overlap")
     if args.draft and args.algorithm is None and not args.plan:
         raise ValueError("--draft needs --algorithm (EAGLE, EAGLE3 or MTP) or a --plan that names it")
     if args.prefill_timeout_s is not None and args.role != "decode":
@@ -344,6 +353,7 @@ class RankSpec:
     role: str = "both"
     random_weights: bool = False
     overlap: bool = True
+    launch_ahead: bool = False
 
     def rank_device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else "cpu"
@@ -425,13 +435,17 @@ def build_runner(spec: RankSpec, rank: int = 0):
         # neither a finished request's slots nor a later draft catch-up could read them.
         log.warning("DeepSeek-V4: prefix cache and adaptive speculation are off (not supported for its pools yet)")
         prefix_cache = adaptive = False
+    launch_ahead = spec.launch_ahead
+    if deepseek_v4 and launch_ahead:
+        log.warning("DeepSeek-V4: --launch-ahead is off (its pools are sized for one step in flight)")
+        launch_ahead = False
     runner = Runner(target, draft, plan=plan, device=device, seed=spec.seed, adaptive=adaptive,
                     # A decode server takes every prompt from its prefill server: nothing to match.
                     prefix_cache=prefix_cache and spec.role != "decode", role=spec.role,
                     prefill_chunk_tokens=role_prefill_chunk_tokens(spec.role),
                     # A prefill server never decodes: no decode graphs to capture.
                     graph_mode="off" if spec.role == "prefill" else None,
-                    overlap=None if spec.overlap else False)
+                    overlap=None if spec.overlap else False, launch_ahead=launch_ahead)
     if adaptive:
         costs = runner.policy.base_costs_s
         log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
@@ -597,7 +611,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
                     dtype_name, device, args.seed, tp_size,
                     distributed.free_init_method() if tp_size > 1 else "", args.all_reduce,
                     bool(args.adaptive_speculation), bool(args.prefix_cache), args.role,
-                    bool(args.random_weights), bool(args.overlap))
+                    bool(args.random_weights), bool(args.overlap), bool(args.launch_ahead))
     ranks = ranks or TensorParallelRanks()
     if tp_size > 1:
         ranks.start(spec)

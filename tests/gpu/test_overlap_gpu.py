@@ -1,8 +1,9 @@
 """The overlapped decode loop under captured CUDA graphs (run on the device): overlap on equals
 overlap off token for token and step for step (target-only, EAGLE chain and tree fused and
 unfused, MTP with hc_mult 4, adaptive shapes), with finishes at different steps, a stop token
-mid-batch, an abort between steps and requests joining; slots come back. A steady greedy decode
-step launches one graph, copies once each way and launches no other kernel."""
+mid-batch, an abort between steps and requests joining; slots come back. Launch-ahead gives
+every request the same tokens. A steady greedy decode step launches one graph, copies once each
+way and launches no other kernel, in both overlap modes."""
 
 import pytest
 import torch
@@ -100,13 +101,38 @@ def test_overlap_equals_no_overlap_adaptive_under_graphs():
     assert outs[0] == outs[1]
 
 
+def tokens_of(steps):
+    out = {}
+    for step in steps:
+        for rid, toks, _, fin, reason in step:
+            prev = out.get(rid, ([], None))
+            out[rid] = (prev[0] + toks, reason if fin else prev[1])
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", [("NONE", 1, 1, 1), ("EAGLE", 1, 1, 4),
+                                                      ("EAGLE", 1, 4, 8), ("MTP", 4, 1, 4)])
+def test_launch_ahead_gives_the_same_tokens_under_graphs(algorithm, hc_mult, topk, n, fused):
+    if algorithm == "NONE" and not fused:
+        pytest.skip("plain decode has one graph either way")
+    first = drive(build(algorithm, hc_mult, topk, n, False, fused_spec_step=fused), *workload())
+    stop = [t for step in first for (rid, toks, *_) in step if rid == "r1" for t in toks][3]
+    want = tokens_of(drive(build(algorithm, hc_mult, topk, n, False, fused_spec_step=fused),
+                           *workload(stop), abort="r2"))
+    runner = build(algorithm, hc_mult, topk, n, False, fused_spec_step=fused, launch_ahead=True)
+    assert tokens_of(drive(runner, *workload(stop), abort="r2")) == want
+    assert runner.num_overlapped_steps > 0 and runner._in_flight is None
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True])
 @pytest.mark.parametrize("algorithm,topk,n", [("NONE", 1, 1), ("EAGLE", 1, 4), ("EAGLE", 4, 8)])
-def test_steady_decode_step_is_one_graph_and_two_copies(algorithm, topk, n):
+def test_steady_decode_step_is_one_graph_and_two_copies(algorithm, topk, n, launch_ahead):
     """No kernel outside the graph, one host-to-device copy (the staged next step) and one
-    device-to-host copy (the packed output) per steady greedy step, overlap on."""
+    device-to-host copy (the packed output) per steady greedy step, overlap on or launch-ahead."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = build(algorithm, 1, topk, n, True)
+    runner = build(algorithm, 1, topk, n, not launch_ahead, launch_ahead=launch_ahead)
     for r in workload()[0][:2]:
         r.max_tokens = 60
         runner.add(r)

@@ -46,8 +46,18 @@ def drive(runner: Runner, reqs: list[Request], late: list[Request] = (), abort: 
         i += 1
     assert runner.num_free_slots == free and runner.table.num_free == free, "KV slots leaked"
     assert len(runner.table._free_rows) == rows
-    assert runner._ahead is None
+    assert runner._ahead is None and runner._in_flight is None
     return steps
+
+
+def tokens_of(steps) -> dict[str, tuple[list[int], str | None]]:
+    """Per request: every token it was given and how it finished."""
+    out = {}
+    for step in steps:
+        for rid, toks, _, fin, reason in step:
+            prev = out.get(rid, ([], None))
+            out[rid] = (prev[0] + toks, reason if fin else prev[1])
+    return out
 
 
 def workload(stop_token: int | None = None, **sampling):
@@ -153,3 +163,36 @@ def test_overlap_stages_from_free_slots_only():
         runners.append(runner)
     assert outs[0] == outs[1]
     assert 0 < runners[1].num_overlapped_steps < runners[1].num_decode_steps
+
+
+LAUNCH_CASES = [("NONE", 1, 1, 1), ("EAGLE", 1, 1, 4), ("EAGLE", 4, 2, 5), ("MTP", 4, 1, 4)]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("algorithm,hc_mult,topk,n", LAUNCH_CASES)
+def test_launch_ahead_gives_the_same_tokens(algorithm, hc_mult, topk, n, graphs):
+    """Launch-ahead (the next step launched before this one is waited for): every request gets
+    the same tokens and finish reason as without overlap, a stop token mid-batch and an abort
+    included; the over-run steps of finished and aborted requests give back their slots."""
+    kw = dict(graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4)) if graphs else {}
+    first = drive(build(algorithm, hc_mult, topk, n, False, **kw), *workload())
+    stop = [t for step in first for (rid, toks, *_) in step if rid == "r1" for t in toks][3]
+    want = tokens_of(drive(build(algorithm, hc_mult, topk, n, False, **kw), *workload(stop), abort="r2"))
+    runner = build(algorithm, hc_mult, topk, n, False, launch_ahead=True, **kw)
+    got = tokens_of(drive(runner, *workload(stop), abort="r2"))
+    assert got == want and got["r1"][1] == "stop"
+    assert runner.num_overlapped_steps > 0
+
+
+def test_launch_ahead_seeded_sampling_and_the_extra_context_it_needs():
+    runs = []
+    for launch in (False, True):
+        runner = build("EAGLE", 1, 1, 4, False, launch_ahead=launch)
+        reqs, late = workload(temperature=0.8, top_p=0.9)
+        for i, r in enumerate(reqs + late):
+            r.seed = 100 + i
+        runs.append(tokens_of(drive(runner, reqs, late)))
+    assert runs[0] == runs[1]
+    assert runner.max_sequence_tokens == 96 - 2 * (3 + 1)
+    with pytest.raises(ValueError, match="adaptive"):
+        build("EAGLE", 1, 1, 4, False, launch_ahead=True, adaptive=True, step_costs_s={})

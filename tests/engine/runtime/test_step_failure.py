@@ -61,12 +61,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["", "launch-ahead"])
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("algorithm,name,nth,chunk", CASES)
-def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk, cache):
+def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk, cache, launch_ahead):
     """With the prefix cache, the aborted requests leave what they wrote in the tree and the
     last run hits it; free counts the cache's unlocked slots (a request may take them)."""
-    runner = make_runner(algorithm, prefill_chunk_tokens=chunk, prefix_cache=cache)
+    runner = make_runner(algorithm, prefill_chunk_tokens=chunk, prefix_cache=cache, launch_ahead=launch_ahead)
     free = runner.num_free_slots
     expected = run_to_completion(make_runner(algorithm), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     assert runner.num_free_slots == free
@@ -98,10 +99,13 @@ def test_failed_step_frees_its_slots(monkeypatch, algorithm, name, nth, chunk, c
         runner.prefix_cache.check()
 
 
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["", "launch-ahead"])
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
-def test_failed_step_can_be_retried(monkeypatch, cache):
-    """The failed phase leaves its requests as they were: stepping on gives the same tokens."""
-    runner = make_runner("EAGLE", prefix_cache=cache)
+def test_failed_step_can_be_retried(monkeypatch, cache, launch_ahead):
+    """The failed phase leaves its requests as they were: stepping on gives the same tokens.
+    With launch-ahead the step that fails is the one launched ahead: the step before it is
+    still collected, and its outputs come with the next call."""
+    runner = make_runner("EAGLE", prefix_cache=cache, launch_ahead=launch_ahead)
     expected = run_to_completion(make_runner("EAGLE"), [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())])
     fail_on_call(monkeypatch, runner.calls, "target_verify", 2)
     reqs = [Request(f"r{i}", p, 12) for i, p in enumerate(prompts())]
