@@ -167,10 +167,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 e_bits = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30).to(tl.int32, bitcast=True) & 0x7F800000
                 inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
                 xh = (xf * inv[:, None]).to(tl.float16)                             # [X_ROWS, SUB_K]
-                rep: tl.constexpr = BLOCK_M // X_ROWS
-                xh = tl.reshape(tl.broadcast_to(xh[None, :, :], (rep, X_ROWS, SUB_K)), (BLOCK_M, SUB_K))
+                xh = tl.reshape(tl.broadcast_to(xh[None, :, :], (BLOCK_M // X_ROWS, X_ROWS, SUB_K)), (BLOCK_M, SUB_K))
                 xh = tl.where(offs_m[:, None] < X_ROWS, xh, 0.0).to(tl.float16)
-                sx = tl.reshape(tl.broadcast_to(e_bits.to(tl.float32, bitcast=True)[None, :], (rep, X_ROWS)),
+                sx = tl.reshape(tl.broadcast_to(e_bits.to(tl.float32, bitcast=True)[None, :], (BLOCK_M // X_ROWS, X_ROWS)),
                                 (BLOCK_M,))
                 part = tl.dot(xh, tl.trans(wv.to(tl.float16))) * sx[:, None]
                 if SCALE_MODE == 1:
@@ -301,7 +300,8 @@ def install_table(table: dict) -> None:
     for key, cfg in table.items():
         kind, n, k, mb = key
         if (kind not in ("fp8", "plain") or mb not in M_BUCKETS or cfg[0] not in VARIANTS or len(cfg) != 6
-                or (kind == "fp8" and cfg[0] == "cublas")):
+                or (kind == "fp8" and cfg[0] == "cublas")
+                or (kind == "plain" and cfg[0] in ("dot16", "wg16", "dot8", "wg8"))):
             raise ValueError(f"gemv table entry {key}: {cfg} is not a launch configuration")
         GEMV_TABLE[(kind, int(n), int(k), int(mb))] = tuple(cfg)
 

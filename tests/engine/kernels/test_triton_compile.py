@@ -236,9 +236,9 @@ def test_gemv_dot16_widens_codes_once(mode):
     bf16 dot widens every code again (cvt.bf16.f16)."""
     from triton.backends.compiler import GPUTarget
 
-    def ptx(block_m, x_f16, one_row=False, x_rows=0):
+    def ptx(block_m, x_f16, one_row=False, x_rows=0, block_k=128):
         return triton.compile(_gemv_source("*fp8e4nv", "*bf16", _gemv_constexprs(
-            mode, True, 2, block_m, 64, 128, x_f16=x_f16, one_row=one_row, x_rows=x_rows)),
+            mode, True, 2, block_m, 64, block_k, x_f16=x_f16, one_row=one_row, x_rows=x_rows)),
             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
 
     dot16, bf16 = ptx(16, True), ptx(16, False)
@@ -254,3 +254,6 @@ def test_gemv_dot16_widens_codes_once(mode):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in four
     assert four.count("cvt.f32.bf16") < dot16.count("cvt.f32.bf16") // 2
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx(64, True, x_rows=8)
+    # two 128-wide groups a k step (the inner loop unrolled twice) compile as well
+    for block_m, one_row, x_rows in ((16, True, 0), (16, False, 4), (64, False, 8), (16, False, 0)):
+        assert "mma" in ptx(block_m, True, one_row, x_rows, block_k=256)
