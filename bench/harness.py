@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import Mark, is_cuda, log, sync
+from common import Mark, free_device_memory, is_cuda, log, sync
 from specdeploy.engine.models import attention as attention_mod
 from specdeploy.engine.runtime import calls as calls_mod
 from specdeploy.engine.models.attention import AttnBatch
@@ -438,6 +438,7 @@ def runner_overlap_gap(target, batch: int, context: int, steps: int, warmup: int
             if key == "on":
                 out["graph_ms"] = row_graph_ms(runner, device)
             del runner
+            free_device_memory()
         except Exception as e:  # one mode failing leaves the others' figures
             if key == "on":
                 raise
