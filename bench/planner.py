@@ -153,9 +153,15 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
             out["terms"]["activation_workspace"] = _term(mem.activation_workspace_bytes,
                                                          _prefill_peak(runner, target, limits, out, cuda))
         except Exception as e:  # out of memory in prefill: the workspace term undercounts
-            out["terms"]["activation_workspace"] = {**_term(mem.activation_workspace_bytes, None),
-                                                    "error": f"{type(e).__name__}: {e}"[:500]}
-            log(f"{name}: prefill failed: {out['terms']['activation_workspace']['error'][:300]}")
+            error = f"{type(e).__name__}: {e}"[:500]
+            if isinstance(e, torch.OutOfMemoryError):
+                pre = out.get("prefill_attempt", {})
+                error = (f"a prefill of the plan's chunk ({pre.get('requests')} x {pre.get('prompt_tokens')} tokens) "
+                         f"does not fit: the plan's activation_workspace term "
+                         f"({mem.activation_workspace_bytes / 2**30:.2f} GiB) under-counts it (allocated "
+                         f"{pre.get('allocated_bytes', 0) / 2**30:.2f} GiB beyond the runner before failing): " + error)[:700]
+            out["terms"]["activation_workspace"] = {**_term(mem.activation_workspace_bytes, None), "error": error}
+            log(f"{name}: prefill failed: {error[:400]}")
     kv = kv or 0
 
     m_end = device_memory(dev)
@@ -204,7 +210,12 @@ def _prefill_peak(runner, target, limits, out: dict, cuda: bool):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    runner.step()
+    out["prefill_attempt"] = {"requests": n_req, "prompt_tokens": prompt_len}
+    try:
+        runner.step()
+    except torch.OutOfMemoryError:
+        out["prefill_attempt"]["allocated_bytes"] = torch.cuda.max_memory_allocated() - base
+        raise
     out["prefill"] = {"requests": n_req, "prompt_tokens": prompt_len, "seconds": time.perf_counter() - t0}
     if not cuda:
         return None
