@@ -16,7 +16,8 @@ weights made on the device), served by the engine's Runner with CUDA graphs:
     fp4         the routed experts as FP4 codes (the published checkpoint's e2m1 pairs and E8M0
                 scales, random): the decode step at batch 1 and 16 against the bf16 experts'
                 step, and the dequantization alone (every MoE layer's copies of the experts a
-                step's rows use, as the captured step makes them): its share of the FP4 step.
+                step's rows use, as the captured step makes them; the Triton kernel, and the
+                torch code for comparison): its share of the FP4 step.
                 Runs last (the experts stay FP4)
 
     python3 bench/dsv4_bench.py [--parts decode,mtp,planner,fp4] [--context 4096] [--out DIR]
@@ -260,6 +261,16 @@ def dequant_ms(experts: list, batch: int, rows_per_token: int, device) -> float:
     return time_ms(run, device, warmup=2, reps=5)["median_ms"]
 
 
+def torch_dequant_ms(experts: list, batch: int, rows_per_token: int, device) -> float:
+    """dequant_ms through the torch code instead of the Triton kernel (engine/kernels/fp4.py)."""
+    saved = v4mod.fused_kernels
+    v4mod.fused_kernels = lambda *args, **kwargs: None
+    try:
+        return dequant_ms(experts, batch, rows_per_token, device)
+    finally:
+        v4mod.fused_kernels = saved
+
+
 def run_fp4(target, head, args, device, graph_mode, bf16_rows) -> list[dict]:
     bf16 = {r["batch"]: r["step_ms"] for r in bf16_rows if r.get("kind") == "decode" and "error" not in r}
     for batch in args.batches:  # the bf16 steps, unless the decode part measured them
@@ -273,11 +284,13 @@ def run_fp4(target, head, args, device, graph_mode, bf16_rows) -> list[dict]:
     for batch in args.batches:
         fp4 = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup, device, graph_mode)
         alone = dequant_ms(experts, batch, target.cfg.num_experts_per_tok, device)
+        torch_alone = torch_dequant_ms(experts, batch, target.cfg.num_experts_per_tok, device)
         row = {"kind": "fp4", "batch": batch, "moe_layers": len(experts), "bf16_step_ms": bf16[batch],
                "fp4_step_ms": fp4["step_ms"], "x_bf16_step": fp4["step_ms"] / bf16[batch],
-               "dequant_ms": alone, "dequant_share": alone / fp4["step_ms"]}
+               "dequant_ms": alone, "dequant_share": alone / fp4["step_ms"], "dequant_torch_ms": torch_alone}
         log(f"fp4 experts bs={batch:<3} step {fp4['step_ms']:.2f} ms ({row['x_bf16_step']:.2f}x bf16), "
-            f"dequantization alone {alone:.2f} ms = {row['dequant_share']:.0%} of the step")
+            f"dequantization alone {alone:.2f} ms = {row['dequant_share']:.0%} of the step "
+            f"(torch code: {torch_alone:.2f} ms)")
         out.append(row)
     return out
 
@@ -348,7 +361,8 @@ def main() -> None:
         else:
             result["summary"].append(
                 f"fp4 experts bs={r['batch']}: {r['fp4_step_ms']:.2f} ms/step = {r['x_bf16_step']:.2f}x the bf16 "
-                f"experts' step; dequantization {r['dequant_ms']:.2f} ms = {r['dequant_share']:.0%} of it")
+                f"experts' step; dequantization {r['dequant_ms']:.2f} ms = {r['dequant_share']:.0%} of it "
+                f"(the torch code's {r['dequant_torch_ms']:.2f} ms)")
     pt = result.get("planner_truth")
     if pt and "error" not in pt:
         line = f"planner truth: KV pools {pt['kv_pools_vs_plan']:.4f}x plan, weights {pt['weights_vs_plan']:.4f}x"

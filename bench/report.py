@@ -485,11 +485,13 @@ def s8(r: dict) -> str:
         rows = []
         for x in fp4:
             if "error" in x:
-                rows.append(["error", x["error"][:80], "—", "—", "—"])
+                rows.append(["error", x["error"][:80], "—", "—", "—", "—"])
             else:
                 rows.append([x["batch"], _f(x["fp4_step_ms"], 2, 1, " ms"), f"{x['x_bf16_step']:.2f}x",
-                             _f(x["dequant_ms"], 2, 1, " ms"), f"{x['dequant_share']:.0%}"])
-        lines.append(_table(["batch", "FP4 decode step", "x bf16 step", "dequantization", "share of the step"], rows))
+                             _f(x["dequant_ms"], 2, 1, " ms"), f"{x['dequant_share']:.0%}",
+                             _f(x.get("dequant_torch_ms"), 2, 1, " ms")])
+        lines.append(_table(["batch", "FP4 decode step", "x bf16 step", "dequantization", "share of the step",
+                             "dequantization, torch code"], rows))
     return "\n".join(lines)
 
 

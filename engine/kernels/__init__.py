@@ -11,6 +11,7 @@ torch code quietly.
 - `hc`: the hyper-connection residual (mHC pre-mix with Sinkhorn, post expand).
 - `fp8`: linears over FP8 e4m3 weights with block / per-channel / per-tensor scales (weight-only
   for decode, per-token-group activation quantization and an FP8 GEMM for prefill).
+- `fp4`: DeepSeek-V4's FP4 routed experts (e2m1 pairs + E8M0 scales) dequantized in one pass.
 - `launch`: launch options the kernel modules share (programmatic dependent launch).
 - `gemv`: the small-M (<= 16 rows) weight-streaming linear over FP8 or plain weights, split-K
   finished in-kernel.
@@ -53,6 +54,15 @@ def hc_ops() -> ModuleType | None:
     from specdeploy.engine.kernels import hc
 
     return hc
+
+
+@functools.cache
+def fp4_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import fp4
+
+    return fp4
 
 
 @functools.cache

@@ -50,12 +50,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdeploy.engine import kernels
 from specdeploy.engine.models.attention import AttnBatch
 from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.models.hc import (HCConfig, HyperHead, _Float32Params, canonical_hc_key,
                                          expand_embeddings, flatten_streams, make_residual,
                                          unflatten_streams)
-from specdeploy.engine.models.layers import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
+from specdeploy.engine.models.layers import (ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding,
+                                             fused_kernels)
 # QUERY_BLOCK: queries per block when a long chunk runs the attention (bounds the [block, heads,
 # keys] logits; the plan's workspace counts one block)
 from specdeploy.engine.planner.deepseek_v4 import (CSA, EXPERT_DEQUANT_CHUNK, HASH_MOE, HCA, QUERY_BLOCK,
@@ -698,14 +700,18 @@ class _Experts(nn.Module):
             return dequantize_fp8(w.reshape(e * n, -1), s.reshape(-1, s.shape[-1]), self.block, dtype).view(e, n, -1)
         return torch.stack([dequantize_fp8(w[j], s[j], self.block, dtype) for j in range(e)])
 
-    def _fp4(self, codes: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _fp4(self, codes: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype, kernel: bool = True) -> torch.Tensor:
         """Packed e2m1 [N, K / 2] (element 2j in the low nibble) with E8M0 bits [N, K / 32] ->
-        [N, K] (fp8.dequantize_fp4's layout and values). Computed in `dtype` itself: an e2m1 value
-        times a power of two is exact in bf16 as in float32, so nothing rounds, and the transient
-        is the int32 code bytes and the output (4 bytes per weight in bf16)."""
+        [N, K] (fp8.dequantize_fp4's layout and values). On CUDA one Triton pass
+        (engine/kernels/fp4.py, equal bit for bit). The torch code computes in `dtype` itself: an
+        e2m1 value times a power of two is exact in bf16 as in float32, so nothing rounds, and
+        the transient is the int32 code bytes and the output (4 bytes per weight in bf16)."""
         from specdeploy.engine.models.fp8 import FP4_GROUP
 
         n, k = codes.shape[0], 2 * codes.shape[1]
+        fast = fused_kernels(codes, ops=kernels.fp4_ops) if kernel and k % FP4_GROUP == 0 else None
+        if fast is not None:
+            return fast.dequant_fp4(codes, bits, dtype)
         values = F.embedding(codes.view(torch.uint8).int(), self.e2m1_pairs.to(dtype)).view(n, k)
         scale = torch.exp2(bits.float() - 127.0).to(dtype)                  # [N, K / 32]
         if k % FP4_GROUP == 0:

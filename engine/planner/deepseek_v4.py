@@ -379,9 +379,10 @@ QUERY_BLOCK = 256  # query rows (B x Q) of one block
 
 # Bytes per weight element one projection's dequantization holds while it runs
 # (engine/models/deepseek_v4.py _Experts.weight), by checkpoint kind, for model dtype bytes d:
-# FP4 its int32 code-byte lookup (2 bytes per weight) and the output; FP8 the float32 codes,
-# their float32 per-element scales and product (fp8.dequantize_fp8), and the output.
-DEQUANT_TRANSIENT_BYTES = {"fp4": (2, 1), "fp8": (12, 1)}  # (bytes, times d)
+# FP4 the output alone (one pass of engine/kernels/fp4.py on CUDA; the torch code elsewhere
+# adds an int32 copy of the code bytes, 2 bytes per weight); FP8 the float32 codes, their float32
+# per-element scales and product (fp8.dequantize_fp8), and the output.
+DEQUANT_TRANSIENT_BYTES = {"fp4": (0, 1), "fp8": (12, 1)}  # (bytes, times d)
 
 
 @dataclass(frozen=True)

@@ -157,3 +157,21 @@ def test_graphed_mtp_over_fp4_experts_is_lossless(spec):
     out, runner = serve(target, mtp, spec, "capture")
     assert out == reference
     assert runner.num_draft_tokens_accepted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_dequant_kernel_is_the_torch_code(dtype):
+    """engine/kernels/fp4.py at an expert chunk of Flash's gate/up shape (16 experts x 4096 rows of
+    4096 inputs), every code byte: bit for bit the torch code's dequantization."""
+    from specdeploy.engine.kernels import fp4
+    from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, _Experts
+
+    experts = _Experts(V4ModelConfig.from_hf(CONFIG)).to(DEV)
+    experts.quantize("fp4")
+    g = torch.Generator(device=DEV).manual_seed(3)
+    codes = torch.randint(-128, 128, (16 * 4096, 2048), device=DEV, generator=g, dtype=torch.int8)
+    bits = torch.randint(100, 150, (16 * 4096, 4096 // 32), device=DEV, generator=g, dtype=torch.uint8)
+    got = fp4.dequant_fp4(codes, bits, dtype)
+    want = experts._fp4(codes, bits, dtype, kernel=False)
+    assert torch.equal(got, want)
+    assert torch.equal(experts._fp4(codes, bits, dtype), got)  # what the experts use on CUDA

@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 
 from specdeploy.engine.kernels import attention as attention_triton  # noqa: E402
 from specdeploy.engine.kernels import elementwise as elementwise_triton  # noqa: E402
+from specdeploy.engine.kernels import fp4 as fp4_triton  # noqa: E402
 from specdeploy.engine.kernels import fp8 as fp8_triton  # noqa: E402
 from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
 
@@ -257,3 +258,10 @@ def test_gemv_dot16_widens_codes_once(mode):
     # two 128-wide groups a k step (the inner loop unrolled twice) compile as well
     for block_m, one_row, x_rows in ((16, True, 0), (16, False, 4), (64, False, 8), (16, False, 0)):
         assert "mma" in ptx(block_m, True, one_row, x_rows, block_k=256)
+
+
+@pytest.mark.parametrize("out", ACTIVATIONS)
+def test_fp4_dequant_compiles(out):
+    lower_to_ttir(fp4_triton._dequant_fp4_kernel, {"*": "*u8", "out_ptr": out},
+                  {"GROUP": fp4_triton.GROUP, "BLOCK_ROWS": fp4_triton.BLOCK_ROWS,
+                   "BLOCK_BYTES": fp4_triton.BLOCK_BYTES})

@@ -6,8 +6,8 @@ layers cost nothing to hold) under a dispatch mode that follows every tensor the
 (an op's fresh outputs, not its views or in-place results) until its storage is gone: the peak of
 their bytes alive at once is the forward's transient, exactly as the code allocates it, before
 any allocator rounding (the plan adds PREFILL_ALLOCATOR_SLACK for that). As on the H200: the
-hyper-connection kernels' launchers allocate their outputs (the launches themselves are skipped)
-and grouped_mm takes its bf16 fast path."""
+hyper-connection and FP4 dequantization kernels' launchers allocate their outputs (the launches
+themselves are skipped) and grouped_mm takes its bf16 fast path."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, build_mtp, build
 from specdeploy.engine.planner.deepseek_v4 import V4ForwardDims, v4_forward_peak_bytes
 
 hck = pytest.importorskip("specdeploy.engine.kernels.hc", reason="needs Triton (the kernels' launchers)")
+fp4k = pytest.importorskip("specdeploy.engine.kernels.fp4")
 
 FLASH = Path(__file__).resolve().parents[3] / "manifests" / "models" / "deepseek-v4-flash" / "config.json"
 # the plan's formula may count up to this much more than the code holds, never less than 97%
@@ -69,6 +70,8 @@ def as_on_h200(monkeypatch):
     monkeypatch.setattr(hcmod, "fused_kernels", lambda x, *params, ops: hck)
     monkeypatch.setattr(hck, "_hc_pre_kernel", _NoLaunch())
     monkeypatch.setattr(hck, "_hc_expand_kernel", _NoLaunch())
+    monkeypatch.setattr(v4mod, "fused_kernels", lambda x, *params, ops: fp4k)  # FP4 experts' dequantization
+    monkeypatch.setattr(fp4k, "_dequant_fp4_kernel", _NoLaunch())
 
 
 def flash_layers() -> dict:
