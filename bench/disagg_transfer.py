@@ -18,7 +18,8 @@ prompts of 128 to 8192 tokens:
              into the receiver's arena, and the receiver scatters the region into its slots
              (scatter_rows; destination slots scattered: it costs the same as contiguous). On a
              GPU the pools are in GPU memory and the arenas pinned: gather and scatter include
-             the device copies. Also the write alone with the region as one entry.
+             the device copies. Also the write alone with the region as one entry, and as
+             WRITERS batches submitted at once from threads.
 
 Each staged case is checked: the receiver's destination rows must equal the sender's source rows.
 Prints, per case, writes, bytes, median gather / write / scatter / total ms and GB/s (bytes over
@@ -28,6 +29,7 @@ the total); writes disagg_transfer.json.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing as mp
 import statistics
@@ -49,6 +51,7 @@ HIDDEN = 4096                                     # the metadata row (spec_hidde
 PROMPTS = (128, 512, 2048, 8192)
 SCATTERED_PROMPTS = (128, 512)  # per-slot with one write per slot per layer: slow, short prompts only
 REPS = 5
+WRITERS = 4  # concurrent batch writes of one region (a variant the servers do not use: measured)
 
 
 def pools(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -142,6 +145,7 @@ def main() -> int:
     src_pools = [PoolLayout.of(p) for p in host]
     meta = ([hidden.data_ptr()], [dst_hidden], [HIDDEN * 2])
     rows = []
+    pool = concurrent.futures.ThreadPoolExecutor(WRITERS)
 
     def report(row: dict) -> None:
         row["gb_per_s"] = row["bytes"] / (row["total_ms"] / 1e3) / 1e9
@@ -180,17 +184,22 @@ def main() -> int:
         # ---- staged: gather into the arena, one batched write, scatter on the receiver
         staged = StagedKV.of(dev, n)
         index = torch.tensor(src_slots, device=device)
-        for pieces in ("pieces", "one entry") if n >= 2048 else ("pieces",):
-            piece = STAGED_PIECE_BYTES if pieces == "pieces" else staged.nbytes
+        for pieces in ("pieces", "one entry", "writers") if n >= 2048 else ("pieces",):
+            piece = STAGED_PIECE_BYTES if pieces != "one entry" else staged.nbytes
             kv = region_copies(region.data_ptr(), dst_region, staged.nbytes, piece)
             srcs, dsts, lens = (kv[i] + meta[i] for i in range(3))
+            # "writers": the same entries as WRITERS batches submitted at once from threads.
+            parts = [(srcs[i::WRITERS], dsts[i::WRITERS], lens[i::WRITERS]) for i in range(WRITERS)]
             gathers, writes, scatters = [], [], []
             for _ in range(REPS):
                 sync(device)
                 t0 = time.perf_counter()
                 gather_rows(dev, index, region)
                 t1 = time.perf_counter()
-                moved = agent.write(session, srcs, dsts, lens)
+                if pieces == "writers":
+                    moved = sum(pool.map(lambda p: agent.write(session, *p), parts))
+                else:
+                    moved = agent.write(session, srcs, dsts, lens)
                 t2 = time.perf_counter()
                 requests.put(("scatter", scattered))
                 scatters.append(replies.get(timeout=300))
@@ -205,9 +214,9 @@ def main() -> int:
                         "writes": len(srcs), "bytes": moved, "gather_ms": gather, "write_ms": write,
                         "scatter_ms": scatter, "total_ms": gather + write + scatter, "piece_bytes": piece})
             else:
-                report({"prompt_tokens": n, "path": "staged, one entry", "slots": "scattered", "device": device,
-                        "writes": len(srcs), "bytes": moved, "write_ms": write, "total_ms": write,
-                        "piece_bytes": piece})
+                report({"prompt_tokens": n, "path": f"staged, {pieces if pieces == 'one entry' else f'{WRITERS} writers'}",
+                        "slots": "scattered", "device": device, "writes": len(srcs), "bytes": moved,
+                        "write_ms": write, "total_ms": write, "piece_bytes": piece})
     requests.put(None)
     proc.join(timeout=60)
     agent.close()
