@@ -252,46 +252,46 @@ def m_bucket(m: int) -> int:
 
 # (kind, N, K, M bucket) -> (variant, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); kind
 # "fp8" (e4m3 codes, any scale layout) or "plain" (bf16/fp16/fp32 weights). bench/gemv_sweep.py
-# prints a measured table in this format; paste it here. Measured on an H200 (132 SMs, 2026-12-01,
+# prints a measured table in this format; paste it here. Measured on an H200 (132 SMs, 2026-12-01 12:22 UTC,
 # `python3 bench/gemv_sweep.py --out DIR`: the Llama-3.1-8B shapes, bf16 activations, graphs of
 # back-to-back launches); other GPUs run these launches too, only perhaps not the fastest ones.
 GEMV_TABLE: dict[tuple[str, int, int, int], tuple[str, int, int, int, int, int]] = {
     ('fp8', 4096, 4096, 1): ('fma', 8, 512, 1, 2, 3),
-    ('fp8', 4096, 4096, 4): ('fma', 16, 256, 1, 4, 5),
-    ('fp8', 4096, 4096, 8): ('dot', 32, 128, 8, 4, 3),
-    ('fp8', 4096, 4096, 16): ('dot', 32, 128, 8, 4, 3),
-    ('fp8', 4096, 14336, 1): ('fma', 8, 512, 1, 2, 4),
-    ('fp8', 4096, 14336, 4): ('dot8', 128, 256, 8, 8, 3),
-    ('fp8', 4096, 14336, 8): ('dot8', 128, 256, 8, 8, 3),
-    ('fp8', 4096, 14336, 16): ('dot8', 128, 256, 8, 8, 3),
-    ('fp8', 6144, 4096, 1): ('fma', 8, 512, 1, 2, 3),
-    ('fp8', 6144, 4096, 4): ('dot8', 64, 256, 4, 4, 3),
-    ('fp8', 6144, 4096, 8): ('dot8', 64, 256, 4, 4, 3),
-    ('fp8', 6144, 4096, 16): ('dot8', 64, 256, 4, 4, 3),
-    ('fp8', 28672, 4096, 1): ('fma', 8, 512, 1, 2, 3),
-    ('fp8', 28672, 4096, 4): ('dot8', 128, 256, 1, 8, 3),
-    ('fp8', 28672, 4096, 8): ('dot8', 128, 256, 1, 8, 3),
-    ('fp8', 28672, 4096, 16): ('dot8', 128, 256, 1, 8, 3),
-    ('plain', 4096, 4096, 1): ('fma', 4, 512, 1, 1, 3),
+    ('fp8', 4096, 4096, 4): ('dot8', 64, 256, 8, 4, 3),
+    ('fp8', 4096, 4096, 8): ('dot16', 64, 128, 8, 4, 5),
+    ('fp8', 4096, 4096, 16): ('dot16', 64, 128, 8, 4, 5),
+    ('fp8', 4096, 14336, 1): ('fma', 16, 512, 2, 2, 3),
+    ('fp8', 4096, 14336, 4): ('dot8', 64, 256, 8, 4, 3),
+    ('fp8', 4096, 14336, 8): ('dot16', 64, 256, 8, 4, 3),
+    ('fp8', 4096, 14336, 16): ('dot16', 64, 256, 8, 4, 3),
+    ('fp8', 6144, 4096, 1): ('fma', 16, 512, 1, 2, 3),
+    ('fp8', 6144, 4096, 4): ('dot16', 64, 128, 4, 4, 4),
+    ('fp8', 6144, 4096, 8): ('dot16', 64, 128, 8, 4, 3),
+    ('fp8', 6144, 4096, 16): ('dot16', 64, 128, 8, 4, 3),
+    ('fp8', 28672, 4096, 1): ('fma', 16, 512, 1, 2, 3),
+    ('fp8', 28672, 4096, 4): ('dot8', 64, 256, 2, 4, 3),
+    ('fp8', 28672, 4096, 8): ('dot16', 64, 256, 1, 4, 3),
+    ('fp8', 28672, 4096, 16): ('dot16', 64, 256, 1, 4, 3),
+    ('plain', 4096, 4096, 1): ('fma', 8, 512, 1, 2, 3),
     ('plain', 4096, 4096, 4): ('cublas', 0, 0, 1, 0, 0),
-    ('plain', 4096, 4096, 8): ('dot', 32, 128, 2, 4, 5),
-    ('plain', 4096, 4096, 16): ('dot', 32, 128, 2, 4, 5),
-    ('plain', 4096, 14336, 1): ('fma', 4, 512, 1, 1, 3),
+    ('plain', 4096, 4096, 8): ('dot', 32, 128, 4, 4, 3),
+    ('plain', 4096, 4096, 16): ('dot', 32, 128, 4, 4, 3),
+    ('plain', 4096, 14336, 1): ('fma', 8, 512, 1, 2, 3),
     ('plain', 4096, 14336, 4): ('cublas', 0, 0, 1, 0, 0),
-    ('plain', 4096, 14336, 8): ('cublas', 0, 0, 1, 0, 0),
-    ('plain', 4096, 14336, 16): ('cublas', 0, 0, 1, 0, 0),
-    ('plain', 6144, 4096, 1): ('fma', 4, 512, 1, 1, 3),
+    ('plain', 4096, 14336, 8): ('dot', 32, 128, 4, 4, 3),
+    ('plain', 4096, 14336, 16): ('dot', 32, 128, 4, 4, 3),
+    ('plain', 6144, 4096, 1): ('fma', 8, 512, 1, 2, 3),
     ('plain', 6144, 4096, 4): ('cublas', 0, 0, 1, 0, 0),
     ('plain', 6144, 4096, 8): ('cublas', 0, 0, 1, 0, 0),
     ('plain', 6144, 4096, 16): ('cublas', 0, 0, 1, 0, 0),
-    ('plain', 28672, 4096, 1): ('cublas', 0, 0, 1, 0, 0),
+    ('plain', 28672, 4096, 1): ('fma', 8, 512, 1, 2, 3),
     ('plain', 28672, 4096, 4): ('cublas', 0, 0, 1, 0, 0),
     ('plain', 28672, 4096, 8): ('cublas', 0, 0, 1, 0, 0),
     ('plain', 28672, 4096, 16): ('cublas', 0, 0, 1, 0, 0),
-    ('plain', 128256, 4096, 1): ('fma', 8, 256, 1, 2, 3),
-    ('plain', 128256, 4096, 4): ('dot', 64, 256, 1, 4, 3),
-    ('plain', 128256, 4096, 8): ('dot', 128, 256, 1, 8, 3),
-    ('plain', 128256, 4096, 16): ('dot', 128, 256, 1, 8, 3),
+    ('plain', 128256, 4096, 1): ('fma', 8, 512, 1, 2, 3),
+    ('plain', 128256, 4096, 4): ('dot', 64, 128, 1, 4, 4),
+    ('plain', 128256, 4096, 8): ('dot', 64, 128, 1, 4, 3),
+    ('plain', 128256, 4096, 16): ('dot', 64, 128, 1, 4, 3),
 }
 
 
@@ -399,44 +399,51 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints)."""
     m, k = x.shape
     n = weight.shape[0]
+    if scale is not None and weight.dtype != torch.float8_e4m3fn:
+        raise ValueError("gemv: scales come with e4m3 codes")
+    mode, s_n, sn, sk = (0, 1, 0, 0) if scale is None else _scale_layout(scale, scale_n, block_n)
+    ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None  # any eager call at a width makes it
+    grid, constexprs = launch_constexprs("plain" if scale is None else "fp8", x.dtype, m, n, k, mode, s_n,
+                                         bias is not None, ws is not None, variant, block_n, block_k, split_k,
+                                         num_stages, round_scale)
+    if constexprs["SPLIT_K"] == 1:
+        ws = (out, out)
+    _gemv_kernel[grid](
+        x, weight, scale if scale is not None else out, bias if bias is not None else out, out, ws[0], ws[1],
+        m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk,
+        **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
+
+
+def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k: int, mode: int, scale_n: int,
+                      has_bias: bool, has_workspace: bool, variant: str, block_n: int, block_k: int, split_k: int,
+                      num_stages: int, round_scale: bool = False) -> tuple[tuple[int, int], dict]:
+    """(grid, the kernel's constexprs plus K_SPLIT) of one launch: pure, so that a CPU test can
+    put every launch the table and the heuristic make through the whole compiler."""
     if not 0 < m <= GEMV_MAX_M:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
     if variant not in VARIANTS[:-1] or block_k % GROUP_K or block_n < MIN_BLOCK_N:
         raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
     quant_x = variant in ("dot8", "wg8")
     x_f16 = variant in ("dot16", "wg16")
-    if (quant_x or x_f16) and (scale is None or weight.dtype != torch.float8_e4m3fn):
+    if (quant_x or x_f16) and weight_kind != "fp8":
         raise ValueError(f"gemv: the {variant} variant multiplies e4m3 codes (FP8 weights only)")
-    if x_f16 and x.dtype == torch.float32:
+    if x_f16 and x_dtype == torch.float32:
         x_f16 = False  # float32 activations keep the exact (ieee) dot; f16 would round them
     use_dot = variant != "fma"
     block_m = 64 if variant in ("wg8", "wg16") else 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
     k_blocks = triton.cdiv(k, block_k)
-    split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K)) if n <= GEMV_SPLIT_MAX_N else 1
-    # Made on any eager call at this width, so that a capture at another M finds it.
-    ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None
-    if ws is None or split_k == 1:
-        split_k = 1
-        ws = (out, out)
+    split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K)) if n <= GEMV_SPLIT_MAX_N and has_workspace else 1
     k_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_split)  # no empty splits
-    if scale is None:
-        mode, s_n, sn, sk = 0, 1, 0, 0
-        scale = out
-    else:
-        mode, s_n, sn, sk = _scale_layout(scale, scale_n, block_n)
     grid = (triton.cdiv(n, block_n), split_k)
-    _gemv_kernel[grid](
-        x, weight, scale, bias if bias is not None else out, out, ws[0], ws[1],
-        m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0), sn, sk,
-        SCALE_MODE=mode, SCALE_N=s_n, HAS_BIAS=bias is not None, USE_DOT=use_dot,
+    return grid, dict(
+        K_SPLIT=k_split, SCALE_MODE=mode, SCALE_N=scale_n, HAS_BIAS=has_bias, USE_DOT=use_dot,
         QUANT_X=quant_x, ROUND_SCALE=round_scale, X_F16=x_f16, ONE_ROW=x_f16 and m == 1,
         X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
+        PRECISION="ieee" if x_dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
+        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

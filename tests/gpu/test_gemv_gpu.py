@@ -54,9 +54,13 @@ def _within(got, want):
 
 def _forced(kind, n, k, m):
     """The kernel's launch for this shape even where the table (or the plain-weight default)
-    says cuBLAS: the heuristic of the fp8 path."""
+    says cuBLAS: the fp8 heuristic's tiles with a loop plain weights take (fma up to 4 rows,
+    else dot: the f16 and e4m3 loops are for e4m3 codes only)."""
     cfg = gemv.config_for(kind, n, k, m, torch.device(DEV))
-    return cfg if cfg[0] != "cublas" else gemv.heuristic_config("fp8", n, k, m, gemv._sms(torch.device(DEV)))
+    if cfg[0] != "cublas":
+        return cfg
+    _, block_n, block_k, split, warps, stages = gemv.heuristic_config("fp8", n, k, m, gemv._sms(torch.device(DEV)))
+    return ("fma", 16, 256, split, 4, 3) if m <= 4 else ("dot", max(block_n, 16), block_k, split, warps, stages)
 
 
 def _quantized_x(x):

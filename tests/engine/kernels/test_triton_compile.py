@@ -265,3 +265,36 @@ def test_fp4_dequant_compiles(out):
     lower_to_ttir(fp4_triton._dequant_fp4_kernel, {"*": "*u8", "out_ptr": out},
                   {"GROUP": fp4_triton.GROUP, "BLOCK_ROWS": fp4_triton.BLOCK_ROWS,
                    "BLOCK_BYTES": fp4_triton.BLOCK_BYTES})
+
+
+def test_every_launch_the_table_and_heuristic_make_compiles():
+    """Each distinct launch of the small-M linear that the engine makes at the Llama-3.1-8B
+    shapes (and its EAGLE-3 fc, and a TP 2 half) for 1..16 rows, FP8 block and row scales and
+    plain bf16 weights, through the whole compiler for sm_90 (gemv.launch_constexprs is what
+    gemv.launch launches): the interpreter runs programs the compiler refuses (a constexpr
+    assigned inside an unrolled loop once failed only on the GPU)."""
+    from triton.backends.compiler import GPUTarget
+
+    import torch
+    from specdeploy.engine.kernels import gemv as gemv_triton
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 12288), (3072, 4096)]
+    seen = {}
+    for kind in ("fp8", "plain"):
+        for n, k in shapes:
+            for m in (1, 2, 3, 4, 5, 8, 9, 16):  # every M bucket's ends and every padded x height
+                cfg = gemv_triton.config_for(kind, n, k, m, torch.device("cpu"))
+                if cfg[0] == "cublas":
+                    continue
+                variant, block_n, block_k, split, warps, stages = cfg
+                for mode, scale_n in ([(1, 128), (3, 1)] if kind == "fp8" else [(0, 1)]):
+                    if mode == 1 and 128 % block_n:
+                        mode, scale_n = 3, 1
+                    _, const = gemv_triton.launch_constexprs(kind, torch.bfloat16, m, n, k, mode, scale_n, False, True,
+                                                             variant, block_n, block_k, split, stages)
+                    const.pop("K_SPLIT")
+                    seen.setdefault((kind, tuple(sorted(const.items())), warps), (const, warps))
+    assert len(seen) > 10
+    for (kind, _, _), (const, warps) in seen.items():
+        weight = "*fp8e4nv" if kind == "fp8" else "*bf16"
+        triton.compile(_gemv_source(weight, "*bf16", const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": const["STAGES"]})
