@@ -5,6 +5,9 @@ adaptive shapes; with requests that finish at different steps, a stop token mid-
 request aborted between steps, requests joining while others decode and seeded sampling. Free
 slots and rows come back to where they started, and the staged steps were really used."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -196,3 +199,36 @@ def test_launch_ahead_seeded_sampling_and_the_extra_context_it_needs():
     assert runner.max_sequence_tokens == 96 - 2 * (3 + 1)
     with pytest.raises(ValueError, match="adaptive"):
         build("EAGLE", 1, 1, 4, False, launch_ahead=True, adaptive=True, step_costs_s={})
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_overlap_with_the_prefix_cache(launch_ahead):
+    """Requests sharing a system prompt, some finishing while the next step is staged or in
+    flight (whose positions go into the cache then): the same tokens as without overlap, and
+    every slot free, cached or owned at every step (test_prefix_cache.check_accounting)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_prefix_cache import check_accounting
+
+    system = prompts(1)[0] * 3
+    def reqs():
+        return [Request(f"q{i}", system + p, m) for i, (p, m) in enumerate(zip(prompts(5), (6, 11, 3, 9, 14)))]
+    outs = []
+    for overlap in (False, True):
+        runner = build("EAGLE", 1, 2, 5, overlap and not launch_ahead, prefix_cache=True,
+                       launch_ahead=overlap and launch_ahead)
+        got = {}
+        pending = reqs()
+        for r in pending[:3]:
+            runner.add(r)
+        i = 0
+        while runner.num_running:
+            if i == 2:
+                for r in pending[3:]:
+                    runner.add(r)
+            for o in runner.step():
+                got.setdefault(o.req_id, []).extend(o.token_ids)
+            check_accounting(runner)
+            i += 1
+        assert runner.num_free_slots == runner.table.capacity and runner.prefix_cache.cached_slots > 0
+        outs.append(got)
+    assert outs[0] == outs[1]

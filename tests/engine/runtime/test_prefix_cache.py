@@ -64,11 +64,11 @@ def run(runner: Runner, reqs) -> dict[str, dict]:
 
 def check_accounting(runner: Runner) -> None:
     """Every usable slot is exactly one of: free, cached, owned by a request (not cached), or
-    taken by the next decode step, staged while this one ran (overlap)."""
+    taken by the next decode step, staged while this one ran (overlap) or launched ahead."""
     table, cache = runner.table, runner.prefix_cache
     owned = [runner.table.req_to_slot[s.row, s.cached:s.length] for s in runner._all_seqs() if s.row >= 0]
     free = table._stack[:table.num_free]
-    parts = [free, *owned] + ([runner._ahead.slots] if runner._ahead is not None else [])
+    parts = [free, *owned] + [step.slots.reshape(-1) for step in (runner._ahead, runner._in_flight) if step is not None]
     if cache is not None:
         cache.check()
         stack = [cache.root]
