@@ -160,6 +160,42 @@ def test_disaggregated_greedy_equals_one_runner(agents, algorithm, hc_mult):
         assert decode.num_draft_tokens_accepted > 0
 
 
+@pytest.mark.parametrize("launch_ahead", [False, True])
+@pytest.mark.parametrize("algorithm", ["NONE", "EAGLE"])
+def test_decode_server_takes_requests_between_its_steps(agents, algorithm, launch_ahead):
+    """Requests activated while others decode (with launch-ahead: while a step is in flight,
+    which they join from the next one): the same greedy tokens as one runner, every slot back."""
+    target, perm = target_for(1)
+    draft = None if algorithm == "NONE" else copy_draft(algorithm, target, perm)
+    plan = tiny_plan(target.cfg, algorithm)
+    reqs = random_requests((5, 12, 1, 9), 12, 64)
+    single = Runner(target, draft, plan=plan)
+    for r in reqs:
+        single.add(r)
+    want = {r.id: [] for r in reqs}
+    while single.num_running:
+        for o in single.step():
+            want[o.req_id] += o.token_ids
+    prefill = Runner(target, draft, plan=plan, role="prefill")
+    decode = Runner(target, draft, plan=plan, role="decode", launch_ahead=launch_ahead)
+    register(agents[0], prefill)
+    register(agents[1], decode)
+    free = (prefill.num_free_slots, decode.num_free_slots)
+    got = {r.id: [] for r in reqs}
+    for i, r in enumerate(reqs):
+        transfer(prefill, decode, agents[0], agents[1].session_id, r)
+        for o in decode.activate(r.id):
+            got[o.req_id] += o.token_ids
+        for _ in range(2 if i < len(reqs) - 1 else 0):
+            for o in decode.step():
+                got[o.req_id] += o.token_ids
+    while decode.num_running:
+        for o in decode.step():
+            got[o.req_id] += o.token_ids
+    assert got == want
+    assert (prefill.num_free_slots, decode.num_free_slots) == free
+
+
 def test_metadata_row_is_spec_hidden_size_wide_for_hc_mult_4():
     target, perm = target_for(4)
     draft = copy_draft("MTP", target, perm)
