@@ -109,6 +109,7 @@ def run(ctx) -> dict:
         del head
     except Exception as e:  # evidence beside the plain figures
         spec_rows.append({"error": f"{type(e).__name__}: {e}"[:300]})
+    target.set_feature(None)  # the speculative runners switched the draft feature on
     free_device_memory()
 
     # Which kernels the batch-1 decode step spends its time in (eager, so each launch is named).
