@@ -645,9 +645,13 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
     scheduler = Scheduler(runner, tokenizer, metrics, max_queued_requests=queued,
                           log_interval_s=args.log_interval_s)
-    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s%s",
-             plan.max_running_requests, queued, plan.context_length, max_total_tokens,
-             "on" if runner.prefix_cache is not None else "off", f", tensor parallel {tp_size}" if tp_size > 1 else "")
+    inner = getattr(runner, "runner", runner)  # a tensor-parallel leader wraps rank 0's runner
+    overlap = ("launch-ahead" if getattr(inner, "launch_ahead", False) else
+               "staged" if getattr(inner, "overlap", False) else "off")
+    log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s, "
+             "decode overlap %s%s", plan.max_running_requests, queued, plan.context_length, max_total_tokens,
+             "on" if runner.prefix_cache is not None else "off", overlap,
+             f", tensor parallel {tp_size}" if tp_size > 1 else "")
     if args.role == "both":
         return scheduler, tokenizer
     return scheduler, tokenizer, disaggregation_service(args, scheduler, plan)
