@@ -101,7 +101,7 @@ def _runner(target, head, spec: SpecConfig, batch: int, context: int, max_new: i
     for i in range(batch):
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
         runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
-    while runner._pending:  # prefill, a chunk per step
+    while runner.num_prefilling:  # prefill, a chunk per step
         runner.step()
     return runner
 

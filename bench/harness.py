@@ -351,8 +351,11 @@ def decode_runner(target, batch: int, context: int, max_new: int, device, graph_
     """A decode Runner with B requests of a `context`-token prompt each, prefilled: every later
     step() is one decode step for all B (plain; speculative with `head` and shape (steps, topk,
     draft tokens), whose steps may emit up to steps + 1 tokens each), for max_new - 1 steps at least."""
+    from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS
     from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
+    # the requests prefilled first decode during the later chunks' steps: room for those too
+    max_new += -(-batch * context // PREFILL_CHUNK_TOKENS)
     spec, scratch, ahead = None, 1, 2
     if head is not None:
         steps, topk, n = shape
@@ -367,7 +370,11 @@ def decode_runner(target, batch: int, context: int, max_new: int, device, graph_
     for i in range(batch):
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
         runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
-    runner.step()  # prefill
+    # Prefill: B x context tokens take several steps of prefill_chunk_tokens each (64 x 1024 is
+    # eight); a timed step that still prefilled a chunk measured the prefill, not a decode step.
+    runner.step()
+    while runner.num_prefilling:
+        runner.step()
     return runner
 
 

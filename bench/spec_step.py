@@ -34,6 +34,7 @@ import torch
 from common import free_device_memory, log, time_ms
 from harness import (EngineDecode, eagle3_head_config, eagle_head_config, mtp_head_config, profile_top,
                      random_head, random_target, runner_decode_ms, timed_steps, use_fast_attention)
+from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
@@ -53,7 +54,9 @@ def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: 
     num_steps, topk, num_draft = SHAPES[shape]
     cuda_mode, cpu_mode, fused = MODES[mode]
     graph_mode = cuda_mode if device.type == "cuda" else cpu_mode
-    max_new = (steps + warmup + 6) * (num_draft + 1)  # + the profiled steps
+    # + the profiled steps, + the steps in which requests prefilled first decode while the later
+    # ones prefill (a chunk of PREFILL_CHUNK_TOKENS per step)
+    max_new = (steps + warmup + 6 + -(-batch * context // PREFILL_CHUNK_TOKENS)) * (num_draft + 1)
     scratch = (num_steps - 1) * topk + num_draft
     runner = Runner(target, head, SpecConfig(head.algorithm, num_steps, topk, num_draft),
                     max_total_tokens=batch * (context + max_new + scratch + 2) + 8,
@@ -64,7 +67,9 @@ def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: 
     for i in range(batch):
         prompt = torch.randint(3, target.cfg.vocab_size, (context,), generator=gen).tolist()
         runner.add(Request(f"r{i}", prompt, max_tokens=max_new))
-    runner.step()  # prefill + draft extend over the prompt
+    runner.step()  # prefill + draft extend over the prompt, a chunk of prefill_chunk_tokens per step
+    while runner.num_prefilling:
+        runner.step()
     # A fused step has no phases to mark: it is timed whole.
     split = not (fused and graph_mode != "off")
     recs = timed_steps(runner, steps, warmup, device, instrumented=split)

@@ -761,6 +761,12 @@ class Runner:
         return len(self._running) + len(self._pending) + len(self._held) + len(self._receiving)
 
     @property
+    def num_prefilling(self) -> int:
+        """Requests whose prompt is not wholly prefilled yet (a step prefills at most
+        prefill_chunk_tokens of them)."""
+        return len(self._pending)
+
+    @property
     def has_work(self) -> bool:
         """Whether step() would compute anything (or has outputs to give)."""
         return bool(self._running or self._pending or self._stashed)
