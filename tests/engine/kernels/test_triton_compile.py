@@ -22,7 +22,6 @@ FLOAT_SCALARS = {"eps", "sm_scale", "norm_eps", "hc_eps", "k_scale", "v_scale"}
 
 
 def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> None:
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if "USE_GDC" in kernel.arg_names:
@@ -36,6 +35,13 @@ def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> N
                                "*i1" if name == "new_mask_ptr" else pointer_dtypes.get(name, pointer_dtypes["*"]))
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    make_ttir(ASTSource(fn=kernel, signature=signature, constexprs=constexprs))
+
+
+def make_ttir(source) -> None:
+    """Lower one kernel source to Triton IR for sm_90 (the front end; no GPU, no PTX)."""
+    from triton.backends.compiler import GPUTarget
+
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({})
@@ -43,7 +49,6 @@ def lower_to_ttir(kernel, pointer_dtypes: dict[str, str], constexprs: dict) -> N
     context = libtriton.ir.context()
     libtriton.ir.load_dialects(context)
     backend.load_dialects(context)
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     source.make_ir(target, options, backend.get_codegen_implementation(options),
                    backend.get_module_map(), context)
 
@@ -179,16 +184,7 @@ def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even
 @pytest.mark.parametrize("dot,block_m,block_n", [(False, 1, 8), (False, 4, 16), (True, 16, 32)])
 @pytest.mark.parametrize("split,even", [(1, True), (4, False)])
 def test_gemv_lowers(weight, act, mode, dot, block_m, block_n, split, even):
-    from triton.backends.compiler import GPUTarget
-    target = GPUTarget("cuda", 90, 32)
-    backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({})
-    libtriton = triton._C.libtriton
-    context = libtriton.ir.context()
-    libtriton.ir.load_dialects(context)
-    backend.load_dialects(context)
-    source = _gemv_source(weight, act, _gemv_constexprs(mode, dot, split, block_m, block_n, 256, even=even, act=act))
-    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    make_ttir(_gemv_source(weight, act, _gemv_constexprs(mode, dot, split, block_m, block_n, 256, even=even, act=act)))
 
 
 @pytest.mark.parametrize("weight,mode,dot,block_m,block_n,block_k", [
