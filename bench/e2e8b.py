@@ -32,9 +32,10 @@ import torch
 import acceptance
 import hf_baseline
 from common import free_device_memory, log, sync
-from harness import default_dtype, use_fast_attention
+from harness import use_fast_attention
 from specdeploy.engine.demo import embed
 from specdeploy.engine.models import attention as attention_mod
+from specdeploy.engine.models.llama import default_dtype
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.speculative.adaptive import SpecShape
 

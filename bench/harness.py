@@ -19,7 +19,7 @@ from specdeploy.engine.runtime import calls as calls_mod
 from specdeploy.engine.models.attention import AttnBatch
 from specdeploy.engine.models.draft import build_draft
 from specdeploy.engine.runtime.kv import KVPool
-from specdeploy.engine.models.llama import ModelConfig, build_target
+from specdeploy.engine.models.llama import ModelConfig, build_target, default_dtype
 
 # ---- models ---------------------------------------------------------------------------------
 
@@ -43,17 +43,6 @@ def random_init_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
             p.normal_(0.0, 0.02, generator=gen)
         else:
             p.normal_(0.0, std, generator=gen)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    # Parameters are created in their final dtype: an 8B model never exists in float32.
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
 
 
 def random_target(config: dict, device, dtype=torch.bfloat16, feature_kind=None, seed: int = 0):
