@@ -94,6 +94,30 @@ def test_deployment_pods_are_scheduled_onto_gpu_nodes_and_run(kube_cluster: Kube
     )
 
 
+def test_kwok_leaves_nodes_without_its_annotation_alone(kube_cluster: KubeCluster, kube_namespace: str):
+    """A node without kwok's annotation (the local kubelet's kind) is not kwok's: kwok neither
+    takes its Lease nor plays its pods, even before anyone else holds that Lease. A pod bound to a
+    fake node in the same run shows kwok was awake."""
+    name = f"unmanaged-{uuid.uuid4().hex[:6]}"
+    core = k8s.CoreV1Api(kube_cluster.api_client())
+    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "spec": {}})
+    try:
+        fake_node = kube_cluster.nodes[0].name
+        for pod_name, node in (("on-unmanaged", name), ("on-fake", fake_node)):
+            pod = _gpu_pod(pod_name, gpus=0)
+            pod["spec"]["nodeName"] = node
+            kube_cluster.apply(pod, namespace=kube_namespace)
+        wait_for(lambda: _is_ready(kube_cluster.kubectl_json("get", "pod", "on-fake", "-n", kube_namespace)),
+                 timeout_s=30, what="the pod on the fake node Running")
+        time.sleep(3)
+        pod = kube_cluster.kubectl_json("get", "pod", "on-unmanaged", "-n", kube_namespace)
+        assert not pod["status"].get("podIP") and pod["status"].get("phase") == "Pending", pod["status"]
+        leases = k8s.CoordinationV1Api(kube_cluster.api_client()).list_namespaced_lease("kube-node-lease")
+        assert name not in {lease.metadata.name for lease in leases.items}
+    finally:
+        core.delete_node(name)
+
+
 def test_node_selector_on_gpu_product_picks_the_h100_node(kube_cluster: KubeCluster, kube_namespace: str):
     kube_cluster.apply(
         _gpu_pod("h100-job", gpus=8, node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),

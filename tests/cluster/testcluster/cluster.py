@@ -36,6 +36,8 @@ LOOPBACK = "127.0.0.1"
 # kwok's CRDs that tests may create at run time (per-pod `Logs` wins over the cluster-wide default).
 KWOK_CRDS = ("Logs", "ClusterLogs")
 DEFAULT_LOG_LINE = "fake container started by the kwok test cluster"
+# kwok's controller manages only nodes carrying this annotation (see _config).
+FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class FakeNode:
                 "name": self.name,
                 "labels": self.labels,
                 # kwok's controller manages only nodes carrying this annotation.
-                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "annotations": {FAKE_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
             },
             "spec": {},
             "status": {
@@ -378,7 +380,11 @@ class KubeCluster:
                 patch("kube-apiserver", bind_address=LOOPBACK),
                 patch("kube-controller-manager", bind_address=LOOPBACK),
                 patch("kube-scheduler", bind_address=LOOPBACK),
-                patch("kwok-controller", server_address=f"{LOOPBACK}:{port['kwok-controller']}"),
+                # kwokctl's binary runtime starts kwok with --manage-all-nodes=true (only its kind
+                # runtime passes the annotation selector), so kwok would also take the local
+                # kubelet's node whenever it grabbed that node's Lease first; the later flag wins.
+                patch("kwok-controller", server_address=f"{LOOPBACK}:{port['kwok-controller']}",
+                      manage_all_nodes="false", manage_nodes_with_annotation_selector=f"{FAKE_NODE_ANNOTATION}=fake"),
             ],
         }
 
