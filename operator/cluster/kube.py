@@ -19,6 +19,7 @@ from specdeploy.operator.desired.render import (
     Children,
     config_map_name,
     deployment_name,
+    quantity_bytes,
 )
 
 FIELD_MANAGER = MANAGED_BY
@@ -61,18 +62,6 @@ def controller_owner(obj: Mapping[str, Any], kind: str = KIND) -> Mapping[str, A
         if ref.get("controller") and ref.get("kind") == kind:
             return ref
     return None
-
-
-_QUANTITY_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
-                      "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
-
-
-def _quantity_bytes(quantity: str) -> float:
-    """A storage quantity ("20Gi", "500M", "1e9") in bytes."""
-    for suffix, factor in sorted(_QUANTITY_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
-        if quantity.endswith(suffix):
-            return float(quantity[: -len(suffix)]) * factor
-    return float(quantity)
 
 
 def _api_message(err: ApiException) -> str:
@@ -226,7 +215,7 @@ class KubeClient:
         existing = self._existing(claim)
         have = (((existing or {}).get("spec") or {}).get("resources") or {}).get("requests", {}).get("storage")
         want = claim["spec"]["resources"]["requests"]["storage"]
-        if have and _quantity_bytes(have) > _quantity_bytes(want):
+        if have and quantity_bytes(have) > quantity_bytes(want):
             claim = {**claim, "spec": {**claim["spec"], "resources": {"requests": {"storage": have}}}}
         return claim
 

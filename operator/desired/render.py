@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specdeploy.engine.planner.plan import GIB
 from specdeploy.operator.api import (
     API_VERSION,
     CONFIG_HASH_ANNOTATION,
@@ -48,7 +49,6 @@ CONFIG_HASH_CHARS = 16
 # an interrupted download) and a fixed margin for small models.
 MODEL_CACHE_HEADROOM = 1.25
 MODEL_CACHE_MARGIN_BYTES = 2 << 30
-GIB = 1 << 30
 # /dev/shm of the engine pod, memory-backed: NCCL's intra-node buffers (its SHM transport and the
 # proxy's host buffers) live there, a few hundred MiB per rank; the container runtime's 64 MiB
 # default makes NCCL fail at the first collective. The engine starts one process per GPU itself
@@ -136,6 +136,18 @@ def config_map_name(name: str) -> str:
 
 def model_cache_claim_name(name: str) -> str:
     return f"{name}-model-cache"
+
+
+_QUANTITY_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+                      "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A storage or memory quantity ("20Gi", "500M", "1e9") in bytes."""
+    for suffix, factor in sorted(_QUANTITY_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
+        if quantity.endswith(suffix):
+            return float(quantity[: -len(suffix)]) * factor
+    return float(quantity)
 
 
 def model_cache_size(plan: dict[str, Any]) -> str:

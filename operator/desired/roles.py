@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specdeploy.engine.planner.plan import MIB
 from specdeploy.operator.api import (
     ENGINE_ROLES,
     LABEL_COMPONENT,
@@ -48,6 +49,7 @@ from specdeploy.operator.desired.render import (
     engine_pod_spec,
     engine_settings,
     finish_children,
+    quantity_bytes,
     selector_labels,
     service_name,
     service_object,
@@ -56,6 +58,20 @@ from specdeploy.operator.desired.render import (
 ROUTER_CONTAINER = "router"
 ROLES = (*ENGINE_ROLES, "router")
 DEFAULT_TRANSFER_PROTOCOL = "tcp"
+
+
+def with_host_staging(resources: dict[str, Any], staging_bytes: int) -> dict[str, Any]:
+    """A role pod's resources with its host staging arena (the plan's transfer_staging_bytes:
+    pinned host memory outside the engine's usual footprint) added to the memory the user gave,
+    request and limit alike, in whole MiB, so a limit sized for the aggregated engine does not
+    OOM-kill the role pod. Where no memory is given there is nothing to raise."""
+    if not staging_bytes:
+        return resources
+    out = {key: dict(values) for key, values in resources.items()}
+    for values in out.values():
+        if "memory" in values:
+            values["memory"] = f"{-(-int(quantity_bytes(str(values['memory'])) + staging_bytes) // MIB)}Mi"
+    return out
 
 
 def is_disaggregated(spec: dict[str, Any]) -> bool:
@@ -150,7 +166,8 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
         gpus = 0 if planned.cpu else plan["tensor_parallel_size"]
         containers[role] = engine_container(
             spec, image, _role_args(settings, role, protocol), env,
-            _engine_resources(spec, gpus, role_spec(spec, role).get("resources")),
+            with_host_staging(_engine_resources(spec, gpus, role_spec(spec, role).get("resources")),
+                              int((plan.get("buffers") or {}).get("transfer_staging_bytes") or 0)),
         )
     router_container = {
         "name": ROUTER_CONTAINER,

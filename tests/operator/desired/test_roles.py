@@ -98,6 +98,30 @@ def test_children_of_a_disaggregated_resource():
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "0000-uid" and obj["metadata"]["namespace"] == "serving"
 
 
+def test_role_pods_ask_for_their_host_staging_arena_on_top_of_the_users_memory():
+    sdd = make_sdd()
+    sdd["spec"]["engine"]["resources"]["limits"] = {"memory": "80Gi"}
+    sdd["spec"]["disaggregation"]["decode"]["resources"] = {"requests": {"cpu": "4"}}
+    p = planned(sdd)
+    deployments = by_name(roles.render_roles(sdd, p, DEFAULTS), "Deployment")
+    for role, user in (("prefill", {"requests": {"memory": 64 << 30}, "limits": {"memory": 80 << 30}}),
+                       ("decode", {"requests": {}, "limits": {}})):
+        staging = p.role_plans[role]["buffers"]["transfer_staging_bytes"]
+        # Two full 8192-token requests of the 8B's target and EAGLE-3 KV (132 KiB per token).
+        assert 2 * 8192 * 132 << 10 <= staging < 2 * 8200 * 132 << 10
+        (c,) = deployments[f"llama8b-{role}"]["spec"]["template"]["spec"]["containers"]
+        for kind in ("requests", "limits"):
+            got = c["resources"][kind].get("memory")
+            if "memory" in user[kind]:
+                assert got == f"{-(-(user[kind]['memory'] + staging) // (1 << 20))}Mi"
+            else:  # no memory given (the decode role's own resources replace the engine's): none made up
+                assert got is None
+    # The aggregated engine has no staging arena: its memory is the user's, unchanged.
+    assert roles.with_host_staging({"requests": {"memory": "3Gi"}}, 0) == {"requests": {"memory": "3Gi"}}
+    assert roles.with_host_staging({"limits": {"memory": "1000M", "cpu": "2"}}, 1 << 20) == {
+        "limits": {"memory": f"{-(-(10**9 + (1 << 20)) // (1 << 20))}Mi", "cpu": "2"}}
+
+
 def test_any_change_rolls_every_role():
     a = make_sdd()
     b = make_sdd(transferProtocol="rdma")
