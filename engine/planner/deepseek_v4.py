@@ -329,6 +329,22 @@ def v4_pools(v4: V4Config, role: str) -> tuple[PoolSpec, ...]:
     return tuple(pools)
 
 
+def v4_kept_positions(pool: PoolSpec, n: int) -> range:
+    """The positions of an n-token request whose rows `pool` still holds once they are committed:
+    a recent pool's last `keep`, an entries pool's window closers. What a finished request gives
+    back, and what moves to a decode server."""
+    if pool.kind == "recent":
+        return range(max(0, n - pool.keep), n)
+    return range(pool.ratio - 1, n, pool.ratio)
+
+
+def v4_staged_bytes(v4: V4Config, role: str, dtype_bytes: int, n: int) -> int:
+    """Bytes an n-token request's kept rows of every pool take in a staging region (transfer.py's
+    layout: per pool its layers x (kept rows + an unused row 0) x width)."""
+    return sum(len(p.layers) * (len(v4_kept_positions(p, n)) + 1) * p.width * dtype_bytes
+               for p in v4_pools(v4, role))
+
+
 def v4_in_flight_rows(prefill_chunk_tokens: int, max_running_requests: int, in_flight_per_request: int) -> int:
     """Rows every pool keeps for the slots of one step: a prefill chunk, or every running
     request's decode / tree / scratch slots (a step does one, then the other)."""

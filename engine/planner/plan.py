@@ -51,7 +51,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from specdeploy.engine.planner.deepseek_v4 import V4ForwardDims, v4_forward_peak_bytes, v4_in_flight_rows
+from specdeploy.engine.planner.deepseek_v4 import (
+    V4ForwardDims,
+    v4_forward_peak_bytes,
+    v4_in_flight_rows,
+    v4_staged_bytes,
+)
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
     ConfigError,
@@ -167,10 +172,28 @@ TRANSFER_STAGING_REQUESTS = 2
 TRANSFER_STAGING_ALIGN_BYTES = 4096
 
 
+def staging_aligned(nbytes: int) -> int:
+    """A staging region's bytes rounded up to where the next region may start."""
+    return -(-nbytes // TRANSFER_STAGING_ALIGN_BYTES) * TRANSFER_STAGING_ALIGN_BYTES
+
+
 def transfer_staging_request_bytes(tokens: int, kv_bytes_per_token: int) -> int:
-    """Bytes one staged request of `tokens` prompt tokens takes in the arena, aligned."""
-    raw = (tokens + 1) * kv_bytes_per_token
-    return -(-raw // TRANSFER_STAGING_ALIGN_BYTES) * TRANSFER_STAGING_ALIGN_BYTES
+    """Bytes one staged request of `tokens` prompt tokens takes in the arena, aligned (pools
+    with one row per token slot; DeepSeek-V4's kept rows: deepseek_v4.v4_staged_bytes)."""
+    return staging_aligned((tokens + 1) * kv_bytes_per_token)
+
+
+def transfer_staging_bytes(target: ModelShapes, draft: ModelShapes | None, tokens: int,
+                           kv_bytes_per_token: int) -> int:
+    """A split-role server's staging arena: TRANSFER_STAGING_REQUESTS requests of `tokens`."""
+    if target.v4 is not None:
+        raw = v4_staged_bytes(target.v4, "target", target.dtype_bytes, tokens)
+        if draft is not None and draft.v4 is not None:
+            raw += v4_staged_bytes(draft.v4, "MTP", draft.dtype_bytes, tokens)
+        one = staging_aligned(raw)
+    else:
+        one = transfer_staging_request_bytes(tokens, kv_bytes_per_token)
+    return TRANSFER_STAGING_REQUESTS * one
 
 # cuda_graph_batch_sizes: every power of two up to this, then multiples of the step.
 CUDA_GRAPH_SMALL_BATCH_LIMIT = 8
@@ -183,6 +206,20 @@ class PlanError(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+
+def check_servable(deepseek_v4: bool, algorithm: str, role: str, tensor_parallel_size: int | None) -> None:
+    """Refuses (PlanError) what the engine cannot serve, before any memory is planned: the
+    operator must never plan a deployment whose pods would only exit. The engine checks a plan it
+    is handed with the same function. `tensor_parallel_size` None: the planner picks it."""
+    if deepseek_v4 and algorithm not in ("NONE", "MTP"):
+        raise PlanError("InvalidSpeculativeSettings",
+                        f"a DeepSeek-V4 target drafts with its own MTP layer, not {algorithm}")
+    if role != "both" and (tensor_parallel_size or 1) > 1:
+        # The split roles move KV through host memory registered per pool; one rank's pools hold
+        # only its KV heads, and the transfer would have to run on every rank.
+        raise PlanError("UnsupportedDisaggregation",
+                        f"split prefill/decode roles run at tensor parallel size 1, not {tensor_parallel_size}")
 
 
 @dataclass(frozen=True)
@@ -760,11 +797,14 @@ def plan(
         raise PlanError("InvalidGPU", f"gpus_per_node must be >= 1, got {gpus_per_node}")
     if role not in ROLES:
         raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(ROLES)}")
+    check_servable(target.v4 is not None, spec.algorithm, role, tensor_parallel_size)
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
     refusals: list[str] = []  # TP sizes that cannot split the heads, and why
     last: tuple[int, MemoryTerms] | None = None
     sizes = TENSOR_PARALLEL_SIZES if tensor_parallel_size is None else (tensor_parallel_size,)
+    if role != "both":
+        sizes = (1,)  # check_servable: split roles run at TP 1
     if tensor_parallel_size is not None and tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
         raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size must be one of "
                         f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))}, got {tensor_parallel_size}")
@@ -803,8 +843,8 @@ def plan(
                 target=target_terms,
                 draft=draft_terms,
                 buffers=buffers if role == "both" else dataclasses.replace(
-                    buffers, transfer_staging_bytes=TRANSFER_STAGING_REQUESTS * transfer_staging_request_bytes(
-                        limits.context_length, memory.kv_cache_bytes_per_token)),
+                    buffers, transfer_staging_bytes=transfer_staging_bytes(
+                        target, draft, limits.context_length, memory.kv_cache_bytes_per_token)),
                 memory_per_gpu=memory,
                 cuda_graph_batch_sizes=() if role == "prefill" else cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
@@ -824,6 +864,8 @@ def plan(
             f"; weights were counted at {target.dtype} but the checkpoint is {target.quantization}: "
             "give the model directory to read its real size"
         )
+    if role != "both":
+        hint += f"; a {role} role runs at TP 1 (split roles do not run tensor parallel yet)"
     raise PlanError(
         "InsufficientGPUMemory",
         f"does not fit on {tp} x {gpu.name}: at TP {tp} each GPU needs "

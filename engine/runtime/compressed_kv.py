@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from specdeploy.engine.planner.deepseek_v4 import PoolSpec, V4Config, v4_pool_rows, v4_pools
+from specdeploy.engine.planner.deepseek_v4 import PoolSpec, V4Config, v4_kept_positions, v4_pool_rows, v4_pools
+from specdeploy.engine.runtime.kv import PoolExhausted
 
 PAD_ROW = 0
 
@@ -45,7 +46,7 @@ class _RowStack:
 
     def pop(self, n: int) -> torch.Tensor:
         if n > self.num_free:
-            raise RuntimeError(f"DeepSeek-V4 pool exhausted: asked for {n} rows, {self.num_free} free")
+            raise PoolExhausted(f"DeepSeek-V4 pool exhausted: asked for {n} rows, {self.num_free} free")
         self.num_free -= n
         return self._stack[self.num_free:self.num_free + n].clone()
 
@@ -154,13 +155,43 @@ class V4KV:
     def finished(self, row_slots: torch.Tensor, length: int) -> None:
         """A request leaves with `length` committed tokens: every row its slots still hold."""
         for name, p in self.pools.items():
-            if p.kind == "recent":
-                kept = row_slots[max(0, length - p.keep):length]
-            else:
-                kept = row_slots[p.ratio - 1:length:p.ratio]
+            kept = _positions(row_slots, v4_kept_positions(p, length))
             if kept.numel():
                 self._give_back(name, kept)
+
+    # ---- moving a request between servers (prefill/decode disaggregation) ---------------------
+
+    def staged_pieces(self, row_slots: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(pool tensor [layers, rows, width], rows) per pool: the rows an n-token committed
+        request holds (deepseek_v4.v4_kept_positions), in position order; what a staging region
+        carries (transfer.StagedKV.of_pieces)."""
+        return [(self.data[name], self.maps[name][_positions(row_slots, v4_kept_positions(p, n))])
+                for name, p in self.pools.items()]
+
+    def staged_rows(self, n: int) -> list[tuple[torch.Tensor, int]]:
+        """(pool tensor, number of rows) per pool for n tokens: staged_pieces' shape, from n alone."""
+        return [(self.data[name], len(v4_kept_positions(p, n))) for name, p in self.pools.items()]
+
+    def arrived(self, row_slots: torch.Tensor, n: int) -> None:
+        """A request's n positions were computed by another server (row_slots: its row of
+        req_to_slot, whose first n slots the table took without `taken`): give the positions the
+        rows they keep once committed, nothing more (a prompt need not fit in the rows one step
+        may hold), and set the slots' positions. Raises, taking nothing, where a pool is short."""
+        wanted = {name: len(v4_kept_positions(p, n)) for name, p in self.pools.items()}
+        short = [name for name, k in wanted.items() if k > self._free[name].num_free]
+        if short:
+            raise PoolExhausted(f"DeepSeek-V4 pool {short[0]} exhausted: {wanted[short[0]]} rows wanted, "
+                               f"{self._free[short[0]].num_free} free")
+        for name, p in self.pools.items():
+            slots = _positions(row_slots, v4_kept_positions(p, n))
+            self.maps[name][slots] = self._free[name].pop(slots.numel())
+        self.slot_pos[row_slots[:n]] = torch.arange(n, dtype=torch.int64, device=row_slots.device)
 
     def _give_back(self, name: str, slots: torch.Tensor) -> None:
         self._free[name].push(self.maps[name][slots])
         self.maps[name][slots] = PAD_ROW
+
+
+def _positions(row_slots: torch.Tensor, positions: range) -> torch.Tensor:
+    """The slots of `positions` (a range with a step) in a request's row: a view, no device sync."""
+    return row_slots[positions.start:positions.stop:positions.step]

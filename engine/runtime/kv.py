@@ -35,6 +35,10 @@ class KVPool:
         return 2 * self.k.numel() * self.k.element_size()
 
 
+class PoolExhausted(RuntimeError):
+    """A pool (the token slots, or a DeepSeek-V4 pool's rows) has fewer free entries than asked."""
+
+
 class SlotTable:
     """Free-slot stack plus `req_to_slot` [max_running_requests + 1, max_context_len]: row r holds
     the committed slots of the request in row r, position by position; the last row
@@ -71,13 +75,33 @@ class SlotTable:
     def alloc_host(self, n: int) -> torch.Tensor:
         """n free slots [n], a fresh host tensor (later frees overwrite the stack region)."""
         if n > self.num_free:
-            raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
+            raise PoolExhausted(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
         self.num_free -= n
         slots = self._stack[self.num_free:self.num_free + n].clone()
         if self.listeners and n:
             on_device = slots.to(self.device)
             for listener in self.listeners:
                 listener.taken(on_device)
+        return slots
+
+    def alloc_arrived(self, row: int, n: int) -> torch.Tensor:
+        """n slots for positions 0 .. n - 1 of the request in `row`, computed by another server
+        (prefill/decode disaggregation): written into req_to_slot and committed at once, so a
+        listener (DeepSeek-V4's pools) gives them only the rows a committed request keeps
+        (`arrived`), never a row per slot. -> the slots (device). Takes nothing where it raises."""
+        if n > self.num_free:
+            raise PoolExhausted(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
+        slots = self._stack[self.num_free - n:self.num_free].clone().to(self.device)
+        self.req_to_slot[row, :n] = slots
+        for i, listener in enumerate(self.listeners):
+            try:
+                listener.arrived(self.req_to_slot[row], n)
+            except BaseException:
+                for done in self.listeners[:i]:
+                    done.finished(self.req_to_slot[row], n)
+                self.req_to_slot[row, :n] = PAD_SLOT
+                raise
+        self.num_free -= n
         return slots
 
     def free(self, slots: torch.Tensor) -> None:

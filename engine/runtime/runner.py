@@ -76,7 +76,7 @@ import torch
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.runtime.calls import ModelCalls
 from specdeploy.engine.models.draft import DraftHead
-from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, SlotTable
+from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, PoolExhausted, SlotTable
 from specdeploy.engine.runtime.prefix_cache import DEFER_MIN_TOKENS, PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.rows import RowState, RowSteps
 from specdeploy.engine.models.layers import argmax
@@ -288,10 +288,9 @@ class Runner:
         if own_pools:
             # DeepSeek-V4 (engine/runtime/compressed_kv.py) keeps a request's recent tokens and
             # compressed entries in pools of its own, trimmed as tokens are committed: a finished
-            # request's slots cannot be reused by another, and a draft that catches up later or
-            # KV moved between servers would read trimmed rows.
-            for flag, what in ((prefix_cache, "the prefix cache"), (adaptive, "adaptive speculation"),
-                               (role != "both", f"role {role!r}")):
+            # request's slots cannot be reused by another, and a draft that catches up later
+            # would read trimmed rows. (Between servers the kept rows move: staged_kv.)
+            for flag, what in ((prefix_cache, "the prefix cache"), (adaptive, "adaptive speculation")):
                 if flag:
                     raise ValueError(f"{what} is not supported for {type(target).__name__} targets yet")
             # Its pools are sized for the slots one step may hold: a prefill chunk, or every
@@ -523,41 +522,76 @@ class Runner:
         n = len(req.prompt_ids)
         seq.row = self.table.alloc_row()
         try:
-            slots = self._alloc(n)
-        except RuntimeError:
+            self._make_room(n)
+            # Committed as they are taken: the positions arrive computed (DeepSeek-V4's pools
+            # give them only the rows a committed request keeps).
+            slots = self.table.alloc_arrived(seq.row, n)
+        except BaseException as e:
             self.table.free_row(seq.row, 0)
             self._reserved -= seq.reserved
+            if isinstance(e, PoolExhausted):
+                # Slots or pool rows held by running requests: it waits for them, as admission does.
+                raise NoCapacity(f"request {req.id}: {e}") from e
             raise
-        self.table.req_to_slot[seq.row, :n] = slots
         seq.length = n
         self._receiving[req.id] = seq
         return seq.row, slots.tolist()
 
-    def kv_pools(self) -> list[KVPool]:
+    def kv_pools(self) -> list:
         return [p for p in (self.target_kv, self.draft_kv) if p is not None]
+
+    @property
+    def slot_row_pools(self) -> bool:
+        """Whether every pool has one row per token slot (KVPool: addressable by slot runs, the
+        direct transfer path); DeepSeek-V4's pools (V4KV) move only staged."""
+        return all(isinstance(p, KVPool) for p in self.kv_pools())
+
+    def kv_signature(self) -> tuple:
+        """What a peer's pools must equal for their bytes to mean the same here, per pool
+        (protocol.ServerInfo): (layers, bytes per slot) of a KVPool; (name, layers, row bytes,
+        ratio, keep) of each of a V4KV's pools."""
+        from specdeploy.engine.runtime.transfer import PoolLayout
+
+        def one(pool):
+            if isinstance(pool, KVPool):
+                return PoolLayout.of(pool).shape()
+            return tuple((name, len(spec.layers), pool.data[name][0, 0].numel() * pool.data[name].element_size(),
+                          spec.ratio, spec.keep) for name, spec in pool.pools.items())
+
+        return tuple(one(p) for p in self.kv_pools())
 
     def staged_kv(self, n: int):
         """Where n prompt tokens' rows of every pool lie in a staging region (transfer.StagedKV)."""
         from specdeploy.engine.runtime.transfer import StagedKV
 
-        return StagedKV.of(self._kv_pairs(), n)
+        if self.slot_row_pools:
+            return StagedKV.of(self._kv_pairs(), n)
+        return StagedKV.of_pieces([piece for p in self.kv_pools() for piece in p.staged_rows(n)])
 
     def _kv_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(p.k, p.v) for p in self.kv_pools()]
 
-    def gather_kv(self, slots: list[int], region: torch.Tensor) -> None:
-        """Pack the K and V rows of `slots` in every pool into a staging region (a 1-d uint8 host
-        tensor, pinned on CUDA; layout transfer.StagedKV): row j + 1 of each half is slots[j].
-        Returns when the bytes are in host memory."""
-        from specdeploy.engine.runtime.transfer import gather_rows
+    def _kv_pieces(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor, rows) of every pool for a request whose prompt positions are `slots` (device)."""
+        from specdeploy.engine.runtime.transfer import pool_pieces
 
-        gather_rows(self._kv_pairs(), torch.tensor(slots, dtype=torch.int64, device=self.device), region)
+        if self.slot_row_pools:
+            return pool_pieces(self._kv_pairs(), slots)
+        return [piece for p in self.kv_pools() for piece in p.staged_pieces(slots, slots.numel())]
+
+    def gather_kv(self, slots: list[int], region: torch.Tensor) -> None:
+        """Pack the rows of `slots` (a request's prompt positions, in order) in every pool into a
+        staging region (a 1-d uint8 host tensor, pinned on CUDA; layout transfer.StagedKV): for
+        slot-row pools row j + 1 of each half is slots[j]. Returns when the bytes are in host memory."""
+        from specdeploy.engine.runtime.transfer import gather_pieces
+
+        gather_pieces(self._kv_pieces(torch.tensor(slots, dtype=torch.int64, device=self.device)), region)
 
     def _scatter_kv(self, index: torch.Tensor, region: torch.Tensor) -> None:
         """The inverse of gather_kv, into the slots `index`; returns when the region may be reused."""
-        from specdeploy.engine.runtime.transfer import scatter_rows
+        from specdeploy.engine.runtime.transfer import scatter_pieces
 
-        scatter_rows(self._kv_pairs(), index, region)
+        scatter_pieces(self._kv_pieces(index), region)
 
     def activate(self, req_id: str, staged: torch.Tensor | None = None) -> list[StepOutput]:
         """Decode role: the prompt KV has arrived (in the request's slots, or in `staged`, a
@@ -805,13 +839,17 @@ class Runner:
         return list(outputs.values())
 
     def _alloc(self, n: int, host: bool = False) -> torch.Tensor:
-        """n slots, on the device (host: a host tensor); gives back the staged next step and
-        evicts from the prefix cache first where the free ones are short."""
+        """n slots, on the device (host: a host tensor)."""
+        self._make_room(n)
+        return self.table.alloc_host(n) if host else self.table.alloc(n)
+
+    def _make_room(self, n: int) -> None:
+        """Where fewer than n slots are free: give back the staged next step, then evict from the
+        prefix cache."""
         if self.table.num_free < n:
             self._drop_ahead()
         if self.prefix_cache is not None and self.table.num_free < n:
             self.prefix_cache.evict(n - self.table.num_free)
-        return self.table.alloc_host(n) if host else self.table.alloc(n)
 
     def _take_slots(self, n: int) -> torch.Tensor:
         slots = self._alloc(n)

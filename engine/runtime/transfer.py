@@ -36,7 +36,11 @@ A pool's memory is `k, v [num_layers, num_slots, heads, head_dim]`, contiguous: 
 description as plain numbers (it travels in the prefill request); `kv_copies` is pure arithmetic.
 A staged region of n tokens is, pool after pool, K [L, n + 1, slot_bytes] then V [L, n + 1,
 slot_bytes], row j + 1 holding prompt position j (row 0 stands for the pad slot): each half is a
-pool of n + 1 slots, the whole region one byte range (StagedKV).
+pool of n + 1 slots, the whole region one byte range (StagedKV). DeepSeek-V4's pools (rows
+addressed through per-pool maps, engine/runtime/compressed_kv.py) stage, pool after pool,
+[L_pool, kept + 1, row_bytes]: only the rows the request still holds (a recent pool's last
+`keep` positions, an entries pool's window closers: deepseek_v4.v4_kept_positions), and move
+only as whole regions.
 """
 
 from __future__ import annotations
@@ -140,44 +144,58 @@ def kv_copies(src: PoolLayout, src_slots: list[int], dst: PoolLayout,
 
 @dataclass(frozen=True)
 class StagedKV:
-    """Where one request's KV rows of every pool lie in a staging region (module docstring):
-    `shapes` (layers, slot_bytes) per pool, target first; `n` prompt tokens."""
+    """Where one request's KV rows lie in a staging region (module docstring): `pieces`, each
+    (layers, row_bytes, rows), one after the other, each [layers, rows + 1, row_bytes] with row 0
+    unused. Pools with a row per token slot (KVPool) give two pieces per pool, K then V, of n rows
+    each (`paired`: each half is addressed like a pool of n + 1 slots, StagedKV.pool_layouts);
+    DeepSeek-V4's pools give one piece per pool of the rows it keeps (V4KV.staged_pieces)."""
 
-    shapes: tuple[tuple[int, int], ...]
-    n: int
+    pieces: tuple[tuple[int, int, int], ...]
+    paired: bool = True
 
     @classmethod
     def of(cls, pools: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> StagedKV:
-        """Of (k, v) pool tensors, each [layers, slots, ...]."""
-        return cls(tuple(PoolLayout.of(pair).shape() for pair in pools), n)
+        """Of (k, v) pool tensors, each [layers, slots, ...], for n prompt tokens."""
+        pieces = []
+        for pair in pools:
+            layers, slot_bytes = PoolLayout.of(pair).shape()
+            pieces += [(layers, slot_bytes, n)] * 2
+        return cls(tuple(pieces))
 
-    def _half_bytes(self, layers: int, slot_bytes: int) -> int:
-        return layers * (self.n + 1) * slot_bytes
+    @classmethod
+    def of_pieces(cls, pieces: list[tuple[torch.Tensor, int]]) -> StagedKV:
+        """Of (tensor [layers, rows, ...], rows staged) pieces: not addressable like pools."""
+        return cls(tuple((t.shape[0], t[0, 0].numel() * t.element_size(), rows) for t, rows in pieces), paired=False)
+
+    @staticmethod
+    def _bytes(layers: int, row_bytes: int, rows: int) -> int:
+        return layers * (rows + 1) * row_bytes
 
     @property
     def nbytes(self) -> int:
-        return sum(2 * self._half_bytes(*shape) for shape in self.shapes)
+        return sum(self._bytes(*piece) for piece in self.pieces)
 
     def pool_layouts(self, address: int) -> list[PoolLayout]:
         """Each pool's K and V halves of a region at `address`, as pools of n + 1 slots (1..n used)."""
+        if not self.paired:
+            raise ValueError("these KV pools (DeepSeek-V4's) move only as whole staging regions: "
+                             "both servers need --transfer-staging auto or on")
         out, offset = [], 0
-        for layers, slot_bytes in self.shapes:
-            half = self._half_bytes(layers, slot_bytes)
-            out.append(PoolLayout(address + offset, address + offset + half, layers, self.n + 1, slot_bytes))
+        for (layers, slot_bytes, n), _ in zip(self.pieces[::2], self.pieces[1::2], strict=True):
+            half = self._bytes(layers, slot_bytes, n)
+            out.append(PoolLayout(address + offset, address + offset + half, layers, n + 1, slot_bytes))
             offset += 2 * half
         return out
 
-    def views(self, region: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """uint8 views (K, V), each [layers, n + 1, slot_bytes], of a region tensor of >= nbytes."""
+    def views(self, region: torch.Tensor) -> list[torch.Tensor]:
+        """uint8 views, each [layers, rows + 1, row_bytes], of a region tensor of >= nbytes."""
         if region.dtype != torch.uint8 or region.dim() != 1 or region.numel() < self.nbytes:
             raise ValueError(f"a staging region must be a 1-d uint8 tensor of >= {self.nbytes} bytes")
         out, offset = [], 0
-        for layers, slot_bytes in self.shapes:
-            half = self._half_bytes(layers, slot_bytes)
-            k = region[offset:offset + half].view(layers, self.n + 1, slot_bytes)
-            v = region[offset + half:offset + 2 * half].view(layers, self.n + 1, slot_bytes)
-            out.append((k, v))
-            offset += 2 * half
+        for layers, row_bytes, rows in self.pieces:
+            size = self._bytes(layers, row_bytes, rows)
+            out.append(region[offset:offset + size].view(layers, rows + 1, row_bytes))
+            offset += size
         return out
 
 
@@ -193,38 +211,57 @@ def _rows(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     return t.view(torch.uint8).view(t.shape[0], t.shape[1], -1).view(word)
 
 
-def gather_rows(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, region: torch.Tensor) -> None:
-    """Pack the rows `index` (slots, on the pools' device) of every (k, v) pool into a host
-    staging region laid out as StagedKV's; returns when the bytes are in host memory. Layer by
-    layer: on a GPU the temporary is one layer's rows, [n, slot_bytes], copied to pinned memory."""
-    staged = StagedKV.of(pools, index.numel())
-    device = pools[0][0].device
-    for pair, views in zip(pools, staged.views(region), strict=True):
-        for t, host in zip(pair, views):
+def pool_pieces(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, rows) pieces of (k, v) pools addressed by the slots `index`, in StagedKV.of's order."""
+    return [(t, index) for pair in pools for t in pair]
+
+
+def _piece_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], region: torch.Tensor):
+    """(rows [layers, R, words], staged [layers, k + 1, words], index [k]) of each non-empty
+    (tensor, index) piece and its part of the region (StagedKV.of_pieces' layout), as words of
+    the widest integer type a row divides into."""
+    staged = StagedKV.of_pieces([(t, index.numel()) for t, index in pieces])
+    for (t, index), host in zip(pieces, staged.views(region), strict=True):
+        if index.numel():
             word = _word(host.shape[-1])
-            rows, host = _rows(t, word), host.view(word)
-            for layer in range(rows.shape[0]):
-                if device.type == "cpu":
-                    torch.index_select(rows[layer], 0, index, out=host[layer, 1:])
-                else:
-                    host[layer, 1:].copy_(rows[layer].index_select(0, index), non_blocking=True)
+            yield _rows(t, word), host.view(word), index
+
+
+def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], region: torch.Tensor) -> None:
+    """Pack the rows `index` (on the tensors' device) of every (tensor [layers, rows, ...], index)
+    piece into a host staging region laid out as StagedKV.of_pieces' (row j + 1 of a piece is
+    index[j]); returns when the bytes are in host memory. Layer by layer: on a GPU the temporary
+    is one layer's rows, copied to pinned memory."""
+    device = pieces[0][0].device
+    for rows, host, index in _piece_rows(pieces, region):
+        for layer in range(rows.shape[0]):
+            if device.type == "cpu":
+                torch.index_select(rows[layer], 0, index, out=host[layer, 1:])
+            else:
+                host[layer, 1:].copy_(rows[layer].index_select(0, index), non_blocking=True)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def scatter_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], region: torch.Tensor) -> None:
+    """The inverse of gather_pieces: the region's rows into the rows `index` of every piece;
+    returns when the region may be reused."""
+    device = pieces[0][0].device
+    for rows, host, index in _piece_rows(pieces, region):
+        for layer in range(rows.shape[0]):
+            rows[layer, index] = host[layer, 1:].to(device, non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def gather_rows(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, region: torch.Tensor) -> None:
+    """gather_pieces over (k, v) pools addressed by slots (StagedKV.of's layout)."""
+    gather_pieces(pool_pieces(pools, index), region)
 
 
 def scatter_rows(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, region: torch.Tensor) -> None:
-    """The inverse of gather_rows: the region's rows into the slots `index` of every pool;
-    returns when the region may be reused."""
-    staged = StagedKV.of(pools, index.numel())
-    device = pools[0][0].device
-    for pair, views in zip(pools, staged.views(region), strict=True):
-        for t, host in zip(pair, views):
-            word = _word(host.shape[-1])
-            rows, host = _rows(t, word), host.view(word)
-            for layer in range(rows.shape[0]):
-                rows[layer, index] = host[layer, 1:].to(device, non_blocking=True)
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    """scatter_pieces over (k, v) pools addressed by slots."""
+    scatter_pieces(pool_pieces(pools, index), region)
 
 
 def region_copies(src: int, dst: int, nbytes: int,

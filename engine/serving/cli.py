@@ -364,12 +364,10 @@ def check_plan_for_target(plan, target_config: dict, role: str) -> bool:
     the plan was checked as it was read); -> whether the target is DeepSeek-V4."""
     from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
 
+    from specdeploy.engine.planner.plan import check_servable
+
     deepseek_v4 = v4ckpt.is_deepseek_v4_config(target_config)
-    if deepseek_v4 and role != "both":
-        # Its compressed pools keep per-request recent rows outside the slot rows that move.
-        raise ValueError("--role prefill/decode: DeepSeek-V4's compressed KV pools cannot be transferred yet")
-    if deepseek_v4 and plan.algorithm not in ("NONE", "MTP"):
-        raise ValueError(f"a DeepSeek-V4 target drafts with its own MTP layer, not {plan.algorithm}")
+    check_servable(deepseek_v4, plan.algorithm, role, plan.tensor_parallel_size)
     return deepseek_v4
 
 
@@ -583,10 +581,10 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
         raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
     tp_size = plan.tensor_parallel_size
     _check_gpus(tp_size, device)
-    if tp_size > 1 and args.role != "both":
-        # The split roles move KV through host memory registered per pool; one rank's pools hold
-        # only its KV heads, and the transfer would have to run on every rank.
-        raise ValueError(f"--role {args.role} is not supported with tensor parallelism yet")
+    if args.role != "both":
+        from specdeploy.engine.planner.plan import check_servable
+
+        check_servable(False, plan.algorithm, args.role, tp_size)  # the target's checks come after it loads
     dtype = _torch_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     if args.role != "both" and plan.target.dtype != dtype_name:
@@ -667,6 +665,8 @@ def disaggregation_service(args: argparse.Namespace, scheduler, plan):
     staged = args.transfer_staging != "off"
     if not staged and runner.device.type != "cpu":
         raise RuntimeError("--transfer-staging off: this Mooncake build registers host memory only")
+    if not staged and not runner.slot_row_pools:
+        raise RuntimeError("--transfer-staging off: DeepSeek-V4's KV pools move only through a staging arena")
     host = args.transfer_host or _host_address()
     arena = _staging_arena(runner, plan) if staged else None
     agent = MooncakeAgent(host, args.transfer_protocol)
@@ -700,11 +700,10 @@ def _staging_arena(runner, plan):
     """The plan's transfer staging arena (host memory, pinned on a GPU), grown with a warning if
     it cannot hold one context-length request of this runner's pools (the plan counted other KV
     bytes per token: the `plan check: KV cache` line says so too)."""
-    from specdeploy.engine.planner.plan import TRANSFER_STAGING_REQUESTS, transfer_staging_request_bytes
+    from specdeploy.engine.planner.plan import TRANSFER_STAGING_REQUESTS, staging_aligned
     from specdeploy.engine.runtime.transfer import StagingArena
 
-    per_token = runner.staged_kv(0).nbytes  # one row of every layer of every pool
-    need = transfer_staging_request_bytes(plan.context_length, per_token)
+    need = staging_aligned(runner.staged_kv(plan.context_length).nbytes)
     # Plans written before the staging term existed have none: size it as the planner does.
     planned = plan.buffers.transfer_staging_bytes or TRANSFER_STAGING_REQUESTS * need
     if planned < need:

@@ -138,8 +138,9 @@ def model_cache_claim_name(name: str) -> str:
     return f"{name}-model-cache"
 
 
-_QUANTITY_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
-                      "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+# Kubernetes' quantity suffixes (binary, decimal, and milli: "1500m" bytes are 1.5 bytes).
+_QUANTITY_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+                      "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 1e-3}
 
 
 def quantity_bytes(quantity: str) -> float:

@@ -64,13 +64,18 @@ def with_host_staging(resources: dict[str, Any], staging_bytes: int) -> dict[str
     """A role pod's resources with its host staging arena (the plan's transfer_staging_bytes:
     pinned host memory outside the engine's usual footprint) added to the memory the user gave,
     request and limit alike, in whole MiB, so a limit sized for the aggregated engine does not
-    OOM-kill the role pod. Where no memory is given there is nothing to raise."""
+    OOM-kill the role pod. Where no memory is given there is nothing to raise; a value that is no
+    quantity stays as it is, for the API server to refuse with its own message."""
     if not staging_bytes:
         return resources
     out = {key: dict(values) for key, values in resources.items()}
     for values in out.values():
         if "memory" in values:
-            values["memory"] = f"{-(-int(quantity_bytes(str(values['memory'])) + staging_bytes) // MIB)}Mi"
+            try:
+                given = quantity_bytes(str(values["memory"]))
+            except ValueError:
+                continue
+            values["memory"] = f"{-(-int(given + staging_bytes) // MIB)}Mi"
     return out
 
 

@@ -16,7 +16,7 @@ from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_re
 from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs  # noqa: E402
 from specdeploy.engine.runtime.runner import Runner  # noqa: E402
 from specdeploy.engine.planner.plan import transfer_staging_request_bytes  # noqa: E402
-from specdeploy.engine.runtime.transfer import MooncakeAgent, StagingArena, region_copies  # noqa: E402
+from specdeploy.engine.runtime.transfer import StagingArena, region_copies  # noqa: E402
 
 DEV = "cuda"
 
@@ -38,14 +38,6 @@ def tiny_plan(cfg, algorithm, role):
                              GPUS["h200"], Limits(max_running_requests=4, context_length=96, cuda_graph_max_bs=4),
                              role=role)
     return dataclasses.replace(plan, max_total_tokens=400)
-
-
-@pytest.fixture(scope="module")
-def agents():
-    a, b = MooncakeAgent("127.0.0.1"), MooncakeAgent("127.0.0.1")
-    yield a, b
-    a.close()
-    b.close()
 
 
 @pytest.mark.parametrize("algorithm,hc_mult", [("EAGLE3", 1), ("MTP", 4)])

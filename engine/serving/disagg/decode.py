@@ -112,7 +112,8 @@ class DecodeService:
                 nbytes = self.runner.staged_kv(len(slots)).nbytes
                 region = await self.arena.acquire(nbytes, deadline)
                 staging = {"address": region.data_ptr(), "bytes": nbytes}
-            layouts = [PoolLayout.of(p).to_dict() for p in self.runner.kv_pools()]
+            layouts = ([PoolLayout.of(p).to_dict() for p in self.runner.kv_pools()]
+                       if self.runner.slot_row_pools else [None])
             body = {"room": room, "peer": self.info.to_dict(), "prompt_ids": prompt_ids,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "seed": params.seed, "timeout_s": self.timeout_s, "slots": slots,

@@ -99,9 +99,13 @@ class PrefillService:
             raise PrefillRefused(400, f"the decode server does not pair with this prefill server: {why}")
         if len(body.slots) != len(body.prompt_ids):
             raise PrefillRefused(400, f"{len(body.slots)} destination slots for {len(body.prompt_ids)} prompt tokens")
-        dst_target = PoolLayout.from_dict(body.target_kv)
+        if body.target_kv is None and body.staging is None:
+            raise PrefillRefused(400, "the decode server gave neither its pools' layouts nor a staging region")
+        if body.target_kv is not None and not self.runner.slot_row_pools:
+            raise PrefillRefused(400, "this server's KV pools (DeepSeek-V4's) move only through a staging region")
+        dst_target = PoolLayout.from_dict(body.target_kv) if body.target_kv else None
         dst_draft = PoolLayout.from_dict(body.draft_kv) if body.draft_kv else None
-        if (dst_draft is None) != (self.runner.draft_kv is None):
+        if body.target_kv is not None and (dst_draft is None) != (self.runner.draft_kv is None):
             raise PrefillRefused(400, "the decode server's draft pool does not match this server's")
         vocab = self.runner.target.cfg.vocab_size
         if not all(0 <= t < vocab for t in body.prompt_ids):

@@ -30,8 +30,8 @@ class ServerInfo:
     model: str
     algorithm: str
     dtype: str
-    target_kv: tuple[int, int]        # (layers, bytes per slot)
-    draft_kv: tuple[int, int] | None
+    target_kv: tuple                  # runner.kv_signature(): (layers, bytes per slot), or
+    draft_kv: tuple | None            # DeepSeek-V4's pools, (name, layers, row bytes, ratio, keep) each
     metadata_width: int               # the plan's metadata row: H_s elements
     num_steps: int
     topk: int
@@ -43,8 +43,8 @@ class ServerInfo:
     @classmethod
     def from_dict(cls, data: dict) -> ServerInfo:
         d = dict(data)
-        d["target_kv"] = tuple(d["target_kv"])
-        d["draft_kv"] = tuple(d["draft_kv"]) if d.get("draft_kv") else None
+        d["target_kv"] = _tuples(d["target_kv"])
+        d["draft_kv"] = _tuples(d["draft_kv"]) if d.get("draft_kv") else None
         return cls(**d)
 
     def mismatch(self, other: ServerInfo) -> str | None:
@@ -56,13 +56,16 @@ class ServerInfo:
         return None
 
 
-def server_info(role: str, model: str, runner, session_id: str) -> ServerInfo:
-    from specdeploy.engine.runtime.transfer import PoolLayout
+def _tuples(value):
+    """JSON's lists back into the tuples they were (nested), so that signatures compare equal."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
-    draft = PoolLayout.of(runner.draft_kv).shape() if runner.draft_kv is not None else None
+
+def server_info(role: str, model: str, runner, session_id: str) -> ServerInfo:
+    signature = runner.kv_signature()
     return ServerInfo(role=role, model=model, algorithm=runner.spec.algorithm if runner.draft else "NONE",
                       dtype=str(runner.metadata.hidden.dtype).removeprefix("torch."),
-                      target_kv=PoolLayout.of(runner.target_kv).shape(), draft_kv=draft,
+                      target_kv=signature[0], draft_kv=signature[1] if len(signature) > 1 else None,
                       metadata_width=runner.metadata.hidden.shape[1], num_steps=runner.num_steps,
                       topk=runner.topk, session_id=session_id)
 
@@ -83,7 +86,9 @@ class PrefillBody(_Body):
     seed: int | None = None
     timeout_s: float = Field(DEFAULT_PREFILL_TIMEOUT_S, gt=0)
     slots: list[int]                                    # decode's slot per prompt position
-    target_kv: dict                                     # decode's PoolLayout of the target pool
+    # decode's PoolLayout of the target and draft pools (slot-row pools only: DeepSeek-V4's move
+    # only through `staging`)
+    target_kv: dict | None = None
     draft_kv: dict | None = None
     metadata: dict[str, int]                            # decode's metadata row, field -> address
     # decode's staging region for this request ({"address", "bytes"}: transfer.StagedKV's layout),

@@ -14,20 +14,16 @@ from specdeploy.engine.planner.deepseek_v4 import (SLOT_INDEX_BYTES, read_v4_con
 from specdeploy.engine.planner.plan import GIB, Limits, SpecSettings, custom_gpu, plan_from_configs
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 
-from v4_tiny import TINY, engine_model, hf_model, random_mtp
+from v4_tiny import SMALL_VOCAB, TINY, target_and_mtp
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
-# A small vocabulary, so that even a random MTP layer guesses the target's token often enough
-# for accepted drafts (and their committed tree slots and closed windows) to be exercised.
-CONFIG = {**copy.deepcopy(TINY), "vocab_size": 12}
+CONFIG = {**copy.deepcopy(TINY), "vocab_size": SMALL_VOCAB}
 
 
 @pytest.fixture(scope="module")
 def models():
-    hf = hf_model(CONFIG)
-    target = engine_model(CONFIG, hf)
-    return target, random_mtp(target)
+    return target_and_mtp(CONFIG)
 
 
 @pytest.fixture(scope="module")

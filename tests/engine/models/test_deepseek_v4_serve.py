@@ -30,27 +30,64 @@ def model_dir(tmp_path_factory) -> Path:
     return root
 
 
+MTP = ("--algorithm", "MTP", "--num-steps", "2", "--topk", "2", "--num-draft-tokens", "4")
+
+
+def serve_argv(model_dir: Path, *extra: str) -> list[str]:
+    return ["engine", "serve", "--target", str(model_dir), *extra, "--dtype", "float32",
+            "--served-model-name", "v4", "--context-length", "96", "--max-running-requests", "2",
+            "--max-total-tokens", "512", "--host", "127.0.0.1", "--port", str(free_port())]
+
+
+def texts_from(base_url: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    texts = []
+    for prompt in ("def main():", "import torch\n", "x" * 40):
+        out = client.completions.create(model="v4", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 12
+        texts.append(out.choices[0].text)
+    return texts
+
+
 def complete(model_dir: Path, *algorithm: str) -> tuple[list[str], int]:
-    running = ServerThread([
-        "engine", "serve", "--target", str(model_dir), *algorithm, "--dtype", "float32",
-        "--served-model-name", "v4", "--context-length", "96", "--max-running-requests", "2",
-        "--max-total-tokens", "512", "--host", "127.0.0.1", "--port", str(free_port())]).start(timeout_s=180)
+    running = ServerThread(serve_argv(model_dir, *algorithm)).start(timeout_s=180)
     try:
-        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
-        texts = []
-        for prompt in ("def main():", "import torch\n"):
-            out = client.completions.create(model="v4", prompt=prompt, max_tokens=12, temperature=0,
-                                            extra_body={"ignore_eos": True})
-            assert out.usage.completion_tokens == 12
-            texts.append(out.choices[0].text)
-        return texts, running.state.scheduler.runner.num_draft_tokens_proposed
+        return texts_from(running.base_url), running.state.scheduler.runner.num_draft_tokens_proposed
     finally:
         running.stop()
 
 
 def test_serve_deepseek_v4_with_its_mtp_layer(model_dir):
     target_only, _ = complete(model_dir, "--algorithm", "NONE")
-    speculative, proposed = complete(model_dir, "--algorithm", "MTP", "--num-steps", "2", "--topk", "2",
-                                     "--num-draft-tokens", "4")
+    speculative, proposed = complete(model_dir, *MTP)
     assert proposed > 0
     assert speculative == target_only
+
+
+def test_split_prefill_and_decode_servers_answer_as_one(model_dir):
+    """`--role prefill` and `--role decode` behind `specdeploy router`: the kept rows of every
+    target and MTP pool and the carried hc_mult x hidden_size streams move through Mooncake (TCP,
+    staged); greedy MTP text is the target-only text, and both servers end idle."""
+    import httpx
+
+    from specdeploy.engine.serving.disagg.router import RouterThread
+
+    target_only, _ = complete(model_dir, "--algorithm", "NONE")
+    host = ("--transfer-host", "127.0.0.1")
+    prefill = ServerThread(serve_argv(model_dir, *MTP, "--role", "prefill", *host)).start(timeout_s=180)
+    decode = ServerThread(serve_argv(model_dir, *MTP, "--role", "decode", *host)).start(timeout_s=180)
+    router = RouterThread([prefill.base_url], [decode.base_url], free_port()).start()
+    try:
+        assert texts_from(router.base_url) == target_only
+        width = httpx.get(f"{decode.base_url}/disagg/info", timeout=10).json()["metadata_width"]
+        assert width == 4 * TINY["hidden_size"]  # the hc_mult 4 streams, not hidden_size
+        for url in (prefill.base_url, decode.base_url):
+            s = httpx.get(f"{url}/disagg/status", timeout=10).json()
+            assert s["running"] == 0 and s["free_slots"] == s["capacity_slots"]
+            assert s["staging_free_bytes"] == s["staging_bytes"]
+        assert decode.state.scheduler.runner.num_draft_tokens_accepted > 0
+    finally:
+        router.stop()
+        decode.stop()
+        prefill.stop()

@@ -151,6 +151,17 @@ def random_mtp(target, seed: int = 3):
     return head
 
 
+# A small vocabulary, so that even a random MTP layer guesses the target's token often enough
+# for accepted drafts (and their committed tree slots and closed windows) to be exercised.
+SMALL_VOCAB = 12
+
+
+def target_and_mtp(config: dict):
+    """The engine's target for `config` (weights from transformers' model) and a random MTP layer."""
+    target = engine_model(config, hf_model(config))
+    return target, random_mtp(target)
+
+
 # transformers name (without `model.`) -> published name, applied in order
 TO_PUBLISHED = (
     ("self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"),

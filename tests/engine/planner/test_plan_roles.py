@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from specdeploy.engine.planner.deepseek_v4 import read_v4_config, v4_pools, v4_staged_bytes
 from specdeploy.engine.planner.plan import (
     GPUS,
     MIN_PREFILL_CHUNK_TOKENS,
@@ -21,7 +22,9 @@ from specdeploy.engine.planner.plan import (
     TRANSFER_STAGING_ALIGN_BYTES,
     TRANSFER_STAGING_REQUESTS,
     SpecSettings,
+    custom_gpu,
     plan_from_configs,
+    staging_aligned,
     role_prefill_chunk_tokens,
 )
 
@@ -64,13 +67,22 @@ def test_decode_plan_keeps_graphs_and_sizes_a_small_prefill_workspace():
 
 
 def test_hc_mult_4_metadata_row_is_spec_hidden_size_on_both_sides():
+    """DeepSeek-V4-Flash (hc_mult 4) split roles; on one 288 GiB GPU, since split roles run at TP 1.
+    Each role's staging arena holds two context-length requests' kept rows of every pool: far
+    less than a row of every pool per token (deepseek_v4.v4_staged_bytes)."""
     v4 = load("deepseek-v4-flash")
+    limits = Limits(max_running_requests=8, context_length=4096, cuda_graph_max_bs=8)
     for role in ("prefill", "decode"):
-        p = plan_from_configs(v4, None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"],
-                              Limits(max_running_requests=8, context_length=4096, cuda_graph_max_bs=8),
-                              role=role)
+        p = plan_from_configs(v4, None, SpecSettings("MTP", 1, 1, 2), custom_gpu(288), limits, role=role)
+        assert p.tensor_parallel_size == 1
         assert p.spec_hidden_size == 4 * p.target.hidden_size
         assert p.buffers.metadata_hidden_states_shape == (8, 4 * p.target.hidden_size)
+        target, mtp = read_v4_config(v4), read_v4_config(v4)
+        want = 2 * staging_aligned(v4_staged_bytes(target, "target", 2, 4096) + v4_staged_bytes(mtp, "MTP", 2, 4096))
+        assert p.buffers.transfer_staging_bytes == want
+        # A row of every pool per prompt token would be over 20x this.
+        every_row = sum(len(q.layers) * q.width * 2 for q in v4_pools(target, "target") + v4_pools(mtp, "MTP"))
+        assert want * 20 < 2 * 4097 * every_row
 
 
 def test_role_round_trips_and_older_plans_read_as_both():
@@ -118,3 +130,22 @@ def test_split_roles_plan_a_transfer_staging_arena_of_two_context_length_request
     old = prefill.to_dict()
     del old["buffers"]["transfer_staging_bytes"]
     assert Plan.from_dict(old).buffers.transfer_staging_bytes == 0
+
+
+def test_split_roles_are_planned_only_as_the_engine_serves_them():
+    """What `engine serve --role` refuses, the planner refuses first (check_servable): a split
+    role at TP > 1, a DeepSeek-V4 target with another draft than its MTP layer; a model too big
+    for one GPU says why TP 1."""
+    llama70b, v4 = load("llama-3.3-70b-instruct"), load("deepseek-v4-flash")
+    both = plan_from_configs(llama70b, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits())
+    assert both.tensor_parallel_size == 2  # aggregated, the 70B fits at TP 2
+    with pytest.raises(PlanError) as err:
+        plan_from_configs(llama70b, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits(), role="prefill")
+    assert err.value.reason == "InsufficientGPUMemory" and "TP 1" in str(err.value) and "prefill role runs at TP 1" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        plan_from_configs(load("llama-3.1-8b-instruct"), None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits(),
+                          role="decode", tensor_parallel_size=2)
+    assert err.value.reason == "UnsupportedDisaggregation" and "not 2" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        plan_from_configs(v4, load("eagle3-llama3.1-instruct-8b"), SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits())
+    assert err.value.reason == "InvalidSpeculativeSettings" and "MTP" in str(err.value)

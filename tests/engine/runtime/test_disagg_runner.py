@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from one_runner import reference, staged_transfer  # tests/support/one_runner.py
 from specdeploy.engine.demo.toy import (
     copy_draft,
     predictable_target,
@@ -26,12 +27,10 @@ from specdeploy.engine.planner.plan import (
 from specdeploy.engine.runtime.runner import Request, Runner
 from specdeploy.engine.runtime.transfer import (
     STAGED_PIECE_BYTES,
-    MooncakeAgent,
     PoolLayout,
     StagingArena,
     StagingFull,
     kv_copies,
-    region_copies,
     slot_runs,
 )
 
@@ -62,14 +61,6 @@ def target_for(hc_mult):
     if hc_mult not in _TARGETS:
         _TARGETS[hc_mult] = predictable_target(tiny_config(hc_mult=hc_mult), seed=0, layer_scale=0.5)
     return _TARGETS[hc_mult]
-
-
-@pytest.fixture(scope="module")
-def agents():
-    prefill, decode = MooncakeAgent("127.0.0.1"), MooncakeAgent("127.0.0.1")
-    yield prefill, decode
-    prefill.close()
-    decode.close()
 
 
 def register(agent, runner):
@@ -125,14 +116,7 @@ def test_disaggregated_greedy_equals_one_runner(agents, algorithm, hc_mult):
     draft = None if algorithm == "NONE" else copy_draft(algorithm, target, perm)
     plan = tiny_plan(target.cfg, algorithm)
     reqs = random_requests((5, 12, 1, 9), 12, 64)
-    single = Runner(target, draft, plan=plan)
-    for r in reqs:
-        single.add(r)
-    want = {o.req_id: list(o.token_ids) for o in single.step()}       # one chunk: every prefill
-    want_state = {r.id: state_after_prefill(single, r.id) for r in reqs}
-    while single.num_running:
-        for o in single.step():
-            want[o.req_id] += o.token_ids
+    want, want_state = reference(Runner(target, draft, plan=plan), reqs, state_after_prefill)
 
     prefill = Runner(target, draft, plan=plan, role="prefill")
     decode = Runner(target, draft, plan=plan, role="decode")
@@ -317,14 +301,7 @@ def test_host_staged_transfer_gives_the_same_state(agents, algorithm, hc_mult):
     draft = copy_draft(algorithm, target, perm)
     plan = tiny_plan(target.cfg, algorithm)
     reqs = random_requests((6, 11, 3), 10, 64)
-    single = Runner(target, draft, plan=plan)
-    for r in reqs:
-        single.add(r)
-    want = {o.req_id: list(o.token_ids) for o in single.step()}
-    want_state = {r.id: state_after_prefill(single, r.id) for r in reqs}
-    while single.num_running:
-        for o in single.step():
-            want[o.req_id] += o.token_ids
+    want, want_state = reference(Runner(target, draft, plan=plan), reqs, state_after_prefill)
     prefill = Runner(target, draft, plan=plan, role="prefill")
     decode = Runner(target, draft, plan=plan, role="decode")
     per_token = decode.staged_kv(0).nbytes
@@ -341,16 +318,9 @@ def test_host_staged_transfer_gives_the_same_state(agents, algorithm, hc_mult):
         prefill.add(dataclasses.replace(r, max_tokens=1))
         while prefill.num_held == 0:
             prefill.step()
-        src_row, src_slots = prefill.export_held(r.id)
-        src_region = arenas[0].alloc(layout.nbytes)
-        prefill.gather_kv(src_slots, src_region)
-        copies = [region_copies(src_region.data_ptr(), dst_region.data_ptr(), layout.nbytes),
-                  prefill.metadata.row_copies(src_row, decode.metadata.row_addresses(row))]
-        srcs, dsts, lens = (sum((c[i] for c in copies), []) for i in range(3))
-        assert len(srcs) == -(-layout.nbytes // STAGED_PIECE_BYTES) + 4  # one batch, not one per slot
-        assert agents[0].write(agents[1].session_id, srcs, dsts, lens) == sum(lens)
-        prefill.release_held(r.id)
-        arenas[0].release(src_region)
+        entries = staged_transfer(prefill, decode, agents, arenas, r.id, prefill.export_held(r.id), row,
+                                  dst_region, layout.nbytes)
+        assert entries == -(-layout.nbytes // STAGED_PIECE_BYTES) + 4  # one batch, not one per slot
         for o in decode.activate(r.id, dst_region):
             got[o.req_id] += o.token_ids
         arenas[1].release(dst_region)

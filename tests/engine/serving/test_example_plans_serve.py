@@ -98,7 +98,8 @@ def test_every_other_example(path, tmp_path, caplog):
 
 
 def test_a_plan_the_engine_refuses_is_refused_before_loading(hub, tmp_path, caplog):
-    """The check is not vacuous: the V4 plan with another draft algorithm is refused by name."""
+    """The check is not vacuous: the V4 plan with another draft algorithm is refused by name, and
+    its TP 2 plan as a split role (planner.check_servable, the check the operator's plan passed)."""
     sdd = applied(V4_EXAMPLE)
     v4, _ = model_configs(V4_EXAMPLE)
     planned = plan_engine(sdd["spec"], v4, None)
@@ -107,5 +108,6 @@ def test_a_plan_the_engine_refuses_is_refused_before_loading(hub, tmp_path, capl
     eagle = type(plan).from_dict({**plan.to_dict(), "algorithm": "EAGLE"})
     with pytest.raises(ValueError, match="its own MTP layer"):
         serve_cli.check_plan_for_target(eagle, v4, "both")
-    with pytest.raises(ValueError, match="cannot be transferred"):
+    assert plan.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="roles run at tensor parallel size 1, not 2"):
         serve_cli.check_plan_for_target(plan, v4, "prefill")

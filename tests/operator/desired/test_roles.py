@@ -120,6 +120,9 @@ def test_role_pods_ask_for_their_host_staging_arena_on_top_of_the_users_memory()
     assert roles.with_host_staging({"requests": {"memory": "3Gi"}}, 0) == {"requests": {"memory": "3Gi"}}
     assert roles.with_host_staging({"limits": {"memory": "1000M", "cpu": "2"}}, 1 << 20) == {
         "limits": {"memory": f"{-(-(10**9 + (1 << 20)) // (1 << 20))}Mi", "cpu": "2"}}
+    assert roles.with_host_staging({"limits": {"memory": "1Ei"}}, 1 << 20) == {"limits": {"memory": f"{(1 << 40) + 1}Mi"}}
+    # Not a quantity: left for the API server to refuse (a rendering error would hide its message).
+    assert roles.with_host_staging({"limits": {"memory": "lots"}}, 1 << 20) == {"limits": {"memory": "lots"}}
 
 
 def test_any_change_rolls_every_role():
