@@ -184,13 +184,15 @@ def transfer_staging_request_bytes(tokens: int, kv_bytes_per_token: int) -> int:
 
 
 def transfer_staging_bytes(target: ModelShapes, draft: ModelShapes | None, tokens: int,
-                           kv_bytes_per_token: int) -> int:
-    """A split-role server's staging arena: TRANSFER_STAGING_REQUESTS requests of `tokens`."""
+                           kv_bytes_per_token: int, tensor_parallel_size: int = 1) -> int:
+    """A split-role server's staging arena: TRANSFER_STAGING_REQUESTS requests of `tokens`, each
+    every rank's share (kv_bytes_per_token is the whole model's: the shares of sharded pools; a
+    DeepSeek-V4 rank holds all of its pools, so a region holds them once per rank)."""
     if target.v4 is not None:
         raw = v4_staged_bytes(target.v4, "target", target.dtype_bytes, tokens)
         if draft is not None and draft.v4 is not None:
             raw += v4_staged_bytes(draft.v4, "MTP", draft.dtype_bytes, tokens)
-        one = staging_aligned(raw)
+        one = staging_aligned(raw * tensor_parallel_size)
     else:
         one = transfer_staging_request_bytes(tokens, kv_bytes_per_token)
     return TRANSFER_STAGING_REQUESTS * one
@@ -208,18 +210,13 @@ class PlanError(ValueError):
         self.reason = reason
 
 
-def check_servable(deepseek_v4: bool, algorithm: str, role: str, tensor_parallel_size: int | None) -> None:
+def check_servable(deepseek_v4: bool, algorithm: str) -> None:
     """Refuses (PlanError) what the engine cannot serve, before any memory is planned: the
     operator must never plan a deployment whose pods would only exit. The engine checks a plan it
-    is handed with the same function. `tensor_parallel_size` None: the planner picks it."""
+    is handed with the same function."""
     if deepseek_v4 and algorithm not in ("NONE", "MTP"):
         raise PlanError("InvalidSpeculativeSettings",
                         f"a DeepSeek-V4 target drafts with its own MTP layer, not {algorithm}")
-    if role != "both" and (tensor_parallel_size or 1) > 1:
-        # The split roles move KV through host memory registered per pool; one rank's pools hold
-        # only its KV heads, and the transfer would have to run on every rank.
-        raise PlanError("UnsupportedDisaggregation",
-                        f"split prefill/decode roles run at tensor parallel size 1, not {tensor_parallel_size}")
 
 
 @dataclass(frozen=True)
@@ -594,7 +591,10 @@ def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
 def _tp_refusal(shapes: ModelShapes, tp: int) -> str | None:
     """Why `tp` cannot split this model's attention, or None."""
     if shapes.attention == "compressed":
-        return None  # V4 attention stays replicated on every rank; only experts are split
+        # V4 attention stays replicated on every rank; only the routed experts are split.
+        if shapes.num_routed_experts % tp:
+            return f"{shapes.role} n_routed_experts {shapes.num_routed_experts} is not divisible by {tp}"
+        return None
     if shapes.num_heads % tp:
         return f"{shapes.role} num_attention_heads {shapes.num_heads} is not divisible by {tp}"
     if shapes.attention == "gqa" and shapes.num_kv_heads % tp and tp % shapes.num_kv_heads:
@@ -797,14 +797,12 @@ def plan(
         raise PlanError("InvalidGPU", f"gpus_per_node must be >= 1, got {gpus_per_node}")
     if role not in ROLES:
         raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(ROLES)}")
-    check_servable(target.v4 is not None, spec.algorithm, role, tensor_parallel_size)
+    check_servable(target.v4 is not None, spec.algorithm)
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
     refusals: list[str] = []  # TP sizes that cannot split the heads, and why
     last: tuple[int, MemoryTerms] | None = None
     sizes = TENSOR_PARALLEL_SIZES if tensor_parallel_size is None else (tensor_parallel_size,)
-    if role != "both":
-        sizes = (1,)  # check_servable: split roles run at TP 1
     if tensor_parallel_size is not None and tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
         raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size must be one of "
                         f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))}, got {tensor_parallel_size}")
@@ -844,7 +842,7 @@ def plan(
                 draft=draft_terms,
                 buffers=buffers if role == "both" else dataclasses.replace(
                     buffers, transfer_staging_bytes=transfer_staging_bytes(
-                        target, draft, limits.context_length, memory.kv_cache_bytes_per_token)),
+                        target, draft, limits.context_length, memory.kv_cache_bytes_per_token, tp)),
                 memory_per_gpu=memory,
                 cuda_graph_batch_sizes=() if role == "prefill" else cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
@@ -864,8 +862,6 @@ def plan(
             f"; weights were counted at {target.dtype} but the checkpoint is {target.quantization}: "
             "give the model directory to read its real size"
         )
-    if role != "both":
-        hint += f"; a {role} role runs at TP 1 (split roles do not run tensor parallel yet)"
     raise PlanError(
         "InsufficientGPUMemory",
         f"does not fit on {tp} x {gpu.name}: at TP {tp} each GPU needs "

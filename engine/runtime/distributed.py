@@ -7,7 +7,10 @@ graphs that captured them) pair up without any per-call coordination. Rank 0 alo
 the scheduler; before each step it broadcasts what changed since the last one (requests added,
 requests aborted, settings), one pickle on the control group, and every other rank applies the
 same changes and runs the same step (`follow`). This is SGLang's scheduler design: the inputs
-are replicated, not the outputs.
+are replicated, not the outputs. A split prefill/decode role's transfers are such changes too
+(receive, release; docs/disaggregation.md): a KV gather or scatter is sent at once, between
+steps, and the ranks' shares of the request's KV meet in rank 0's staging region over the
+control group.
 
 Why the ranks agree: after every all-reduce and all-gather each rank holds the same bits (NCCL
 and gloo both reduce each element once and hand the result to every rank), and everything after
@@ -223,6 +226,53 @@ class LeaderRunner:
         self.runner.abort(req_id)
         self._ops.append(("abort", req_id))
 
+    # ---- prefill/decode disaggregation (docs/disaggregation.md): every rank holds its shard of
+    # a request's KV, so what moves it runs on every rank. Only rank 0 talks to the peer server:
+    # its staging region holds every rank's share, rank after rank (staged_kv), which the other
+    # ranks send to it (gather_kv) or receive from it (activate) over the control group.
+
+    def receive(self, req):
+        out = self.runner.receive(req)    # refused requests raise here and are never sent
+        self._ops.append(("receive", req))
+        return out
+
+    def release_held(self, req_id: str) -> None:
+        self.runner.release_held(req_id)
+        self._ops.append(("release_held", req_id))
+
+    def staged_kv(self, n: int):
+        """Every rank's share of n tokens' rows, rank after rank (the ranks' shares are alike)."""
+        return stacked_layout(self.runner.staged_kv(n), self.tp.size)
+
+    def gather_kv(self, slots: list[int], region: torch.Tensor) -> None:
+        self._now([("gather", slots)])
+        layout = self.runner.staged_kv(len(slots))
+        shares = list(region[:layout.nbytes * self.tp.size].view(self.tp.size, layout.nbytes).unbind(0))
+        self.runner.gather_kv(slots, shares[0])
+        dist.gather(shares[0].clone(), shares, dst=0, group=self.tp.control_group)
+
+    def activate(self, req_id: str, staged: torch.Tensor | None = None):
+        if staged is None:
+            raise ValueError("under tensor parallelism a request's KV arrives only through a staging region")
+        seq_len = self.runner._receiving[req_id].length
+        layout = self.runner.staged_kv(seq_len)
+        row = self.runner._receiving[req_id].row
+        self._now([("activate", req_id, self.runner.metadata.row_values(row))])
+        shares = list(staged[:layout.nbytes * self.tp.size].view(self.tp.size, layout.nbytes).unbind(0))
+        mine = torch.empty(layout.nbytes, dtype=torch.uint8)
+        dist.scatter(mine, [t.contiguous() for t in shares], src=0, group=self.tp.control_group)
+        return self.runner.activate(req_id, shares[0])
+
+    def _now(self, ops: list) -> None:
+        """Send what changed so far and `ops` to the other ranks at once (between steps)."""
+        pending, self.__dict__["_ops"] = self._ops, []
+        try:
+            self.tp.broadcast(pending + ops)
+        except BaseException as e:
+            self.on_fatal(f"tensor-parallel transfer failed on rank 0 ({type(e).__name__}: {e}); "
+                          "the ranks can no longer agree")
+            raise
+
     def step(self):
         ops, self.__dict__["_ops"] = self._ops, []
         ops.append(("step", self._steps, self._digest))
@@ -240,6 +290,13 @@ class LeaderRunner:
     def close(self) -> None:
         """Tell the other ranks to exit (after the last step)."""
         self.tp.broadcast([("exit",)])
+
+
+def stacked_layout(layout, size: int):
+    """A staging layout (transfer.StagedKV) of one rank's share, repeated for `size` ranks."""
+    from specdeploy.engine.runtime.transfer import StagedKV
+
+    return layout if size == 1 else StagedKV(layout.pieces * size, paired=False)
 
 
 def agree_on_shapes(runner, tp: TPGroup) -> None:
@@ -266,6 +323,21 @@ def follow(runner, tp: TPGroup) -> None:
                     runner.abort(op[1])
                 elif kind == "set":
                     setattr(runner, op[1], op[2])
+                elif kind == "receive":
+                    runner.receive(op[1])
+                elif kind == "release_held":
+                    runner.release_held(op[1])
+                elif kind == "gather":
+                    share = torch.empty(runner.staged_kv(len(op[1])).nbytes, dtype=torch.uint8)
+                    runner.gather_kv(op[1], share)
+                    dist.gather(share, None, dst=0, group=tp.control_group)
+                elif kind == "activate":
+                    _, req_id, row_values = op
+                    seq = runner._receiving[req_id]
+                    runner.metadata.set_row_values(seq.row, row_values)
+                    share = torch.empty(runner.staged_kv(seq.length).nbytes, dtype=torch.uint8)
+                    dist.scatter(share, None, src=0, group=tp.control_group)
+                    runner.activate(req_id, share)
                 elif kind == "step":
                     _, step, leader_digest = op
                     if leader_digest is not None and leader_digest != digest:

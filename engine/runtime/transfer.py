@@ -394,6 +394,15 @@ class MetadataBuffers:
         out.update({name: t[row].data_ptr() for name, t in self.fixed.items()})
         return out
 
+    def row_values(self, row: int) -> dict[str, torch.Tensor]:
+        """Row `row` of every field, copied (what rank 0 hands the other tensor-parallel ranks)."""
+        return {"hidden": self.hidden[row].clone(), **{name: t[row].clone() for name, t in self.fixed.items()}}
+
+    def set_row_values(self, row: int, values: dict[str, torch.Tensor]) -> None:
+        self.hidden[row] = values["hidden"]
+        for name, t in self.fixed.items():
+            t[row] = values[name]
+
     def row_copies(self, row: int, dst: dict[str, int]) -> tuple[list[int], list[int], list[int]]:
         """Copies of this side's row `row` to the peer's row addresses `dst`."""
         src = self.row_addresses(row)

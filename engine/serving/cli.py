@@ -359,7 +359,7 @@ class RankSpec:
         return f"cuda:{rank}" if self.device == "cuda" else "cpu"
 
 
-def check_plan_for_target(plan, target_config: dict, role: str) -> bool:
+def check_plan_for_target(plan, target_config: dict) -> bool:
     """What the engine refuses of a plan for this target before it loads a weight (the rest of
     the plan was checked as it was read); -> whether the target is DeepSeek-V4."""
     from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
@@ -367,7 +367,7 @@ def check_plan_for_target(plan, target_config: dict, role: str) -> bool:
     from specdeploy.engine.planner.plan import check_servable
 
     deepseek_v4 = v4ckpt.is_deepseek_v4_config(target_config)
-    check_servable(deepseek_v4, plan.algorithm, role, plan.tensor_parallel_size)
+    check_servable(deepseek_v4, plan.algorithm)
     return deepseek_v4
 
 
@@ -393,7 +393,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
     from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
     from specdeploy.engine.models.llama import read_config
 
-    deepseek_v4 = check_plan_for_target(plan, read_config(str(target_dir)), spec.role)
+    deepseek_v4 = check_plan_for_target(plan, read_config(str(target_dir)))
     if deepseek_v4:
         target = v4ckpt.load_v4_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
     else:
@@ -581,10 +581,6 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
         raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
     tp_size = plan.tensor_parallel_size
     _check_gpus(tp_size, device)
-    if args.role != "both":
-        from specdeploy.engine.planner.plan import check_servable
-
-        check_servable(False, plan.algorithm, args.role, tp_size)  # the target's checks come after it loads
     dtype = _torch_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     if args.role != "both" and plan.target.dtype != dtype_name:
@@ -667,6 +663,8 @@ def disaggregation_service(args: argparse.Namespace, scheduler, plan):
         raise RuntimeError("--transfer-staging off: this Mooncake build registers host memory only")
     if not staged and not runner.slot_row_pools:
         raise RuntimeError("--transfer-staging off: DeepSeek-V4's KV pools move only through a staging arena")
+    if not staged and plan.tensor_parallel_size > 1:
+        raise RuntimeError("--transfer-staging off: under tensor parallelism the KV moves only through a staging arena")
     host = args.transfer_host or _host_address()
     arena = _staging_arena(runner, plan) if staged else None
     agent = MooncakeAgent(host, args.transfer_protocol)
@@ -678,7 +676,8 @@ def disaggregation_service(args: argparse.Namespace, scheduler, plan):
             agent.register(pool.v)
     for tensor in runner.metadata.tensors:
         agent.register(tensor)
-    info = server_info(args.role, args.served_model_name or args.target, runner, agent.session_id)
+    info = server_info(args.role, args.served_model_name or args.target, runner, agent.session_id,
+                       plan.tensor_parallel_size)
     rows, width = runner.metadata.hidden.shape
     log.info("%s role: Mooncake %s session %s; metadata buffer [%d, %d] %s (%s) registered; KV rows %s",
              args.role, args.transfer_protocol, agent.session_id, rows, width, info.dtype,

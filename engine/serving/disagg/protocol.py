@@ -3,8 +3,9 @@
 
 Two servers can pair only if the bytes one writes mean the same to the other: the same target
 and draft (checked by their shapes: layers, bytes per KV slot, metadata row width, algorithm,
-dtype) and the same speculative settings that shape the draft's state. Addresses and slot
-counts differ freely.
+dtype), the same tensor-parallel size (a staging region holds each rank's share, rank after
+rank) and the same speculative settings that shape the draft's state. Addresses and slot counts
+differ freely.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ServerInfo:
     num_steps: int
     topk: int
     session_id: str                   # the Mooncake peer to write to / read from
+    tensor_parallel_size: int = 1     # ranks whose shares a staging region holds, rank after rank
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,7 +51,8 @@ class ServerInfo:
 
     def mismatch(self, other: ServerInfo) -> str | None:
         """Why `other` cannot pair with this server, or None."""
-        for name in ("model", "algorithm", "dtype", "target_kv", "draft_kv", "metadata_width", "num_steps", "topk"):
+        for name in ("model", "algorithm", "dtype", "tensor_parallel_size", "target_kv", "draft_kv", "metadata_width",
+                     "num_steps", "topk"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs: {mine} here, {theirs} on the peer"
@@ -61,13 +64,13 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def server_info(role: str, model: str, runner, session_id: str) -> ServerInfo:
-    signature = runner.kv_signature()
+def server_info(role: str, model: str, runner, session_id: str, tensor_parallel_size: int = 1) -> ServerInfo:
+    signature = runner.kv_signature()  # rank 0's shard: the other ranks' are alike
     return ServerInfo(role=role, model=model, algorithm=runner.spec.algorithm if runner.draft else "NONE",
                       dtype=str(runner.metadata.hidden.dtype).removeprefix("torch."),
                       target_kv=signature[0], draft_kv=signature[1] if len(signature) > 1 else None,
                       metadata_width=runner.metadata.hidden.shape[1], num_steps=runner.num_steps,
-                      topk=runner.topk, session_id=session_id)
+                      topk=runner.topk, session_id=session_id, tensor_parallel_size=tensor_parallel_size)
 
 
 class _Body(BaseModel):

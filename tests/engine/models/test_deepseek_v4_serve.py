@@ -18,16 +18,20 @@ from v4_tiny import TINY, engine_model, hf_model, random_mtp, save_published
 pytest.importorskip("transformers.models.deepseek_v4")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("v4")
+def save_model_dir(root: Path, **overrides) -> Path:
     texts = list(train.read_corpus(train.corpus_files(200_000, roots=[Path(train.__file__).parent])))
     tok = train.train_tokenizer(texts, vocab_size=160)
-    config = {**copy.deepcopy(TINY), "vocab_size": tok.get_vocab_size(), "eos_token_id": 0, "bos_token_id": 0}
+    config = {**copy.deepcopy(TINY), "vocab_size": tok.get_vocab_size(), "eos_token_id": 0, "bos_token_id": 0,
+              **overrides}
     hf = hf_model(config)
     save_published(root, config, hf, random_mtp(engine_model(config, hf)))
     train.save_tokenizer(tok, root)
     return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_model_dir(tmp_path_factory.mktemp("v4"))
 
 
 MTP = ("--algorithm", "MTP", "--num-steps", "2", "--topk", "2", "--num-draft-tokens", "4")
@@ -91,3 +95,30 @@ def test_split_prefill_and_decode_servers_answer_as_one(model_dir):
         router.stop()
         decode.stop()
         prefill.stop()
+
+
+def test_tensor_parallel_split_roles_answer_as_one(tmp_path):
+    """Both roles at --tensor-parallel-size 2 (gloo; each server a process of its own with its
+    second rank): the routed experts are split over the ranks, the pools are every rank's own
+    (attention is replicated), so each rank's copy of the kept rows travels in rank 0's region and
+    comes back to its rank on the decode side. Greedy MTP text is the one-process target-only
+    text."""
+    import httpx
+    from engine_processes import serving  # tests/support/engine_processes.py
+
+    from specdeploy.engine.serving.disagg.router import RouterThread
+
+    model_dir = save_model_dir(tmp_path, n_routed_experts=4)  # the experts split over two ranks
+    target_only, _ = complete(model_dir, "--algorithm", "NONE")
+    flags = (*MTP, "--transfer-host", "127.0.0.1", "--tensor-parallel-size", "2")
+    argvs = {role: serve_argv(model_dir, *flags, "--role", role) for role in ("prefill", "decode")}
+    with serving(argvs, tmp_path) as urls:
+        router = RouterThread([urls["prefill"]], [urls["decode"]], free_port()).start()
+        try:
+            assert texts_from(router.base_url) == target_only
+        finally:
+            router.stop()
+        status = httpx.get(f"{urls['prefill']}/disagg/status", timeout=10).json()
+        assert status["transfers"] == 3 and status["free_slots"] == status["capacity_slots"]
+    for role in argvs:
+        assert "[tp1]" in (tmp_path / f"{role}.log").read_text(errors="replace")  # rank 1 ran its share

@@ -67,9 +67,9 @@ def test_decode_plan_keeps_graphs_and_sizes_a_small_prefill_workspace():
 
 
 def test_hc_mult_4_metadata_row_is_spec_hidden_size_on_both_sides():
-    """DeepSeek-V4-Flash (hc_mult 4) split roles; on one 288 GiB GPU, since split roles run at TP 1.
-    Each role's staging arena holds two context-length requests' kept rows of every pool: far
-    less than a row of every pool per token (deepseek_v4.v4_staged_bytes)."""
+    """DeepSeek-V4-Flash (hc_mult 4) split roles, on one 288 GiB GPU (TP 1). Each role's staging
+    arena holds two context-length requests' kept rows of every pool: far less than a row of every
+    pool per token (deepseek_v4.v4_staged_bytes)."""
     v4 = load("deepseek-v4-flash")
     limits = Limits(max_running_requests=8, context_length=4096, cuda_graph_max_bs=8)
     for role in ("prefill", "decode"):
@@ -132,20 +132,22 @@ def test_split_roles_plan_a_transfer_staging_arena_of_two_context_length_request
     assert Plan.from_dict(old).buffers.transfer_staging_bytes == 0
 
 
-def test_split_roles_are_planned_only_as_the_engine_serves_them():
-    """What `engine serve --role` refuses, the planner refuses first (check_servable): a split
-    role at TP > 1, a DeepSeek-V4 target with another draft than its MTP layer; a model too big
-    for one GPU says why TP 1."""
+def test_split_roles_plan_tensor_parallel_as_one_server_does():
+    """A split role is planned at the TP one server needs (the 70B at TP 2); its staging arena
+    holds every rank's share of a request: the whole model's KV per token (sharded pools), or for
+    DeepSeek-V4 (every rank holds all of its pools) each rank's copy. A DeepSeek-V4 target drafts
+    only with its MTP layer (check_servable: what the engine refuses, the planner refuses first)."""
     llama70b, v4 = load("llama-3.3-70b-instruct"), load("deepseek-v4-flash")
-    both = plan_from_configs(llama70b, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits())
-    assert both.tensor_parallel_size == 2  # aggregated, the 70B fits at TP 2
-    with pytest.raises(PlanError) as err:
-        plan_from_configs(llama70b, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits(), role="prefill")
-    assert err.value.reason == "InsufficientGPUMemory" and "TP 1" in str(err.value) and "prefill role runs at TP 1" in str(err.value)
-    with pytest.raises(PlanError) as err:
-        plan_from_configs(load("llama-3.1-8b-instruct"), None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits(),
-                          role="decode", tensor_parallel_size=2)
-    assert err.value.reason == "UnsupportedDisaggregation" and "not 2" in str(err.value)
+    limits = Limits(max_running_requests=8, context_length=4096, cuda_graph_max_bs=8)
+    for role in ("prefill", "decode"):
+        p = plan_from_configs(llama70b, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], limits, role=role)
+        assert p.tensor_parallel_size == 2
+        assert p.buffers.transfer_staging_bytes == TRANSFER_STAGING_REQUESTS * staging_aligned(
+            4097 * p.memory_per_gpu.kv_cache_bytes_per_token)
+        q = plan_from_configs(v4, None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], limits, role=role)
+        assert q.tensor_parallel_size == 2
+        one_rank = v4_staged_bytes(read_v4_config(v4), "target", 2, 4096) + v4_staged_bytes(read_v4_config(v4), "MTP", 2, 4096)
+        assert q.buffers.transfer_staging_bytes == TRANSFER_STAGING_REQUESTS * staging_aligned(2 * one_rank)
     with pytest.raises(PlanError) as err:
         plan_from_configs(v4, load("eagle3-llama3.1-instruct-8b"), SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits())
     assert err.value.reason == "InvalidSpeculativeSettings" and "MTP" in str(err.value)

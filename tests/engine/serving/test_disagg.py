@@ -299,3 +299,33 @@ def test_gpu_memory_fraction_is_checked(serve_command, flags, message):
     add_parser(parser.add_subparsers(dest="command"))
     with pytest.raises(ValueError, match=message):
         check_args(parser.parse_args(serve_command(*flags)))
+
+
+def test_tensor_parallel_split_roles_answer_as_one_server(server, serve_command, tmp_path):
+    """A prefill and a decode server at --tensor-parallel-size 2 (gloo: four processes): each rank
+    gathers its share of a request's KV heads to rank 0's staging region, one Mooncake write moves
+    the region, the decode server's rank 0 scatters each rank its share. Greedy text and usage
+    are one TP 1 server's; both end idle."""
+    from engine_processes import serving  # tests/support/engine_processes.py
+
+    from specdeploy.engine.serving.disagg.router import RouterThread
+
+    argvs = {role: serve_command("--role", role, "--transfer-host", "127.0.0.1", "--tensor-parallel-size", "2")
+             for role in ("prefill", "decode")}
+    with serving(argvs, tmp_path) as urls:
+        assert httpx.get(f"{urls['decode']}/disagg/info", timeout=10).json()["tensor_parallel_size"] == 2
+        router = RouterThread([urls["prefill"]], [urls["decode"]], free_port()).start()
+        try:
+            one, split = client_for(server.url), client_for(router.base_url)
+            for prompt in PROMPTS[:3]:
+                kw = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+                want, got = one.completions.create(**kw), split.completions.create(**kw)
+                assert got.choices[0].text == want.choices[0].text
+                assert tokens(got.usage) == tokens(want.usage)
+        finally:
+            router.stop()
+        wait_until(lambda: idle(urls["prefill"]) and idle(urls["decode"]), what="both servers idle")
+        sent = status(urls["prefill"])
+        assert sent["transfers"] == 3 and sent["bytes_sent"] > 0
+    for role in argvs:
+        assert "[tp1]" in (tmp_path / f"{role}.log").read_text(errors="replace")  # rank 1 ran its share

@@ -67,7 +67,7 @@ def accepts(command: list[str], target_config: dict, caplog):
         plan = serve_cli.make_plan(args, Path(args.target), None, "cuda")
     disagreements = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not disagreements, disagreements
-    serve_cli.check_plan_for_target(plan, target_config, args.role)
+    serve_cli.check_plan_for_target(plan, target_config)
     return args, plan
 
 
@@ -81,7 +81,7 @@ def test_deepseek_v4_example_from_the_hubs_headers(hub, tmp_path, caplog):
     children = render.render_children(sdd, planned, render.EngineDefaults("specdeploy-engine:test", hub.url))
     args, plan = accepts(engine_command(children, tmp_path), v4, caplog)
     assert plan.to_dict() == planned.plan
-    assert serve_cli.check_plan_for_target(plan, v4, args.role)  # served as DeepSeek-V4
+    assert serve_cli.check_plan_for_target(plan, v4)  # served as DeepSeek-V4
     # MTP from the target's own checkpoint (no --draft), expert-parallel at the plan's TP 2
     assert args.draft is None and (plan.algorithm, plan.tensor_parallel_size) == ("MTP", 2)
     assert plan.spec_hidden_size == plan.draft_input_hidden_size == 4 * plan.target.hidden_size
@@ -98,8 +98,8 @@ def test_every_other_example(path, tmp_path, caplog):
 
 
 def test_a_plan_the_engine_refuses_is_refused_before_loading(hub, tmp_path, caplog):
-    """The check is not vacuous: the V4 plan with another draft algorithm is refused by name, and
-    its TP 2 plan as a split role (planner.check_servable, the check the operator's plan passed)."""
+    """The check is not vacuous: the V4 plan with another draft algorithm is refused by name
+    (planner.check_servable, the check the operator's plan passed)."""
     sdd = applied(V4_EXAMPLE)
     v4, _ = model_configs(V4_EXAMPLE)
     planned = plan_engine(sdd["spec"], v4, None)
@@ -107,7 +107,5 @@ def test_a_plan_the_engine_refuses_is_refused_before_loading(hub, tmp_path, capl
     args, plan = accepts(engine_command(children, tmp_path), v4, caplog)
     eagle = type(plan).from_dict({**plan.to_dict(), "algorithm": "EAGLE"})
     with pytest.raises(ValueError, match="its own MTP layer"):
-        serve_cli.check_plan_for_target(eagle, v4, "both")
-    assert plan.tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="roles run at tensor parallel size 1, not 2"):
-        serve_cli.check_plan_for_target(plan, v4, "prefill")
+        serve_cli.check_plan_for_target(eagle, v4)
+
