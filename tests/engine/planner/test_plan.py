@@ -231,6 +231,17 @@ def test_kv_heads_replicated_when_fewer_than_ranks():
     assert planmod._tp_refusal(kv8, 8) is None  # 8 % 2 == 0: each KV head on 4 ranks
 
 
+def test_deepseek_v4_tp_must_divide_the_routed_experts():
+    """V4 splits only its routed experts over the ranks (attention is replicated): a TP size that
+    does not divide them is refused by the planner, not by the engine while loading."""
+    v4 = derive_shapes({**load("deepseek-v4-flash"), "n_routed_experts": 254})
+    assert planmod._tp_refusal(v4, 2) is None
+    assert planmod._tp_refusal(v4, 4) == "target n_routed_experts 254 is not divisible by 4"
+    with pytest.raises(PlanError) as err:
+        plan(v4, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], Limits(), tensor_parallel_size=4)
+    assert err.value.reason == "InvalidTensorParallelSize" and "n_routed_experts 254" in str(err.value)
+
+
 def test_draft_required():
     target = derive_shapes(load("llama-3.1-8b-instruct"))
     with pytest.raises(PlanError) as err:
