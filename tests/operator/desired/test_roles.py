@@ -125,6 +125,23 @@ def test_role_pods_ask_for_their_host_staging_arena_on_top_of_the_users_memory()
     assert roles.with_host_staging({"limits": {"memory": "lots"}}, 1 << 20) == {"limits": {"memory": "lots"}}
 
 
+def test_roles_of_a_model_that_needs_two_gpus_get_two_each():
+    """Llama-3.3-70B: each role is planned at TP 2, as one server is; its pods ask for 2 GPUs and
+    its ConfigMap's plan says TP 2 (the engine serves split roles tensor parallel)."""
+    sdd = make_sdd()
+    sdd["spec"]["target"]["model"] = "meta-llama/Llama-3.3-70B-Instruct"
+    del sdd["spec"]["draft"]
+    sdd["spec"]["speculative"] = {"algorithm": "NONE"}
+    p = plan_engine(sdd["spec"], config("llama-3.3-70b-instruct"), None)
+    children = roles.render_roles(sdd, p, DEFAULTS)
+    deployments, config_maps = by_name(children, "Deployment"), by_name(children, "ConfigMap")
+    for role in ("prefill", "decode"):
+        assert p.role_plans[role]["tensor_parallel_size"] == 2
+        (c,) = deployments[f"llama8b-{role}"]["spec"]["template"]["spec"]["containers"]
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert json.loads(config_maps[f"llama8b-{role}-engine"]["data"]["engine.json"])["tensor_parallel_size"] == 2
+
+
 def test_any_change_rolls_every_role():
     a = make_sdd()
     b = make_sdd(transferProtocol="rdma")
