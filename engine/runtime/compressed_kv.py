@@ -23,6 +23,8 @@ The table tells this class about its slots through three calls (`SlotTable.liste
 `taken(slots)`, `released(slots)` (in-flight slots: each holds a row in every pool) and
 `committed(req_to_slot_row, old_len, new_len)` / `finished(req_to_slot_row, length)` for a
 request's committed positions, whose rows are known from their positions alone (no device sync).
+An MTP draft's pools under adaptive speculation (`lags`) hear of the positions the draft has run
+over instead: after plain steps it catches up over positions whose rows were kept for it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class V4KV:
     def __init__(self, v4: V4Config, role: str, num_slots: int, max_total_tokens: int,
                  max_running_requests: int, in_flight_rows: int, dtype: torch.dtype, device):
         self.v4, self.role = v4, role
+        # A draft's pools under adaptive speculation trim as the draft runs, not as tokens are
+        # committed (SlotTable.commit's lag): set by the runner.
+        self.lags = False
         self.pools: dict[str, PoolSpec] = {p.name: p for p in v4_pools(v4, role)}
         self.data: dict[str, torch.Tensor] = {}
         self.maps: dict[str, torch.Tensor] = {}
@@ -152,10 +157,15 @@ class V4KV:
                 if slots is not None and slots.numel():
                     self._give_back(name, slots)
 
-    def finished(self, row_slots: torch.Tensor, length: int) -> None:
-        """A request leaves with `length` committed tokens: every row its slots still hold."""
+    def finished(self, row_slots: torch.Tensor, length: int, processed: int | None = None) -> None:
+        """A request leaves with `length` committed tokens: every row its slots still hold. For
+        a lagging draft's pools (`lags`), `processed` of them trimmed as the draft ran: the rows
+        those keep, and every row of the positions after them (taken, never trimmed)."""
+        processed = length if processed is None else processed
         for name, p in self.pools.items():
-            kept = _positions(row_slots, v4_kept_positions(p, length))
+            kept = _positions(row_slots, v4_kept_positions(p, processed))
+            if processed < length:
+                kept = torch.cat([kept, row_slots[processed:length]])
             if kept.numel():
                 self._give_back(name, kept)
 

@@ -119,20 +119,36 @@ class SlotTable:
         self._stack[self.num_free:self.num_free + n] = slots.reshape(-1).cpu()
         self.num_free += n
 
-    def commit(self, row: int, old_len: int, new_len: int) -> None:
-        """Positions old_len .. new_len - 1 of the request in `row` are committed in req_to_slot."""
+    def commit(self, row: int, old_len: int, new_len: int, lag: tuple[int, int] = (0, 0)) -> None:
+        """Positions old_len .. new_len - 1 of the request in `row` are committed in req_to_slot.
+        lag: how many of the committed positions, before and after, the draft has not run over
+        (adaptive plain steps); a listener whose rows follow the draft (`lags`) is told the
+        draft's positions instead."""
         for listener in self.listeners:
-            listener.committed(self.req_to_slot[row], old_len, new_len)
+            if getattr(listener, "lags", False):
+                listener.committed(self.req_to_slot[row], old_len - lag[0], new_len - lag[1])
+            else:
+                listener.committed(self.req_to_slot[row], old_len, new_len)
+
+    def caught_up(self, row: int, old_len: int, new_len: int) -> None:
+        """The draft has run over positions old_len .. new_len - 1 (already committed)."""
+        for listener in self.listeners:
+            if getattr(listener, "lags", False):
+                listener.committed(self.req_to_slot[row], old_len, new_len)
 
     def alloc_row(self) -> int:
         if not self._free_rows:
             raise RuntimeError("no free request row: max_running_requests reached")
         return self._free_rows.pop()
 
-    def free_row(self, row: int, length: int) -> None:
-        """Return a request's committed slots and its row."""
+    def free_row(self, row: int, length: int, lag: int = 0) -> None:
+        """Return a request's committed slots and its row (lag: the last positions the draft has
+        not run over, see commit)."""
         if length:
             for listener in self.listeners:
-                listener.finished(self.req_to_slot[row], length)
+                if lag and getattr(listener, "lags", False):
+                    listener.finished(self.req_to_slot[row], length, processed=length - lag)
+                else:
+                    listener.finished(self.req_to_slot[row], length)
             self._push(self.req_to_slot[row, :length])
         self._free_rows.append(row)

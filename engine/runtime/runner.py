@@ -288,11 +288,10 @@ class Runner:
         if own_pools:
             # DeepSeek-V4 (engine/runtime/compressed_kv.py) keeps a request's recent tokens and
             # compressed entries in pools of its own, trimmed as tokens are committed: a finished
-            # request's slots cannot be reused by another, and a draft that catches up later
-            # would read trimmed rows. (Between servers the kept rows move: staged_kv.)
-            for flag, what in ((prefix_cache, "the prefix cache"), (adaptive, "adaptive speculation")):
-                if flag:
-                    raise ValueError(f"{what} is not supported for {type(target).__name__} targets yet")
+            # request's slots cannot be reused by another. (Between servers the kept rows move:
+            # staged_kv; a draft that lags behind adaptive plain steps trims as it runs: `lags`.)
+            if prefix_cache:
+                raise ValueError(f"the prefix cache is not supported for {type(target).__name__} targets yet")
             # Its pools are sized for the slots one step may hold: a prefill chunk, or every
             # request's tree and scratch.
             in_flight = max(prefill_chunk_tokens, max_running_requests * self.slots_needed(0, 0))
@@ -311,6 +310,8 @@ class Runner:
             if hasattr(draft, "make_kv"):
                 self.draft_kv = draft.make_kv(num_slots, max_total_tokens, max_running_requests, in_flight,
                                               dtype, self.device)
+                # Adaptive plain steps leave the draft behind: its rows trim as it catches up.
+                self.draft_kv.lags = adaptive
                 self.table.listeners.append(self.draft_kv)
             else:
                 self.draft_kv = KVPool(draft.num_kv_layers(), num_slots, dc.num_kv_heads, dc.head_dim,
@@ -769,7 +770,7 @@ class Runner:
         cache = self.prefix_cache
         if cache is None:
             if seq.row >= 0:
-                self.table.free_row(seq.row, seq.length)
+                self.table.free_row(seq.row, seq.length, lag=seq.pending)
             seq.row = -1
             return
         if seq.row >= 0:
@@ -1104,7 +1105,7 @@ class Runner:
             accepted = [v[0] for v in values]
             for s, a in zip(seqs, accepted):
                 if listeners:
-                    self.table.commit(s.row, s.length, s.length + a + 1)
+                    self.table.commit(s.row, s.length, s.length + a + 1, lag=(s.pending, s.pending))
                 s.length += a + 1
             self._commit_step()
             self.num_draft_tokens_proposed += len(seqs) * m
@@ -1121,7 +1122,8 @@ class Runner:
             seqs = step.seqs
         for s in seqs:
             if listeners:
-                self.table.commit(s.row, s.length, s.length + 1)
+                lag = s.pending + (step.steps.kind == "feature")
+                self.table.commit(s.row, s.length, s.length + 1, lag=(s.pending, lag))
             s.length += 1
             if step.steps.kind == "feature":
                 s.pending += 1
@@ -1199,6 +1201,8 @@ class Runner:
         self.draft_hidden[rows] = hidden
         self._catch_up_count[rows] = 0
         for s in seqs:
+            if self.table.listeners:
+                self.table.caught_up(s.row, s.length - s.pending, s.length)
             s.pending = 0
 
     @torch.inference_mode()

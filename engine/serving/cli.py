@@ -428,11 +428,11 @@ def build_runner(spec: RankSpec, rank: int = 0):
     adaptive, prefix_cache = spec.adaptive, spec.prefix_cache
     if adaptive and draft is None:
         raise ValueError("--adaptive-speculation needs a draft; the plan's algorithm is NONE")
-    if deepseek_v4 and (prefix_cache or adaptive):
-        # Its pools trim a request's recent rows as tokens are committed (compressed_kv.py):
-        # neither a finished request's slots nor a later draft catch-up could read them.
-        log.warning("DeepSeek-V4: prefix cache and adaptive speculation are off (not supported for its pools yet)")
-        prefix_cache = adaptive = False
+    if deepseek_v4 and prefix_cache:
+        # Its pools trim a request's recent rows as tokens are committed (compressed_kv.py): a
+        # finished request's slots could not be read by the next.
+        log.warning("DeepSeek-V4: the prefix cache is off (not supported for its pools yet)")
+        prefix_cache = False
     launch_ahead = spec.launch_ahead
     if deepseek_v4 and launch_ahead:
         log.warning("DeepSeek-V4: --launch-ahead is off (its pools are sized for one step in flight)")

@@ -37,9 +37,11 @@ def prompts():
     return [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 17, 3)]
 
 
-def serve(target, draft, spec, prefill_chunk_tokens=8192, temperature=0.0, **kwargs):
+def serve(target, draft, spec, prefill_chunk_tokens=8192, temperature=0.0, policy=None, **kwargs):
     runner = Runner(target, draft, spec, max_total_tokens=300, max_running_requests=4, context_length=96,
                     prefill_chunk_tokens=prefill_chunk_tokens, **kwargs)
+    if policy is not None:
+        runner.policy = policy(runner.shapes)
     pools = [kv for kv in (runner.target_kv, runner.draft_kv) if kv is not None]
     baseline = runner.num_free_slots, [{n: kv.free_rows(n) for n in kv.pools} for kv in pools]
     for i, p in enumerate(prompts()):
@@ -61,6 +63,68 @@ def test_greedy_mtp_equals_target_only(models, reference, spec):
     out, runner = serve(target, mtp, spec)
     assert out == reference
     assert runner.num_draft_tokens_accepted > 0  # accepted paths were committed, not only roots
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adaptive_speculation_equals_target_only(models, reference, seed):
+    """Whatever shape each step runs (no speculation, chains, a tree, in a seeded random mix),
+    greedy output is target-only's: after plain steps the MTP layer catches up over positions
+    its pools kept for it (they trim as the draft runs, not as tokens are committed), and every
+    slot and pool row comes back (serve checks)."""
+    from scripted_policy import ScriptedPolicy  # tests/support/scripted_policy.py
+
+    from specdeploy.engine.speculative.adaptive import NONE, candidate_shapes
+
+    target, mtp = models
+    shapes = candidate_shapes(3, 2, 6)
+    out, runner = serve(target, mtp, SpecConfig("MTP", 3, 2, 6), adaptive=True, adaptive_shapes=shapes,
+                        step_costs_s={(sh, 1): 1.0 for sh in shapes}, catch_up_tokens=4,
+                        policy=lambda shapes: ScriptedPolicy(shapes, seed, [3] + [1] * (len(shapes) - 1)))
+    assert out == reference
+    chosen = runner.policy.chosen
+    assert NONE in chosen and any(not sh.is_none for sh in chosen)
+    assert runner.num_draft_tokens_accepted > 0
+
+
+def test_catch_up_leaves_the_mtp_state_a_full_extend_gives(models):
+    """A request decoded by plain steps only, then caught up: the MTP layer's kept rows of every
+    pool and its carried streams are what prefilling the whole committed sequence gives. (Were
+    its pools trimmed as tokens are committed, the catch-up would read rows already given back.)"""
+    from scripted_policy import ScriptedPolicy  # tests/support/scripted_policy.py
+
+    from specdeploy.engine.speculative.adaptive import NONE
+
+    target, mtp = models
+    spec = SpecConfig("MTP", 2, 1, 3)
+    runner = Runner(target, mtp, spec, max_total_tokens=300, max_running_requests=4, context_length=96,
+                    adaptive=True, step_costs_s={(sh, 1): 1.0 for sh in (NONE,)}, adaptive_shapes=[NONE],
+                    catch_up_tokens=6)
+    runner.policy = ScriptedPolicy(runner.shapes, 0)
+    runner.policy.choose = lambda b: NONE
+    req = Request("r", prompts()[1], max_tokens=40)
+    runner.add(req)
+    tokens = []
+    for _ in range(11):  # prefill + 10 plain steps: the buffer filled once (6) and holds 4
+        tokens += runner.step()[0].token_ids
+    seq = runner._running["r"]
+    assert seq.pending == 4
+    runner._catch_up([seq])
+
+    def mtp_state(r, req_id):
+        s = r._running[req_id]
+        slots = r.table.req_to_slot[s.row, :s.length]
+        return [t[:, i].clone() for t, i in r.draft_kv.staged_pieces(slots, s.length)], r.draft_hidden[s.row].clone(), s.length
+
+    rows, hidden, length = mtp_state(runner, "r")
+    assert length == len(req.prompt_ids) + len(tokens) - 1 > 8  # past every pool's keep
+    fresh = Runner(target, mtp, spec, max_total_tokens=300, max_running_requests=4, context_length=96)
+    fresh.add(Request("whole", req.prompt_ids + tokens[:-1], 2))
+    assert fresh.step()[0].token_ids == [tokens[-1]]  # the same root
+    want_rows, want_hidden, want_length = mtp_state(fresh, "whole")
+    assert want_length == length
+    torch.testing.assert_close(hidden, want_hidden, atol=2e-5, rtol=1e-4)
+    for a, b in zip(rows, want_rows, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
 def test_graph_buffers_and_padded_batches_change_nothing(models, reference):

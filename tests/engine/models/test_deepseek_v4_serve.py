@@ -54,19 +54,23 @@ def texts_from(base_url: str) -> list[str]:
     return texts
 
 
-def complete(model_dir: Path, *algorithm: str) -> tuple[list[str], int]:
+def complete(model_dir: Path, *algorithm: str):
+    """-> (the texts, the server's runner)."""
     running = ServerThread(serve_argv(model_dir, *algorithm)).start(timeout_s=180)
     try:
-        return texts_from(running.base_url), running.state.scheduler.runner.num_draft_tokens_proposed
+        return texts_from(running.base_url), running.state.scheduler.runner
     finally:
         running.stop()
 
 
 def test_serve_deepseek_v4_with_its_mtp_layer(model_dir):
     target_only, _ = complete(model_dir, "--algorithm", "NONE")
-    speculative, proposed = complete(model_dir, *MTP)
-    assert proposed > 0
+    speculative, runner = complete(model_dir, *MTP)
+    assert runner.num_draft_tokens_proposed > 0
     assert speculative == target_only
+    adaptive, runner = complete(model_dir, *MTP, "--adaptive-speculation")  # step costs measured at start-up
+    assert runner.policy is not None and runner.draft_kv.lags
+    assert adaptive == target_only
 
 
 def test_split_prefill_and_decode_servers_answer_as_one(model_dir):

@@ -3,15 +3,13 @@ depth, a tree), greedy output equals target-only output token for token, and aft
 the draft's catch-up leaves its KV and carried state exactly as a draft extend after every token
 would have. The policy itself is tested in tests/unit/test_adaptive_policy.py."""
 
-import random
-
 import pytest
 import torch
+from scripted_policy import ScriptedPolicy  # tests/support/scripted_policy.py
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.speculative.adaptive import (
     NONE,
-    AdaptivePolicy,
     SpecShape,
     candidate_shapes,
 )
@@ -46,24 +44,6 @@ def generate(runner: Runner, reqs, stagger: bool = False) -> dict[str, list[int]
             out[o.req_id] += o.token_ids
     assert runner.num_free_slots == free, "KV slots leaked"
     return out
-
-
-class ScriptedPolicy(AdaptivePolicy):
-    """Chooses the shapes in a seeded random order, every shape once per round (weights: how
-    many times per round): every mix of shapes across steps."""
-
-    def __init__(self, shapes, seed, weights=None):
-        super().__init__(shapes, {(s, 1): 1.0 for s in shapes})
-        self._rng = random.Random(seed)
-        self._round = [s for s, w in zip(self.shapes, weights or [1] * len(self.shapes)) for _ in range(w)]
-        self._queue = []
-        self.chosen = []
-
-    def choose(self, batch_size):
-        if not self._queue:
-            self._queue = self._rng.sample(self._round, len(self._round))
-        self.chosen.append(self._queue.pop())
-        return self.chosen[-1]
 
 
 def adaptive_runner(target, draft, spec, shapes=None, seed=0, weights=None, **kw):
