@@ -186,15 +186,16 @@ def transfer_staging_request_bytes(tokens: int, kv_bytes_per_token: int) -> int:
 def transfer_staging_bytes(target: ModelShapes, draft: ModelShapes | None, tokens: int,
                            kv_bytes_per_token: int, tensor_parallel_size: int = 1) -> int:
     """A split-role server's staging arena: TRANSFER_STAGING_REQUESTS requests of `tokens`, each
-    every rank's share (kv_bytes_per_token is the whole model's: the shares of sharded pools; a
-    DeepSeek-V4 rank holds all of its pools, so a region holds them once per rank)."""
+    every rank's share, rank after rank (kv_bytes_per_token: one GPU's, KV heads it holds as a
+    copy included; a DeepSeek-V4 rank holds all of its pools, so a region holds them once per
+    rank)."""
     if target.v4 is not None:
         raw = v4_staged_bytes(target.v4, "target", target.dtype_bytes, tokens)
         if draft is not None and draft.v4 is not None:
             raw += v4_staged_bytes(draft.v4, "MTP", draft.dtype_bytes, tokens)
         one = staging_aligned(raw * tensor_parallel_size)
     else:
-        one = transfer_staging_request_bytes(tokens, kv_bytes_per_token)
+        one = transfer_staging_request_bytes(tokens, kv_bytes_per_token * tensor_parallel_size)
     return TRANSFER_STAGING_REQUESTS * one
 
 # cuda_graph_batch_sizes: every power of two up to this, then multiples of the step.

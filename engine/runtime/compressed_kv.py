@@ -110,12 +110,20 @@ class V4KV:
     # ---- the slot table's calls --------------------------------------------------------------
 
     def taken(self, slots: torch.Tensor) -> None:
-        """Slots handed out for a step: each gets a row in every pool."""
+        """Slots handed out for a step: each gets a row in every pool (or, where a pool is short,
+        none anywhere: PoolExhausted)."""
         slots = slots.reshape(-1)
         if not slots.numel():
             return
+        self._check_free({name: slots.numel() for name in self._free})
         for name, stack in self._free.items():
             self.maps[name][slots] = stack.pop(slots.numel())
+
+    def _check_free(self, wanted: dict[str, int]) -> None:
+        short = [name for name, k in wanted.items() if k > self._free[name].num_free]
+        if short:
+            raise PoolExhausted(f"DeepSeek-V4 pool {short[0]} exhausted: {wanted[short[0]]} rows wanted, "
+                                f"{self._free[short[0]].num_free} free")
 
     def released(self, slots: torch.Tensor) -> None:
         """In-flight slots given back (rejected nodes, scratch, an undone step)."""
@@ -187,11 +195,7 @@ class V4KV:
         req_to_slot, whose first n slots the table took without `taken`): give the positions the
         rows they keep once committed, nothing more (a prompt need not fit in the rows one step
         may hold), and set the slots' positions. Raises, taking nothing, where a pool is short."""
-        wanted = {name: len(v4_kept_positions(p, n)) for name, p in self.pools.items()}
-        short = [name for name, k in wanted.items() if k > self._free[name].num_free]
-        if short:
-            raise PoolExhausted(f"DeepSeek-V4 pool {short[0]} exhausted: {wanted[short[0]]} rows wanted, "
-                               f"{self._free[short[0]].num_free} free")
+        self._check_free({name: len(v4_kept_positions(p, n)) for name, p in self.pools.items()})
         for name, p in self.pools.items():
             slots = _positions(row_slots, v4_kept_positions(p, n))
             self.maps[name][slots] = self._free[name].pop(slots.numel())

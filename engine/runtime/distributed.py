@@ -38,6 +38,7 @@ the dead rank included). Workers watch their parent the same way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -229,7 +230,8 @@ class LeaderRunner:
     # ---- prefill/decode disaggregation (docs/disaggregation.md): every rank holds its shard of
     # a request's KV, so what moves it runs on every rank. Only rank 0 talks to the peer server:
     # its staging region holds every rank's share, rank after rank (staged_kv), which the other
-    # ranks send to it (gather_kv) or receive from it (activate) over the control group.
+    # ranks send to it (gather_held) or receive from it (activate) over the control group, each
+    # rank reading its own slots of the request.
 
     def receive(self, req):
         out = self.runner.receive(req)    # refused requests raise here and are never sent
@@ -244,32 +246,45 @@ class LeaderRunner:
         """Every rank's share of n tokens' rows, rank after rank (the ranks' shares are alike)."""
         return stacked_layout(self.runner.staged_kv(n), self.tp.size)
 
-    def gather_kv(self, slots: list[int], region: torch.Tensor) -> None:
-        self._now([("gather", slots)])
-        layout = self.runner.staged_kv(len(slots))
-        shares = list(region[:layout.nbytes * self.tp.size].view(self.tp.size, layout.nbytes).unbind(0))
-        self.runner.gather_kv(slots, shares[0])
-        dist.gather(shares[0].clone(), shares, dst=0, group=self.tp.control_group)
+    def gather_held(self, req_id: str, region: torch.Tensor) -> None:
+        """Every rank gathers its share of a held request's rows (from its own slots) and sends it
+        to rank 0's region."""
+        self._now([("gather", req_id)])
+        with self._fatal_on_error("gather"):
+            shares = self._shares(region, self.runner.staged_kv(len(self.runner.held_slots(req_id))).nbytes)
+            self.runner.gather_held(req_id, shares[0])
+            for rank in range(1, self.tp.size):
+                dist.recv(shares[rank], src=rank, group=self.tp.control_group)
 
     def activate(self, req_id: str, staged: torch.Tensor | None = None):
         if staged is None:
             raise ValueError("under tensor parallelism a request's KV arrives only through a staging region")
-        seq_len = self.runner._receiving[req_id].length
-        layout = self.runner.staged_kv(seq_len)
-        row = self.runner._receiving[req_id].row
-        self._now([("activate", req_id, self.runner.metadata.row_values(row))])
-        shares = list(staged[:layout.nbytes * self.tp.size].view(self.tp.size, layout.nbytes).unbind(0))
-        mine = torch.empty(layout.nbytes, dtype=torch.uint8)
-        dist.scatter(mine, [t.contiguous() for t in shares], src=0, group=self.tp.control_group)
-        return self.runner.activate(req_id, shares[0])
+        self.runner.check_arrived(req_id)  # a bad row fails this request, not the ranks
+        seq = self.runner._receiving[req_id]
+        self._now([("activate", req_id, self.runner.metadata.row_values(seq.row))])
+        with self._fatal_on_error("activation"):
+            shares = self._shares(staged, self.runner.staged_kv(seq.length).nbytes)
+            for rank in range(1, self.tp.size):
+                dist.send(shares[rank], dst=rank, group=self.tp.control_group)
+            return self.runner.activate(req_id, shares[0])
+
+    def _shares(self, region: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
+        return list(region[:nbytes * self.tp.size].view(self.tp.size, nbytes).unbind(0))
 
     def _now(self, ops: list) -> None:
         """Send what changed so far and `ops` to the other ranks at once (between steps)."""
         pending, self.__dict__["_ops"] = self._ops, []
-        try:
+        with self._fatal_on_error("control broadcast"):
             self.tp.broadcast(pending + ops)
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self, what: str):
+        """Once the other ranks have an op, rank 0 must do its part of it or stop the server:
+        they would wait for it forever."""
+        try:
+            yield
         except BaseException as e:
-            self.on_fatal(f"tensor-parallel transfer failed on rank 0 ({type(e).__name__}: {e}); "
+            self.on_fatal(f"tensor-parallel {what} failed on rank 0 ({type(e).__name__}: {e}); "
                           "the ranks can no longer agree")
             raise
 
@@ -328,15 +343,15 @@ def follow(runner, tp: TPGroup) -> None:
                 elif kind == "release_held":
                     runner.release_held(op[1])
                 elif kind == "gather":
-                    share = torch.empty(runner.staged_kv(len(op[1])).nbytes, dtype=torch.uint8)
-                    runner.gather_kv(op[1], share)
-                    dist.gather(share, None, dst=0, group=tp.control_group)
+                    share = torch.empty(runner.staged_kv(len(runner.held_slots(op[1]))).nbytes, dtype=torch.uint8)
+                    runner.gather_held(op[1], share)
+                    dist.send(share, dst=0, group=tp.control_group)
                 elif kind == "activate":
                     _, req_id, row_values = op
                     seq = runner._receiving[req_id]
                     runner.metadata.set_row_values(seq.row, row_values)
                     share = torch.empty(runner.staged_kv(seq.length).nbytes, dtype=torch.uint8)
-                    dist.scatter(share, None, src=0, group=tp.control_group)
+                    dist.recv(share, src=0, group=tp.control_group)
                     runner.activate(req_id, share)
                 elif kind == "step":
                     _, step, leader_digest = op

@@ -76,12 +76,17 @@ class SlotTable:
         """n free slots [n], a fresh host tensor (later frees overwrite the stack region)."""
         if n > self.num_free:
             raise PoolExhausted(f"KV pool exhausted: asked for {n} slots, {self.num_free} free")
-        self.num_free -= n
-        slots = self._stack[self.num_free:self.num_free + n].clone()
+        slots = self._stack[self.num_free - n:self.num_free].clone()
         if self.listeners and n:
             on_device = slots.to(self.device)
-            for listener in self.listeners:
-                listener.taken(on_device)
+            for i, listener in enumerate(self.listeners):
+                try:
+                    listener.taken(on_device)
+                except BaseException:  # takes nothing: the listeners before it give theirs back
+                    for done in self.listeners[:i]:
+                        done.released(on_device)
+                    raise
+        self.num_free -= n
         return slots
 
     def alloc_arrived(self, row: int, n: int) -> torch.Tensor:

@@ -308,9 +308,11 @@ class Runner:
         if draft is not None:
             dc = draft.cfg
             if hasattr(draft, "make_kv"):
-                self.draft_kv = draft.make_kv(num_slots, max_total_tokens, max_running_requests, in_flight,
+                # Adaptive plain steps leave the draft behind: its rows trim as it catches up, so
+                # each request may hold catch_up_tokens more of them (rows the plan does not count).
+                lagging = max_running_requests * catch_up_tokens if adaptive else 0
+                self.draft_kv = draft.make_kv(num_slots, max_total_tokens, max_running_requests, in_flight + lagging,
                                               dtype, self.device)
-                # Adaptive plain steps leave the draft behind: its rows trim as it catches up.
                 self.draft_kv.lags = adaptive
                 self.table.listeners.append(self.draft_kv)
             else:
@@ -588,6 +590,10 @@ class Runner:
 
         gather_pieces(self._kv_pieces(torch.tensor(slots, dtype=torch.int64, device=self.device)), region)
 
+    def gather_held(self, req_id: str, region: torch.Tensor) -> None:
+        """gather_kv of a held request's prompt slots (prefill role)."""
+        self.gather_kv(self.held_slots(req_id), region)
+
     def _scatter_kv(self, index: torch.Tensor, region: torch.Tensor) -> None:
         """The inverse of gather_kv, into the slots `index`; returns when the region may be reused."""
         from specdeploy.engine.runtime.transfer import scatter_pieces
@@ -601,13 +607,7 @@ class Runner:
         here, as after a local prefill. -> the first token's output."""
         seq = self._receiving[req_id]
         md = self.metadata
-        cached = int(md.fixed["cached_tokens"][seq.row])
-        if not 0 <= cached < seq.length:
-            raise ValueError(f"request {req_id}: the prefill server reports {cached} cached prompt "
-                             f"tokens of {seq.length}")
-        first = int(md.fixed["output_token_id"][seq.row])
-        if not 0 <= first < self.target.cfg.vocab_size:
-            raise ValueError(f"request {req_id}: first token {first} outside the vocabulary")
+        cached, first = self.check_arrived(req_id)
         if staged is not None:
             self._scatter_kv(self.table.req_to_slot[seq.row, :seq.length], staged)
         del self._receiving[req_id]
@@ -627,6 +627,25 @@ class Runner:
             self.rows.start([seq.row], [seq.length], [seq.root])
         return outputs
 
+    def check_arrived(self, req_id: str) -> tuple[int, int]:
+        """A received request's metadata row, checked before anything acts on it: -> (cached
+        prompt tokens, first token); ValueError for a row no prefill of this prompt could write."""
+        seq = self._receiving[req_id]
+        md = self.metadata
+        cached = int(md.fixed["cached_tokens"][seq.row])
+        if not 0 <= cached < seq.length:
+            raise ValueError(f"request {req_id}: the prefill server reports {cached} cached prompt "
+                             f"tokens of {seq.length}")
+        first = int(md.fixed["output_token_id"][seq.row])
+        if not 0 <= first < self.target.cfg.vocab_size:
+            raise ValueError(f"request {req_id}: first token {first} outside the vocabulary")
+        return cached, first
+
+    def held_slots(self, req_id: str) -> list[int]:
+        """A held request's prompt slots, position by position (prefill role)."""
+        seq = self._held[req_id]
+        return self.table.req_to_slot[seq.row, :seq.length].tolist()
+
     def export_held(self, req_id: str) -> tuple[int, list[int]]:
         """Prefill role: put a held request's first token, its prefix-cache hit and the draft's
         carried state into its metadata row; -> (row, the slots of its prompt tokens, position by
@@ -637,7 +656,7 @@ class Runner:
         md.fixed["cached_tokens"][seq.row] = seq.num_cached_tokens  # its prefix-cache hit
         if self.draft is not None:
             md.hidden[seq.row] = self.draft_hidden[seq.row].cpu()
-        return seq.row, self.table.req_to_slot[seq.row, :seq.length].tolist()
+        return seq.row, self.held_slots(req_id)
 
     def release_held(self, req_id: str) -> None:
         seq = self._held.pop(req_id)

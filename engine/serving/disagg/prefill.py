@@ -5,7 +5,7 @@ POST /disagg/prefill (protocol.PrefillBody), per request:
   2. submit the prompt with max_tokens 1 (the runner, role "prefill", prefills target and draft,
      samples the first token and holds the slots);
   3. export the held state into this server's metadata row, gather the prompt's target and draft
-     KV rows of every layer into one region of this server's staging arena (runner.gather_kv),
+     KV rows of every layer into one region of this server's staging arena (runner.gather_held),
      then write that region into the decode server's staging region, and the metadata row into
      its row, with one batched Mooncake write (transfer.region_copies, MetadataBuffers.row_copies)
      in a worker thread. A side without an arena (--transfer-staging off, host pools) is written
@@ -144,7 +144,7 @@ class PrefillService:
                     # Gathered between steps (the slots are held), into host memory. An abort waits
                     # for it too: the region is not given back while the engine thread writes it.
                     gather = asyncio.ensure_future(
-                        self.scheduler.run_in_engine(lambda: self.runner.gather_kv(src_slots, region)))
+                        self.scheduler.run_in_engine(lambda: self.runner.gather_held(req_id, region)))
                     try:
                         await asyncio.shield(gather)
                     except asyncio.CancelledError:

@@ -16,6 +16,7 @@ from one_runner import reference, staged_transfer  # tests/support/one_runner.py
 
 from specdeploy.engine.planner.deepseek_v4 import read_v4_config, v4_kept_positions, v4_pools, v4_staged_bytes
 from specdeploy.engine.planner.plan import Limits, SpecSettings, custom_gpu, plan_from_configs, staging_aligned
+from specdeploy.engine.runtime.kv import PoolExhausted
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner
 from specdeploy.engine.runtime.transfer import StagingArena
 
@@ -153,6 +154,10 @@ def test_a_receive_a_pool_cannot_hold_takes_nothing(models):
     with pytest.raises(NoCapacity, match="window exhausted"):
         decode.receive(Request("big", [1] * 40, max_tokens=4))
     assert pool_rows(decode) == baseline and decode.num_receiving == 0
+    # A step's slots likewise: every slot gets a row in every pool, or none anywhere.
+    with pytest.raises(PoolExhausted, match="window exhausted"):
+        decode.table.alloc(3)
+    assert pool_rows(decode) == baseline
     window.push(held)
     decode.receive(Request("big", [1] * 40, max_tokens=4))
     assert decode.num_receiving == 1

@@ -134,16 +134,17 @@ def test_split_roles_plan_a_transfer_staging_arena_of_two_context_length_request
 
 def test_split_roles_plan_tensor_parallel_as_one_server_does():
     """A split role is planned at the TP one server needs (the 70B at TP 2); its staging arena
-    holds every rank's share of a request: the whole model's KV per token (sharded pools), or for
-    DeepSeek-V4 (every rank holds all of its pools) each rank's copy. A DeepSeek-V4 target drafts
+    holds every rank's share of a request, rank after rank: TP x one GPU's KV per token, which for
+    DeepSeek-V4 (every rank holds all of its pools) is each rank's copy. A DeepSeek-V4 target drafts
     only with its MTP layer (check_servable: what the engine refuses, the planner refuses first)."""
     llama70b, v4 = load("llama-3.3-70b-instruct"), load("deepseek-v4-flash")
     limits = Limits(max_running_requests=8, context_length=4096, cuda_graph_max_bs=8)
     for role in ("prefill", "decode"):
         p = plan_from_configs(llama70b, None, SpecSettings("NONE", 0, 0, 0), GPUS["h200"], limits, role=role)
         assert p.tensor_parallel_size == 2
+        # Both ranks' shares of a request: 2 x one GPU's KV bytes per token.
         assert p.buffers.transfer_staging_bytes == TRANSFER_STAGING_REQUESTS * staging_aligned(
-            4097 * p.memory_per_gpu.kv_cache_bytes_per_token)
+            4097 * 2 * p.memory_per_gpu.kv_cache_bytes_per_token)
         q = plan_from_configs(v4, None, SpecSettings("MTP", 1, 1, 2), GPUS["h200"], limits, role=role)
         assert q.tensor_parallel_size == 2
         one_rank = v4_staged_bytes(read_v4_config(v4), "target", 2, 4096) + v4_staged_bytes(read_v4_config(v4), "MTP", 2, 4096)
