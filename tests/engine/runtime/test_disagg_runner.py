@@ -14,6 +14,7 @@ from specdeploy.engine.demo.toy import (
     copy_draft,
     predictable_target,
     random_requests,
+    run_to_completion,
     tiny_config,
 )
 from specdeploy.engine.planner.plan import (
@@ -153,13 +154,7 @@ def test_decode_server_takes_requests_between_its_steps(agents, algorithm, launc
     draft = None if algorithm == "NONE" else copy_draft(algorithm, target, perm)
     plan = tiny_plan(target.cfg, algorithm)
     reqs = random_requests((5, 12, 1, 9), 12, 64)
-    single = Runner(target, draft, plan=plan)
-    for r in reqs:
-        single.add(r)
-    want = {r.id: [] for r in reqs}
-    while single.num_running:
-        for o in single.step():
-            want[o.req_id] += o.token_ids
+    want = run_to_completion(Runner(target, draft, plan=plan), reqs)
     prefill = Runner(target, draft, plan=plan, role="prefill")
     decode = Runner(target, draft, plan=plan, role="decode", launch_ahead=launch_ahead)
     register(agents[0], prefill)

@@ -13,17 +13,9 @@ import sys
 import time
 
 import openai
+from engine_processes import ready  # tests/support/engine_processes.py
 
 PROMPT = "def main(argv):\n    "
-
-
-def _ready(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _log_text(path) -> str:
@@ -92,7 +84,7 @@ def test_random_weights_serve_without_a_checkpoint(model_dirs, tmp_path):
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         deadline = time.monotonic() + 240
-        while not _ready(f"http://127.0.0.1:{port}"):
+        while not ready(f"http://127.0.0.1:{port}"):
             assert proc.poll() is None, _log_text(log_path)[-3000:]
             assert time.monotonic() < deadline, "not ready in 240 s"
             time.sleep(0.2)
