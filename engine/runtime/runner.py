@@ -68,6 +68,7 @@ there.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -86,6 +87,8 @@ from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, SpecSha
 from specdeploy.engine.speculative.verify import sample_from, warp_probs
 
 _FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
+# A request's top_k goes into an int64 tensor with the batch's: a larger one is refused at admission.
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -487,9 +490,11 @@ class Runner:
         vocab = self.target.cfg.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise ValueError(f"request {req.id}: prompt token id outside [0, {vocab})")
-        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+        if not (0 <= req.temperature < math.inf and 0 < req.top_p <= 1 and 0 <= req.top_k <= _INT64_MAX):
             raise ValueError(f"request {req.id}: bad sampling parameters (temperature >= 0, "
-                             f"0 < top_p <= 1, top_k >= 0)")
+                             f"0 < top_p <= 1, 0 <= top_k < 2**63)")
+        if req.seed is not None and not -2**63 <= req.seed < 2**64:
+            raise ValueError(f"request {req.id}: seed {req.seed} is outside [-2**63, 2**64)")
         if len(req.prompt_ids) + req.max_tokens > self.max_sequence_tokens:
             raise ValueError(f"request {req.id}: prompt ({len(req.prompt_ids)}) + max_tokens "
                              f"({req.max_tokens}) exceeds the context length {self.context_length}")
@@ -500,16 +505,20 @@ class Runner:
         if self.num_running >= self.max_running_requests:
             raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
         seq = _Seq(req, row=-1, length=0, reserved=need)
-        if match:
-            self._match_prefix(seq)
-        # Every admitted request may still take (reserved - length) slots; free and evictable
-        # slots must cover all of that (without a cache: total reserved <= capacity).
-        outstanding = self._reserved - sum(s.length for s in self._all_seqs())
-        if outstanding + need - seq.length > self.num_free_slots:
-            self._release_slots(seq)
-            raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
-        if req.seed is not None:
+        if req.seed is not None:  # before anything is taken: nothing to give back if it fails
             seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+        # From here seq owns what it takes (a cache lock): any failure gives it back.
+        try:
+            if match:
+                self._match_prefix(seq)
+            # Every admitted request may still take (reserved - length) slots; free and evictable
+            # slots must cover all of that (without a cache: total reserved <= capacity).
+            outstanding = self._reserved - sum(s.length for s in self._all_seqs())
+            if outstanding + need - seq.length > self.num_free_slots:
+                raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
+        except BaseException:
+            self._release_slots(seq)
+            raise
         self._reserved += need
         return seq
 

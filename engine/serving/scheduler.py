@@ -79,6 +79,7 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
     error: str | None = None
+    error_status: int = 500     # with `error`: 400 where the request was at fault (the runner refused it)
 
 
 @dataclass
@@ -398,11 +399,11 @@ class Scheduler:
                 # Full (running requests or KV slots): it stays at the head of the queue.
                 self._admission_blocked = True
                 return
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone, the runner took nothing
                 log.warning("runner refused %s: %s", state.id, e)
                 with self._cv:
                     self._waiting.popleft()
-                self._finish(state, "error", error=str(e))
+                self._finish(state, "error", error=str(e), error_status=400 if isinstance(e, ValueError) else 500)
                 continue
             with self._cv:
                 self._waiting.popleft()
@@ -425,20 +426,28 @@ class Scheduler:
             state = self._running.get(out.req_id)
             if state is None or state.finished:
                 continue
-            state.num_runner_outputs += 1
-            if state.num_runner_outputs == 1:
-                self._count_cached(state, out.num_cached_tokens)
-            if out.num_draft_tokens:
-                # A speculative decode step (not a prefill, not a plain step), where accepted
-                # drafts + 1 tokens were committed.
-                self._log_steps += 1
-                self._log_accepted += out.num_accepted_drafts
-                self.metrics.spec_decode_num_steps.inc()
-                self.metrics.spec_decode_acceptance_length.observe(out.num_accepted_drafts + 1)
-            if state.first_token_s is None and out.token_ids:
-                state.first_token_s = now
-                self.metrics.time_to_first_token_s.observe(now - state.arrival_s)
-            self._consume(state, out)
+            try:
+                self._process_one(state, out, now)
+            except Exception as e:  # noqa: BLE001 - one request's output failed: it alone is finished
+                log.exception("output of %s failed; finishing it", state.id)
+                self._safe_runner_abort(state.id)
+                self._finish(state, "error", error=f"engine error: {type(e).__name__}: {e}")
+
+    def _process_one(self, state: _RequestState, out: StepOutput, now: float) -> None:
+        state.num_runner_outputs += 1
+        if state.num_runner_outputs == 1:
+            self._count_cached(state, out.num_cached_tokens)
+        if out.num_draft_tokens:
+            # A speculative decode step (not a prefill, not a plain step), where accepted
+            # drafts + 1 tokens were committed.
+            self._log_steps += 1
+            self._log_accepted += out.num_accepted_drafts
+            self.metrics.spec_decode_num_steps.inc()
+            self.metrics.spec_decode_acceptance_length.observe(out.num_accepted_drafts + 1)
+        if state.first_token_s is None and out.token_ids:
+            state.first_token_s = now
+            self.metrics.time_to_first_token_s.observe(now - state.arrival_s)
+        self._consume(state, out)
 
     def _count_cached(self, state: _RequestState, cached: int) -> None:
         """A request's first output says how much of its prompt the prefix cache held."""
@@ -494,7 +503,7 @@ class Scheduler:
         self._finish(state, finish_reason, num_new_tokens=num_new)
 
     def _finish(self, state: _RequestState, finish_reason: str, *, num_new_tokens: int = 0,
-                error: str | None = None) -> None:
+                error: str | None = None, error_status: int = 500) -> None:
         if state.finished:
             return
         state.finished = True
@@ -502,7 +511,7 @@ class Scheduler:
         self._emit(state, Delta(text=state.text[state.emitted_chars:], num_new_tokens=num_new_tokens,
                                 finish_reason=finish_reason, prompt_tokens=len(state.prompt_ids),
                                 completion_tokens=state.num_output_tokens,
-                                cached_tokens=state.num_cached_tokens, error=error))
+                                cached_tokens=state.num_cached_tokens, error=error, error_status=error_status))
         state.emitted_chars = len(state.text)
         self.metrics.request_finished(state.endpoint, finish_reason)
         self.metrics.request_latency_s.observe(time.monotonic() - state.arrival_s)

@@ -30,9 +30,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
+from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, MIN_SAMPLING_TEMPERATURE,
+                                              lone_surrogate, refused_field, stop_problem)
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
-from specdeploy.engine.serving.tokenizer import ChatTemplateError, Tokenizer
+from specdeploy.engine.serving.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer
 
 log = logging.getLogger("specdeploy.server")
 
@@ -66,8 +68,9 @@ class APIError(Exception):
 
 
 # ---- request bodies ------------------------------------------------------------------------
-# strict: OpenAI rejects "max_tokens": "10"; so do we. Unknown fields are ignored (clients send
-# `user`, `logit_bias`, ... that change nothing here).
+# strict: OpenAI rejects "max_tokens": "10"; so do we. Unknown fields are kept aside (model_extra):
+# those that change nothing here (`user`, `metadata`, ...) are ignored, those that would change
+# the tokens and are not implemented are refused (fields.NOT_IMPLEMENTED).
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -78,14 +81,15 @@ class StreamOptions(_Body):
 
 
 class _SamplingFields(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str
     # None: the model's generation_config.json default, else OpenAI's (1.0, 1.0, off).
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # 0 and -1 both mean off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # 0 and -1 both mean off
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None  # bounded in sampling_params (fields.stop_problem)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,7 +101,7 @@ class _SamplingFields(_Body):
 
 class CompletionBody(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = None
 
@@ -115,8 +119,8 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
 
 
@@ -370,9 +374,11 @@ def create_app(state: EngineState, loader: Loader | None = None,
         check_model(body.model)
         url = prefill_url(request)
         scheduler, tokenizer = serving()
+        check_fields(body)
         if body.echo:
             raise APIError(400, "echo is not supported by this server", param="echo")
-        prompt_ids = completion_prompt_ids(body.prompt, tokenizer)
+        # Off the event loop: a long prompt takes the tokenizer seconds, and /health must answer.
+        prompt_ids = await asyncio.to_thread(completion_prompt_ids, body.prompt, tokenizer, scheduler.context_length)
         max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
         handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions", url)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -393,11 +399,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
         check_model(body.model)
         url = prefill_url(request)
         scheduler, tokenizer = serving()
+        check_fields(body)
         messages = [chat_message_dict(m) for m in body.messages]
-        try:
-            prompt_ids = tokenizer.encode_chat(messages)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from None
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages, tokenizer, scheduler.context_length)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
@@ -433,7 +437,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
                         continue
                     finished = True
                     if delta.error is not None:
-                        yield sse(APIError(500, delta.error, code="engine_error").body())
+                        yield sse(delta_error(delta).body())
                         break
                     if delta.text:
                         yield sse(chunk(delta.text, None))
@@ -497,8 +501,14 @@ async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
             task.cancel()
     final = last[-1]
     if final.error is not None:
-        raise APIError(500, final.error, code="engine_error")
+        raise delta_error(final)
     return "".join(parts), final
+
+
+def delta_error(delta: Delta) -> APIError:
+    """A request the engine finished with an error: 400 where the request was at fault."""
+    code = "invalid_request" if delta.error_status == 400 else "engine_error"
+    return APIError(delta.error_status, delta.error, code=code)
 
 
 # What a request without temperature / top_p / top_k gets when the model's generation_config.json
@@ -506,19 +516,30 @@ async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
+def check_fields(body: _SamplingFields) -> None:
+    """400 for a field asking for what this engine does not implement, or text that is no text."""
+    refused = refused_field({**(body.model_extra or {}), **dict(body)})
+    if refused is not None:
+        raise APIError(400, f"{refused} is not supported by this server", param=refused, code="unsupported_field")
+    texts = {name: getattr(body, name) for name in ("prompt", "messages", "stop") if hasattr(body, name)}
+    where = lone_surrogate({k: [m.model_dump() for m in v] if k == "messages" else v for k, v in texts.items()})
+    if where is not None:
+        raise APIError(400, f"{where}: a lone UTF-16 surrogate is not text", param=where.split(".")[0],
+                       code="invalid_value")
+
+
 def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
-    unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(body, name)]
-    unsupported += ["logprobs"] if getattr(body, "logprobs", None) else []
-    if unsupported:
-        raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if any(s == "" for s in stop):
-        raise APIError(400, "stop strings must not be empty", param="stop")
+    problem = stop_problem(stop)
+    if problem is not None:
+        raise APIError(400, problem, param="stop")
     stop_token_ids = set(body.stop_token_ids or [])
     check_token_ids(stop_token_ids, tokenizer, "stop_token_ids")
     defaults = {**OPENAI_SAMPLING_DEFAULTS, **tokenizer.sampling_defaults}
     given = {name: getattr(body, name) for name in OPENAI_SAMPLING_DEFAULTS}
     chosen = {name: defaults[name] if value is None else value for name, value in given.items()}
+    if chosen["temperature"] < MIN_SAMPLING_TEMPERATURE:
+        chosen["temperature"] = 0.0
     return SamplingParams(max_tokens=max_tokens, temperature=float(chosen["temperature"]),
                           top_p=float(chosen["top_p"]), top_k=max(int(chosen["top_k"]), 0), seed=body.seed, stop=stop,
                           stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
@@ -531,20 +552,41 @@ def check_token_ids(ids, tokenizer: Tokenizer, param: str) -> None:
                        param=param)
 
 
-def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:
+def completion_prompt_ids(prompt, tokenizer: Tokenizer, context_length: int) -> list[int]:
+    """-> the prompt's token ids; 400 for one that is empty or longer than the context, found
+    before encoding all of a much longer one."""
     # One prompt per request: a string, token ids, or a one-element batch of either.
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode_at_most(prompt, context_length)
+        except PromptTooLong as e:
+            raise prompt_too_long(e, context_length, "prompt") from None
     else:
+        if len(prompt) > context_length:
+            raise prompt_too_long(PromptTooLong(len(prompt), exact=True), context_length, "prompt")
         check_token_ids(prompt, tokenizer, "prompt")
         ids = list(prompt)
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     return ids
+
+
+def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_length: int) -> list[int]:
+    try:
+        return tokenizer.encode_chat(messages, max_tokens=context_length)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except PromptTooLong as e:
+        raise prompt_too_long(e, context_length, "messages") from None
+
+
+def prompt_too_long(e: PromptTooLong, context_length: int, param: str) -> APIError:
+    return APIError(400, f"this model's context length is {context_length} tokens; the prompt alone has {e}",
+                    param=param, code="context_length_exceeded")
 
 
 def chat_message_dict(message: ChatMessage) -> dict[str, Any]:

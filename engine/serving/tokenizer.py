@@ -10,6 +10,7 @@ The server never imports transformers: it is slow to import and pulls in far mor
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,6 +25,19 @@ from tokenizers import Tokenizer as _HFTokenizer
 # sentencepiece decoders can render a token differently depending on its neighbours (a leading
 # space, a multi-byte character split over tokens), so each delta is decoded with a little context.
 _DETOKENIZE_CONTEXT_TOKENS = 5
+# encode_at_most: a text up to this many characters per allowed token (and at least
+# _COUNT_CHUNK_CHARS) is encoded whole; a longer one is first counted piece by piece, so one that
+# cannot fit is refused after encoding about as much of it as would fit, not all of it.
+_WHOLE_CHARS_PER_TOKEN = 8
+_COUNT_CHUNK_CHARS = 16384
+
+
+class PromptTooLong(ValueError):
+    """A text has more tokens than allowed; `num_tokens` is its count (`exact`) or a lower bound."""
+
+    def __init__(self, num_tokens: int, exact: bool):
+        super().__init__(f"{'' if exact else 'at least '}{num_tokens} tokens")
+        self.num_tokens, self.exact = num_tokens, exact
 
 
 class ChatTemplateError(ValueError):
@@ -93,6 +107,29 @@ class Tokenizer:
                 ids = [bos_id] + ids
         return ids
 
+    def encode_at_most(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """encode(), or PromptTooLong when the text has more than max_tokens tokens: found after
+        encoding about max_tokens tokens' worth of a much longer text, not all of it (an 8 MB
+        prompt costs the CPU seconds to encode, for a request that is refused anyway)."""
+        if len(text) > max(_COUNT_CHUNK_CHARS, _WHOLE_CHARS_PER_TOKEN * max_tokens):
+            # Pieces encode alone the way the whole does, except the words cut at a boundary:
+            # each cut costs at most a margin of one vocabulary entry's length in tokens.
+            margin, counted = self.longest_token_chars, 0
+            for i, start in enumerate(range(0, len(text), _COUNT_CHUNK_CHARS)):
+                piece = text[start:start + _COUNT_CHUNK_CHARS]
+                counted += len(self.hf.encode(piece, add_special_tokens=False).ids)
+                if counted - i * margin > max_tokens:
+                    raise PromptTooLong(counted - i * margin, exact=False)
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        if len(ids) > max_tokens:
+            raise PromptTooLong(len(ids), exact=True)
+        return ids
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token spells (added tokens included)."""
+        return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -115,9 +152,12 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], max_tokens: int | None = None) -> list[int]:
         # The rendered template already carries BOS where the model wants it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages)
+        if max_tokens is None:
+            return self.encode(text, add_special_tokens=False)
+        return self.encode_at_most(text, max_tokens, add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -421,3 +421,39 @@ def test_random_eviction_stress_loses_no_slot(seed):
     ref = run(off, [r for r in reqs if r.id not in aborted])
     for rid, rec in ref.items():
         assert out[rid] == rec["tokens"], rid
+
+
+@pytest.mark.parametrize("bad", [{"seed": 2**64}, {"seed": -2**63 - 1}, {"top_k": 2**63},
+                                 {"temperature": float("nan")}, {"top_p": 0.0}])
+def test_a_refused_request_on_a_hit_takes_nothing(bad):
+    """Admission refuses a request whose fields the step cannot use, after its prompt matched the
+    cache or not, and leaves no lock, slot or reservation behind: eight of them in a row leave
+    the pool as they found it and the next long request runs."""
+    runner = make_runner("EAGLE", 1, cache=True)
+    run(runner, [Request("warm", SYSTEM + tokens(6, 1), 4)])
+    free, locked, reserved = runner.num_free_slots, runner.prefix_cache.locked_slots, runner._reserved
+    for i in range(8):
+        with pytest.raises(ValueError):
+            runner.add(Request(f"bad{i}", SYSTEM + tokens(6, 2 + i), 4, **{"temperature": 1.0, **bad}))
+        assert (runner.num_free_slots, runner.prefix_cache.locked_slots, runner._reserved) == (free, locked, reserved)
+        assert runner.num_running == 0
+    check_accounting(runner)
+    out = run(runner, [Request("long", SYSTEM + tokens(6, 50), runner.max_new_tokens(46) - 8)])
+    assert out["long"]["cached"] > 0 and len(out["long"]["tokens"]) >= runner.max_new_tokens(46) - 8
+
+
+def test_a_failure_inside_admission_gives_back_the_cache_lock(monkeypatch):
+    """Whatever raises after the prefix matched (here the capacity check itself), the lock the
+    match took is given back."""
+    runner = make_runner("EAGLE", 1, cache=True)
+    run(runner, [Request("warm", SYSTEM + tokens(6, 1), 4)])
+    locked = runner.prefix_cache.locked_slots
+
+    def broken():
+        raise RuntimeError("boom")
+    monkeypatch.setattr(runner, "_all_seqs", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        runner.add(Request("x", SYSTEM + tokens(6, 3), 4))
+    assert runner.prefix_cache.locked_slots == locked == 0
+    monkeypatch.undo()
+    check_accounting(runner)

@@ -1,0 +1,109 @@
+"""Bounds on request fields, checked at the API before anything reaches the engine.
+
+Every value a request carries into the engine thread is bounded here or in the request models
+(engine/serving/server.py), so a careless or hostile value is a 400 naming its field, never an
+exception inside a batched step: OpenAI's and vLLM's own bounds where they have one (seed is a
+signed 64-bit integer, as both declare it), and where they have none, a bound well past any real
+use that keeps one request's cost to the step loop small (stop strings are searched in every
+step's text, so their count and length are bounded).
+
+Fields that change which tokens come out but that this engine does not implement are refused by
+name (400) rather than ignored: a client asking for a logit bias or a JSON schema would
+otherwise get a silently different answer. `NOT_IMPLEMENTED` is that list; a field leaves it
+when the engine implements it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# OpenAI documents up to 4 stop sequences; vLLM takes any number. Each is searched in every
+# step's new text (and a tail the length of the longest is held back), so both are bounded.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 would be
+# inf and the softmax NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+# field -> values that mean "off" (a client sending the default is served). The openai client
+# sends none of these unless asked to.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "best_of": (None, 1),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "suffix": (None, ""),
+    "use_beam_search": (None, False),
+}
+
+
+def refused_field(fields: dict[str, Any]) -> str | None:
+    """The first field of a request body (its declared and extra fields) that asks for something
+    NOT_IMPLEMENTED, or None."""
+    for name, neutral in NOT_IMPLEMENTED.items():
+        if name in fields and not any(_same(fields[name], n) for n in neutral):
+            return name
+    return None
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    # True == 1 and False == 0 in Python: `logprobs: true` must not pass as the neutral 1 of best_of.
+    return type(value) is type(neutral) and value == neutral or (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and isinstance(neutral, (int, float)) and not isinstance(neutral, bool) and value == neutral)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path ("messages.0.content") of the first string in a JSON value holding a lone UTF-16
+    surrogate ("\\ud800" is valid JSON but no text: the tokenizer cannot encode it), or None."""
+    if isinstance(value, str):
+        return path or "body" if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        if value and isinstance(value[0], int):  # token ids: no text in them
+            return None
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def stop_problem(stop: list[str]) -> str | None:
+    """What is wrong with a request's stop strings, or None."""
+    if len(stop) > MAX_STOP_SEQUENCES:
+        return f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}"
+    if any(s == "" for s in stop):
+        return "stop strings must not be empty"
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        return f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}"
+    return None
