@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
+from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, DEFAULT_BODY_TIMEOUT_S,
+                                              DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                                              DEFAULT_STALL_TIMEOUT_S, MIN_CONCURRENT_REQUESTS)
 
 log = logging.getLogger("specdeploy.engine")
 
@@ -35,6 +38,10 @@ ROLES = ("both", "prefill", "decode")
 QUEUE_PER_RUNNING_REQUEST = 4
 DEFAULT_NUM_STEPS = 3
 DEFAULT_MAX_RUNNING_REQUESTS = 32
+# How long an idle kept-alive connection stays open.
+KEEP_ALIVE_TIMEOUT_S = 30
+# After a finished drain: how long the last responses may take to go out before they are cut.
+SHUTDOWN_TIMEOUT_S = 5
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -73,7 +80,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--served-model-name", help="the `model` clients send (default: --target as given)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: how long in-flight requests may take to finish")
+    p.add_argument("--drain-timeout-s", type=float, default=600.0,
+                   help="SIGTERM: how long in-flight requests may take to finish (the operator passes the pod's "
+                        "grace period less its preStop sleep and a margin); a second SIGTERM stops at once")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help=f"a connection whose request headers take longer is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help=f"a request body that takes longer gets 408 (default: {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--max-concurrent-requests", type=int,
+                   help="requests in the server at once (read, tokenized, queued or streaming) before 429; the "
+                        f"probes and /metrics are not counted (default: {CONCURRENT_PER_SCHEDULED_REQUEST} x "
+                        f"(running + queued), at least {MIN_CONCURRENT_REQUESTS})")
+    p.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                   help="/ready turns 503 when the queue's head has waited this long while the engine computed "
+                        f"nothing (default: {DEFAULT_STALL_TIMEOUT_S:g})")
     p.add_argument("--log-interval-s", type=float, default=5.0, help="seconds between throughput log lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--seed", type=int, default=0)
@@ -122,8 +144,6 @@ def configure_logging(rank: int | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from specdeploy.engine.serving.metrics import EngineMetrics
     from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
 
@@ -135,12 +155,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model_name = args.served_model_name or args.target
     state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
-    config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None,
-                            access_log=args.access_log, timeout_keep_alive=30)
+    config, limits = server_config(args)
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
     ranks = TensorParallelRanks()
     config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks),
-                            on_load_failure=server.fail)
+                            on_load_failure=server.fail, limits=limits)
     try:
         server.run()
     finally:
@@ -148,7 +167,26 @@ def run(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
+def server_config(args: argparse.Namespace):
+    """-> (uvicorn's Config without its app, the ConnectionLimits for create_app)."""
+    import uvicorn
+
+    from specdeploy.engine.serving.limits import ConnectionLimits, bounded_h11_protocol
+
+    limits = ConnectionLimits(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
+                              body_timeout_s=args.body_timeout_s, max_concurrent_requests=args.max_concurrent_requests)
+    config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
+                            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
+                            http=bounded_h11_protocol(args.header_timeout_s))
+    return config, limits
+
+
 def check_args(args: argparse.Namespace) -> None:
+    for flag in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "max_concurrent_requests",
+                 "stall_timeout_s", "drain_timeout_s"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
     if args.algorithm in ("EAGLE", "EAGLE3") and not args.draft:
         raise ValueError(f"--draft is required for --algorithm {args.algorithm}")
     if args.algorithm == "NONE" and args.draft:
@@ -638,7 +676,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
 
     queued = args.max_queued_requests or QUEUE_PER_RUNNING_REQUEST * plan.max_running_requests
     scheduler = Scheduler(runner, tokenizer, metrics, max_queued_requests=queued,
-                          log_interval_s=args.log_interval_s)
+                          log_interval_s=args.log_interval_s, stall_timeout_s=args.stall_timeout_s)
     inner = getattr(runner, "runner", runner)  # a tensor-parallel leader wraps rank 0's runner
     overlap = ("launch-ahead" if getattr(inner, "launch_ahead", False) else
                "staged" if getattr(inner, "overlap", False) else "off")
@@ -728,8 +766,6 @@ class ServerThread:
     Signals stay with the main thread; `stop()` ends it."""
 
     def __init__(self, argv: list[str]):
-        import uvicorn
-
         from specdeploy.engine.serving.metrics import EngineMetrics
         from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
 
@@ -741,11 +777,11 @@ class ServerThread:
         self.args = args
         model_name = args.served_model_name or args.target
         self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
-        config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None, access_log=args.access_log)
+        config, limits = server_config(args)
         self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
         self.ranks = TensorParallelRanks()
         config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics, self.ranks),
-                                on_load_failure=self.server.fail)
+                                on_load_failure=self.server.fail, limits=limits)
         self.base_url = f"http://{args.host}:{args.port}"
         self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
 

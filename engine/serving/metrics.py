@@ -65,6 +65,11 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued for admission.")
         self.num_requests_running = gauge("num_requests_running", "Requests admitted into the running batch.")
         self.kv_slot_usage = gauge("kv_slot_usage_ratio", "Fraction of KV cache token slots in use (0..1).")
+        self.admission_stalled = gauge("admission_stalled",
+                                       "1 while the queue's head has waited past the stall timeout with no engine "
+                                       "step run meanwhile (/ready answers 503).")
+        self.queue_head_wait_s = gauge("queue_head_wait_seconds",
+                                       "How long the queue's head has waited for room (0: nothing is waiting).")
         self.spec_decode_adaptive = gauge("spec_decode_adaptive", "1 when the speculative shape is chosen per step.")
         self.shape_num_steps = gauge("spec_decode_shape_num_steps", "Draft steps of the last decode step's shape (0: NONE).")
         self.shape_topk = gauge("spec_decode_shape_topk", "Branches per draft step of the last decode step's shape (0: NONE).")

@@ -137,7 +137,7 @@ class Scheduler:
     """Owns requests and drives `runner.step()` in its own thread."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, metrics: EngineMetrics, *,
-                 max_queued_requests: int, log_interval_s: float = 5.0):
+                 max_queued_requests: int, log_interval_s: float = 5.0, stall_timeout_s: float = 60.0):
         self.runner = runner
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -151,6 +151,13 @@ class Scheduler:
         # The most prompt + max_tokens a request may have (what clients see as the context).
         self.context_length = runner.max_sequence_tokens
         self.log_interval_s = log_interval_s
+        # Liveness (`stalled`): since when the queue's head has found no room, and when the
+        # runner last computed a step. Written by the engine thread, read by the event loop
+        # (float stores are atomic).
+        self.stall_timeout_s = stall_timeout_s
+        self._head_blocked_since: float | None = None
+        self._last_step_s = time.monotonic()
+        self._stall_logged = False  # engine thread only
 
         self._cv = threading.Condition()
         self._waiting: collections.deque[_RequestState] = collections.deque()  # guarded by _cv
@@ -201,6 +208,28 @@ class Scheduler:
             self.draining = True
             log.info("draining: refusing new requests, %d running and %d queued will finish",
                      self._num_running_published, len(self._waiting))
+
+    @property
+    def stalled_for_s(self) -> float:
+        """How long the queue's head has waited for room while no step ran (0: not stalled):
+        slots held by requests that compute nothing (or by a leak) would keep it waiting forever."""
+        since = self._head_blocked_since
+        if since is None:
+            return 0.0
+        return max(0.0, time.monotonic() - max(since, self._last_step_s))
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_for_s > self.stall_timeout_s
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (it ends only at shutdown)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def is_idle(self) -> bool:
@@ -333,11 +362,14 @@ class Scheduler:
             try:
                 if aborts or commands or self.runner.has_work:
                     self._admission_blocked = False  # something may have freed room
+                if commands:  # the split roles' transfers arriving, activating: progress too
+                    self._last_step_s = time.monotonic()
                 for command in commands:
                     command()
                 self._apply_aborts(aborts)
                 self._admit()
                 if self.runner.has_work:
+                    self._last_step_s = time.monotonic()
                     self._process(self.runner.step())
             except Exception as e:  # a broken batch must not kill the server: fail what ran in it
                 log.exception("engine step failed; failing %d running requests", len(self._running))
@@ -382,6 +414,7 @@ class Scheduler:
         while True:
             with self._cv:
                 if not self._waiting:
+                    self._head_blocked_since = None
                     return
                 state = self._waiting[0]
             p = state.params
@@ -398,6 +431,8 @@ class Scheduler:
             except NoCapacity:
                 # Full (running requests or KV slots): it stays at the head of the queue.
                 self._admission_blocked = True
+                if self._head_blocked_since is None:
+                    self._head_blocked_since = time.monotonic()
                 return
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone, the runner took nothing
                 log.warning("runner refused %s: %s", state.id, e)
@@ -407,6 +442,7 @@ class Scheduler:
                 continue
             with self._cv:
                 self._waiting.popleft()
+            self._head_blocked_since = None
             self._running[state.id] = state
             self.metrics.prompt_tokens.inc(len(state.prompt_ids))
 
@@ -553,6 +589,19 @@ class Scheduler:
         self._num_running_published = len(self._running)
         self.metrics.num_requests_running.set(len(self._running))
         self.metrics.num_requests_waiting.set(len(self._waiting))
+        blocked = self._head_blocked_since
+        self.metrics.queue_head_wait_s.set(0.0 if blocked is None else time.monotonic() - blocked)
+        stalled = self.stalled
+        self.metrics.admission_stalled.set(float(stalled))
+        if stalled != self._stall_logged:
+            self._stall_logged = stalled
+            if stalled:
+                log.warning("admission stalled: the queue's head has waited %.0f s while no step ran (%d of %d KV "
+                            "slots free, %d requests holding a row); /ready answers 503",
+                            self.stalled_for_s, self.runner.num_free_slots, self.capacity_slots,
+                            self.runner.num_running)
+            else:
+                log.info("admission moves again; /ready answers 200")
         if self.capacity_slots:
             self.metrics.kv_slot_usage.set(1.0 - self.runner.num_free_slots / self.capacity_slots)
         if self.runner.prefix_cache is not None:

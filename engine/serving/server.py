@@ -32,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
 from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, MIN_SAMPLING_TEMPERATURE,
                                               lone_surrogate, refused_field, stop_problem)
+from specdeploy.engine.serving.limits import (MIN_CONCURRENT_REQUESTS, RETRY_AFTER_S, ConnectionLimits,
+                                              RequestLimitsMiddleware, concurrency_for)
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer
@@ -45,26 +47,30 @@ _DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Names pydantic puts into an error's location for the member of a union it tried.
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 # `code` of the errors Starlette raises before a route runs.
-_HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed", 408: "body_timeout",
+               413: "body_too_large"}
 
 
 class APIError(Exception):
     """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
 
     _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-              429: "rate_limit_error",
+              408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
               500: "internal_error", 503: "service_unavailable"}
 
-    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
+        # A 429 says when to come back.
+        self.headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})} if status_code == 429 else headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self._TYPES.get(self.status_code, "error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 # ---- request bodies ------------------------------------------------------------------------
@@ -140,7 +146,8 @@ class ErrorBody(BaseModel):
 # What /openapi.json documents beside a 200, so that clients and schema-driven tools know every
 # status the API answers: request errors are 400 (never FastAPI's 422: see _validation_error).
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {400: "Invalid request", 404: "Unknown model", 429: "Queue full, retry later",
+    text = {400: "Invalid request", 404: "Unknown model", 408: "The body did not arrive in time",
+            413: "The body is larger than the server takes", 429: "Queue full or too many requests, retry later",
             503: "Not ready (loading weights) or draining",
             409: "Aborted (or the room is in use)", 502: "The transfer to the decode server failed",
             504: "The prefill outlasted the request's deadline"}
@@ -155,7 +162,7 @@ _DISAGG_ABORT_RESPONSES = _errors(400, 404, 503)
 _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The completion; with stream=true, server-sent events (data: chunk, then data: [DONE])",
           "content": {"application/json": {}, "text/event-stream": {}}},
-    **_errors(400, 404, 429, 503),
+    **_errors(400, 404, 408, 413, 429, 503),
 }
 
 
@@ -192,7 +199,18 @@ class EngineState:
 
     @property
     def ready(self) -> bool:
-        return self.scheduler is not None and not self.scheduler.draining
+        return self.scheduler is not None and not self.scheduler.draining and not self.scheduler.stalled
+
+    @property
+    def not_ready_now(self) -> str:
+        """Why /ready answers 503 (when it does)."""
+        s = self.scheduler
+        if s is None:
+            return self.not_ready_reason
+        if s.draining:
+            return "draining"
+        return (f"stalled: the queue's head has waited {s.stalled_for_s:.0f} s for KV slots or a running-request "
+                f"slot while no engine step ran (--stall-timeout-s {s.stall_timeout_s:g})")
 
 
 # -> (scheduler, tokenizer) or, for the split roles, (scheduler, tokenizer, disaggregation service)
@@ -200,9 +218,12 @@ Loader = Callable[[EngineMetrics], tuple]
 
 
 def create_app(state: EngineState, loader: Loader | None = None,
-               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_failure: Callable[[BaseException], None] | None = None,
+               limits: ConnectionLimits | None = None) -> FastAPI:
     """Build the app. With `loader`, it runs in a worker thread after start-up, so /health answers
-    (and the pod is not killed) while weights load and graphs are captured; /ready turns 200 after."""
+    (and the pod is not killed) while weights load and graphs are captured; /ready turns 200 after.
+    `limits`: body size and deadline, the concurrency cap (limits.py; default ConnectionLimits())."""
+    limits = limits or ConnectionLimits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -233,8 +254,18 @@ def create_app(state: EngineState, loader: Loader | None = None,
         if state.scheduler is not None:
             state.scheduler.shutdown()
 
-    app = FastAPI(title="specdeploy engine", lifespan=lifespan)
+    app = FastAPI(title="specdeploy engine", lifespan=lifespan, max_body_size=limits.max_body_bytes)
     app.state.engine = state
+
+    def concurrency_cap() -> int | None:
+        if limits.max_concurrent_requests is not None:
+            return limits.max_concurrent_requests
+        s = state.scheduler
+        return MIN_CONCURRENT_REQUESTS if s is None else concurrency_for(s.runner.max_running_requests,
+                                                                         s.max_queued_requests)
+
+    app.add_middleware(RequestLimitsMiddleware, limits=limits, cap=concurrency_cap,
+                       too_many=lambda message: APIError(429, message, code="too_many_requests").response())
     app.openapi = lambda: _openapi_without_422(app)
 
     @app.exception_handler(APIError)
@@ -245,7 +276,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # Starlette's own refusals (no such route, wrong method, an unreadable body) in the same
         # error shape as ours, with their headers (a 405 says Allow).
-        response = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code)).response()
+        message = str(exc.detail) if exc.status_code != 413 else \
+            f"the request body is larger than this server takes ({limits.max_body_bytes} bytes)"
+        response = APIError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code)).response()
         response.headers.update(exc.headers or {})
         return response
 
@@ -266,17 +299,22 @@ def create_app(state: EngineState, loader: Loader | None = None,
         return APIError(400, f"{'.'.join(loc) or 'body'}: {message}", param=param,
                         code="invalid_value").response()
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The engine thread has died",
+                                          "content": {"application/json": {}}}})
     async def health():
+        # Answered on the event loop alone (no lock, no engine call): it says whether this
+        # process can still serve, while loading too; the engine thread ends only at shutdown.
+        s = state.scheduler
+        if s is not None and s.started and not s.alive and not s.stopping:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready", responses={503: {"description": "Loading weights, or draining",
+    @app.get("/ready", responses={503: {"description": "Loading weights, draining, or admission stalled",
                                          "content": {"application/json": {}}}})
     async def ready():
         if state.ready:
             return {"status": "ready"}
-        reason = "draining" if state.scheduler is not None else state.not_ready_reason
-        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "not ready", "reason": state.not_ready_now}, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}},
@@ -602,8 +640,9 @@ class DrainingServer(uvicorn.Server):
 
     The first SIGTERM/SIGINT starts a drain: /ready answers 503 (the Service stops routing here),
     new generation requests get 503, requests already admitted or queued run to completion; when
-    none is left (or `drain_timeout_s` passed) the server stops and the process exits 0.
-    A second signal stops at once.
+    none is left the server stops and the process exits 0. When `drain_timeout_s` passes first
+    (the operator renders it inside the pod's grace period), or at a second signal, it stops at
+    once: open streams are cut rather than waited for.
     """
 
     def __init__(self, config: uvicorn.Config, state: EngineState, drain_timeout_s: float = 600.0):
@@ -617,13 +656,22 @@ class DrainingServer(uvicorn.Server):
         # Unlike uvicorn's own handler, the signal is not re-raised after shutdown: a drained
         # server exits 0, which is what the Deployment's rollout expects.
         if self._drain_started_s is not None or self.state.scheduler is None:
-            if self.should_exit:
+            if self._drain_started_s is not None or self.should_exit:  # the second signal: now
+                log.info("received signal %d again: stopping now", sig)
                 self.force_exit = True
             self.should_exit = True
             return
         log.info("received signal %d: draining before exit (up to %.0f s)", sig, self.drain_timeout_s)
         self._drain_started_s = time.monotonic()
         self.state.scheduler.start_drain()
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.force_exit:
+            # Stopping now: cut the open streams, or the listening socket's close (Python 3.12's
+            # wait_closed waits for every connection) would wait for them after all.
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
+        await super().shutdown(sockets)
 
     def fail(self, error: BaseException) -> None:
         """Stop with exit code 1 (loading failed: the pod should restart and say why)."""
@@ -638,5 +686,5 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif waited_s > self.drain_timeout_s:
                 log.warning("drain timeout (%.0f s) passed with requests still running; stopping", waited_s)
-                self.should_exit = True
+                self.should_exit = self.force_exit = True
         return await super().on_tick(counter)

@@ -43,6 +43,9 @@ STARTUP_PROBE_FAILURES = 180
 # Give the Service's endpoints time to drop a terminating pod before the engine stops accepting.
 PRE_STOP_SLEEP_S = 5
 DEFAULT_TERMINATION_GRACE_S = 120
+# The kubelet kills the pod a grace period after the preStop hook starts: the engine's drain
+# (--drain-timeout-s) ends this long before that, so it stops on its own with its logs written.
+DRAIN_MARGIN_S = 5
 CONFIG_HASH_CHARS = 16
 # A model cache claim the operator creates holds both checkpoints as the plan sized them, plus a
 # quarter for what a hub download keeps beside the weights (tokenizer, config, the partial file of
@@ -218,6 +221,11 @@ def is_paused(meta: dict[str, Any]) -> bool:
     return (meta.get("annotations") or {}).get(PAUSED_ANNOTATION, "").lower() == "true"
 
 
+def drain_timeout_s(termination_grace_s: int) -> int:
+    """The engine's drain budget within the pod's grace period (after preStop, before SIGKILL)."""
+    return max(1, termination_grace_s - PRE_STOP_SLEEP_S - DRAIN_MARGIN_S)
+
+
 def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec's engine settings with the CRD defaults filled in (objects created before a
     default existed, or rendered in tests, may lack them)."""
@@ -236,6 +244,7 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
         ),
         "context_length": engine.get("contextLength", 8192),
         "prefix_cache": engine.get("prefixCache", True),
+        "drain_timeout_s": drain_timeout_s(engine.get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S)),
     }
     if algorithm != "NONE":
         settings.update(
@@ -285,6 +294,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(ENGINE_PORT),
     ]
+    if "drain_timeout_s" in settings:
+        args += ["--drain-timeout-s", str(settings["drain_timeout_s"])]
     if not settings.get("prefix_cache", True):  # on is the engine's default
         args.append("--no-prefix-cache")
     return args

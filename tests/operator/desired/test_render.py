@@ -86,8 +86,23 @@ def test_engine_command_line(children):
         "--max-running-requests", "32",
         "--context-length", "8192",
         "--host", "0.0.0.0", "--port", "8000",
+        "--drain-timeout-s", "110",
     ]
     assert container["image"] == DEFAULTS.image
+
+
+def test_the_engine_drains_within_the_pods_grace_period():
+    """SIGTERM comes after the preStop sleep; the drain ends a margin before the kubelet's SIGKILL."""
+    from specdeploy.cli import build_parser
+
+    sdd = make_sdd(engine={"terminationGracePeriodSeconds": 300})
+    children = render.render_children(sdd, planned_for(sdd), DEFAULTS)
+    pod = children.deployment["spec"]["template"]["spec"]
+    args = engine_container(children)["args"]
+    drain = float(args[args.index("--drain-timeout-s") + 1])
+    assert drain + render.PRE_STOP_SLEEP_S < pod["terminationGracePeriodSeconds"] == 300
+    assert drain == 290
+    assert build_parser().parse_args(["engine", "serve", *args]).drain_timeout_s == drain
 
 
 def test_prefix_cache_is_on_unless_the_spec_turns_it_off(children):
