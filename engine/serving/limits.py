@@ -4,8 +4,9 @@
   response on a kept-alive one): a client that opens connections and sends nothing, or a byte at
   a time (slowloris), is cut off. uvicorn has no such timer, so `BoundedH11Protocol` adds one to
   its h11 protocol (`bounded_h11_protocol`).
-- **Bodies** are capped in size (413, Starlette's RequestBodyLimitMiddleware through FastAPI's
-  `max_body_size`) and must arrive within `body_timeout_s` of the headers (408).
+- **Bodies** are capped in size (413: at once from Content-Length, else when the count passes
+  the cap; never read past it) and must arrive within `body_timeout_s` of the headers (408).
+  (Starlette's RequestBodyLimitMiddleware would do the first, but answers in its own words.)
 - **Concurrency**: at most `max_concurrent_requests` requests are in the server at once (being
   read, tokenized, queued or streamed); the next gets 429 with Retry-After. The probes and
   /metrics are not counted and never refused, so /health answers under any one client's load.
@@ -54,14 +55,16 @@ def concurrency_for(max_running_requests: int, max_queued_requests: int) -> int:
 
 
 class RequestLimitsMiddleware:
-    """The concurrency cap (429 + Retry-After) and the body read deadline (408), as plain ASGI so
-    that a refused request costs no routing. `cap()` is read per request (the default comes from
-    the scheduler, which exists only once loading finished); `too_many(message)` is the response
-    a refused request gets (the API's error shape)."""
+    """The concurrency cap (429 + Retry-After), the body's size cap (413) and its read deadline
+    (408), as plain ASGI so that a refused request costs no routing. `cap()` is read per request
+    (the default comes from the scheduler, which exists only once loading finished);
+    `refuse(status, message)` is the response a refused request gets (the API's error shape).
+    Past the headers, a refusal is raised from `receive` as an HTTPException, which the app
+    answers the same way."""
 
     def __init__(self, app: ASGIApp, limits: ConnectionLimits, cap: Callable[[], int | None],
-                 too_many: Callable[[str], Response]) -> None:
-        self.app, self.limits, self.cap, self.too_many = app, limits, cap, too_many
+                 refuse: Callable[[int, str], Response]) -> None:
+        self.app, self.limits, self.cap, self.refuse = app, limits, cap, refuse
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,34 +72,53 @@ class RequestLimitsMiddleware:
             return await self.app(scope, receive, send)
         cap = self.cap()
         if cap is not None and self.in_flight >= cap:
-            response = self.too_many(f"too many requests in the server ({self.in_flight}, the limit is {cap}); "
-                                     "retry later")
+            response = self.refuse(429, f"too many requests in the server ({self.in_flight}, the limit is {cap}); "
+                                        "retry later")
             return await response(scope, receive, send)
+        if _content_length(scope) > self.limits.max_body_bytes:
+            return await self.refuse(413, self.too_large())(scope, receive, send)
         self.in_flight += 1
         try:
             await self.app(scope, self._bounded(receive), send)
         finally:
             self.in_flight -= 1
 
+    def too_large(self) -> str:
+        return f"the request body is larger than this server takes ({self.limits.max_body_bytes} bytes)"
+
     def _bounded(self, receive: Receive) -> Receive:
+        from starlette.exceptions import HTTPException
+
         deadline = time.monotonic() + self.limits.body_timeout_s
-        body_done = False
+        body_done, received = False, 0
 
         async def bounded_receive() -> Message:
-            nonlocal body_done
+            nonlocal body_done, received
             if body_done:  # after the body only a disconnect can come: no deadline for that wait
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
-                from starlette.exceptions import HTTPException
-
                 raise HTTPException(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") \
                     from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limits.max_body_bytes:
+                    raise HTTPException(413, self.too_large())
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
         return bounded_receive
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:  # h11 refuses these before a request starts; 0 lets the count decide
+                return 0
+    return 0
 
 
 def bounded_h11_protocol(header_timeout_s: float) -> type:

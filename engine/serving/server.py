@@ -254,7 +254,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
         if state.scheduler is not None:
             state.scheduler.shutdown()
 
-    app = FastAPI(title="specdeploy engine", lifespan=lifespan, max_body_size=limits.max_body_bytes)
+    app = FastAPI(title="specdeploy engine", lifespan=lifespan)
     app.state.engine = state
 
     def concurrency_cap() -> int | None:
@@ -264,8 +264,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
         return MIN_CONCURRENT_REQUESTS if s is None else concurrency_for(s.runner.max_running_requests,
                                                                          s.max_queued_requests)
 
+    refusal_codes = {429: "too_many_requests", 413: "body_too_large"}
     app.add_middleware(RequestLimitsMiddleware, limits=limits, cap=concurrency_cap,
-                       too_many=lambda message: APIError(429, message, code="too_many_requests").response())
+                       refuse=lambda status, message: APIError(status, message, code=refusal_codes[status]).response())
     app.openapi = lambda: _openapi_without_422(app)
 
     @app.exception_handler(APIError)
@@ -276,9 +277,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # Starlette's own refusals (no such route, wrong method, an unreadable body) in the same
         # error shape as ours, with their headers (a 405 says Allow).
-        message = str(exc.detail) if exc.status_code != 413 else \
-            f"the request body is larger than this server takes ({limits.max_body_bytes} bytes)"
-        response = APIError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code)).response()
+        response = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code)).response()
         response.headers.update(exc.headers or {})
         return response
 

@@ -202,3 +202,227 @@ def test_non_finite_numbers_are_refused(server):
         for field in ("temperature", "top_p"):
             content = f'{{"model": "tiny-target", "prompt": "x", "max_tokens": 2, "{field}": {value}}}'.encode()
             assert_error(post(server, COMPLETIONS, content=content), 400, param=field)
+
+
+# ---- 3. bodies and prompts: bounded, and never on the event loop ------------------------------------
+
+class HealthWatch:
+    """Polls /health while something else runs: -> the slowest answer (s)."""
+
+    def __init__(self, server):
+        self.url, self.worst_s, self.failures = f"{server.url}/health", 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                if http.get(self.url).status_code != 200:
+                    self.failures += 1
+                self.worst_s = max(self.worst_s, time.monotonic() - t0)
+                time.sleep(0.02)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_a_body_over_the_limit_gets_413_unread(server, reference):
+    from specdeploy.engine.serving.limits import DEFAULT_MAX_BODY_BYTES
+
+    big = b'{"model": "tiny-target", "prompt": "' + b"x" * DEFAULT_MAX_BODY_BYTES + b'"}'
+    with CoTenant(server) as co, HealthWatch(server) as health:
+        t0 = time.monotonic()
+        err = assert_error(post(server, COMPLETIONS, content=big), 413)
+        assert err["code"] == "body_too_large" and str(DEFAULT_MAX_BODY_BYTES) in err["message"]
+        # Without a Content-Length (chunked): refused once the count passes the limit.
+        chunks = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+        assert_error(httpx.post(f"{server.url}{CHAT}", content=chunks, timeout=60,
+                                headers={"content-type": "application/json"}), 413)
+        elapsed_s = time.monotonic() - t0
+    co.assert_unaffected(reference)
+    assert health.failures == 0 and health.worst_s < 1.0, health.worst_s
+    assert elapsed_s < 10
+    wait_for_baseline(server)
+
+
+@pytest.mark.parametrize("path,make", [
+    (COMPLETIONS, lambda n: {"prompt": "def f(x): return x + 1  # a comment\n" * n}),
+    (COMPLETIONS, lambda n: {"prompt": [7] * (12 * n)}),
+    (CHAT, lambda n: {"messages": [{"role": "user", "content": "hello world, " * (3 * n)}]}),
+])
+def test_a_prompt_far_past_the_context_is_refused_early_and_health_answers(server, reference, path, make):
+    """Was: an 8 MB prompt was tokenized on the event loop (/health froze for 6 s) before being
+    refused for its length. Now it is refused after about a context's worth of encoding, off the loop."""
+    body = {"model": server.model, "max_tokens": 2, **make(100_000)}  # ~4 MB of JSON
+    assert 3_000_000 < len(json.dumps(body)) < 8 << 20
+    with CoTenant(server) as co, HealthWatch(server) as health:
+        t0 = time.monotonic()
+        for _ in range(3):
+            err = assert_error(post(server, path, body), 400)
+            assert err["code"] == "context_length_exceeded" and "context length" in err["message"]
+        per_request_s = (time.monotonic() - t0) / 3
+    co.assert_unaffected(reference)
+    assert health.failures == 0 and health.worst_s < 1.0, health.worst_s
+    assert per_request_s < 3.0, per_request_s
+    wait_for_baseline(server)
+
+
+def test_queue_full_429_says_when_to_retry(server):
+    import asyncio
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": server.model, "prompt": "flood", "max_tokens": 40, "ignore_eos": True}
+            n = server.max_running_requests + server.max_queued_requests + 6
+            return await asyncio.gather(*(http.post(f"{server.url}{COMPLETIONS}", json=body) for _ in range(n)))
+
+    responses = asyncio.run(flood())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and all(r.status_code in (200, 429) for r in responses)
+    for r in refused:
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    wait_for_baseline(server)
+
+
+# ---- 4. connections, concurrency and liveness (a server with tight limits) -------------------------
+
+TIGHT = ("--header-timeout-s", "1", "--body-timeout-s", "1", "--max-concurrent-requests", "2",
+         "--stall-timeout-s", "1")
+
+
+@pytest.fixture(scope="module")
+def tight(model_dirs):
+    from specdeploy.engine.serving.cli import ServerThread
+
+    from .conftest import MAX_QUEUED_REQUESTS, MAX_RUNNING_REQUESTS, MODEL_NAME, Server, free_port, serve_argv
+
+    running = ServerThread(serve_argv(*model_dirs, free_port(), *TIGHT)).start(timeout_s=120)
+    yield Server(url=running.base_url, model=MODEL_NAME, vocab_size=0, context_length=256,
+                 max_running_requests=MAX_RUNNING_REQUESTS, max_queued_requests=MAX_QUEUED_REQUESTS), running
+    running.stop()
+
+
+def _connect(server):
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _closed_within(sock, timeout_s: float, trickle: bytes = b"") -> float:
+    """Send `trickle` a byte every 0.2 s until the server closes the connection: -> seconds it took."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    for byte in [trickle[i:i + 1] for i in range(len(trickle))] or [b""] * 1000:
+        try:
+            if byte:
+                sock.send(byte)
+            data = sock.recv(4096)
+        except TimeoutError:
+            data = None
+        except (ConnectionResetError, BrokenPipeError):
+            data = b""
+        if data is not None:  # b"" (closed), or a response: either way the server ended it
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout_s, "the server kept the connection open"
+    raise AssertionError("the trickle ended before the server closed the connection")
+
+
+def test_slow_or_missing_headers_are_cut_off(tight):
+    server, _ = tight
+    silent = _connect(server)  # opens and says nothing
+    assert _closed_within(silent, 5) < 3
+    slowloris = _connect(server)  # a request line, a byte every 0.2 s
+    assert _closed_within(slowloris, 5, trickle=b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" * 4) < 3
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    wait_for_baseline(server)
+
+
+def test_a_body_that_stops_arriving_gets_408(tight):
+    server, _ = tight
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny-")
+    sock.settimeout(5)
+    t0 = time.monotonic()
+    reply = b""
+    while b"}}" not in reply:
+        reply += sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"body_timeout" in reply and time.monotonic() - t0 < 3
+    sock.close()
+    wait_for_baseline(server)
+
+
+def test_the_concurrency_cap_answers_429_and_the_probes_still_answer(tight):
+    server, _ = tight
+    body = {"model": server.model, "prompt": "hold", "max_tokens": 150, "ignore_eos": True, "stream": True}
+    held, started = [], threading.Barrier(3)
+
+    def hold():
+        with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            started.wait(30)
+            held.append(sum(1 for _ in lines))
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(30)
+    refused = post(server, COMPLETIONS, {"model": server.model, "prompt": "third", "max_tokens": 2})
+    err = assert_error(refused, 429)
+    assert err["code"] == "too_many_requests" and refused.headers["retry-after"] == "1"
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{server.url}{path}").status_code == 200
+    for t in threads:
+        t.join(60)
+    assert len(held) == 2
+    assert post(server, COMPLETIONS, {"model": server.model, "prompt": "after", "max_tokens": 2}).status_code == 200
+    wait_for_baseline(server)
+
+
+def test_ready_turns_503_while_admission_is_stalled(tight):
+    """Slots held by nothing that runs (here taken from the pool behind the runner's back, as the
+    seed leak did) keep the queue's head waiting: /ready says so once --stall-timeout-s passes,
+    and turns 200 again when it moves."""
+    import asyncio
+
+    server, running = tight
+    scheduler = running.state.scheduler
+    taken = []
+
+    async def in_engine(fn):
+        return await scheduler.run_in_engine(fn)
+
+    runner = scheduler.runner
+    # Free and evictable (cached) slots alike, as a leaked lock pins them.
+    taken.append(asyncio.run(in_engine(lambda: runner._alloc(runner.num_free_slots - 8))))
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r=post(server, COMPLETIONS, {
+        "model": server.model, "prompt": "wait for room", "max_tokens": 32, "ignore_eos": True})))
+    waiter.start()
+    deadline = time.monotonic() + 15
+    while (ready := httpx.get(f"{server.url}/ready")).status_code == 200:
+        assert time.monotonic() < deadline, "/ready stayed 200 while admission was stalled"
+        time.sleep(0.1)
+    assert ready.status_code == 503 and ready.json()["reason"].startswith("stalled")
+    m = server.metrics()
+    assert m["specdeploy_admission_stalled{}"] == 1 and m["specdeploy_queue_head_wait_seconds{}"] >= 1
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    asyncio.run(in_engine(lambda: runner.table.free(taken.pop())))
+    waiter.join(60)
+    assert result["r"].status_code == 200
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{server.url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "/ready did not recover"
+        time.sleep(0.1)
+    wait_for_baseline(server)
+    assert server.metrics()["specdeploy_admission_stalled{}"] == 0

@@ -209,3 +209,41 @@ def _get(base_url: str, path: str) -> int | None:
         return httpx.get(f"{base_url}{path}", timeout=2).status_code
     except httpx.TransportError:
         return None
+
+
+@pytest.mark.parametrize("how", ["second SIGTERM", "drain timeout"])
+def test_a_drain_is_bounded(engine_process, how):
+    """A second SIGTERM, or the drain timeout (the operator renders it inside the pod's grace
+    period), stops the server at once: an open stream is cut, not waited for."""
+    extra = ("--drain-timeout-s", "1") if how == "drain timeout" else ()
+    proc, url = engine_process("--context-length", "4096", "--max-total-tokens", "8192", *extra)
+    body = {"model": "tiny-target", "prompt": "never done", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        started.set()
+        except httpx.HTTPError:
+            pass  # cut: what this test wants
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60), "the long request never started streaming"
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503, what="/ready 503")
+    t0 = time.monotonic()
+    if how == "second SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    stopped_s = time.monotonic() - t0
+    reader.join(30)
+    assert not reader.is_alive()
+    assert events and events[-1] != "data: [DONE]", "the stream should have been cut"
+    assert stopped_s < 10, stopped_s
+    logs = proc.stdout.read()
+    assert ("stopping now" if how == "second SIGTERM" else "drain timeout") in logs

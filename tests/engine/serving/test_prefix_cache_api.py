@@ -45,7 +45,8 @@ def test_shared_system_prompt_is_served_from_the_cache(client, server, start_ser
     queries_before = metric(server.url, "specdeploy_prefix_cache_queries_total")
 
     first = chat(client, QUESTIONS[0])
-    assert cached(first.usage) == 0
+    # At most the chat template's opening, which any other test's chat on this server may have cached.
+    assert cached(first.usage) < len(SYSTEM) // 8
     for question in QUESTIONS[1:]:
         hit, ref = chat(client, question), chat(off, question)
         assert hit.choices[0].message.content == ref.choices[0].message.content

@@ -92,3 +92,19 @@ def test_generation_config_sampling_defaults():
     assert sampling_defaults({"do_sample": False, "temperature": 0.7}) == {"temperature": 0.0}
     assert sampling_defaults({}) == {}
     assert sampling_defaults({"temperature": "hot", "top_p": 0, "top_k": 2.5}) == {}   # not served
+
+
+@pytest.mark.parametrize("text", [TEXT * 400, "    " * 20_000 + "x", "日本語🚀" * 9000, "a" * 70_000])
+def test_encode_at_most_is_encode_or_a_true_lower_bound(model_dir, text):
+    """What fits comes back exactly as encode() gives it; what does not is refused with a count
+    that never exceeds the real one, after encoding only part of a long text."""
+    from specdeploy.engine.serving.tokenizer import PromptTooLong
+
+    tok = Tokenizer.from_dir(model_dir)
+    real = len(tok.encode(text))
+    assert tok.encode_at_most(text, real) == tok.encode(text)
+    for limit in (real - 1, real // 3, 10):
+        with pytest.raises(PromptTooLong) as info:
+            tok.encode_at_most(text, limit)
+        assert limit < info.value.num_tokens <= real
+    assert tok.longest_token_chars >= max(len(t) for t in tok.hf.get_vocab())
