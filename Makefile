@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP_FLAGS ?= -q
 
-.PHONY: install tools test demo fuzz soak scale images
+.PHONY: install tools test demo fuzz soak abuse scale images
 
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
@@ -36,6 +36,12 @@ SOAK_REPORT ?= soak-report.json
 soak:
 	SPECDEPLOY_SOAK_S=$(SOAK_S) SPECDEPLOY_SOAK_CLIENTS=$(SOAK_CLIENTS) SPECDEPLOY_SOAK_REPORT=$(abspath $(SOAK_REPORT)) \
 	  $(PYTHON) -P -m pytest -q -s tests/engine/serving/test_soak.py
+
+# One hostile client's classes against the tiny pair (tests/engine/serving/test_abuse.py); the
+# figures go to $(ABUSE_REPORT) and docs/reliability.md.
+ABUSE_REPORT ?= abuse-report.json
+abuse:
+	SPECDEPLOY_ABUSE_REPORT=$(abspath $(ABUSE_REPORT)) $(PYTHON) -P -m pytest -q tests/engine/serving/test_abuse.py
 
 # 200 SpecDecodeDeployments to Ready on the test cluster: time, operator RSS, create -> Deployment p99.
 SCALE_RESOURCES ?= 200

@@ -123,7 +123,7 @@ class PrefillService:
             async for delta in handle.deltas():
                 last = delta
             if last.error is not None:
-                raise PrefillRefused(500, f"prefill failed: {last.error}")
+                raise PrefillRefused(last.error_status, f"prefill failed: {last.error}")
             if last.finish_reason == "abort":
                 raise PrefillRefused(503, "the prefill server is shutting down")
             row, src_slots = await self.scheduler.run_in_engine(lambda: self.runner.export_held(req_id))

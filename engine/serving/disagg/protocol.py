@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdeploy.engine.serving.fields import INT64_MAX, INT64_MIN
+
 # The header the router names a request's prefill server in (decode servers only).
 PREFILL_URL_HEADER = "X-Specdeploy-Prefill-Url"
 # How long a decode server waits for a prefill (queueing there included) before giving up.
@@ -85,8 +87,8 @@ class PrefillBody(_Body):
     prompt_ids: list[int] = Field(min_length=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     timeout_s: float = Field(DEFAULT_PREFILL_TIMEOUT_S, gt=0)
     slots: list[int]                                    # decode's slot per prompt position
     # decode's PoolLayout of the target and draft pools (slot-row pools only: DeepSeek-V4's move

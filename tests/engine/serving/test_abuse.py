@@ -7,6 +7,7 @@ lists them with their results."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -100,6 +101,18 @@ class CoTenant:
         assert self.text == reference
 
 
+# What the cases measured, written to $SPECDEPLOY_ABUSE_REPORT (JSON) when set: `make abuse`.
+FIGURES: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    if os.environ.get("SPECDEPLOY_ABUSE_REPORT"):
+        with open(os.environ["SPECDEPLOY_ABUSE_REPORT"], "w") as f:
+            json.dump(FIGURES, f, indent=2, sort_keys=True)
+
+
 @pytest.fixture(scope="module")
 def reference(server) -> str:
     wait_for_baseline(server)
@@ -121,6 +134,7 @@ def test_out_of_range_seed_on_a_cache_hit_leaks_nothing(server, reference):
                 assert_error(post(server, COMPLETIONS, {**body, "seed": seed}), 400, param="seed")
     co.assert_unaffected(reference)
     wait_for_baseline(server)
+    FIGURES["out-of-range seed on a cache hit x8"] = {"status": 400, "kv_slot_usage_after": baseline(server)["kv_used"]}
     # The longest request the context takes, seeded at the bounds, runs on the cached prefix.
     longest = server.context_length - 4 - first.json()["usage"]["prompt_tokens"]  # 4: one draft tree's lookahead
     for seed in (2**63 - 1, -2**63):
@@ -246,6 +260,7 @@ def test_a_body_over_the_limit_gets_413_unread(server, reference):
                                 headers={"content-type": "application/json"}), 413)
         elapsed_s = time.monotonic() - t0
     co.assert_unaffected(reference)
+    FIGURES["413 (two 8 MiB bodies)"] = {"seconds": round(elapsed_s, 2), "health_worst_s": round(health.worst_s, 3)}
     assert health.failures == 0 and health.worst_s < 1.0, health.worst_s
     assert elapsed_s < 10
     wait_for_baseline(server)
@@ -268,6 +283,9 @@ def test_a_prompt_far_past_the_context_is_refused_early_and_health_answers(serve
             assert err["code"] == "context_length_exceeded" and "context length" in err["message"]
         per_request_s = (time.monotonic() - t0) / 3
     co.assert_unaffected(reference)
+    kind = "chat" if path == CHAT else "token ids" if isinstance(body["prompt"], list) else "text"
+    FIGURES[f"prompt past the context ({kind}, {len(json.dumps(body)) / 1e6:.1f} MB)"] = {
+        "seconds_per_request": round(per_request_s, 3), "health_worst_s": round(health.worst_s, 3)}
     assert health.failures == 0 and health.worst_s < 1.0, health.worst_s
     assert per_request_s < 3.0, per_request_s
     wait_for_baseline(server)
@@ -338,9 +356,13 @@ def _closed_within(sock, timeout_s: float, trickle: bytes = b"") -> float:
 def test_slow_or_missing_headers_are_cut_off(tight):
     server, _ = tight
     silent = _connect(server)  # opens and says nothing
-    assert _closed_within(silent, 5) < 3
+    silent_s = _closed_within(silent, 5)
+    FIGURES["silent connection closed after (s, --header-timeout-s 1)"] = round(silent_s, 2)
+    assert silent_s < 3
     slowloris = _connect(server)  # a request line, a byte every 0.2 s
-    assert _closed_within(slowloris, 5, trickle=b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" * 4) < 3
+    trickle_s = _closed_within(slowloris, 5, trickle=b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" * 4)
+    FIGURES["slowloris closed after (s, --header-timeout-s 1)"] = round(trickle_s, 2)
+    assert trickle_s < 3
     assert httpx.get(f"{server.url}/health").status_code == 200
     wait_for_baseline(server)
 
@@ -396,6 +418,7 @@ def test_ready_turns_503_while_admission_is_stalled(tight):
     import asyncio
 
     server, running = tight
+    t0 = time.monotonic()
     scheduler = running.state.scheduler
     taken = []
 
@@ -414,6 +437,7 @@ def test_ready_turns_503_while_admission_is_stalled(tight):
         assert time.monotonic() < deadline, "/ready stayed 200 while admission was stalled"
         time.sleep(0.1)
     assert ready.status_code == 503 and ready.json()["reason"].startswith("stalled")
+    FIGURES["/ready 503 after a stall began (s, --stall-timeout-s 1)"] = round(time.monotonic() - t0, 2)
     m = server.metrics()
     assert m["specdeploy_admission_stalled{}"] == 1 and m["specdeploy_queue_head_wait_seconds{}"] >= 1
     assert httpx.get(f"{server.url}/health").status_code == 200
