@@ -532,14 +532,15 @@ class Runner:
             raise RuntimeError(f"receive() on a {self.role!r} runner")
         seq = self._admit(req, match=False)   # the prefill server sends every prompt position
         n = len(req.prompt_ids)
-        seq.row = self.table.alloc_row()
         try:
+            seq.row = self.table.alloc_row()
             self._make_room(n)
             # Committed as they are taken: the positions arrive computed (DeepSeek-V4's pools
             # give them only the rows a committed request keeps).
             slots = self.table.alloc_arrived(seq.row, n)
-        except BaseException as e:
-            self.table.free_row(seq.row, 0)
+        except BaseException as e:  # the reservation and the row go back: it holds nothing
+            if seq.row >= 0:
+                self.table.free_row(seq.row, 0)
             self._reserved -= seq.reserved
             if isinstance(e, PoolExhausted):
                 # Slots or pool rows held by running requests: it waits for them, as admission does.

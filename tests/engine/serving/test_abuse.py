@@ -450,3 +450,25 @@ def test_ready_turns_503_while_admission_is_stalled(tight):
         time.sleep(0.1)
     wait_for_baseline(server)
     assert server.metrics()["specdeploy_admission_stalled{}"] == 0
+
+
+def test_an_unexpected_error_admitting_one_request_fails_it_alone(tight, monkeypatch):
+    """Was: anything but a ValueError from the runner's admission escaped to the step loop's
+    handler, which failed every running request, and left the request at the queue's head to
+    fail the next batch too, for ever."""
+    server, running = tight
+    reference = CoTenant.reference(server)
+    runner = running.state.scheduler.runner
+    add = runner.add
+
+    def failing_add(req):
+        if req.max_tokens == 7:  # the marked request
+            raise RuntimeError("injected admission failure")
+        return add(req)
+
+    monkeypatch.setattr(runner, "add", failing_add)
+    with CoTenant(server) as co:
+        err = assert_error(post(server, COMPLETIONS, {"model": server.model, "prompt": "marked", "max_tokens": 7}), 500)
+        assert "injected" in err["message"] and err["code"] == "engine_error"
+    co.assert_unaffected(reference)
+    wait_for_baseline(server)
