@@ -265,8 +265,12 @@ def create_app(state: EngineState, loader: Loader | None = None,
                                                                          s.max_queued_requests)
 
     refusal_codes = {429: "too_many_requests", 413: "body_too_large"}
-    app.add_middleware(RequestLimitsMiddleware, limits=limits, cap=concurrency_cap,
-                       refuse=lambda status, message: APIError(status, message, code=refusal_codes[status]).response())
+
+    def refuse(status: int, message: str) -> JSONResponse:
+        state.metrics.request_rejected(refusal_codes[status])
+        return APIError(status, message, code=refusal_codes[status]).response()
+
+    app.add_middleware(RequestLimitsMiddleware, limits=limits, cap=concurrency_cap, refuse=refuse)
     app.openapi = lambda: _openapi_without_422(app)
 
     @app.exception_handler(APIError)

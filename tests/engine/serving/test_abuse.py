@@ -402,6 +402,7 @@ def test_the_concurrency_cap_answers_429_and_the_probes_still_answer(tight):
     refused = post(server, COMPLETIONS, {"model": server.model, "prompt": "third", "max_tokens": 2})
     err = assert_error(refused, 429)
     assert err["code"] == "too_many_requests" and refused.headers["retry-after"] == "1"
+    assert server.metrics()["specdeploy_requests_rejected_total{reason=too_many_requests}"] >= 1
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{server.url}{path}").status_code == 200
     for t in threads:
