@@ -26,6 +26,7 @@ SUBCOMMANDS: tuple[tuple[str, str | None], ...] = (
     ("specdeploy.engine.serving.disagg.cli", "engine"),
     ("specdeploy.engine.demo.cli", "engine"),
     ("specdeploy.operator.cli", "operator"),
+    ("specdeploy.localcluster.cli", "cluster"),
 )
 _REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 _EXTRA_MARKER = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")

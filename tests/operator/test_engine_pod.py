@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 from testcluster import wait_for
-from testcluster.local_kubelet import LocalKubelet
+from specdeploy.localcluster.kubelet import LocalKubelet
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"
@@ -142,11 +142,12 @@ def test_the_rendered_engine_pod_runs_and_reports_into_status(
     for key, text in config_map["data"].items():
         assert (config_dir / key).read_text() == text
     # Its env, exactly (the model cache mount mapped too), and nothing of this process's but PATH,
-    # HOME, LANG and thread counts.
+    # HOME, LANG and thread counts; the apiserver's Service variables, as a kubelet sets them.
     for var in container["env"]:
         assert engine.env[var["name"]] in (var.get("value", ""), str(runner.dir / "volumes" / "model-cache"))
     assert set(engine.env) - {v["name"] for v in container["env"]} <= {
-        "PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "HOSTNAME"}
+        "PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "HOSTNAME",
+        "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT", "KUBERNETES_SERVICE_PORT_HTTPS"}
     assert {k: p.spec for k, p in engine.probes.items()} == {
         k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
 
