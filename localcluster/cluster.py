@@ -34,6 +34,10 @@ log = logging.getLogger("specdeploy.localcluster")
 
 NODE_READY_TIMEOUT_S = 60.0
 NODE_STOP_TIMEOUT_S = 20.0
+# CPUs the node offers the scheduler, at least: nothing is limited here (no cgroups), so requests
+# only decide placement, and a 2-core laptop still takes the examples (tiny-cpu-demo asks for 2
+# next to the operator's 50m).
+MIN_NODE_CPUS = 8
 Say = Callable[[str], None]
 
 
@@ -266,7 +270,8 @@ def run_node(root: Path) -> int:
     kubelet = LocalKubelet(
         SimpleNamespace(kubeconfig=layout.kubeconfig, pki_dir=pki_dir), layout.node_dir, node_name=NODE_NAME,
         image_paths=state.image_paths, path=state.path, network=network, entrypoints=state.entrypoints,
-        cpu=str(os.cpu_count() or 2), memory=f"{_memory_gib()}Gi", kubelet_port=10250 if network else 0,
+        cpu=str(max(os.cpu_count() or 1, MIN_NODE_CPUS)), memory=f"{_memory_gib()}Gi",
+        kubelet_port=10250 if network else 0,
     )
     try:
         kubelet.start()

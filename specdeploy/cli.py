@@ -24,7 +24,7 @@ SUBCOMMANDS: tuple[tuple[str, str | None], ...] = (
     ("specdeploy.engine.planner.cli", None),
     ("specdeploy.engine.serving.cli", "engine"),
     ("specdeploy.engine.serving.disagg.cli", "engine"),
-    ("specdeploy.engine.demo.cli", "engine"),
+    ("specdeploy.localcluster.demo", "engine"),
     ("specdeploy.operator.cli", "operator"),
     ("specdeploy.localcluster.cli", "cluster"),
 )
