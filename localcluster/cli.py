@@ -25,6 +25,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "/opt/specdeploy/demo=the demo pair's cache)")
     sub.add_parser("down", help="stop the cluster and remove everything it made (also after a crash)")
     sub.add_parser("status", help="is it running; its nodes")
+    sub.add_parser("env", help="print the export line (eval \"$(specdeploy cluster env)\")")
     node = sub.add_parser("node", help=argparse.SUPPRESS)  # the node process `up` starts
     node.add_argument("--dir", type=Path, required=True)
     for p in sub.choices.values():
@@ -38,7 +39,7 @@ def say(line: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .cluster import ClusterError, down, run_node, status, up
+    from .cluster import ClusterError, down, layout_of, run_node, status, up
     from .state import DEFAULT_APISERVER_PORT
 
     command = args.cluster_command
@@ -55,6 +56,12 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if command == "down":
             down(args.name, say)
+            return 0
+        if command == "env":
+            layout = layout_of(args.name)
+            if not layout.state_file.exists():
+                raise ClusterError(f"no cluster {args.name} here: specdeploy cluster up")
+            say(layout.export_line())
             return 0
         return 0 if status(args.name, say) else 3
     except (ClusterError, ValueError) as err:

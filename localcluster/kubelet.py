@@ -214,8 +214,10 @@ class PodRunner(threading.Thread):
         base["PATH"] = self.kubelet.path
         base["HOSTNAME"] = self.name
         container = Container(spec, argv, {**base, **env}, self.dir / f"{spec['name']}.log",
-                              preexec=sandbox.preexec(self.netns, run_dir if self.netns else None,
-                                                      self.dir / "hosts" if self.netns else None))
+                              preexec=sandbox.preexec(
+                                  self.netns, run_dir if self.netns else None, self.dir / "hosts" if self.netns else None,
+                                  image_binds=list(self.kubelet.image_paths.items()) if self.netns else [],
+                                  shadow_dir=self.dir / "shadow"))
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             if spec.get(kind):
                 container.probes[kind] = Probe(spec[kind])
@@ -230,7 +232,8 @@ class PodRunner(threading.Thread):
         for spec in self.pod["spec"]["containers"]:
             mounts = [(m["mountPath"], volume_dirs[m["name"]] / m.get("subPath", ""))
                       for m in spec.get("volumeMounts") or [] if m["name"] in volume_dirs]
-            mounts += [(p, Path(h)) for p, h in self.kubelet.image_paths.items()]
+            if self.netns is None:  # in a mount namespace the image's paths are there as they are
+                mounts += [(p, Path(h)) for p, h in self.kubelet.image_paths.items()]
             mounts.sort(key=lambda m: len(m[0]), reverse=True)
             # The container's /run: its volumes mounted under /run or /var/run, bound there for real.
             run_dir = self.dir / "run" / spec["name"]
@@ -361,7 +364,14 @@ class PodRunner(threading.Thread):
             for c in self.containers:
                 with self.lock:
                     if c.proc is None and now >= c.next_start:
-                        self._start(c, now)
+                        try:
+                            self._start(c, now)
+                        except (OSError, subprocess.SubprocessError) as err:
+                            # As a kubelet reports a container it cannot create; tried again after the back-off.
+                            log.warning("%s/%s: cannot start %s: %s", self.namespace, self.name, c.name, err)
+                            c.state = {"waiting": {"reason": "CreateContainerError", "message": str(err)}}
+                            c.next_start = now + c.backoff_s
+                            c.backoff_s = next_backoff(c.backoff_s)
                     elif c.proc is not None and c.proc.poll() is not None:
                         self._exited(c, now)
                     if c.proc is not None:
