@@ -589,6 +589,9 @@ class LocalKubelet:
         if c is None:
             raise KeyError(f"container {container} is not in pod {namespace}/{pod}")
         if previous:
+            # The last terminated run: while the container waits to restart, the one that just ended.
+            if c.proc is None and c.runs and c.log_path.exists():
+                return c.log_path, lambda: False
             if not c.previous_log_path.exists():
                 raise KeyError(f"previous terminated container \"{container}\" in pod \"{pod}\" not found")
             return c.previous_log_path, lambda: False

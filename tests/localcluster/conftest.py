@@ -6,7 +6,6 @@ them these tests skip and say so."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,7 +37,3 @@ def cluster_env(tmp_path_factory, kube_tools) -> dict[str, str]:
                PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
     return env
 
-
-def specdeploy(env: dict[str, str], *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-P", "-m", "specdeploy.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=REPO)

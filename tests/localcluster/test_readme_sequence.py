@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from local_cluster_cli import leftovers, specdeploy  # tests/support
 from testcluster import wait_for
 
 from specdeploy.localcluster import cluster as local_cluster
@@ -158,19 +159,10 @@ def test_the_readme_local_cluster_commands_verbatim(cluster_env, capsys):
     finally:
         shell.close()
         if state_dir.exists():
-            local_cluster_down(cluster_env)
+            specdeploy(cluster_env, "cluster", "down")
     # Nothing of the cluster is left: no process, namespace, interface, mount or directory.
     assert not state_dir.exists()
-    assert local_cluster_leftovers(cluster_env) == []
+    assert leftovers(cluster_env, "local") == []
     with capsys.disabled():
         print(f"README sequence in {time.monotonic() - t0:.0f} s")
 
-
-def local_cluster_down(env: dict[str, str]) -> None:
-    subprocess.run(["specdeploy", "cluster", "down"], env=env, capture_output=True, timeout=120)
-
-
-def local_cluster_leftovers(env: dict[str, str]) -> list[str]:
-    probe = "import json; from specdeploy.localcluster.cluster import leftovers; print(json.dumps(leftovers('local')))"
-    out = subprocess.run(["python", "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
-    return json.loads(out.stdout)
