@@ -14,8 +14,9 @@ tools:
 test: install tools
 	$(PYTHON) -P -m pytest
 
+# The README's first command: the operator end to end on a local cluster (builds the tools first if missing).
 demo:
-	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[engine]'
+	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[engine,cluster]'
 	specdeploy demo
 
 # The engine's API (schemathesis) and the operator (hypothesis-generated resources) fuzzed much

@@ -24,8 +24,9 @@ SUBCOMMANDS: tuple[tuple[str, str | None], ...] = (
     ("specdeploy.engine.planner.cli", None),
     ("specdeploy.engine.serving.cli", "engine"),
     ("specdeploy.engine.serving.disagg.cli", "engine"),
-    ("specdeploy.engine.demo.cli", "engine"),
+    ("specdeploy.localcluster.demo", "engine"),
     ("specdeploy.operator.cli", "operator"),
+    ("specdeploy.localcluster.cli", "cluster"),
 )
 _REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 _EXTRA_MARKER = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")

@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"specdeploy.engine": ROOT / "engine", "specdeploy.operator": ROOT / "operator",
+           "specdeploy.localcluster": ROOT / "localcluster",
            "specdeploy": ROOT / "specdeploy"}
 
 ENGINE_REST = ["specdeploy.engine.models", "specdeploy.engine.kernels", "specdeploy.engine.speculative",
@@ -41,6 +42,10 @@ CONTRACTS = [
     ("only the handlers and the operator CLI import kopf", ["specdeploy.operator.cluster"], ["kopf"]),
     ("the operator uses only the engine's planner (its image has no torch)", ["specdeploy.operator"],
      ["torch", *ENGINE_REST]),
+    ("the local cluster runs the engine and the operator as processes; neither imports it",
+     ["specdeploy.engine", "specdeploy.operator"], ["specdeploy.localcluster"]),
+    ("what a pod spec means on a local node is pure", ["specdeploy.localcluster.podspec"],
+     ["kubernetes", "httpx", "subprocess", "socket", "specdeploy.localcluster.kubelet"]),
 ]
 
 

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client as k8s
 
 from testcluster import KubeCluster, KubectlError, Tools, ToolsMissing, wait_for
-from testcluster.cluster import DEFAULT_LOG_LINE
+from specdeploy.localcluster.controlplane import DEFAULT_LOG_LINE
 
 GROUP = "tests.specdeploy.dev"
 

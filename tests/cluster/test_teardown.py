@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from testcluster import wait_for
-from testcluster.cluster import _pids_mentioning, listening_ports, reap_orphans
+from specdeploy.localcluster.controlplane import _pids_mentioning, listening_ports, reap_orphans
 
 CLUSTER_PKG_DIR = Path(__file__).resolve().parent
 
@@ -41,7 +41,8 @@ def _start_inner_session(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, P
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     info = tmp_path / "cluster.json"
-    env = dict(os.environ, PYTHONPATH=str(CLUSTER_PKG_DIR), CLUSTER_INFO=str(info), INNER_MODE=mode)
+    pythonpath = os.pathsep.join(filter(None, [str(CLUSTER_PKG_DIR), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, CLUSTER_INFO=str(info), INNER_MODE=mode)
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "pytest", "-q", "-p", "testcluster.plugin", "-p", "no:cacheprovider",
          "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],

@@ -1,8 +1,9 @@
 """A real Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-kwok) for tests, with fake GPU nodes. See tests/cluster/README.md for how to use it."""
+kwok) for tests, with fake GPU nodes: the package's local cluster (specdeploy.localcluster) as
+pytest fixtures. See tests/cluster/README.md for how to use it."""
 
-from .cluster import DEFAULT_NODES, FakeNode, KubeCluster, KubectlError, wait_for
-from .tools import Tools, ToolsMissing
+from specdeploy.localcluster.controlplane import DEFAULT_NODES, FakeNode, KubeCluster, KubectlError, wait_for
+from specdeploy.localcluster.tools import Tools, ToolsMissing
 
 __all__ = [
     "DEFAULT_NODES",

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import pytest
 
-from .cluster import KubeCluster
-from .tools import Tools, ToolsMissing
+from specdeploy.localcluster.controlplane import KubeCluster
+from specdeploy.localcluster.tools import Tools, ToolsMissing
 
 log = logging.getLogger("specdeploy.tests.cluster")
 

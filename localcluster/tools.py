@@ -1,15 +1,26 @@
-"""Locate the control-plane binaries that hack/build-tools.sh caches outside the repo."""
+"""The control-plane binaries: found where hack/build-tools.sh caches them outside the repo, or
+built there (from Go module packages; minutes the first time, then cached by version).
+
+The versions live in hack/tools-versions.env of the source checkout, so the local cluster runs
+from a clone (the README's set-up), not from a wheel.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+# realpath: the package may be reached through a symlink; the checkout is the folder above it.
+REPO_ROOT = Path(os.path.realpath(__file__)).parents[1]
 VERSIONS_FILE = REPO_ROOT / "hack" / "tools-versions.env"
+BUILD_SCRIPT = REPO_ROOT / "hack" / "build-tools.sh"
 BUILD_HINT = "run `make tools` (hack/build-tools.sh) to build them; the first build takes about 12 minutes on 2 cores"
+GO_HINT = "building the Kubernetes control plane needs Go >= 1.26 on PATH (https://go.dev/dl, or your distribution's golang package)"
 
 
 class ToolsMissing(RuntimeError):
@@ -92,3 +103,33 @@ class Tools:
             self.kwokctl,
             self.helm,
         ]
+
+
+def ensure_tools(progress: Callable[[str], None], root: Path | None = None) -> Tools:
+    """The cached tools, built first when any is missing (hack/build-tools.sh, its lines passed
+    to `progress`). Raises ToolsMissing with one line when Go is not there or the build fails."""
+    try:
+        return Tools.find(root)
+    except ToolsMissing:
+        pass
+    if shutil.which("go") is None:
+        raise ToolsMissing(GO_HINT)
+    if not BUILD_SCRIPT.exists():
+        raise ToolsMissing(f"{BUILD_SCRIPT} not found: run from a source checkout of specdeploy")
+    progress("building etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok and helm from Go "
+             f"modules into {root or tools_dir()}: about 11 minutes on 2 cores the first time, cached after")
+    env = dict(os.environ)
+    if root is not None:
+        env["SPECDEPLOY_TOOLS_DIR"] = str(root)
+    proc = subprocess.Popen(["bash", str(BUILD_SCRIPT)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    tail: list[str] = []
+    for line in proc.stdout:
+        line = line.rstrip()
+        tail = (tail + [line])[-5:]
+        if line:
+            progress(line)
+    if proc.wait() != 0:
+        raise ToolsMissing(f"hack/build-tools.sh exited {proc.returncode}: {tail[-1] if tail else ''}")
+    return Tools.find(root)

@@ -1,10 +1,16 @@
-"""A throwaway Kubernetes cluster on loopback for tests.
+"""The control plane: a Kubernetes cluster on this machine's loopback, from the cached binaries.
 
 kwokctl's binary runtime starts real etcd, kube-apiserver, kube-controller-manager and
-kube-scheduler processes from the cached binaries, plus kwok's controller, which plays the kubelet
-for fake nodes: it marks them Ready, moves pods bound to them to Running/Ready and serves
-`kubectl logs` from files. Everything lives under one temporary directory and is removed, with
-every process started for it, by `KubeCluster.stop()`.
+kube-scheduler processes, plus kwok's controller, which plays the kubelet for fake nodes (GPU
+nodes that exist only in the API: it marks them Ready, moves pods bound to them to Running/Ready
+and serves `kubectl logs` from files). Nodes that really run pods are `kubelet.LocalKubelet`'s.
+Everything lives under one directory (a temporary one for tests, the state directory for
+`specdeploy cluster up`) and is removed, with every process started for it, by `KubeCluster.stop()`.
+
+The apiserver reaches kubelets as a real one does: at the node's InternalIP and its
+daemonEndpoints port, over TLS, verifying the kubelet's serving certificate against the cluster CA
+(`--kubelet-certificate-authority`) and presenting its kubelet client certificate
+(`--kubelet-client-certificate`), which the local kubelet checks.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import yaml
 
 from .tools import Tools
 
-log = logging.getLogger("specdeploy.tests.cluster")
+log = logging.getLogger("specdeploy.localcluster")
 
 T = TypeVar("T")
 
@@ -112,8 +118,10 @@ OWNER_FILE = "owner.pid"
 
 
 def _pids_mentioning(path: Path) -> list[int]:
-    """PIDs of live (non-zombie) processes whose command line contains `path`."""
+    """PIDs of live (non-zombie) processes whose command line contains `path`, or whose working
+    directory is under it (a local node's containers run in their pod's directory)."""
     marker = str(path).encode()
+    prefix = str(path).rstrip("/") + "/"
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -123,8 +131,12 @@ def _pids_mentioning(path: Path) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
+        try:
+            cwd = os.readlink(entry / "cwd") + "/"
+        except OSError:
+            cwd = ""
         # Zombies (state Z) have already exited; they hold no port.
-        if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
+        if (marker in cmdline or cwd.startswith(prefix)) and stat.rsplit(")", 1)[-1].split()[0] != "Z":
             pids.append(int(entry.name))
     return pids
 
@@ -271,6 +283,13 @@ class KubeCluster:
     tools: Tools
     workdir: Path
     nodes: tuple[FakeNode, ...]
+    # A fixed kube-apiserver port (`cluster up`'s --port); None: one picked free at start.
+    apiserver_port: int | None = None
+    # Seconds without a heartbeat before the node lifecycle controller marks a node NotReady
+    # (kube-controller-manager's --node-monitor-grace-period); None: its default (50 s).
+    node_grace_s: int | None = None
+    # Extra names in the apiserver's certificate (the local node's address, which pods dial).
+    apiserver_sans: tuple[str, ...] = ()
     kubeconfig: Path = field(init=False)
     server: str = field(init=False, default="")
     ports: list[int] = field(init=False, default_factory=list)
@@ -288,13 +307,26 @@ class KubeCluster:
         nodes: Iterable[FakeNode] = DEFAULT_NODES,
         base_dir: Path | None = None,
         timeout_s: float = 120.0,
+        *,
+        workdir: Path | None = None,
+        name: str | None = None,
+        apiserver_port: int | None = None,
+        node_grace_s: int | None = None,
+        apiserver_sans: tuple[str, ...] = (),
     ) -> "KubeCluster":
+        """Start a cluster. Tests: a fresh temporary directory owned by this process (reaped when
+        the process is gone). `cluster up`: `workdir` and `name` given, owned by the caller."""
         t0 = time.monotonic()
-        reap_orphans(base_dir)
-        name = f"sd-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base_dir))
-        (workdir / OWNER_FILE).write_text(str(os.getpid()))
-        cluster = cls(name=name, tools=tools, workdir=workdir, nodes=tuple(nodes))
+        if workdir is None:
+            reap_orphans(base_dir)
+            workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base_dir))
+            (workdir / OWNER_FILE).write_text(str(os.getpid()))
+        else:
+            workdir.mkdir(parents=True, exist_ok=True)
+        name = name or f"sd-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        cluster = cls(name=name, tools=tools, workdir=workdir, nodes=tuple(nodes),
+                      apiserver_port=apiserver_port, node_grace_s=node_grace_s,
+                      apiserver_sans=tuple(apiserver_sans))
         try:
             cluster._create(timeout_s)
             log.info("cluster %s: control plane up after %.1fs", name, time.monotonic() - t0)
@@ -313,6 +345,12 @@ class KubeCluster:
     @property
     def cluster_dir(self) -> Path:
         return self.workdir / "clusters" / self.name
+
+    @property
+    def pki_dir(self) -> Path:
+        """kwokctl's PKI: ca.crt/ca.key (the cluster CA) and admin.crt/admin.key, the one
+        certificate kwokctl gives every component, which the apiserver also presents to kubelets."""
+        return self.cluster_dir / "pki"
 
     def _kwokctl_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -349,6 +387,8 @@ class KubeCluster:
         (kwokctl's binary runtime would otherwise listen on all interfaces)."""
         names = ["kube-apiserver", "etcd", "etcd-peer", "kube-controller-manager", "kube-scheduler", "kwok-controller"]
         port = dict(zip(names, _free_ports(len(names))))
+        if self.apiserver_port:
+            port["kube-apiserver"] = self.apiserver_port
         self.ports = sorted(port.values())
         etcd = f"http://{LOOPBACK}:{port['etcd']}"
         peer = f"http://{LOOPBACK}:{port['etcd-peer']}"
@@ -367,6 +407,7 @@ class KubeCluster:
                 "kubeSchedulerPort": port["kube-scheduler"],
                 "kwokControllerPort": port["kwok-controller"],
                 "enableCRDs": list(KWOK_CRDS),
+                **({"kubeApiserverCertSANs": list(self.apiserver_sans)} if self.apiserver_sans else {}),
             },
             "componentsPatches": [
                 patch(
@@ -377,8 +418,16 @@ class KubeCluster:
                     initial_advertise_peer_urls=peer,
                     initial_cluster=f"node0={peer}",
                 ),
-                patch("kube-apiserver", bind_address=LOOPBACK),
-                patch("kube-controller-manager", bind_address=LOOPBACK),
+                patch("kube-apiserver", bind_address=LOOPBACK,
+                      # A local node's Hostname (local-0) resolves nowhere: its InternalIP first. kwok's
+                      # fake nodes report only the Hostname `localhost`, where kwok serves their logs.
+                      kubelet_preferred_address_types="InternalIP,Hostname",
+                      kubelet_certificate_authority=str(self.pki_dir / "ca.crt"),
+                      kubelet_client_certificate=str(self.pki_dir / "admin.crt"),
+                      kubelet_client_key=str(self.pki_dir / "admin.key")),
+                patch("kube-controller-manager", bind_address=LOOPBACK,
+                      **({"node_monitor_grace_period": f"{self.node_grace_s}s", "node_monitor_period": "2s"}
+                         if self.node_grace_s else {})),
                 patch("kube-scheduler", bind_address=LOOPBACK),
                 # kwokctl's binary runtime starts kwok with --manage-all-nodes=true (only its kind
                 # runtime passes the annotation selector), so kwok would also take the local
@@ -423,6 +472,8 @@ class KubeCluster:
         )
 
     def _add_nodes(self) -> None:
+        if not self.nodes:
+            return
         self.apply([n.manifest() for n in self.nodes])
 
         def all_ready() -> bool:

@@ -1,38 +1,41 @@
-"""A kubelet for one node of the test cluster that really runs its pods' containers, as local
-processes.
+"""A kubelet for local nodes: it really runs its pods' containers, as processes on this machine.
 
-kwok plays the kubelet for the fake GPU nodes and runs nothing. `LocalKubelet` registers one more
-node, which kwok does not manage (no `kwok.x-k8s.io/node` annotation), keeps it Ready (node status
-and its Lease in kube-node-lease, as a kubelet does), and for every pod the scheduler binds to it:
+`LocalKubelet` registers a node, keeps it Ready (node status and its Lease in kube-node-lease, as
+a kubelet does), serves the kubelet API the apiserver uses for `kubectl logs` and `kubectl
+port-forward` (`kubelet_api.py`, TLS both ways), and for every pod the scheduler binds to it:
 
-- runs each container's `command` + `args` with `$(VAR)` expanded, its `env` (values, and
-  `valueFrom` Secret/ConfigMap keys and pod fields) and nothing else of this process's environment
-  but PATH, HOME, LANG and the thread-count variables;
-- materialises its volumes: a ConfigMap's (or Secret's) data as files in a directory, an emptyDir
-  as an empty one, a PersistentVolumeClaim as a directory per claim that outlives the pod (a new
-  pod of the same claim sees the same files, as with a real volume);
+- gives the pod an address: with `network` (`netns.NamespaceNetwork`, root) a network namespace
+  of its own on a private /24 that exists only on this machine; without it a loopback address
+  (127.x.y.z), which the Endpoints controllers refuse (tests that talk to the pod directly use it);
+- runs each container's `command` + `args` (an image's known entrypoint where it names none:
+  `podspec.command_of`) with `$(VAR)` expanded, its `env` (values, and `valueFrom` Secret/ConfigMap
+  keys and pod fields) plus the KUBERNETES_SERVICE_HOST/PORT of the apiserver, and nothing else of
+  this process's environment but PATH, HOME, LANG and the thread-count variables;
+- materialises its volumes: ConfigMap/Secret/downwardAPI/projected (the ServiceAccount token from
+  the TokenRequest API) files, an emptyDir as an empty directory, a PersistentVolumeClaim as a
+  directory per claim that outlives the pod (a new pod of the same claim sees the same files);
 - maps each volume's mountPath, and each path of `image_paths` (what the image would hold), onto
-  those directories wherever a path appears in the command, the args or the env;
-- gives the pod its own loopback address (127.x.y.z) as its pod IP: the container listens there
-  where it asked for every interface (0.0.0.0), which is what its own network namespace would give;
+  those directories wherever a path appears in the command, the args or the env; mounts under
+  /run and /var/run (the ServiceAccount's) are really mounted, in the container's own mount
+  namespace (`sandbox.py`, root);
 - runs the startup, liveness and readiness probes (httpGet, tcpSocket, exec) with their own
-  periods and thresholds against that address, restarts containers that exit or fail liveness
-  (restartPolicy, with the kubelet's doubling back-off), and writes the pod's status: phase, podIP,
-  conditions and containerStatuses;
-- on deletion runs the preStop sleep, sends SIGTERM, waits out the grace period, kills, and removes
-  the pod.
+  periods and thresholds against the pod's address, restarts containers that exit or fail liveness
+  (restartPolicy, with the kubelet's doubling back-off: CrashLoopBackOff with the last exit code),
+  keeps each container's current and previous log, and writes the pod's status;
+- on deletion runs the preStop sleep, sends SIGTERM, waits out the grace period, kills, removes
+  the pod's namespace and the pod.
 
-Images are not pulled: the container runs from this machine's filesystem and Python environment,
-which is why `image_paths` says where the image's files live here.
+Images are not pulled and nothing is limited (no cgroups): the container runs from this machine's
+filesystem and Python environment, which is why `image_paths` says where the image's files live here.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -42,20 +45,20 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import httpx
 
-log = logging.getLogger("specdeploy.tests.local_kubelet")
+from . import sandbox
+from .podspec import (APISERVER_SERVICE_PORT, BACKOFF_INITIAL_S, DEFAULT_ENTRYPOINTS, LOCAL_NODE_LABEL, PASSED_ENV,
+                      Probe, command_of, expand_vars, map_path, next_backoff, node_status, pod_hosts_file, under_run)
 
-LOCAL_NODE_LABEL = "specdeploy.dev/local-kubelet"
+log = logging.getLogger("specdeploy.localcluster.kubelet")
+
 HEARTBEAT_S = 5.0
 POLL_S = 0.25
-# The kubelet's crash-loop back-off: 10 s, doubling, at most 5 minutes.
-BACKOFF_INITIAL_S = 10.0
-BACKOFF_MAX_S = 300.0
-PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR")
-_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
+SERVICE_ACCOUNT_TOKEN_S = 3607
 
 
 def _now() -> str:
@@ -66,63 +69,15 @@ def _now_micro() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def expand_vars(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion: defined names are replaced, undefined ones kept, $$ is $."""
-    def sub(match: re.Match) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        return env.get(match.group(1), match.group(0))
-
-    return _VAR_REF.sub(sub, value)
-
-
-def map_path(value: str, mounts: list[tuple[str, Path]]) -> str:
-    """`value` with a leading container path (or the value of a `--flag=PATH`) moved onto the host
-    directory it is mounted from; `mounts` longest path first."""
-    if "=" in value and value.startswith("-"):
-        flag, _, rest = value.partition("=")
-        return f"{flag}={map_path(rest, mounts)}"
-    for container_path, host_dir in mounts:
-        if value == container_path or value.startswith(container_path.rstrip("/") + "/"):
-            return str(host_dir) + value[len(container_path.rstrip("/")):]
-    return value
-
-
-@dataclass
-class Probe:
-    spec: dict[str, Any]
-    failures: int = 0
-    successes: int = 0
-    next_at: float = 0.0
-
-    @property
-    def period_s(self) -> float:
-        return float(self.spec.get("periodSeconds", 10))
-
-    @property
-    def timeout_s(self) -> float:
-        return float(self.spec.get("timeoutSeconds", 1))
-
-    @property
-    def failure_threshold(self) -> int:
-        return int(self.spec.get("failureThreshold", 3))
-
-    @property
-    def success_threshold(self) -> int:
-        return int(self.spec.get("successThreshold", 1))
-
-    def arm(self, now: float) -> None:
-        self.failures = self.successes = 0
-        self.next_at = now + float(self.spec.get("initialDelaySeconds", 0))
-
-
 @dataclass
 class Container:
     spec: dict[str, Any]
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    preexec: Callable[[], None] | None = None
     proc: subprocess.Popen | None = None
+    runs: int = 0  # how many times it was started: a log reader follows one run
     started: bool = False
     ready: bool = False
     restart_count: int = 0
@@ -137,17 +92,22 @@ class Container:
     def name(self) -> str:
         return self.spec["name"]
 
+    @property
+    def previous_log_path(self) -> Path:
+        return self.log_path.with_suffix(".previous.log")
+
 
 class PodRunner(threading.Thread):
     """One pod: its containers' processes, probes and status, until the pod is deleted."""
 
-    def __init__(self, kubelet: LocalKubelet, pod: dict[str, Any], ip: str):
+    def __init__(self, kubelet: LocalKubelet, pod: dict[str, Any]):
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}-{meta['name']}", daemon=True)
         self.kubelet = kubelet
         self.pod = pod
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
-        self.ip = ip
+        self.ip = ""
+        self.netns: str | None = None
         self.dir = kubelet.workdir / "pods" / f"{self.namespace}_{self.name}_{self.uid[:8]}"
         self.deleting = threading.Event()
         self.gone = threading.Event()  # the pod left the API: stop at once
@@ -160,7 +120,6 @@ class PodRunner(threading.Thread):
 
     def _volume_dirs(self) -> dict[str, Path]:
         dirs: dict[str, Path] = {}
-        core = self.kubelet.core
         for volume in self.pod["spec"].get("volumes") or []:
             name = volume["name"]
             if "persistentVolumeClaim" in volume:
@@ -171,25 +130,52 @@ class PodRunner(threading.Thread):
             else:
                 path = self.dir / "volumes" / name
             path.mkdir(parents=True, exist_ok=True)
-            data: dict[str, str] = {}
-            if "configMap" in volume:
-                cm = core.read_namespaced_config_map(volume["configMap"]["name"], self.namespace)
-                data = dict(cm.data or {})
-                items = volume["configMap"].get("items")
-            elif "secret" in volume:
-                import base64
-
-                secret = core.read_namespaced_secret(volume["secret"]["secretName"], self.namespace)
-                data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
-                items = volume["secret"].get("items")
-            else:
-                items = None
-            for item in items or [{"key": k, "path": k} for k in data]:
-                target = path / item["path"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(data[item["key"]])
+            sources = volume["projected"].get("sources") or [] if "projected" in volume else [volume]
+            for source in sources:
+                for rel, text in self._volume_files(source):
+                    target = path / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(text)
             dirs[name] = path
         return dirs
+
+    def _volume_files(self, source: dict[str, Any]) -> list[tuple[str, str]]:
+        """(path, text) of the files a ConfigMap, Secret, downwardAPI or serviceAccountToken source makes."""
+        core = self.kubelet.core
+        if "configMap" in source:
+            data = dict(core.read_namespaced_config_map(source["configMap"]["name"], self.namespace).data or {})
+            items = source["configMap"].get("items")
+        elif "secret" in source:
+            ref = source["secret"]
+            secret = core.read_namespaced_secret(ref.get("secretName") or ref["name"], self.namespace)
+            data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+            items = ref.get("items")
+        elif "downwardAPI" in source:
+            return [(item["path"], self._field(item["fieldRef"]["fieldPath"]))
+                    for item in source["downwardAPI"].get("items") or [] if "fieldRef" in item]
+        elif "serviceAccountToken" in source:
+            return [(source["serviceAccountToken"]["path"], self._token(source["serviceAccountToken"]))]
+        else:
+            return []
+        return [(item["path"], data[item["key"]]) for item in items or [{"key": k, "path": k} for k in data]]
+
+    def _token(self, spec: dict[str, Any]) -> str:
+        """A bound token of the pod's ServiceAccount (TokenRequest, as the kubelet asks for one)."""
+        body = {"spec": {"audiences": [spec["audience"]] if spec.get("audience") else None,
+                         "expirationSeconds": int(spec.get("expirationSeconds", SERVICE_ACCOUNT_TOKEN_S)),
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid}}}
+        account = self.pod["spec"].get("serviceAccountName") or "default"
+        return self.kubelet.core.create_namespaced_service_account_token(account, self.namespace, body).status.token
+
+    def _field(self, path: str) -> str:
+        meta = self.pod["metadata"]
+        fields = {"metadata.name": self.name, "metadata.namespace": self.namespace, "metadata.uid": self.uid,
+                  "status.podIP": self.ip, "status.hostIP": self.kubelet.node_ip, "spec.nodeName": self.kubelet.node_name,
+                  "spec.serviceAccountName": self.pod["spec"].get("serviceAccountName") or "default"}
+        if path.startswith("metadata.labels['") or path.startswith("metadata.annotations['"):
+            kind, _, key = path[len("metadata."):].partition("['")
+            return (meta.get(kind) or {}).get(key.rstrip("']"), "")
+        return fields.get(path, "")
 
     def _env_value(self, var: dict[str, Any]) -> str | None:
         source = var.get("valueFrom")
@@ -197,8 +183,6 @@ class PodRunner(threading.Thread):
             return var.get("value", "")
         core = self.kubelet.core
         if "secretKeyRef" in source:
-            import base64
-
             ref = source["secretKeyRef"]
             secret = core.read_namespaced_secret(ref["name"], self.namespace)
             return base64.b64decode((secret.data or {})[ref["key"]]).decode()
@@ -206,22 +190,22 @@ class PodRunner(threading.Thread):
             ref = source["configMapKeyRef"]
             return (core.read_namespaced_config_map(ref["name"], self.namespace).data or {})[ref["key"]]
         if "fieldRef" in source:
-            fields = {"metadata.name": self.name, "metadata.namespace": self.namespace,
-                      "metadata.uid": self.uid, "status.podIP": self.ip, "status.hostIP": "127.0.0.1",
-                      "spec.nodeName": self.kubelet.node_name}
-            return fields.get(source["fieldRef"]["fieldPath"], "")
+            return self._field(source["fieldRef"]["fieldPath"])
         return None  # resourceFieldRef: not known here
 
-    def _container(self, spec: dict[str, Any], mounts: list[tuple[str, Path]]) -> Container:
-        env: dict[str, str] = {}
+    def _container(self, spec: dict[str, Any], mounts: list[tuple[str, Path]], run_dir: Path | None) -> Container:
+        # A kubelet sets the apiserver's Service variables; here they name where it is reachable
+        # from the pod (the node's relay in a namespace, loopback without one).
+        host, port = self.kubelet.apiserver_for_pods
+        env: dict[str, str] = {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
+                               "KUBERNETES_SERVICE_PORT_HTTPS": str(port)}
         for var in spec.get("env") or []:
             value = self._env_value(var)
             if value is not None:
                 env[var["name"]] = map_path(expand_vars(value, env), mounts)
-        argv = [expand_vars(a, env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
-        if not argv:
-            raise ValueError(f"container {spec['name']}: no command (images' entrypoints are not known here)")
-        argv = [self.ip if a == "0.0.0.0" else map_path(a, mounts) for a in argv]
+        argv = [expand_vars(a, env) for a in command_of(spec, self.kubelet.entrypoints)]
+        # Without a namespace the pod's own loopback address stands for "every interface".
+        argv = [self.ip if a == "0.0.0.0" and self.netns is None else map_path(a, mounts) for a in argv]
         resolved = shutil.which(argv[0], path=self.kubelet.path)
         if resolved is None:
             raise FileNotFoundError(f"container {spec['name']}: {argv[0]} not found on {self.kubelet.path}")
@@ -229,7 +213,11 @@ class PodRunner(threading.Thread):
         base = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
         base["PATH"] = self.kubelet.path
         base["HOSTNAME"] = self.name
-        container = Container(spec, argv, {**base, **env}, self.dir / f"{spec['name']}.log")
+        container = Container(spec, argv, {**base, **env}, self.dir / f"{spec['name']}.log",
+                              preexec=sandbox.preexec(
+                                  self.netns, run_dir if self.netns else None, self.dir / "hosts" if self.netns else None,
+                                  image_binds=list(self.kubelet.image_paths.items()) if self.netns else [],
+                                  shadow_dir=self.dir / "shadow"))
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             if spec.get(kind):
                 container.probes[kind] = Probe(spec[kind])
@@ -237,21 +225,41 @@ class PodRunner(threading.Thread):
 
     def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.netns, self.ip = self.kubelet.allocate_address(self.pod)
+        if self.netns:
+            (self.dir / "hosts").write_text(pod_hosts_file(self.ip, self.name, self.kubelet.apiserver_for_pods[0]))
         volume_dirs = self._volume_dirs()
         for spec in self.pod["spec"]["containers"]:
             mounts = [(m["mountPath"], volume_dirs[m["name"]] / m.get("subPath", ""))
                       for m in spec.get("volumeMounts") or [] if m["name"] in volume_dirs]
-            mounts += [(p, Path(h)) for p, h in self.kubelet.image_paths.items()]
+            if self.netns is None:  # in a mount namespace the image's paths are there as they are
+                mounts += [(p, Path(h)) for p, h in self.kubelet.image_paths.items()]
             mounts.sort(key=lambda m: len(m[0]), reverse=True)
-            self.containers.append(self._container(spec, mounts))
+            # The container's /run: its volumes mounted under /run or /var/run, bound there for real.
+            run_dir = self.dir / "run" / spec["name"]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for container_path, host_dir in mounts:
+                rel = under_run(container_path)
+                if rel:
+                    link = run_dir / rel
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    if not link.is_symlink():
+                        link.symlink_to(host_dir)
+            self.containers.append(self._container(spec, mounts, run_dir))
 
     # ---- the lifecycle -----------------------------------------------------------------------
 
     def _start(self, c: Container, now: float) -> None:
-        log_file = c.log_path.open("ab")
-        c.proc = subprocess.Popen(c.argv, env=c.env, cwd=self.dir, stdout=log_file, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
-        log_file.close()
+        # `kubectl logs --previous` reads the run before this one.
+        if c.runs and c.log_path.exists():
+            os.replace(c.log_path, c.previous_log_path)
+        log_file = c.log_path.open("wb")
+        try:
+            c.proc = subprocess.Popen(c.argv, env=c.env, cwd=self.dir, stdout=log_file, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=c.preexec)
+        finally:
+            log_file.close()
+        c.runs += 1
         c.started_at = _now()
         c.state = {"running": {"startedAt": c.started_at}}
         c.started = "startupProbe" not in c.probes
@@ -268,9 +276,11 @@ class PodRunner(threading.Thread):
         policy = self.pod["spec"].get("restartPolicy", "Always")
         if policy == "Always" or (policy == "OnFailure" and code != 0):
             c.state = {"waiting": {"reason": "CrashLoopBackOff",
-                                   "message": f"back-off {c.backoff_s:.0f}s restarting failed container"}}
+                                   "message": f"back-off {c.backoff_s:.0f}s restarting failed container="
+                                              f"{c.name} pod={self.name}_{self.namespace}({self.uid}); "
+                                              f"last exit code {code}"}}
             c.next_start = now + c.backoff_s
-            c.backoff_s = min(c.backoff_s * 2, BACKOFF_MAX_S)
+            c.backoff_s = next_backoff(c.backoff_s)
             c.restart_count += 1
         else:
             c.state = c.last_state
@@ -354,7 +364,14 @@ class PodRunner(threading.Thread):
             for c in self.containers:
                 with self.lock:
                     if c.proc is None and now >= c.next_start:
-                        self._start(c, now)
+                        try:
+                            self._start(c, now)
+                        except (OSError, subprocess.SubprocessError) as err:
+                            # As a kubelet reports a container it cannot create; tried again after the back-off.
+                            log.warning("%s/%s: cannot start %s: %s", self.namespace, self.name, c.name, err)
+                            c.state = {"waiting": {"reason": "CreateContainerError", "message": str(err)}}
+                            c.next_start = now + c.backoff_s
+                            c.backoff_s = next_backoff(c.backoff_s)
                     elif c.proc is not None and c.proc.poll() is not None:
                         self._exited(c, now)
                     if c.proc is not None:
@@ -381,6 +398,7 @@ class PodRunner(threading.Thread):
         for c in self.containers:
             if c.proc is not None:
                 _stop_process(c.proc, max(0.0, deadline - time.monotonic()) if not self.gone.is_set() else 0.0)
+        self.kubelet.release_address(self.netns)
         if not self.gone.is_set():
             from kubernetes.client import V1DeleteOptions, V1Preconditions
 
@@ -418,10 +436,17 @@ class PodRunner(threading.Thread):
         not_ready = [c.name for c in self.containers if not c.ready]
         message = f"containers with unready status: [{' '.join(not_ready)}]" if not_ready else ""
         running = any(c.proc is not None for c in self.containers)
+        finished = bool(self.containers) and all(c.next_start == float("inf") for c in self.containers)
+        if finished:
+            codes = [c.last_state.get("terminated", {}).get("exitCode") for c in self.containers]
+            phase = "Succeeded" if all(code == 0 for code in codes) else "Failed"
+        else:
+            phase = "Running" if running or any(c.restart_count for c in self.containers) else "Pending"
+        host = self.kubelet.node_ip
         status: dict[str, Any] = {
-            "phase": "Running" if running or any(c.restart_count for c in self.containers) else "Pending",
-            "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-            "podIP": self.ip, "podIPs": [{"ip": self.ip}],
+            "phase": phase,
+            "hostIP": host, "hostIPs": [{"ip": host}],
+            **({"podIP": self.ip, "podIPs": [{"ip": self.ip}]} if self.ip else {}),
             "startTime": self.start_time,
             "conditions": [
                 self._condition("PodReadyToStartContainers", error is None),
@@ -474,25 +499,37 @@ def _stop_process(proc: subprocess.Popen, grace_s: float) -> None:
 
 class LocalKubelet:
     """One node whose pods run as processes on this machine. `start()` registers it; `stop()`
-    kills what runs, removes its pods and the node."""
+    kills what runs, removes its pods, their namespaces and the node.
+
+    `cluster`: anything with `.kubeconfig` (and `.pki_dir`, the cluster CA, for the kubelet API),
+    e.g. a `KubeCluster`. Without a PKI the node serves no kubelet API (no logs, no port-forward)."""
 
     def __init__(self, cluster, workdir: Path, *, node_name: str = "local-0",
                  image_paths: dict[str, str | Path] | None = None, path: str | None = None,
-                 cpu: str = "16", memory: str = "64Gi"):
-        self.cluster = cluster
+                 cpu: str = "16", memory: str = "64Gi", network=None,
+                 entrypoints: dict[str, list[str]] | None = None, kubelet_port: int = 0):
+        self.kubeconfig = Path(getattr(cluster, "kubeconfig", cluster))
+        pki_dir = getattr(cluster, "pki_dir", None)
+        self.pki_dir = Path(pki_dir) if pki_dir and (Path(pki_dir) / "ca.key").exists() else None
         self.workdir = Path(workdir)
         self.node_name = node_name
         self.image_paths = {k: Path(v) for k, v in (image_paths or {}).items()}
+        self.entrypoints = dict(DEFAULT_ENTRYPOINTS if entrypoints is None else entrypoints)
         self.path = path or os.environ.get("PATH", "/usr/bin:/bin")
         self.cpu, self.memory = cpu, memory
+        self.network = network  # netns.NamespaceNetwork, or None: loopback addresses
+        self.kubelet_port = kubelet_port
         self.pods: dict[str, PodRunner] = {}  # uid -> runner
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        # Each pod gets an address of its own in 127.0.0.0/8; this node's block is picked at random
-        # so that several sessions on one machine do not collide.
+        # Without namespaces each pod gets an address of its own in 127.0.0.0/8; this node's block
+        # is picked at random so that several sessions on one machine do not collide.
         self._ip_prefix = f"127.{random.randint(20, 250)}.{random.randint(0, 255)}"
         self._next_host = 2
+        self._ip_lock = threading.Lock()
         self._api = None
+        self._kubelet_api = None
+        self._relay = None
 
     # ---- API access -------------------------------------------------------------------------
 
@@ -501,36 +538,79 @@ class LocalKubelet:
         from kubernetes import client
 
         if self._api is None:
-            self._api = self.cluster.api_client()
+            from kubernetes import config
+
+            self._api = config.new_client_from_config(config_file=str(self.kubeconfig))
         return client.CoreV1Api(self._api)
 
-    def _allocate_ip(self, ports: list[int]) -> str:
-        while self._next_host < 255:
-            ip = f"{self._ip_prefix}.{self._next_host}"
-            self._next_host += 1
-            if all(_port_free(ip, p) for p in ports):
-                return ip
+    @property
+    def node_ip(self) -> str:
+        return self.network.node_ip if self.network is not None else "127.0.0.1"
+
+    @property
+    def apiserver(self) -> tuple[str, int]:
+        url = urlsplit(self._api.configuration.host)
+        return url.hostname, url.port or 443
+
+    @property
+    def apiserver_for_pods(self) -> tuple[str, int]:
+        """Where pods reach the apiserver: in a namespace, the node's relay on port 443 (what the
+        `kubernetes` Service would give; `kubernetes.default.svc` resolves there)."""
+        return (self.node_ip, APISERVER_SERVICE_PORT) if self.network is not None else self.apiserver
+
+    def allocate_address(self, pod: dict[str, Any]) -> tuple[str | None, str]:
+        """(network namespace or None, pod IP) for a new pod."""
+        if self.network is not None:
+            return self.network.add_pod()
+        ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []]
+        with self._ip_lock:
+            while self._next_host < 255:
+                ip = f"{self._ip_prefix}.{self._next_host}"
+                self._next_host += 1
+                if all(_port_free(ip, p) for p in ports):
+                    return None, ip
         raise RuntimeError(f"no free loopback address left in {self._ip_prefix}.0/24")
+
+    def release_address(self, netns: str | None) -> None:
+        if netns and self.network is not None:
+            self.network.remove_pod(netns)
+
+    # ---- the kubelet API's view of the pods --------------------------------------------------
+
+    def _pod(self, namespace: str, name: str) -> PodRunner:
+        for runner in list(self.pods.values()):
+            if runner.namespace == namespace and runner.name == name:
+                return runner
+        raise KeyError(f"pod {namespace}/{name} does not run on node {self.node_name}")
+
+    def log_file(self, namespace: str, pod: str, container: str, previous: bool) -> tuple[Path, Callable[[], bool]]:
+        runner = self._pod(namespace, pod)
+        c = next((c for c in runner.containers if c.name == container), None)
+        if c is None:
+            raise KeyError(f"container {container} is not in pod {namespace}/{pod}")
+        if previous:
+            # The last terminated run: while the container waits to restart, the one that just ended.
+            if c.proc is None and c.runs and c.log_path.exists():
+                return c.log_path, lambda: False
+            if not c.previous_log_path.exists():
+                raise KeyError(f"previous terminated container \"{container}\" in pod \"{pod}\" not found")
+            return c.previous_log_path, lambda: False
+        if not c.log_path.exists():
+            raise KeyError(f"container \"{container}\" in pod \"{pod}\" is waiting to start")
+        run = c.runs
+        return c.log_path, lambda: c.runs == run and c.proc is not None and runner.is_alive()
+
+    def port_forward_target(self, namespace: str, pod: str) -> str:
+        runner = self._pod(namespace, pod)
+        if not runner.ip:
+            raise KeyError(f"pod {namespace}/{pod} has no address yet")
+        return runner.ip
 
     # ---- the node ---------------------------------------------------------------------------
 
     def _node_status(self) -> dict[str, Any]:
-        now = _now()
-        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "20", "ephemeral-storage": "100Gi"}
-        ok = [("Ready", "True", "KubeletReady", "local kubelet is posting ready status"),
-              ("MemoryPressure", "False", "KubeletHasSufficientMemory", ""),
-              ("DiskPressure", "False", "KubeletHasNoDiskPressure", ""),
-              ("PIDPressure", "False", "KubeletHasSufficientPID", "")]
-        return {
-            "capacity": capacity, "allocatable": capacity,
-            "conditions": [{"type": t, "status": s, "reason": r, "message": m, "lastHeartbeatTime": now,
-                            "lastTransitionTime": self._started_at} for t, s, r, m in ok],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node_name}],
-            "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "local",
-                         "kubeProxyVersion": "local", "containerRuntimeVersion": "local://processes",
-                         "osImage": "", "kernelVersion": os.uname().release, "machineID": "", "systemUUID": "",
-                         "bootID": ""},
-        }
+        return node_status(now=_now(), since=self._started_at, node_ip=self.node_ip, hostname=self.node_name,
+                           kubelet_port=self.kubelet_port, cpu=self.cpu, memory=self.memory, kernel=os.uname().release)
 
     def _register(self) -> None:
         from kubernetes import client
@@ -543,7 +623,12 @@ class LocalKubelet:
                 "kubernetes.io/arch": "amd64", LOCAL_NODE_LABEL: "true"}},
             "spec": {},
         }
-        self.core.create_node(node)
+        try:
+            self.core.create_node(node)
+        except client.exceptions.ApiException as err:
+            if err.status != 409:  # a node of that name was left by a crashed run: take it over
+                raise
+            self.core.patch_node(self.node_name, {"metadata": {"labels": node["metadata"]["labels"]}})
         self.core.patch_node_status(self.node_name, {"status": self._node_status()})
         lease = client.V1Lease(
             metadata=client.V1ObjectMeta(name=self.node_name, namespace="kube-node-lease"),
@@ -585,8 +670,9 @@ class LocalKubelet:
                 seen.add(uid)
                 runner = self.pods.get(uid)
                 if runner is None and not pod["metadata"].get("deletionTimestamp"):
-                    ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []]
-                    runner = PodRunner(self, pod, self._allocate_ip(ports))
+                    if pod["status"].get("phase") in ("Succeeded", "Failed"):
+                        continue  # finished before this node (re)started: nothing to run
+                    runner = PodRunner(self, pod)
                     self.pods[uid] = runner
                     runner.start()
                 elif runner is None:
@@ -609,9 +695,26 @@ class LocalKubelet:
         except Exception:  # noqa: BLE001
             pass
 
+    def _start_kubelet_api(self) -> None:
+        from .kubelet_api import KubeletAPI
+        from .pki import write_serving_cert
+
+        cert, key = write_serving_cert(self.pki_dir, self.workdir / "pki", self.node_name, [self.node_ip])
+        self._kubelet_api = KubeletAPI(self, self.node_ip, self.kubelet_port, cert, key,
+                                       client_ca_file=self.pki_dir / "ca.crt", client_certs=[self.pki_dir / "admin.crt"])
+        self.kubelet_port = self._kubelet_api.start()
+        log.info("node %s: kubelet API on https://%s:%d", self.node_name, self.node_ip, self.kubelet_port)
+
     def start(self) -> LocalKubelet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         _ = self.core
+        if self.network is not None:
+            from .relay import TcpRelay
+
+            # Pods reach the apiserver (on the host's loopback) through the node's address.
+            self._relay = TcpRelay(self.apiserver_for_pods, self.apiserver).start()
+        if self.pki_dir is not None:
+            self._start_kubelet_api()
         self._register()
         for target in (self._heartbeat, self._sync):
             thread = threading.Thread(target=target, name=f"local-kubelet-{target.__name__}", daemon=True)
@@ -628,6 +731,9 @@ class LocalKubelet:
         for runner in self.pods.values():
             runner.join(30)
             self._force_delete(runner.pod)
+        for server in (self._kubelet_api, self._relay):
+            if server is not None:
+                server.stop()
         try:
             self.core.delete_node(self.node_name)
         except Exception as err:  # noqa: BLE001
