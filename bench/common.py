@@ -210,6 +210,19 @@ def _version(module: str) -> str | None:
         return None
 
 
+def source_commit() -> str | None:
+    """The commit the measured code is: $SPECDEPLOY_BENCH_COMMIT (a copy of the checkout without its
+    .git, as the GPU machine gets, says it there), else `git rev-parse` of this checkout."""
+    if os.environ.get("SPECDEPLOY_BENCH_COMMIT"):
+        return os.environ["SPECDEPLOY_BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     env = {
@@ -224,6 +237,7 @@ def environment() -> dict:
     }
     for mod in ("transformers", "triton", "tokenizers", "safetensors", "matplotlib"):
         env[mod] = _version(mod)
+    env["commit"] = source_commit()
     if props:
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",

@@ -40,12 +40,12 @@ from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.speculative.adaptive import SpecShape
 
 SIZES = {
-    "device": {"shape": embed.LLAMA_31_8B_SHAPE, "batches": (1, 2, 4, 8, 16, 32, 64),
-               "sweep_new_tokens": 64, "sweep_repeats": 2, "hf_compile": True, "parity_windows": 4, "parity_len": 256},
+    "device": {"shape": embed.LLAMA_31_8B_SHAPE, "batches": (1, 2, 4, 8, 16, 32, 64), "repeats": 3,
+               "sweep_new_tokens": 64, "sweep_repeats": 3, "hf_compile": True, "parity_windows": 4, "parity_len": 256},
     # A small "big" shape for CPU: every dimension of section 5's smoke target grows.
     "smoke": {"shape": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 4, "num_heads": 8,
                         "num_kv_heads": 4, "head_dim": 32, "vocab_size": 400},
-              "batches": (1, 2), "sweep_new_tokens": 6, "sweep_repeats": 1, "hf_compile": False, "parity_windows": 2, "parity_len": 16},
+              "batches": (1, 2), "repeats": 3, "sweep_new_tokens": 6, "sweep_repeats": 3, "hf_compile": False, "parity_windows": 2, "parity_len": 16},
 }
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
 # What the adaptive runner may choose: no speculation, chains of 1-5 steps and both trees.
@@ -59,7 +59,7 @@ def _pair(ctx, result: dict) -> dict:
         result["trained_in"] = "section 5 of this run"
         return ctx.trained_pair
     s = dict(acceptance.SIZES["smoke" if ctx.smoke else "device"])
-    for key in ("target_budget_s", "head_budget_s"):
+    for key in acceptance.BUDGET_KEYS:
         if key in ctx.profile:
             s[key] = ctx.profile[key]
     attention_mod.set_backend("reference")  # training needs autograd through attention
@@ -72,8 +72,9 @@ def _pair(ctx, result: dict) -> dict:
     prompts = [held[st:st + s["prompt_len"]].tolist() for st in starts]
     pair.update(warm=prompts[0], prompts=prompts[1:], new_tokens=s["new_tokens"], prompt_len=s["prompt_len"],
                 outputs={})
-    result["trained_in"] = "this section"
-    result["training"] = {k: train_result[k] for k in ("target_training", "head_training")}
+    result["trained_in"] = "the cache" if train_result.get("pair_cache", {}).get("hit") else "this section"
+    result["training"] = {k: train_result[k] for k in ("recipe", "target_training", "head_training", "pair_cache")
+                          if k in train_result}
     return pair
 
 
@@ -138,6 +139,25 @@ def batch_tok_s(runner: Runner, prompts, new_tokens: int, device, tag: str) -> d
             "outputs": [outputs[f"{tag}{i}"] for i in range(len(prompts))]}
 
 
+def median_run(runs: list[dict], key: str = "tok_s") -> dict:
+    """The run whose `key` is the median (of an odd count; the lower middle of an even one), with
+    every run's figure, the min and the max beside it: headline figures are medians of >= 3 runs."""
+    ordered = sorted(runs, key=lambda r: r[key])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid.update({f"{key}_runs": [r[key] for r in runs], f"{key}_min": ordered[0][key], f"{key}_max": ordered[-1][key],
+                "runs": len(runs)})
+    return mid
+
+
+def _spread(systems: dict, name: str, base: str = "engine target-only") -> list[float] | None:
+    """Min and max of a system's speed-up over the baseline, run k against run k."""
+    a, b = systems.get(name, {}).get("tok_s_runs"), systems.get(base, {}).get("tok_s_runs")
+    if not a or not b:
+        return None
+    ratios = [x / y for x, y in zip(a, b)]
+    return [min(ratios), max(ratios)]
+
+
 def _sweep_one(name, big, draft, shape, adaptive, z, ctx_len, dev, prompts) -> dict:
     """One configuration over every batch size of the sweep, on one runner."""
     t0 = time.perf_counter()
@@ -147,10 +167,10 @@ def _sweep_one(name, big, draft, shape, adaptive, z, ctx_len, dev, prompts) -> d
     rows = []
     for b in z["batches"]:
         before = _shape_counts(runner)
-        # Best of `sweep_repeats` runs, as for every configuration: one run of a large batch is short.
+        # The median of `sweep_repeats` runs, as for every configuration (min and max beside it).
         runs = [batch_tok_s(runner, prompts[:b], z["sweep_new_tokens"], dev, f"b{b}r{k}-")
                 for k in range(z["sweep_repeats"])]
-        r = max(runs, key=lambda x: x["decode_tok_s"])
+        r = median_run(runs, "decode_tok_s")
         r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in runs]
         r.pop("outputs")
         if adaptive:
@@ -235,7 +255,8 @@ def run(ctx) -> dict:
         try:
             runner = _runner(big, draft, shape, batches=(1,), context_length=ctx_len, device=dev, adaptive=adaptive)
             acceptance.engine_generate(runner, [warm], n_new, dev, "w")
-            r = systems[name] = acceptance.engine_generate(runner, prompts, n_new, dev, "p")
+            r = systems[name] = median_run([acceptance.engine_generate(runner, prompts, n_new, dev, f"p{k}-")
+                                            for k in range(z["repeats"])])
         except Exception as e:  # target-only is the baseline of everything: its failure ends the section
             if draft is None:
                 raise
@@ -285,7 +306,8 @@ def run(ctx) -> dict:
     except Exception as e:
         result["hf_error"] = f"{type(e).__name__}: {e}"[:500]
         log(f"transformers: FAILED {result['hf_error'][:200]}")
-    if hf is not None and "transformers" in systems and z["hf_compile"] and dev.type == "cuda":
+    if (hf is not None and "transformers" in systems and z["hf_compile"] and ctx.profile.get("hf_compile", True)
+            and dev.type == "cuda"):
         hf.generation_config.cache_implementation = "static"
         hf.generation_config.disable_compile = False
         t0 = time.perf_counter()
@@ -305,6 +327,7 @@ def run(ctx) -> dict:
     best_hf = max((v["tok_s"] for k, v in systems.items() if k.startswith("transformers")), default=None)
     for name, r in systems.items():
         row = {"system": name, "tok_s": r["tok_s"], "tokens": r["tokens"], "seconds": r["seconds"],
+               "tok_s_min": r.get("tok_s_min"), "tok_s_max": r.get("tok_s_max"), "runs": r.get("runs", 1),
                "speedup_vs_engine_target_only": r["tok_s"] / systems["engine target-only"]["tok_s"],
                "speedup_vs_transformers": r["tok_s"] / hf_tok_s if hf_tok_s else None,
                "speedup_vs_best_transformers": r["tok_s"] / best_hf if best_hf else None,
@@ -330,12 +353,14 @@ def run(ctx) -> dict:
         "goals": [
             {"metric": "best speculative vs engine target-only, batch 1, 8B cost, end to end", "target": 2.5,
              "value": best["speedup_vs_engine_target_only"], "system": best["system"],
+             "range": _spread(systems, best["system"]), "runs": z["repeats"],
              "met": best["speedup_vs_engine_target_only"] >= 2.5},
             {"metric": "adaptive vs engine target-only, batch 1, 8B cost", "target": 2.0,
              "value": adaptive_b1["speedup_vs_engine_target_only"],
+             "range": _spread(systems, "engine EAGLE adaptive"), "runs": z["repeats"],
              "met": adaptive_b1["speedup_vs_engine_target_only"] >= 2.0},
             {"metric": f"adaptive vs target-only decode, worst batch of {z['batches'][0]}-{z['batches'][-1]}",
-             "target": 1.0, "value": worst["adaptive_x"], "batch": worst["batch"],
+             "target": 1.0, "value": worst["adaptive_x"], "batch": worst["batch"], "runs": z["sweep_repeats"],
              "met": worst["adaptive_x"] >= 1.0}],
         "summary": [f"{row['system'].replace('engine ', '')} {row['tok_s']:.0f} tok/s"
                     + (f" acc {row['accept_length']:.2f}" if "accept_length" in row else "") for row in table]

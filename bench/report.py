@@ -209,21 +209,31 @@ def s4(r: dict) -> str:
 def s5(r: dict, spec_rows: list | None = None) -> str:
     c = r["corpus"]
     tt, ht, at = r["target_training"], r["head_training"], r["assistant_training"]
+    recipe = r.get("recipe")
+    if recipe and recipe.get("mode") == "fixed steps":
+        spent = {role: f"{recipe[f'{role}_steps']} steps" for role in ("target", "head", "assistant")}
+        how = f"Training: a fixed number of steps from seed {recipe['seed']} (the same pair on every machine)"
+    else:
+        budget = r.get("budget") or recipe or {}
+        spent = {role: f"{budget.get(f'{role}_budget_s', 0):.0f} s" for role in ("target", "head", "assistant")}
+        how = "Training budget (wall clock on the GPU)"
+    if r.get("pair_cache", {}).get("hit"):
+        how += "; target and head loaded from the pair cache"
     lines = [
         f"Corpus: {c['files']} Python files of the installed torch package ({c['bytes'] / 1e6:.1f} MB; every "
         f"tenth file held out), byte-level BPE with {c['vocab_size']} tokens: {c['train_tokens'] / 1e6:.2f} M "
         f"training tokens, {c['held_out_tokens'] / 1e6:.2f} M held out.",
         "",
-        f"Training budget (wall clock on the GPU): target {r['budget']['target_budget_s']:.0f} s "
+        f"{how}: target {spent['target']} "
         f"({tt['params'] / 1e6:.0f} M parameters, held-out loss {tt['held_out_loss']:.2f} nats/token"
         + (f", {tt['train_windows_loss']:.2f} on training windows" if "train_windows_loss" in tt else "")
         + (f"; a unigram model scores {c['unigram_held_out_loss']:.2f}" if "unigram_held_out_loss" in c else "")
-        + f"), EAGLE head {r['budget']['head_budget_s']:.0f} s ({ht['params'] / 1e6:.0f} M"
+        + f"), EAGLE head {spent['head']} ({ht['params'] / 1e6:.0f} M"
         + (f"; its first draft token equals the target's greedy token on "
            f"{100 * ht['held_out_first_token_agreement']:.0f}% of held-out positions, teacher-forced"
            if "held_out_first_token_agreement" in ht else "")
         + f"), assisted-generation draft "
-        f"{r['budget']['assistant_budget_s']:.0f} s ({at['params'] / 1e6:.0f} M, held-out loss "
+        f"{spent['assistant']} ({at['params'] / 1e6:.0f} M, held-out loss "
         f"{at['held_out_loss']:.2f}). Last progress lines: target `{tt['last_progress']}`; head "
         f"`{ht['last_progress']}`.",
         "",

@@ -18,11 +18,21 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   to a power of two for ue8m0 checkpoints; x / s to e4m3), then `_w8a8_kernel` multiplies e4m3
   by e4m3 on the tensor cores, a float32 accumulator per 128-wide k block scaled by the
   activation group's scale times the weight tile's.
+- block weights above GEMV_MAX_M rows, where torch has it (SM90, torch with
+  `torch.nn.functional.scaled_mm` block scaling): the same W8A8 numerics through cuBLASLt's
+  block-scaled FP8 GEMM (activation scales 1x128, weight scales 128x128). Measured side by side
+  on the H200 (bench/fp8_crossover.py, docs/engine.md): it beats bf16 from 17 rows up, where the
+  Triton kernels above fall behind it (weight-only 0.76x bf16 at 64 rows). Whether it runs is
+  probed once per device and output dtype on a small problem outside graph capture; where it
+  does not (older torch, another GPU, float32 outputs cuBLASLt refuses), one log line says so
+  and the Triton kernels serve.
 
 Both take a bias and write the activation dtype.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -35,9 +45,11 @@ AMAX_FLOOR = 1e-4  # DeepSeek's act_quant: an all-zero group gets this scale, ne
 GROUP_K = 128  # activation group width and weight scale tile width along K
 DECODE_MAX_M = 64
 
+log = logging.getLogger("specdeploy.engine.kernels.fp8")
+
 
 @triton.jit
-def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s,
+def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s, stride_sg,
                       GROUP: tl.constexpr, GROUPS: tl.constexpr, ROUND_SCALE: tl.constexpr):
     """One row, GROUPS groups of GROUP columns: y = e4m3(x / s), s = max|x| / 448 per group."""
     row = tl.program_id(0)
@@ -52,19 +64,25 @@ def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s,
         s = tl.exp2(tl.ceil(tl.log2(s)))
     y = x / s[:, None]
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
-    tl.store(s_ptr + row * stride_s + groups, s, mask=groups * GROUP < n_cols)
+    tl.store(s_ptr + row * stride_s + groups * stride_sg, s, mask=groups * GROUP < n_cols)
 
 
-def act_quant(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)]), x ~ y * s per group."""
+def act_quant(x: torch.Tensor, round_scale: bool = False,
+              column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)]), x ~ y * s per group.
+    column_major: the scales laid out M-fastest (strides (1, M)), as cuBLASLt's 1x128 block
+    scaling reads them."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP_K)
     y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if column_major:
+        s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     per_program = 4
     if m:
         _act_quant_kernel[(m, triton.cdiv(groups, per_program))](
-            x, y, s, m, k, x.stride(0), s.stride(0),
+            x, y, s, m, k, x.stride(0), s.stride(0), s.stride(1),
             GROUP=GROUP_K, GROUPS=per_program, ROUND_SCALE=round_scale)
     return y, s
 
@@ -178,6 +196,98 @@ def w8a16(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, num_warps=num_warps, num_stages=num_stages)
 
 
+# cuBLASLt's block-scaled FP8 GEMM through torch, by (device index, output dtype): True where the
+# probe ran it and it agreed with the Triton W8A8 kernel, False where it did not (logged once).
+_TORCH_BLOCK_MM: dict[tuple[int, torch.dtype], bool] = {}
+_PROBE_SHAPE = (32, 256, 512)  # (M, N, K): small, every dimension a multiple of the tiles
+_PROBE_TOLERANCE = 2**-6  # relative Frobenius gap to the Triton kernel; a wrong layout is ~1
+
+
+def _torch_block_call(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """a e4m3 [M, K] with column-major 1x128 scales [M, K/128], weight e4m3 [N, K] with 128x128
+    scales [N/128, K/128] -> a @ W^T in out_dtype; operands and scales passed as views."""
+    F = torch.nn.functional
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        kinds = F.ScalingType
+        return F.scaled_mm(a, weight.t(), a_s, kinds.BlockWise1x128, scale.t(), kinds.BlockWise128x128,
+                           output_dtype=out_dtype)
+    return torch._scaled_mm(a, weight.t(), a_s, scale.t(), out_dtype=out_dtype)
+
+
+def torch_block_shape_ok(weight: torch.Tensor, scale: torch.Tensor, scale_n: int) -> bool:
+    """Whether a block-scaled weight has the layout cuBLASLt's 128x128 scaling reads in place:
+    row-major codes with K a multiple of 512 (each N-tile's scale row then 16-byte aligned) and
+    N of 128, and a row-major float32 grid of one scale per 128 x 128 tile."""
+    n, k = weight.shape
+    return (scale_n == 128 and scale.dim() == 2 and k % (4 * GROUP_K) == 0 and n % 128 == 0
+            and tuple(scale.shape) == (n // 128, k // GROUP_K) and scale.stride() == (k // GROUP_K, 1)
+            and weight.stride() == (k, 1))
+
+
+def _probe_torch_block_mm(device: torch.device, out_dtype: torch.dtype) -> str | None:
+    """None where torch's block-scaled GEMM runs here and matches the Triton W8A8 kernel; else why not."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"compute capability {capability[0]}.{capability[1]}; cuBLASLt's block scaling is SM90's"
+    m, n, k = _PROBE_SHAPE
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, generator=g).to(out_dtype)
+    weight = (torch.randn(n, k, device=device, generator=g) * 16).to(torch.float8_e4m3fn)
+    scale = torch.rand(n // 128, k // GROUP_K, device=device, generator=g) * 1e-3 + 1e-4
+    try:
+        a, a_s = act_quant(x, column_major=True)
+        got = _torch_block_call(a, a_s, weight, scale, out_dtype).float()
+    except Exception as e:  # noqa: BLE001 - whatever torch refuses with, the Triton kernels serve
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    want = _w8a8(x, weight, scale, 128, None, torch.empty(m, n, dtype=out_dtype, device=device), False).float()
+    gap = ((got - want).norm() / want.norm()).item()
+    return None if gap < _PROBE_TOLERANCE else f"its result is {gap:.3g} (relative) away from the Triton kernel's"
+
+
+def torch_block_mm_available(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether block-scaled linears above GEMV_MAX_M rows go through torch's cuBLASLt GEMM on
+    `device` for outputs of `out_dtype`. Probed once, outside graph capture (a capture that asks
+    before the probe ran gets the Triton kernels for that call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _TORCH_BLOCK_MM.get((index, out_dtype))
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        why = _probe_torch_block_mm(device, out_dtype)
+        if why is not None:
+            log.warning("FP8 block linears on cuda:%d with %s outputs use the Triton kernels: torch's "
+                        "block-scaled scaled_mm is not usable here (%s)", index, out_dtype, why)
+        ok = _TORCH_BLOCK_MM[(index, out_dtype)] = why is None
+    return ok
+
+
+def _w8a8(rows, weight, scale, scale_n, bias, out, round_scale) -> torch.Tensor:
+    """The Triton W8A8 path into `out` [M, N]."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    stride_sn, stride_sk = _scale_strides(scale, scale_n)
+    a, a_s = act_quant(rows, round_scale)
+    grid = (triton.cdiv(m, 128) * triton.cdiv(n, 128),)
+    _w8a8_kernel[grid](
+        a, a_s, weight, scale, bias if bias is not None else out, out, m, n, k,
+        a.stride(0), a_s.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
+        SCALE_N=scale_n, HAS_BIAS=bias is not None,
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=GROUP_K, GROUP_M=8, num_warps=8, num_stages=3)
+    return out
+
+
+def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
+    """rows [M, K] @ (weight * scale)^T (+ bias) through torch's block-scaled GEMM, activations
+    quantized by `act_quant` (DeepSeek's numerics, as on the Triton W8A8 path)."""
+    a, a_s = act_quant(rows, round_scale, column_major=True)
+    out = _torch_block_call(a, a_s, weight, scale, rows.dtype)
+    if bias is not None:
+        out += bias
+    return out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int,
                bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight * scale)^T + bias -> [..., N] in x's dtype.
@@ -192,23 +302,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
+    if (m > gemv.GEMV_MAX_M and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n)
+            and torch_block_mm_available(x.device, x.dtype)):
+        return torch_block_linear(rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    stride_sn, stride_sk = _scale_strides(scale, scale_n)
-    has_bias = bias is not None
     if m <= gemv.GEMV_MAX_M:
         gemv.launch(rows, weight, scale, scale_n, bias, out, *gemv.config_for("fp8", n, k, m, x.device),
                     round_scale=round_scale)
     elif m <= DECODE_MAX_M:
         w8a16(rows, weight, scale, scale_n, bias, out, *_decode_tiles(m, n))
     else:
-        a, a_s = act_quant(rows, round_scale)
-        block_m, block_n = 128, 128
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        _w8a8_kernel[grid](
-            a, a_s, weight, scale, bias if has_bias else out, out, m, n, k,
-            a.stride(0), a_s.stride(0), weight.stride(0), out.stride(0), stride_sn, stride_sk,
-            SCALE_N=scale_n, HAS_BIAS=has_bias,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, GROUP_M=8, num_warps=8, num_stages=3)
+        _w8a8(rows, weight, scale, scale_n, bias, out, round_scale)
     return out.view(*x.shape[:-1], n)

@@ -1,11 +1,14 @@
 """GPU checks of the FP8 paths (run on the device; Hopper or Ada for the e4m3 kernels):
 
 - the FP8 linear kernels at the Llama-3.1-8B layer shapes against float32 matmuls over the
-  dequantized weights. Tolerances: weight-only decode (M <= 64) rounds once to bf16, so every
-  element is within 2^-7 of its magnitude plus 2^-10 of the row's largest; W8A8 prefill is
-  within bf16 rounding (2^-8 of each element, plus 2^-9 of its row's largest for boundary codes)
-  of the same product over DeepSeek-quantized activations, and within 4% of the unquantized
-  product (e4m3 activations carry 3 mantissa bits);
+  dequantized weights, at every row count bench/fp8_crossover.py times. Tolerances: weight-only
+  (the small-M kernel up to 16 rows, `w8a16` for per-channel weights up to 64) rounds once to
+  bf16, so every element is within 2^-7 of its magnitude plus 2^-10 of the row's largest; W8A8
+  (block weights above 16 rows through torch's block-scaled scaled_mm where it runs, the Triton
+  kernel otherwise and for per-channel weights above 64) is within bf16 rounding (2^-8 of each
+  element, plus 2^-9 of its row's largest for boundary codes) of the same product over
+  DeepSeek-quantized activations, and within 4% of the unquantized product (e4m3 activations
+  carry 3 mantissa bits);
 - CUDA-graph replay of an FP8 target equals eager, and speculative decoding on an FP8 target
   with an FP8 KV pool is lossless against target-only decoding of it (greedy, float32 outputs
   from bf16 weights are not bit-stable across M, so this runs in float32);
@@ -19,6 +22,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("the e4m3 kernels need compute capability 8.9 or later", allow_module_level=True)
+
+import logging  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -42,25 +47,41 @@ def _weights(n, k, scheme, seed=0):
     return codes, scale.reshape(-1).contiguous(), 1
 
 
-@pytest.mark.parametrize("n,k", LLAMA_8B)
-@pytest.mark.parametrize("m", [1, 7, 16, 64])
-@pytest.mark.parametrize("scheme", ["block", "channel"])
-def test_weight_only_decode_kernel(n, k, m, scheme):
-    codes, scale, scale_n = _weights(n, k, scheme)
-    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n).float()
+# The row counts bench/fp8_crossover.py times (decode, verify and prefill chunks)
+BENCH_ROWS = (1, 16, 32, 64, 128, 256, 512, 2048, 8192)
+SM90_TORCH = (torch.cuda.get_device_capability() == (9, 0) and hasattr(F, "scaled_mm")
+              and hasattr(F, "ScalingType"))
+
+
+def _assert_weight_only(got, x, codes, scale, scale_n):
     want = F.linear(x.float(), fp8.dequantize_fp8(codes, scale, (scale_n, 128), torch.float32))
-    err = (got - want).abs()
+    err = (got.float() - want).abs()
     assert (err <= want.abs() * 2**-7 + want.abs().amax(1, keepdim=True) * 2**-10).all(), err.max()
 
 
 @pytest.mark.parametrize("n,k", LLAMA_8B)
-@pytest.mark.parametrize("m", [65, 512, 4096])
-@pytest.mark.parametrize("scheme", ["block", "channel"])
-def test_w8a8_prefill_kernel(n, k, m, scheme):
+@pytest.mark.parametrize("m,scheme", [(1, "block"), (7, "block"), (16, "block"),
+                                      (1, "channel"), (7, "channel"), (16, "channel"), (64, "channel")])
+def test_weight_only_decode_kernel(n, k, m, scheme):
     codes, scale, scale_n = _weights(n, k, scheme)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n).float()
+    _assert_weight_only(fp8_kernels.fp8_linear(x, codes, scale, scale_n), x, codes, scale, scale_n)
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [32, 64])
+def test_weight_only_kernel_for_block_weights(n, k, m):
+    """`w8a16` is the block weights' fallback for 17-64 rows where torch's GEMM is not usable."""
+    codes, scale, scale_n = _weights(n, k, "block")
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+    fp8_kernels.w8a16(x, codes, scale, scale_n, None, out, *fp8_kernels._decode_tiles(m, n))
+    _assert_weight_only(out, x, codes, scale, scale_n)
+
+
+def _assert_w8a8(got, x, codes, scale, scale_n):
+    k = x.shape[1]
+    got = got.float()
     wd = fp8.dequantize_fp8(codes, scale, (scale_n, 128), torch.float32)
     xq, xs = fp8.act_quant_reference(x.float())
     want = F.linear(xq.float() * xs.repeat_interleave(128, 1)[:, :k], wd)
@@ -71,6 +92,70 @@ def test_w8a8_prefill_kernel(n, k, m, scheme):
     assert (err <= want.abs() * 2**-8 + want.abs().amax(1, keepdim=True) * 2**-9).all(), err.max()
     exact = F.linear(x.float(), wd)
     assert ((got - exact).norm() / exact.norm()).item() < 0.04
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16] + [65])
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_w8a8_prefill_kernel(n, k, m, scheme):
+    """The engine's route above 16 rows, then the Triton W8A8 kernel itself for block weights
+    (the fallback where torch's block-scaled GEMM is not usable)."""
+    codes, scale, scale_n = _weights(n, k, scheme)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
+    if scheme == "channel" and m <= fp8_kernels.DECODE_MAX_M:
+        _assert_weight_only(got, x, codes, scale, scale_n)
+    else:
+        _assert_w8a8(got, x, codes, scale, scale_n)
+    if scheme == "block":
+        out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        _assert_w8a8(fp8_kernels._w8a8(x, codes, scale, scale_n, None, out, False), x, codes, scale, scale_n)
+
+
+@pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16])
+def test_torch_block_scaled_mm_route(n, k, m):
+    """On the H200 block weights above 16 rows take torch's block-scaled GEMM (the probe passes),
+    with a bias too, and agree with the dequantized reference as the Triton W8A8 kernel does."""
+    assert fp8_kernels.torch_block_mm_available(torch.device(DEV), torch.bfloat16)
+    codes, scale, scale_n = _weights(n, k, "block")
+    assert fp8_kernels.torch_block_shape_ok(codes, scale, scale_n)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    bias = (0.01 * torch.randn(n, device=DEV)).to(torch.bfloat16)  # small: the bound is the product's
+    got = fp8_kernels.torch_block_linear(x, codes, scale, bias)
+    _assert_w8a8(got.float() - bias.float(), x, codes, scale, scale_n)
+
+
+@pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")
+def test_torch_block_route_replays_in_a_graph():
+    codes, scale, scale_n = _weights(4096, 4096, "block")
+    x = torch.randn(64, 4096, device=DEV).to(torch.bfloat16)
+    fp8_kernels.fp8_linear(x, codes, scale, scale_n)  # the probe and the compiles, outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
+    for seed in (1, 2):
+        x.copy_(torch.randn(64, 4096, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out, fp8_kernels.fp8_linear(x, codes, scale, scale_n))
+
+
+def test_torch_block_fallback_logs_one_line(monkeypatch, caplog):
+    """Where torch refuses the block-scaled GEMM the Triton kernels serve, and one line says why."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+    monkeypatch.setattr(fp8_kernels, "_torch_block_call", refuse)
+    monkeypatch.setattr(fp8_kernels, "_TORCH_BLOCK_MM", {})
+    codes, scale, scale_n = _weights(4096, 4096, "block")
+    x = torch.randn(64, 4096, device=DEV).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="specdeploy.engine.kernels.fp8"):
+        for _ in range(3):
+            got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdeploy.engine.kernels.fp8"]
+    assert len(lines) == 1 and "Triton kernels" in lines[0] and "CUBLAS_STATUS_NOT_SUPPORTED" in lines[0], lines
+    _assert_weight_only(got, x, codes, scale, scale_n)  # 64 rows: the weight-only fallback
 
 
 def test_act_quant_kernel_is_deepseeks():

@@ -5,12 +5,14 @@ float32, and the default dtype (bfloat16) serving the same pairs."""
 
 import socket
 
-import openai
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
+openai = pytest.importorskip("openai", reason="serves through the official client (pip install openai)")
+for _server_module in ("fastapi", "uvicorn"):
+    pytest.importorskip(_server_module, reason="needs the engine's server (pip install 'specdeploy[engine]')")
 
 from published_models import (  # noqa: E402
     eagle3_llama31_instruct_8b,

@@ -27,6 +27,10 @@ for m, k, round_scale in [(3, 300, False), (2, 4096, True), (1, 128, False), (0,
     want_y, want_s = fp8.act_quant_reference(x, 128, round_scale)
     assert torch.equal(s, want_s), (m, k, (s - want_s).abs().max())
     assert torch.equal(y.view(torch.uint8), want_y.view(torch.uint8)), (m, k)
+    # the layout cuBLASLt's 1x128 block scaling reads: the same scales, M-fastest
+    y_t, s_t = kernels.act_quant(x, round_scale, column_major=True)
+    assert torch.equal(s_t, want_s) and (m < 2 or s_t.stride() == (1, m)), (m, k, s_t.stride())
+    assert torch.equal(y_t.view(torch.uint8), want_y.view(torch.uint8)), (m, k)
 
 def layouts(n, k):
     w = torch.randn(n, k) * 0.05
@@ -129,3 +133,24 @@ print("ok")
 
 def test_attention_over_an_fp8_pool_interpreted(run_interpreted):
     run_interpreted(KV_SCRIPT)
+
+
+def test_torch_block_route_takes_only_the_layout_cublaslt_reads():
+    """torch's block-scaled GEMM reads codes and 128x128 scales in place: row-major codes, K a
+    multiple of 512, N of 128, one float32 scale per tile; anything else stays on the Triton kernels."""
+    import torch
+
+    from specdeploy.engine.kernels import fp8 as kernels
+    from specdeploy.engine.models import fp8
+
+    def block(n, k):
+        return fp8.quantize_fp8_block(torch.randn(n, k) * 0.05, (128, 128))
+
+    codes, grid = block(256, 1024)
+    assert kernels.torch_block_shape_ok(codes, grid, 128)
+    assert not kernels.torch_block_shape_ok(codes, grid.repeat_interleave(128, 0).contiguous(), 1)  # a row each
+    assert not kernels.torch_block_shape_ok(codes, grid.t().contiguous().t(), 128)  # column-major grid
+    assert not kernels.torch_block_shape_ok(*block(256, 384), 128)  # K/128 = 3: unaligned scale rows
+    assert not kernels.torch_block_shape_ok(*block(200, 1024), 128)  # a partial N tile
+    wide, wide_grid = block(256, 2048)
+    assert not kernels.torch_block_shape_ok(wide[:, :1024], wide_grid[:, :8], 128)  # strided codes
