@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdeploy.engine.serving.auth import AuthMiddleware, Guard
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
@@ -196,9 +197,10 @@ Loader = Callable[[EngineMetrics], tuple]
 
 
 def create_app(state: EngineState, loader: Loader | None = None,
-               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_failure: Callable[[BaseException], None] | None = None, guard: Guard | None = None) -> FastAPI:
     """Build the app. With `loader`, it runs in a worker thread after start-up, so /health answers
-    (and the pod is not killed) while weights load and graphs are captured; /ready turns 200 after."""
+    (and the pod is not killed) while weights load and graphs are captured; /ready turns 200 after.
+    `guard`: API keys and the split roles' secret (serving/auth.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -232,6 +234,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
     app = FastAPI(title="specdeploy engine", lifespan=lifespan)
     app.state.engine = state
     app.openapi = lambda: _openapi_without_422(app)
+    if guard is not None:
+        app.add_middleware(AuthMiddleware, guard=guard)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

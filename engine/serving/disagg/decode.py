@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 from specdeploy.engine.runtime.transfer import PoolLayout, StagingArena
@@ -43,13 +44,14 @@ class PrefillFailed(Exception):
 
 class DecodeService:
     def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float, agent=None,
-                 arena: StagingArena | None = None):
+                 arena: StagingArena | None = None, peer_headers: Callable[[], dict[str, str]] = dict):
         self.scheduler, self.runner, self.info, self.timeout_s = scheduler, scheduler.runner, info, timeout_s
         self.agent = agent  # kept alive: peers write into the memory it registered
         self.arena = arena  # registered staging: receive there, scatter into the slots on activation
         self._peers: dict[str, ServerInfo] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._client: httpx.AsyncClient | None = None
+        self._peer_headers = peer_headers  # the split roles' shared secret (serving/auth.py), read per call
         self.transfers = 0
         self.failures = 0
 
@@ -87,7 +89,7 @@ class DecodeService:
     async def _peer(self, url: str) -> ServerInfo:
         info = self._peers.get(url)
         if info is None:
-            r = await self._http().get(f"{url}/disagg/info", timeout=10.0)
+            r = await self._http().get(f"{url}/disagg/info", timeout=10.0, headers=self._peer_headers())
             if r.status_code != 200:
                 raise PrefillFailed(f"{url}/disagg/info answered {r.status_code}")
             info = ServerInfo.from_dict(r.json())
@@ -120,7 +122,7 @@ class DecodeService:
                     "target_kv": layouts[0], "draft_kv": layouts[1] if len(layouts) > 1 else None,
                     "metadata": self.runner.metadata.row_addresses(row), "staging": staging}
             sent = True
-            r = await self._http().post(f"{url}/disagg/prefill", json=body)
+            r = await self._http().post(f"{url}/disagg/prefill", json=body, headers=self._peer_headers())
             sent = False  # it answered: it has finished with the request either way
             if r.status_code != 200:
                 raise PrefillFailed(f"the prefill server answered {r.status_code}: {_message(r)}")
@@ -152,7 +154,8 @@ class DecodeService:
         if not sent:
             return
         try:
-            r = await self._http().post(f"{url}/disagg/abort", json={"room": room}, timeout=ABORT_ACK_TIMEOUT_S)
+            r = await self._http().post(f"{url}/disagg/abort", json={"room": room}, timeout=ABORT_ACK_TIMEOUT_S,
+                                        headers=self._peer_headers())
             if r.status_code == 200:
                 return
         except httpx.ConnectError:
