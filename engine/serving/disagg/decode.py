@@ -3,7 +3,10 @@
 The scheduler admits a request that names a prefill server with `runner.receive` (its prompt's
 KV slots and its metadata row taken) and calls `start` on the event loop. The exchange:
   1. handshake, once per prefill server: GET /disagg/info, refused unless the two pair
-     (protocol.ServerInfo.mismatch);
+     (protocol.ServerInfo.mismatch), then POST /disagg/register with this server's Mooncake
+     session and the memory its transfer engine registered (the only memory the prefill server
+     will write into; a 412 later says it forgot, and the handshake runs again); every call
+     carries the split roles' shared secret (serving/auth.py);
   2. take a region of this server's staging arena for the request's KV (waiting, until the
      deadline, while the arena is full), then POST /disagg/prefill with the prompt, the sampling
      parameters (the prefill server samples the first token), a deadline, and where to write:
@@ -98,6 +101,12 @@ class DecodeService:
             why = self.info.mismatch(info)
             if why is not None:
                 raise PrefillFailed(f"{url} does not pair with this decode server: {why}")
+            # Name the memory the prefill server may write into: nothing else of this process.
+            regions = [{"address": a, "bytes": n} for a, n in self.agent.regions()]
+            r = await self._http().post(f"{url}/disagg/register", json={"peer": self.info.to_dict(), "regions": regions},
+                                        timeout=10.0, headers=self._peer_headers())
+            if r.status_code != 200:
+                raise PrefillFailed(f"{url}/disagg/register answered {r.status_code}: {_message(r)}")
             self._peers[url] = info
             log.info("paired with prefill server %s (Mooncake session %s)", url, info.session_id)
         return info
@@ -123,6 +132,10 @@ class DecodeService:
                     "metadata": self.runner.metadata.row_addresses(row), "staging": staging}
             sent = True
             r = await self._http().post(f"{url}/disagg/prefill", json=body, headers=self._peer_headers())
+            if r.status_code == 412:  # it restarted and forgot this server: register again, once
+                self._peers.pop(url, None)
+                await self._peer(url)
+                r = await self._http().post(f"{url}/disagg/prefill", json=body, headers=self._peer_headers())
             sent = False  # it answered: it has finished with the request either way
             if r.status_code != 200:
                 raise PrefillFailed(f"the prefill server answered {r.status_code}: {_message(r)}")
