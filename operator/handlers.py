@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,7 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
     try:
         target_config, draft_config, origins, weights = resolve_configs(sdd, kube, options)
+        config_source.check_api_key_secret(sdd["spec"], namespace, kube)
         planned: PlannedEngine = plan_engine(sdd["spec"], target_config, draft_config, weights)
     except (config_source.ConfigSourceError, PlanningError) as err:
         transient = getattr(err, "transient", False)
@@ -201,6 +203,9 @@ def _converge_roles(
     now = status.now_rfc3339
     children = roles.render_roles(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
     try:
+        # Made once, random; an existing one is left as it is (pods holding it keep pairing).
+        if kube.ensure_secret(roles.disagg_secret_object(sdd, secrets.token_urlsafe(32))):
+            logger.info(f"created Secret {roles.disagg_secret_name(name)}: the roles' shared secret")
         applied = kube.apply_objects(children.all())
     except ChildConflict as err:
         conflict = str(err)

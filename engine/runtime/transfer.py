@@ -447,6 +447,10 @@ class MooncakeAgent:
             raise RuntimeError(f"Mooncake could not register {nbytes} bytes")
         self._registered.append(tensor)
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every tensor registered here: all a peer may write into."""
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self._registered]
+
     def write(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
         """Write local srcs to the peer's dsts (blocking); -> bytes written."""
         for i in range(0, len(srcs), MAX_BATCH_ENTRIES):

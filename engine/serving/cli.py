@@ -123,6 +123,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "pools (host memory only: this Mooncake build cannot register GPU memory)")
     p.add_argument("--prefill-timeout-s", type=float, default=None,
                    help="decode: how long a request may wait for its prefill server (default: 120)")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="clients must send `Authorization: Bearer KEY`, KEY one of this file's lines (read "
+                        "again when it changes: a mounted Secret rotates in place); /health, /ready and "
+                        "/metrics stay open")
+    p.add_argument("--disagg-secret-file", metavar="PATH",
+                   help="prefill/decode: the secret the router and the split roles share; /disagg/* (and a "
+                        "decode server's OpenAI routes) refuse calls without it")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="GPUs (processes) one model is split over (default: the plan's, else 1)")
     p.add_argument("--random-weights", action="store_true",
@@ -150,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging()
     try:
         check_args(args)
+        guard = serve_guard(args)
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -158,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
     config, limits = server_config(args)
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
     ranks = TensorParallelRanks()
-    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks),
-                            on_load_failure=server.fail, limits=limits)
+    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks, guard),
+                            on_load_failure=server.fail, limits=limits, guard=guard)
     try:
         server.run()
     finally:
@@ -211,6 +219,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     if args.plan and args.gpu_memory_fraction != 1:
         raise ValueError("--gpu-memory-fraction is for a plan made here; a --plan was made for its GPU already")
+
+
+def serve_guard(args: argparse.Namespace):
+    """The server's auth.Guard from --api-key-file / --disagg-secret-file (None: open); raises
+    ValueError for a file that cannot serve or a secret given to --role both."""
+    from specdeploy.engine.serving.auth import guard_from_files
+
+    if args.disagg_secret_file and args.role == "both":
+        raise ValueError("--disagg-secret-file is for --role prefill or decode")
+    if args.role != "both" and not args.disagg_secret_file:
+        log.warning("--role %s without --disagg-secret-file: /disagg/* is open to anyone who reaches this "
+                    "port", args.role)
+    return guard_from_files(args.api_key_file, args.disagg_secret_file, router_only=args.role == "decode")
 
 
 def _spec_settings(args: argparse.Namespace):
@@ -593,7 +614,7 @@ class TensorParallelRanks:
         self.workers = None
 
 
-def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | None = None):
+def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | None = None, guard=None):
     """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread.
     With a tensor-parallel plan, starts the other ranks through `ranks` first."""
     import torch
@@ -686,10 +707,10 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
              f", tensor parallel {tp_size}" if tp_size > 1 else "")
     if args.role == "both":
         return scheduler, tokenizer
-    return scheduler, tokenizer, disaggregation_service(args, scheduler, plan)
+    return scheduler, tokenizer, disaggregation_service(args, scheduler, plan, guard)
 
 
-def disaggregation_service(args: argparse.Namespace, scheduler, plan):
+def disaggregation_service(args: argparse.Namespace, scheduler, plan, guard=None):
     """The split roles: a Mooncake agent with the KV pools and the metadata buffer registered,
     and the role's service (engine/serving/disagg/)."""
     from specdeploy.engine.runtime.transfer import MooncakeAgent
@@ -726,9 +747,11 @@ def disaggregation_service(args: argparse.Namespace, scheduler, plan):
         from specdeploy.engine.serving.disagg.prefill import PrefillService
 
         return PrefillService(scheduler, agent, info, arena)
+    from specdeploy.engine.serving.auth import disagg_headers
     from specdeploy.engine.serving.disagg.decode import DecodeService
 
-    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S, agent, arena)
+    service = DecodeService(scheduler, info, args.prefill_timeout_s or DEFAULT_PREFILL_TIMEOUT_S, agent, arena,
+                            peer_headers=lambda: disagg_headers(guard))
     scheduler.remote = service
     return service
 
@@ -774,14 +797,15 @@ class ServerThread:
         add_parser(parser.add_subparsers(dest="command", required=True))
         args = parser.parse_args(argv)
         check_args(args)
+        guard = serve_guard(args)
         self.args = args
         model_name = args.served_model_name or args.target
         self.state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
         config, limits = server_config(args)
         self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
         self.ranks = TensorParallelRanks()
-        config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics, self.ranks),
-                                on_load_failure=self.server.fail, limits=limits)
+        config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics, self.ranks, guard),
+                                on_load_failure=self.server.fail, limits=limits, guard=guard)
         self.base_url = f"http://{args.host}:{args.port}"
         self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
 

@@ -6,7 +6,8 @@ Everything about batching lives in the scheduler, everything about tensors in th
 Roles (docs/disaggregation.md): a "decode" server takes OpenAI requests only with the header
 that names their prefill server (the router sets it) and a "prefill" server takes none; both
 answer /disagg/info (the handshake) and /disagg/status (load, for the router); a prefill server
-also serves /disagg/prefill and /disagg/abort (engine/serving/disagg/prefill.py).
+also serves /disagg/register, /disagg/prefill and /disagg/abort (engine/serving/disagg/prefill.py).
+Who may call which route is serving/auth.py's (a middleware).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
+from specdeploy.engine.serving.auth import AuthMiddleware, Guard
+from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody, RegisterBody
 from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, MIN_SAMPLING_TEMPERATURE,
                                               lone_surrogate, refused_field, stop_problem)
 from specdeploy.engine.serving.limits import (MIN_CONCURRENT_REQUESTS, RETRY_AFTER_S, ConnectionLimits,
@@ -149,14 +151,17 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "Invalid request", 404: "Unknown model", 408: "The body did not arrive in time",
             413: "The body is larger than the server takes", 429: "Queue full or too many requests, retry later",
             503: "Not ready (loading weights) or draining",
-            409: "Aborted (or the room is in use)", 502: "The transfer to the decode server failed",
+            409: "Aborted (or the room is in use)",
+            403: "The peer's session was registered from another address",
+            412: "The peer's session is not registered (POST /disagg/register)", 502: "The transfer to the decode server failed",
             504: "The prefill outlasted the request's deadline"}
     return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
 
 
 # The disaggregation routes (docs/disaggregation.md); 404: a server of another role.
 _DISAGG_INFO_RESPONSES = _errors(404, 503)
-_DISAGG_PREFILL_RESPONSES = _errors(400, 404, 409, 502, 503, 504)
+_DISAGG_PREFILL_RESPONSES = _errors(400, 403, 404, 409, 412, 502, 503, 504)
+_DISAGG_REGISTER_RESPONSES = _errors(400, 404, 503)
 _DISAGG_ABORT_RESPONSES = _errors(400, 404, 503)
 
 _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -219,10 +224,11 @@ Loader = Callable[[EngineMetrics], tuple]
 
 def create_app(state: EngineState, loader: Loader | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None,
-               limits: ConnectionLimits | None = None) -> FastAPI:
+               limits: ConnectionLimits | None = None, guard: Guard | None = None) -> FastAPI:
     """Build the app. With `loader`, it runs in a worker thread after start-up, so /health answers
     (and the pod is not killed) while weights load and graphs are captured; /ready turns 200 after.
-    `limits`: body size and deadline, the concurrency cap (limits.py; default ConnectionLimits())."""
+    `limits`: body size and deadline, the concurrency cap (limits.py; default ConnectionLimits());
+    `guard`: API keys and the split roles' secret (serving/auth.py)."""
     limits = limits or ConnectionLimits()
 
     @asynccontextmanager
@@ -272,6 +278,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
 
     app.add_middleware(RequestLimitsMiddleware, limits=limits, cap=concurrency_cap, refuse=refuse)
     app.openapi = lambda: _openapi_without_422(app)
+    if guard is not None:
+        app.add_middleware(AuthMiddleware, guard=guard)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -365,6 +373,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
             raise APIError(400, f"{PREFILL_URL_HEADER}: not an http(s) URL", code="wrong_role")
         return url
 
+    def caller(request: Request) -> str:
+        return request.client.host if request.client else ""
+
     def disagg_service(role: str):
         if state.role != role:
             raise APIError(404, f"this is a {state.role!r} server, not a {role} server", code="wrong_role")
@@ -395,20 +406,29 @@ def create_app(state: EngineState, loader: Loader | None = None,
         return out
 
     @app.post("/disagg/prefill", responses=_DISAGG_PREFILL_RESPONSES)
-    async def disagg_prefill(body: PrefillBody):
+    async def disagg_prefill(body: PrefillBody, request: Request):
         from specdeploy.engine.serving.disagg.prefill import PrefillRefused
 
         service = disagg_service("prefill")
         if state.scheduler.draining:
             raise APIError(503, "the server is shutting down", code="draining")
         try:
-            return await service.prefill(body)
+            return await service.prefill(body, caller(request))
         except PrefillRefused as e:
             raise APIError(e.status_code, str(e), code="prefill_refused") from None
 
     @app.post("/disagg/abort", responses=_DISAGG_ABORT_RESPONSES)
-    async def disagg_abort(body: AbortBody):
-        return await disagg_service("prefill").abort(body)
+    async def disagg_abort(body: AbortBody, request: Request):
+        return await disagg_service("prefill").abort(body, caller(request))
+
+    @app.post("/disagg/register", responses=_DISAGG_REGISTER_RESPONSES)
+    async def disagg_register(body: RegisterBody, request: Request):
+        from specdeploy.engine.serving.disagg.prefill import PrefillRefused
+
+        try:
+            return disagg_service("prefill").register(body, caller(request))
+        except PrefillRefused as e:
+            raise APIError(e.status_code, str(e), code="register_refused") from None
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionBody, request: Request):

@@ -30,6 +30,7 @@ import httpx
 from specdeploy.engine.planner.errors import ConfigError
 from specdeploy.engine.planner.weights import SINGLE_FILE, CheckpointWeights, read_checkpoint_weights
 from specdeploy.operator import api
+from specdeploy.operator.desired.render import api_key_secret
 
 DEFAULT_REVISION = "main"
 DEFAULT_CONFIG_KEY = "config.json"
@@ -96,6 +97,26 @@ def resolve_hub_token(
             transient=True,
         )
     return token.strip()
+
+
+def check_api_key_secret(spec: dict[str, Any], namespace: str, reader: ClusterReader) -> None:
+    """spec.engine.apiKeySecretRef must name a Secret that exists and holds at least one key:
+    the pod would otherwise wait for the volume, or the engine refuse to start. Transient: the
+    Secret may be created or fixed at any time."""
+    ref = api_key_secret(spec)
+    if ref is None:
+        return
+    name, key = ref
+    field = "spec.engine.apiKeySecretRef"
+    data = reader.secret_data(namespace, name)
+    if data is None:
+        raise ConfigSourceError(api.REASON_API_KEY_SECRET_NOT_FOUND,
+                                f"{field}: Secret {namespace}/{name} not found", transient=True)
+    lines = [line.strip() for line in (data.get(key) or "").splitlines()]
+    if not any(line and not line.startswith("#") for line in lines):
+        raise ConfigSourceError(api.REASON_API_KEY_SECRET_NOT_FOUND,
+                                f"{field}: Secret {namespace}/{name} has no key {key!r} holding an API key "
+                                "(one per line)", transient=True)
 
 
 def resolve_model_config(

@@ -238,6 +238,32 @@ class KubeClient:
         applied = {child["kind"]: self._apply_unchecked(child) for child in children.all()}
         return applied["Deployment"]
 
+    def ensure_secret(self, obj: dict[str, Any]) -> bool:
+        """Create the Secret `obj` unless it exists; never rewrite one that does (its value is
+        generated once: pods holding it must keep pairing). ChildConflict when a Secret of that
+        name is not this resource's. -> whether it was created now."""
+        meta = obj["metadata"]
+        try:
+            existing = self._dict(self.core.read_namespaced_secret(meta["name"], meta["namespace"]))
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            existing = None
+        if existing is None:
+            try:
+                self.core.create_namespaced_secret(meta["namespace"], obj, field_manager=FIELD_MANAGER)
+                return True
+            except ApiException as err:
+                if err.status != 409:  # created meanwhile (another operator replica): check it below
+                    raise
+            existing = self._dict(self.core.read_namespaced_secret(meta["name"], meta["namespace"]))
+        theirs, ours = controller_owner(existing), controller_owner(obj)
+        if theirs is None or theirs.get("uid") != ours.get("uid"):
+            owner = f"{theirs['kind']} {theirs['name']}" if theirs else "no controller"
+            raise ChildConflict(f"Secret {meta['namespace']}/{meta['name']} already exists and is owned by {owner};"
+                                " rename the SpecDecodeDeployment or remove that Secret")
+        return False
+
     def apply_objects(self, objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """apply_children for any list of ConfigMaps, Deployments and Services (a disaggregated
         resource's): ownership of all is checked first; -> the applied Deployments by name."""

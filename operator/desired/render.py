@@ -34,6 +34,12 @@ CONFIG_MOUNT_PATH = "/etc/specdeploy"
 PLAN_PATH = f"{CONFIG_MOUNT_PATH}/plan.json"
 MODEL_CACHE_PATH = "/var/cache/huggingface"
 GPU_RESOURCE = "nvidia.com/gpu"
+# spec.engine.apiKeySecretRef: the Secret mounted whole (a subPath mount would never see an
+# update: rotation is the engine re-reading the file the kubelet swaps in place).
+API_KEYS_VOLUME = "api-keys"
+API_KEYS_MOUNT_PATH = "/var/run/secrets/specdeploy/api-keys"
+API_KEYS_FILE = "keys"
+DEFAULT_API_KEY_SECRET_KEY = "api-keys"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 # Loading weights from a hub and capturing CUDA graphs can take many minutes before /health
@@ -301,6 +307,35 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
     return args
 
 
+def secret_file_volume(volume: str, secret: str, key: str, file_name: str,
+                       mount_path: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(pod volume, container mount, file path) of one key of a Secret, mounted read-only."""
+    return ({"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": file_name}],
+                                        "defaultMode": 0o444}},
+            {"name": volume, "mountPath": mount_path, "readOnly": True},
+            f"{mount_path}/{file_name}")
+
+
+def api_key_secret(spec: dict[str, Any]) -> tuple[str, str] | None:
+    """(Secret name, key) of spec.engine.apiKeySecretRef, or None."""
+    ref = (spec.get("engine") or {}).get("apiKeySecretRef")
+    if not ref:
+        return None
+    return ref["name"], ref.get("key") or DEFAULT_API_KEY_SECRET_KEY
+
+
+def with_api_keys(spec: dict[str, Any], container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """Mount spec.engine.apiKeySecretRef into the container that faces clients (the engine, or a
+    disaggregated resource's router) and pass --api-key-file (in place)."""
+    ref = api_key_secret(spec)
+    if ref is None:
+        return
+    volume, mount, path = secret_file_volume(API_KEYS_VOLUME, *ref, API_KEYS_FILE, API_KEYS_MOUNT_PATH)
+    container["args"] = [*container["args"], "--api-key-file", path]
+    container.setdefault("volumeMounts", []).append(mount)
+    pod_spec.setdefault("volumes", []).append(volume)
+
+
 def _canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
@@ -411,6 +446,9 @@ def render_children(
         spec, image, engine_args(settings), _engine_env(spec, hub_endpoint, planned.cpu),
         _engine_resources(spec, 0 if planned.cpu else planned.tensor_parallel_size),
     )
+    cache_volume, cache_claim, cache_status = render_model_cache(sdd, planned.plan)
+    pod_spec = engine_pod_spec(spec, container, config_map_name(name), planned, cache_volume)
+    with_api_keys(spec, container, pod_spec)
     hash_value = config_hash(config_map_data, {"image": image, "args": container["args"]})
 
     config_map = {
@@ -419,9 +457,7 @@ def render_children(
         "metadata": {"name": config_map_name(name), "labels": dict(labels)},
         "data": config_map_data,
     }
-    cache_volume, cache_claim, cache_status = render_model_cache(sdd, planned.plan)
     cache_status["weights"] = weights_sources(spec, hub_endpoint)
-    pod_spec = engine_pod_spec(spec, container, config_map_name(name), planned, cache_volume)
     deployment = deployment_object(deployment_name(name), labels, selector_labels(name),
                                    spec.get("replicas", 1), hash_value, pod_spec)
     service = service_object(service_name(name), labels, selector_labels(name))
@@ -464,6 +500,8 @@ def engine_pod_spec(spec: dict[str, Any], container: dict[str, Any], config_map:
         "containers": [container],
         "terminationGracePeriodSeconds": engine.get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S),
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: a token in the pod is only something to steal.
+        "automountServiceAccountToken": False,
         **({} if planned.cpu else _gpu_scheduling(planned.gpu_product_label)),
         "volumes": [
             {"name": "engine-config", "configMap": {"name": config_map}},

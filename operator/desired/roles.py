@@ -8,6 +8,9 @@
     Deployment NAME-router                               `specdeploy router --prefill .. --decode ..`
     Service    NAME                                      the router: the address clients use, as
                                                          for an aggregated resource
+    Secret     NAME-disagg                               the roles' shared secret (created once by
+                                                         the operator, random; every role pod mounts
+                                                         it: --disagg-secret-file)
 
 Pods carry the ROLE_LABEL; router pods are app specdeploy-router (so metrics scrapes and the
 engine selector find engine pods only). One config hash over every role's inputs is stamped on
@@ -42,6 +45,8 @@ from specdeploy.operator.desired.render import (
     _engine_resources,
     _http_probe,
     common_labels,
+    secret_file_volume,
+    with_api_keys,
     config_hash,
     deployment_object,
     engine_args,
@@ -58,6 +63,33 @@ from specdeploy.operator.desired.render import (
 ROUTER_CONTAINER = "router"
 ROLES = (*ENGINE_ROLES, "router")
 DEFAULT_TRANSFER_PROTOCOL = "tcp"
+DISAGG_SECRET_KEY = "secret"
+DISAGG_SECRET_VOLUME = "disagg-secret"
+DISAGG_SECRET_MOUNT_PATH = "/var/run/secrets/specdeploy/disagg"
+DISAGG_SECRET_FILE = "secret"
+
+
+def disagg_secret_name(name: str) -> str:
+    return f"{name}-disagg"
+
+
+def disagg_secret_object(sdd: dict[str, Any], secret: str) -> dict[str, Any]:
+    """The shared secret of a disaggregated resource's roles, as created (once: the operator
+    never rewrites it, so pods keep pairing across reconciles). Owned by the resource."""
+    name = sdd["metadata"]["name"]
+    obj = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+           "metadata": {"name": disagg_secret_name(name), "labels": common_labels(name)},
+           "stringData": {DISAGG_SECRET_KEY: secret}}
+    finish_children(sdd, [obj], common_labels(name))
+    return obj
+
+
+def _with_disagg_secret(name: str, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    volume, mount, path = secret_file_volume(DISAGG_SECRET_VOLUME, disagg_secret_name(name), DISAGG_SECRET_KEY,
+                                             DISAGG_SECRET_FILE, DISAGG_SECRET_MOUNT_PATH)
+    container["args"] = [*container["args"], "--disagg-secret-file", path]
+    container.setdefault("volumeMounts", []).append(mount)
+    pod_spec.setdefault("volumes", []).append(volume)
 
 
 def with_host_staging(resources: dict[str, Any], staging_bytes: int) -> dict[str, Any]:
@@ -190,6 +222,19 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
     }
     if engine.get("imagePullPolicy"):
         router_container["imagePullPolicy"] = engine["imagePullPolicy"]
+    pod_specs = {role: engine_pod_spec(spec, containers[role], role_config_map_name(name, role), planned)
+                 for role in ENGINE_ROLES}
+    router_pod = {
+        "containers": [router_container],
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 30,
+    }
+    # Clients meet the router: it checks their keys; the roles check the shared secret.
+    with_api_keys(spec, router_container, router_pod)
+    for role in ENGINE_ROLES:
+        _with_disagg_secret(name, containers[role], pod_specs[role])
+    _with_disagg_secret(name, router_container, router_pod)
     hash_value = config_hash(
         {r: config_maps[r]["data"] for r in ENGINE_ROLES},
         {"image": image, "args": {r: c["args"] for r, c in containers.items()},
@@ -198,17 +243,11 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
 
     deployments, services = {}, {}
     for role in ENGINE_ROLES:
-        pod_spec = engine_pod_spec(spec, containers[role], role_config_map_name(name, role), planned)
         deployments[role] = deployment_object(
             role_deployment_name(name, role), role_labels(name, role), role_selector(name, role),
-            role_spec(spec, role).get("replicas", 1), hash_value, pod_spec)
+            role_spec(spec, role).get("replicas", 1), hash_value, pod_specs[role])
         services[role] = service_object(role_service_name(name, role), role_labels(name, role),
                                   role_selector(name, role), headless=True)
-    router_pod = {
-        "containers": [router_container],
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-    }
     deployments["router"] = deployment_object(
         role_deployment_name(name, "router"), role_labels(name, "router"), role_selector(name, "router"),
         role_spec(spec, "router").get("replicas", 1), hash_value, router_pod)

@@ -49,6 +49,13 @@ INVALID = {
     ),
     "local-path-from-hub": (spec(target={"model": "/models/llama"}), "a local model path cannot be read from the hub"),
     "dot-dot-model": (spec(target={"model": "org/../etc"}), "must not contain '.' or '..'"),
+    # Rendered as `--target VALUE`: a leading '-' would be read as a flag.
+    "dash-model": (spec(target={"model": "--plan=/tmp/x"}), "spec.target.model"),
+    "dash-draft": (spec(draft={"model": "-x/eagle"}), "spec.draft.model"),
+    "dot-dot-revision": (spec(target={**LLAMA, "revision": "refs/../../etc"}), "must not contain '.' or '..'"),
+    "dot-revision": (spec(draft={**EAGLE3, "revision": "."}), "must not contain '.' or '..'"),
+    "dash-revision": (spec(target={**LLAMA, "revision": "--help"}), "spec.target.revision"),
+    "api-key-secret-without-name": (spec(engine={"apiKeySecretRef": {"key": "k"}}), "spec.engine.apiKeySecretRef.name"),
     "unknown-gpu": (spec(gpu={"product": "b200"}), "spec.gpu.product"),
     "graph-batch-over-running": (
         spec(engine={"maxRunningRequests": 8, "cudaGraphMaxBatchSize": 16}),

@@ -22,6 +22,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--refresh-s", type=float, default=1.0, help="seconds between backend status reads")
     p.add_argument("--timeout-s", type=float, default=600.0, help="longest a request may take")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="clients must send `Authorization: Bearer KEY`, KEY one of this file's lines (read "
+                        "again when it changes); /health, /ready and /metrics stay open")
+    p.add_argument("--disagg-secret-file", metavar="PATH",
+                   help="the secret the prefill and decode servers were given (--disagg-secret-file there)")
     p.set_defaults(func=run)
     return p
 
@@ -38,16 +43,18 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from specdeploy.engine.serving.auth import guard_from_files
     from specdeploy.engine.serving.cli import configure_logging
     from specdeploy.engine.serving.disagg.router import create_app
 
     configure_logging()
     try:
         check_args(args)
+        guard = guard_from_files(args.api_key_file, args.disagg_secret_file)
     except ValueError as e:
         log.error("%s", e)
         return 2
-    app = create_app(args.prefill, args.decode, refresh_s=args.refresh_s, timeout_s=args.timeout_s)
+    app = create_app(args.prefill, args.decode, refresh_s=args.refresh_s, timeout_s=args.timeout_s, guard=guard)
     log.info("router: prefill %s, decode %s", " ".join(args.prefill), " ".join(args.decode))
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, timeout_keep_alive=30)
     return 0

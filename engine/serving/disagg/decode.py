@@ -3,7 +3,10 @@
 The scheduler admits a request that names a prefill server with `runner.receive` (its prompt's
 KV slots and its metadata row taken) and calls `start` on the event loop. The exchange:
   1. handshake, once per prefill server: GET /disagg/info, refused unless the two pair
-     (protocol.ServerInfo.mismatch);
+     (protocol.ServerInfo.mismatch), then POST /disagg/register with this server's Mooncake
+     session and the memory its transfer engine registered (the only memory the prefill server
+     will write into; a 412 later says it forgot, and the handshake runs again); every call
+     carries the split roles' shared secret (serving/auth.py);
   2. take a region of this server's staging arena for the request's KV (waiting, until the
      deadline, while the arena is full), then POST /disagg/prefill with the prompt, the sampling
      parameters (the prefill server samples the first token), a deadline, and where to write:
@@ -24,6 +27,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 from specdeploy.engine.runtime.transfer import PoolLayout, StagingArena
@@ -43,13 +47,14 @@ class PrefillFailed(Exception):
 
 class DecodeService:
     def __init__(self, scheduler: Scheduler, info: ServerInfo, timeout_s: float, agent=None,
-                 arena: StagingArena | None = None):
+                 arena: StagingArena | None = None, peer_headers: Callable[[], dict[str, str]] = dict):
         self.scheduler, self.runner, self.info, self.timeout_s = scheduler, scheduler.runner, info, timeout_s
         self.agent = agent  # kept alive: peers write into the memory it registered
         self.arena = arena  # registered staging: receive there, scatter into the slots on activation
         self._peers: dict[str, ServerInfo] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._client: httpx.AsyncClient | None = None
+        self._peer_headers = peer_headers  # the split roles' shared secret (serving/auth.py), read per call
         self.transfers = 0
         self.failures = 0
 
@@ -87,7 +92,7 @@ class DecodeService:
     async def _peer(self, url: str) -> ServerInfo:
         info = self._peers.get(url)
         if info is None:
-            r = await self._http().get(f"{url}/disagg/info", timeout=10.0)
+            r = await self._http().get(f"{url}/disagg/info", timeout=10.0, headers=self._peer_headers())
             if r.status_code != 200:
                 raise PrefillFailed(f"{url}/disagg/info answered {r.status_code}")
             info = ServerInfo.from_dict(r.json())
@@ -96,6 +101,12 @@ class DecodeService:
             why = self.info.mismatch(info)
             if why is not None:
                 raise PrefillFailed(f"{url} does not pair with this decode server: {why}")
+            # Name the memory the prefill server may write into: nothing else of this process.
+            regions = [{"address": a, "bytes": n} for a, n in self.agent.regions()]
+            r = await self._http().post(f"{url}/disagg/register", json={"peer": self.info.to_dict(), "regions": regions},
+                                        timeout=10.0, headers=self._peer_headers())
+            if r.status_code != 200:
+                raise PrefillFailed(f"{url}/disagg/register answered {r.status_code}: {_message(r)}")
             self._peers[url] = info
             log.info("paired with prefill server %s (Mooncake session %s)", url, info.session_id)
         return info
@@ -120,7 +131,11 @@ class DecodeService:
                     "target_kv": layouts[0], "draft_kv": layouts[1] if len(layouts) > 1 else None,
                     "metadata": self.runner.metadata.row_addresses(row), "staging": staging}
             sent = True
-            r = await self._http().post(f"{url}/disagg/prefill", json=body)
+            r = await self._http().post(f"{url}/disagg/prefill", json=body, headers=self._peer_headers())
+            if r.status_code == 412:  # it restarted and forgot this server: register again, once
+                self._peers.pop(url, None)
+                await self._peer(url)
+                r = await self._http().post(f"{url}/disagg/prefill", json=body, headers=self._peer_headers())
             sent = False  # it answered: it has finished with the request either way
             if r.status_code != 200:
                 raise PrefillFailed(f"the prefill server answered {r.status_code}: {_message(r)}")
@@ -152,7 +167,8 @@ class DecodeService:
         if not sent:
             return
         try:
-            r = await self._http().post(f"{url}/disagg/abort", json={"room": room}, timeout=ABORT_ACK_TIMEOUT_S)
+            r = await self._http().post(f"{url}/disagg/abort", json={"room": room}, timeout=ABORT_ACK_TIMEOUT_S,
+                                        headers=self._peer_headers())
             if r.status_code == 200:
                 return
         except httpx.ConnectError:

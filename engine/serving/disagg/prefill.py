@@ -12,6 +12,11 @@ POST /disagg/prefill (protocol.PrefillBody), per request:
      to or read from slot run by slot run (transfer.kv_copies);
   4. release the slots and answer 200 (or an error: 4xx for a request this server refuses,
      409 aborted, 503 busy, 502 transfer failed, 504 past the deadline).
+POST /disagg/register {peer, regions}: a decode server's Mooncake session and the memory it
+registered (docs/disaggregation.md: the control plane). A prefill request is refused unless its
+peer's session was registered, from the same caller address, and every byte it would write falls
+inside those regions: a request body cannot aim the transfer engine at another process or at
+memory the decode server did not offer.
 POST /disagg/abort {room}: stop that request (waiting for a transfer under way to end) and answer
 only then, so the decode server may reuse its slots; a room aborted before its prefill arrived is
 remembered and refused. No transfer starts after the request's deadline (received + timeout_s).
@@ -20,9 +25,11 @@ remembered and refused. No transfer starts after the request's deadline (receive
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 from specdeploy.engine.runtime.transfer import (
     MetadataBuffers,
@@ -33,7 +40,7 @@ from specdeploy.engine.runtime.transfer import (
     kv_copies,
     region_copies,
 )
-from specdeploy.engine.serving.disagg.protocol import AbortBody, PrefillBody, ServerInfo
+from specdeploy.engine.serving.disagg.protocol import AbortBody, PrefillBody, RegisterBody, ServerInfo
 from specdeploy.engine.serving.scheduler import (
     SamplingParams,
     Scheduler,
@@ -45,6 +52,25 @@ log = logging.getLogger("specdeploy.disagg.prefill")
 # Rooms aborted before (or while) their prefill arrived, remembered so that a late prefill
 # request for one is refused instead of writing into slots the decode server has reused.
 _TOMBSTONES = 4096
+# Decode servers remembered (the oldest registration is forgotten first; it registers again).
+_MAX_SESSIONS = 1024
+
+
+@dataclass(frozen=True)
+class Session:
+    """A registered decode server: who registered it, and where it may be written."""
+
+    caller: str                       # the HTTP client address that registered it
+    ranges: tuple[tuple[int, int], ...]  # [start, end) of each registered region, sorted
+
+    def outside(self, addresses: list[int], lengths: list[int]) -> tuple[int, int] | None:
+        """The first (address, length) not inside one registered region, or None."""
+        starts = [start for start, _ in self.ranges]
+        for address, length in zip(addresses, lengths):
+            i = bisect.bisect_right(starts, address) - 1
+            if i < 0 or address + length > self.ranges[i][1]:
+                return address, length
+        return None
 
 
 class PrefillRefused(Exception):
@@ -57,18 +83,40 @@ class PrefillService:
     def __init__(self, scheduler: Scheduler, agent, info: ServerInfo, arena: StagingArena | None = None):
         self.scheduler, self.runner, self.agent, self.info = scheduler, scheduler.runner, agent, info
         self.arena = arena  # registered staging (transfer.py); None: send from the registered pools
-        self._jobs: dict[str, asyncio.Task] = {}
-        self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Rooms are the decode server's names, kept per caller: one peer cannot abort another's.
+        self._jobs: dict[tuple[str, str], asyncio.Task] = {}
+        self._aborted: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self.bytes_sent = 0
         self.transfers = 0
         self.transfer_s = 0.0  # summed over transfers: bytes_sent / transfer_s is the bandwidth
 
-    async def prefill(self, body: PrefillBody) -> dict:
+    def register(self, body: RegisterBody, caller: str) -> dict:
+        """POST /disagg/register; raises PrefillRefused."""
+        peer = _peer_info(body.peer)
+        if peer.role != "decode":
+            raise PrefillRefused(400, f"only a decode server registers with a prefill server, not a {peer.role!r} one")
+        why = self.info.mismatch(peer)
+        if why is not None:
+            raise PrefillRefused(400, f"the decode server does not pair with this prefill server: {why}")
+        ranges = tuple(sorted((r.address, r.address + r.bytes) for r in body.regions))
+        if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+            raise PrefillRefused(400, "registered regions overlap")
+        self._sessions.pop(peer.session_id, None)
+        self._sessions[peer.session_id] = Session(caller, ranges)
+        while len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        log.info("decode server %s registered Mooncake session %s (%d regions, %d bytes)", caller,
+                 peer.session_id, len(ranges), sum(end - start for start, end in ranges))
+        return {"session_id": peer.session_id, "regions": len(ranges)}
+
+    async def prefill(self, body: PrefillBody, caller: str = "") -> dict:
         """The whole of one POST /disagg/prefill; raises PrefillRefused."""
-        if body.room in self._aborted or body.room in self._jobs:
+        key = (caller, body.room)
+        if key in self._aborted or key in self._jobs:
             raise PrefillRefused(409, f"room {body.room}: aborted or already in use")
-        job = asyncio.ensure_future(self._run(body, time.monotonic() + body.timeout_s))
-        self._jobs[body.room] = job
+        job = asyncio.ensure_future(self._run(body, time.monotonic() + body.timeout_s, caller))
+        self._jobs[key] = job
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -77,26 +125,33 @@ class PrefillService:
             raise
         finally:
             if job.done():
-                self._jobs.pop(body.room, None)
+                self._jobs.pop(key, None)
 
-    async def abort(self, body: AbortBody) -> dict:
-        job = self._jobs.get(body.room)
-        self._aborted[body.room] = None
+    async def abort(self, body: AbortBody, caller: str = "") -> dict:
+        key = (caller, body.room)
+        job = self._jobs.get(key)
+        self._aborted[key] = None
         while len(self._aborted) > _TOMBSTONES:
             self._aborted.popitem(last=False)
         if job is None:
             return {"room": body.room, "aborted": False}
         job.cancel()
         await asyncio.wait({job})  # its cleanup (a transfer under way, the release) is over
-        self._jobs.pop(body.room, None)
+        self._jobs.pop(key, None)
         log.info("room %s: aborted by the decode server; slots freed", body.room)
         return {"room": body.room, "aborted": True}
 
-    async def _run(self, body: PrefillBody, deadline: float) -> dict:
-        peer = ServerInfo.from_dict(body.peer)
+    async def _run(self, body: PrefillBody, deadline: float, caller: str) -> dict:
+        peer = _peer_info(body.peer)
         why = self.info.mismatch(peer)
         if why is not None:
             raise PrefillRefused(400, f"the decode server does not pair with this prefill server: {why}")
+        session = self._sessions.get(peer.session_id)
+        if session is None:
+            raise PrefillRefused(412, f"Mooncake session {peer.session_id} is not registered here "
+                                      "(POST /disagg/register first)")
+        if session.caller != caller:
+            raise PrefillRefused(403, f"Mooncake session {peer.session_id} was registered from another address")
         if len(body.slots) != len(body.prompt_ids):
             raise PrefillRefused(400, f"{len(body.slots)} destination slots for {len(body.prompt_ids)} prompt tokens")
         if body.target_kv is None and body.staging is None:
@@ -151,6 +206,10 @@ class PrefillService:
                         await asyncio.wait({gather})
                         raise
                 copies = self._copies(layout, src_slots, region, body, dst_target, dst_draft, row)
+                stray = session.outside(copies[1], copies[2])
+                if stray is not None:
+                    raise PrefillRefused(400, f"{stray[1]} bytes at {stray[0]:#x} are outside the memory the "
+                                              "decode server registered")
                 t1 = time.monotonic()
                 # A transfer under way is not interrupted: an abort waits for it to end.
                 write = asyncio.ensure_future(asyncio.to_thread(self.agent.write, peer.session_id, *copies))
@@ -206,3 +265,10 @@ class PrefillService:
     def _release(self, req_id: str) -> None:
         if self.runner.is_held(req_id):
             self.runner.release_held(req_id)
+
+
+def _peer_info(data: dict) -> ServerInfo:
+    try:
+        return ServerInfo.from_dict(data)
+    except (TypeError, KeyError, ValueError) as e:
+        raise PrefillRefused(400, f"peer: not a server description ({type(e).__name__}: {e})") from None

@@ -18,6 +18,9 @@ from specdeploy.engine.serving.fields import INT64_MAX, INT64_MIN
 
 # The header the router names a request's prefill server in (decode servers only).
 PREFILL_URL_HEADER = "X-Specdeploy-Prefill-Url"
+# Memory regions one decode server may register with a prefill server (its staging arena or KV
+# pools, and the metadata buffer's fields: a handful).
+MAX_REGISTERED_REGIONS = 256
 # How long a decode server waits for a prefill (queueing there included) before giving up.
 DEFAULT_PREFILL_TIMEOUT_S = 120.0
 # How long an abort sent to a prefill server may take to be acknowledged.
@@ -99,6 +102,20 @@ class PrefillBody(_Body):
     # decode's staging region for this request ({"address", "bytes"}: transfer.StagedKV's layout),
     # or None: write into the slots of its (registered) pools
     staging: dict[str, int] | None = None
+
+
+class MemoryRegion(_Body):
+    address: int = Field(gt=0)
+    bytes: int = Field(gt=0)
+
+
+class RegisterBody(_Body):
+    """POST /disagg/register: a decode server names its Mooncake session and the memory it
+    registered with its transfer engine; the prefill server writes only there, and only for
+    requests from the address that registered it."""
+
+    peer: dict                                          # the decode server's ServerInfo
+    regions: list[MemoryRegion] = Field(min_length=1, max_length=MAX_REGISTERED_REGIONS)
 
 
 class AbortBody(_Body):

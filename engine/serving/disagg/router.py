@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from specdeploy.engine.serving.auth import AuthMiddleware, Guard, disagg_headers
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER
 
 log = logging.getLogger("specdeploy.router")
@@ -115,14 +116,16 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 
 def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: float = 1.0,
-               timeout_s: float = 600.0) -> FastAPI:
+               timeout_s: float = 600.0, guard: Guard | None = None) -> FastAPI:
+    """`guard`: the clients' API keys and the secret the router shows its backends (serving/auth.py)."""
     pools = Pools(list(prefill_urls), list(decode_urls))
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
     counters = {"requests": 0, "errors": 0}
 
     async def probe(backend: Backend) -> None:
         try:
-            r = await client.get(f"{backend.url}/disagg/status", timeout=min(refresh_s * 2, 5.0))
+            r = await client.get(f"{backend.url}/disagg/status", timeout=min(refresh_s * 2, 5.0),
+                                 headers=disagg_headers(guard))
             data = r.json()
         except (httpx.HTTPError, ValueError) as e:
             backend.ready, backend.error = False, f"{type(e).__name__}: {e}"
@@ -157,6 +160,8 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
 
     app = FastAPI(title="specdeploy router", lifespan=lifespan)
     app.state.pools = pools
+    if guard is not None:
+        app.add_middleware(AuthMiddleware, guard=guard)
 
     @app.get("/health")
     async def health():
@@ -192,7 +197,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
         decode = pick(pools.of("decode"))
         if decode is None:
             return _error(503, "no decode server is ready", "not_ready")
-        r = await client.get(f"{decode.url}/v1/models")
+        r = await client.get(f"{decode.url}/v1/models", headers=disagg_headers(guard))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     async def forward(request: Request, path: str):
@@ -208,7 +213,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
             missing = "prefill" if prefill is None else "decode"
             return _error(503, f"no {missing} server is ready; retry later", "not_ready")
         headers = {"content-type": request.headers.get("content-type", "application/json"),
-                   PREFILL_URL_HEADER: prefill.url}
+                   PREFILL_URL_HEADER: prefill.url, **disagg_headers(guard)}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         upstream = client.build_request("POST", f"{decode.url}{path}", content=raw, headers=headers)
@@ -270,12 +275,13 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
 class RouterThread:
     """The router in a background thread of this process (tests)."""
 
-    def __init__(self, prefill_urls, decode_urls, port: int, host: str = "127.0.0.1", refresh_s: float = 0.2):
+    def __init__(self, prefill_urls, decode_urls, port: int, host: str = "127.0.0.1", refresh_s: float = 0.2,
+                 guard: Guard | None = None):
         import threading
 
         import uvicorn
 
-        self.app = create_app(prefill_urls, decode_urls, refresh_s=refresh_s)
+        self.app = create_app(prefill_urls, decode_urls, refresh_s=refresh_s, guard=guard)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_config=None))
         self.base_url = f"http://{host}:{port}"
         self._thread = threading.Thread(target=self.server.run, name="router", daemon=True)

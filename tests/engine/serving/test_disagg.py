@@ -211,6 +211,10 @@ def test_killed_decode_server_frees_the_prefill_servers_slots(engine_process, di
     if staged:  # 39 tokens + the pad row, K and V of every layer of both pools
         per_token = sum(2 * layers * slot_bytes for layers, slot_bytes in (info["target_kv"], info["draft_kv"]))
         body["staging"] = {"address": 1 << 28, "bytes": 40 * per_token}
+    # As the dead server did at its handshake: its session and the memory it offered.
+    registered = httpx.post(f"{prefill}/disagg/register", json={
+        "peer": info, "regions": [{"address": 1 << 20, "bytes": (1 << 29) - (1 << 20)}]})
+    assert registered.status_code == 200, registered.text
     r = httpx.post(f"{prefill}/disagg/prefill", json=body, timeout=60)
     assert r.status_code == 502 and "transfer to the decode server failed" in r.json()["error"]["message"]
     wait_until(lambda: idle(prefill), what="the prefill server's slots back")
