@@ -7,6 +7,8 @@ The CRD itself is written once, in manifests/crd/; tests hold it to these names.
 
 from __future__ import annotations
 
+from specdeploy.engine.planner.compat import DRAFT_INCOMPATIBLE
+
 GROUP = "specdeploy.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -57,6 +59,7 @@ REASON_CHILD_CONFLICT = "ChildConflict"
 REASON_MODEL_CACHE_IMMUTABLE = "ModelCacheImmutable"
 REASON_MODEL_CACHE_NOT_FOUND = "ModelCacheNotFound"
 REASON_ENGINE_SPEC_INVALID = "EngineSpecInvalid"
+REASON_DRAFT_INCOMPATIBLE = DRAFT_INCOMPATIBLE  # the planner's (engine/planner/compat.py)
 
 # Ready / Progressing / Degraded reasons, from the engine Deployment's state.
 REASON_DEPLOYMENT_MISSING = "DeploymentMissing"

@@ -14,7 +14,7 @@ import yaml
 
 from testcluster import wait_for
 
-EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eagle3-llama3.1-instruct-8b.json"
+EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eagle3-llama3.3-instruct-70b.json"
 
 TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 
@@ -43,7 +43,7 @@ def test_apply_to_ready(kube_cluster, kube_namespace, operator, hub_secret, mani
     # 70B in bf16 with an EAGLE-3 head does not fit one H200: the plan picks TP 2.
     assert gpu_request(deployment) == 2
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:6] == ["--target", "meta-llama/Llama-3.3-70B-Instruct", "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "--algorithm", "EAGLE3"]
+    assert args[:6] == ["--target", "meta-llama/Llama-3.3-70B-Instruct", "--draft", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "--algorithm", "EAGLE3"]
     pods = wait_for(lambda: len(running := [p for p in sdd.pods() if p["status"].get("phase") == "Running"]) == 2 and running,
                     timeout_s=60, what="2 engine pods Running")
     h200_nodes = {n.name for n in kube_cluster.gpu_nodes if n.gpu_product == "NVIDIA-H200"}
@@ -158,6 +158,21 @@ def test_unfittable_spec_gets_a_reason_and_no_deployment(kube_cluster, kube_name
     wait_for(lambda: sdd.status().get("phase") == "Failed", timeout_s=10, what="phase Failed")
     assert sdd.condition("Ready")["status"] == "False"
     assert "plan" not in sdd.status()
+
+
+def test_a_mismatched_pair_is_refused_before_any_child_exists(kube_cluster, kube_namespace, operator, hub_secret,
+                                                               manifest, sdd_of):
+    """The 70B target with the 8B model's EAGLE-3 head (hidden 8192 vs 4096): PlanReady=False
+    DraftIncompatible naming both numbers, phase Failed, no ConfigMap, Deployment or Service."""
+    kube_cluster.apply(manifest("mismatch", draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}),
+                       namespace=kube_namespace)
+    sdd = sdd_of("mismatch")
+    cond = wait_for(lambda: sdd.condition("PlanReady").get("reason") == "DraftIncompatible" and sdd.condition("PlanReady"),
+                    timeout_s=30, what="DraftIncompatible")
+    assert cond["status"] == "False" and "8192" in cond["message"] and "4096" in cond["message"]
+    assert sdd.status()["phase"] == "Failed"
+    assert sdd.deployment() is None
+    assert sdd.owned("configmaps") == [] and sdd.owned("services") == []
 
 
 def test_config_problems_name_the_url_or_field(kube_cluster, kube_namespace, operator, hub_url, hub_secret, manifest, sdd_of):
