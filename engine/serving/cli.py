@@ -35,6 +35,7 @@ ROLES = ("both", "prefill", "decode")
 QUEUE_PER_RUNNING_REQUEST = 4
 DEFAULT_NUM_STEPS = 3
 DEFAULT_MAX_RUNNING_REQUESTS = 32
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -76,6 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: how long in-flight requests may take to finish")
     p.add_argument("--log-interval-s", type=float, default=5.0, help="seconds between throughput log lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="debug adds tracebacks to start-up failures (which are otherwise one line)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (system prompts, chat history) held in "
@@ -114,10 +117,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def configure_logging(rank: int | None = None) -> None:
+def configure_logging(rank: int | None = None, level: str = "info") -> None:
     # Every rank logs to the same stream (kubectl logs); ranks other than 0 say which they are.
     where = "" if not rank else f"[tp{rank}] "
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
 
 
@@ -127,12 +130,16 @@ def run(args: argparse.Namespace) -> int:
     from specdeploy.engine.serving.metrics import EngineMetrics
     from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
 
-    configure_logging()
+    from specdeploy.engine.serving import startup
+
+    configure_logging(level=args.log_level)
     try:
         check_args(args)
-    except ValueError as e:
-        log.error("%s", e)
-        return 2
+        # Before the server listens: a wrong path, an unreachable hub or a mismatched pair is
+        # one line and exit 2, never a download followed by a traceback.
+        startup.preflight(args)
+    except Exception as e:  # noqa: BLE001 - every start-up failure is reported as one line
+        return startup.report(e)
     model_name = args.served_model_name or args.target
     state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
     config = uvicorn.Config(None, host=args.host, port=args.port, log_config=None,
@@ -140,12 +147,20 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
     ranks = TensorParallelRanks()
     config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks),
-                            on_load_failure=server.fail)
+                            on_load_failure=lambda e: load_failed(server, e))
     try:
         server.run()
     finally:
         ranks.stop()
     return server.exit_code
+
+
+def load_failed(server, error: BaseException) -> None:
+    """Loading failed after the server started: one line, and exit 2 (the user's to fix) or 1."""
+    from specdeploy.engine.serving import startup
+
+    server.fail(error)
+    server.exit_code = startup.report(error)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -233,7 +248,7 @@ def _check_gpus(tensor_parallel_size: int, device: str) -> None:
 
     visible = torch.cuda.device_count()
     if tensor_parallel_size > visible:
-        raise RuntimeError(f"the plan needs tensor_parallel_size {tensor_parallel_size} GPUs; "
+        raise ValueError(f"the plan needs tensor_parallel_size {tensor_parallel_size} GPUs; "
                            f"this pod sees {visible}")
 
 
@@ -575,6 +590,14 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     target_dir = resolve_model_path(args.target, args.target_revision)
     draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
     plan = make_plan(args, target_dir, draft_dir, device)
+    if args.plan:
+        # A plan made elsewhere still goes through the pair check before a weight is read (a
+        # plan computed here went through it in plan_from_configs).
+        from specdeploy.engine.models.llama import read_config
+        from specdeploy.engine.planner.plan import check_pair
+
+        check_pair(plan.algorithm, read_config(str(target_dir)),
+                   read_config(str(draft_dir)) if draft_dir and draft_dir != target_dir else None)
     if plan.algorithm == "MTP" and draft_dir is None:
         draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
     if plan.algorithm != "NONE" and draft_dir is None:
@@ -745,7 +768,7 @@ class ServerThread:
         self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
         self.ranks = TensorParallelRanks()
         config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics, self.ranks),
-                                on_load_failure=self.server.fail)
+                                on_load_failure=lambda e: load_failed(self.server, e))
         self.base_url = f"http://{args.host}:{args.port}"
         self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
 
