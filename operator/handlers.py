@@ -86,27 +86,9 @@ def resolve_configs(
 ) -> tuple[dict[str, Any], dict[str, Any] | None, list[str], ModelWeights]:
     """Both models' config.json, where each came from, and the checkpoints' weight bytes where
     they come from the hub."""
-    spec, namespace = sdd["spec"], sdd["metadata"]["namespace"]
-    hub_spec = spec.get("hub") or {}
-    endpoint = hub_spec.get("endpoint") or options.hub_endpoint
-    needs_hub = any(
-        m and "config" not in m and "configMapRef" not in m for m in (spec["target"], spec.get("draft"))
-    )
-    token = config_source.resolve_hub_token(hub_spec, namespace, kube) if needs_hub else None
-    target = config_source.resolve_model_config(
-        spec["target"], "spec.target", namespace, kube, hub_endpoint=endpoint, hub_token=token
-    )
-    draft = None
-    if spec.get("draft"):
-        draft = config_source.resolve_model_config(
-            spec["draft"], "spec.draft", namespace, kube, hub_endpoint=endpoint, hub_token=token
-        )
+    target, draft, (target_weights, draft_weights) = config_source.resolve_configs(sdd, kube, options.hub_endpoint)
     origins = [target.origin] + ([draft.origin] if draft else [])
-    weights = ModelWeights(
-        config_source.resolve_model_weights(spec["target"], "spec.target", hub_endpoint=endpoint, hub_token=token),
-        config_source.resolve_model_weights(spec["draft"], "spec.draft", hub_endpoint=endpoint, hub_token=token)
-        if spec.get("draft") else None,
-    )
+    weights = ModelWeights(target_weights, draft_weights)
     return target.config, draft.config if draft else None, origins, weights
 
 

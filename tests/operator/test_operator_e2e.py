@@ -160,6 +160,25 @@ def test_unfittable_spec_gets_a_reason_and_no_deployment(kube_cluster, kube_name
     assert "plan" not in sdd.status()
 
 
+def test_plan_file_prints_the_plan_the_operator_writes(kube_cluster, kube_namespace, operator, hub_url, hub_secret,
+                                                        manifest, sdd_of, tmp_path, capsys):
+    """`specdeploy plan -f` of the applied file (with the token Secret beside it) reads the same hub
+    files and gives the ConfigMap's plan.json, byte for byte as JSON."""
+    from specdeploy.cli import main
+
+    resource = manifest("planfile", replicas=1)
+    kube_cluster.apply(resource, namespace=kube_namespace)
+    sdd_of("planfile").wait_ready()
+    (config_map,) = [c for c in sdd_of("planfile").owned("configmaps") if c["metadata"]["name"] == "planfile-engine"]
+    path = tmp_path / "planfile.yaml"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub-token"},
+              "stringData": {"token": "hf_test_token"}}   # conftest.token_secret, as hub_secret applied it
+    path.write_text(yaml.safe_dump_all([resource, secret]))
+    capsys.readouterr()
+    assert main(["plan", "-f", str(path), "--hub-endpoint", hub_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(config_map["data"]["plan.json"])
+
+
 def test_a_mismatched_pair_is_refused_before_any_child_exists(kube_cluster, kube_namespace, operator, hub_secret,
                                                                manifest, sdd_of):
     """The 70B target with the 8B model's EAGLE-3 head (hidden 8192 vs 4096): PlanReady=False
