@@ -72,6 +72,14 @@ REASON_ROLLING_OUT = "RollingOut"
 REASON_REPLICA_FAILURE = "ReplicaFailure"
 REASON_REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
 REASON_AS_EXPECTED = "AsExpected"
+# ... and what the engine pods say while not ready (desired/pods.py; the Kubernetes reasons as
+# kubectl shows them, and the engine still loading its weights).
+REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_IMAGE_PULL_BACK_OFF = "ImagePullBackOff"
+REASON_ERR_IMAGE_PULL = "ErrImagePull"
+REASON_CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+REASON_OOM_KILLED = "OOMKilled"
+REASON_ENGINE_LOADING = "EngineLoading"
 
 # Event reasons (kubectl describe / kubectl get events).
 EVENT_PAUSED = "Paused"

@@ -44,6 +44,7 @@ from specdeploy.operator.desired.render import (
     common_labels,
     config_hash,
     deployment_object,
+    progress_deadline_s,
     engine_args,
     engine_container,
     engine_pod_spec,
@@ -201,7 +202,8 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
         pod_spec = engine_pod_spec(spec, containers[role], role_config_map_name(name, role), planned)
         deployments[role] = deployment_object(
             role_deployment_name(name, role), role_labels(name, role), role_selector(name, role),
-            role_spec(spec, role).get("replicas", 1), hash_value, pod_spec)
+            role_spec(spec, role).get("replicas", 1), hash_value, pod_spec,
+            progress_deadline_s(planned.role_plans[role] if planned.role_plans else planned.plan))
         services[role] = service_object(role_service_name(name, role), role_labels(name, role),
                                   role_selector(name, role), headless=True)
     router_pod = {
