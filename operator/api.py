@@ -7,6 +7,8 @@ The CRD itself is written once, in manifests/crd/; tests hold it to these names.
 
 from __future__ import annotations
 
+from specdeploy.engine.planner.compat import DRAFT_INCOMPATIBLE
+
 GROUP = "specdeploy.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -60,6 +62,7 @@ REASON_CHILD_CONFLICT = "ChildConflict"
 REASON_MODEL_CACHE_IMMUTABLE = "ModelCacheImmutable"
 REASON_MODEL_CACHE_NOT_FOUND = "ModelCacheNotFound"
 REASON_ENGINE_SPEC_INVALID = "EngineSpecInvalid"
+REASON_DRAFT_INCOMPATIBLE = DRAFT_INCOMPATIBLE  # the planner's (engine/planner/compat.py)
 
 # Ready / Progressing / Degraded reasons, from the engine Deployment's state.
 REASON_DEPLOYMENT_MISSING = "DeploymentMissing"
@@ -72,6 +75,14 @@ REASON_ROLLING_OUT = "RollingOut"
 REASON_REPLICA_FAILURE = "ReplicaFailure"
 REASON_REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
 REASON_AS_EXPECTED = "AsExpected"
+# ... and what the engine pods say while not ready (desired/pods.py; the Kubernetes reasons as
+# kubectl shows them, and the engine still loading its weights).
+REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_IMAGE_PULL_BACK_OFF = "ImagePullBackOff"
+REASON_ERR_IMAGE_PULL = "ErrImagePull"
+REASON_CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+REASON_OOM_KILLED = "OOMKilled"
+REASON_ENGINE_LOADING = "EngineLoading"
 
 # Event reasons (kubectl describe / kubectl get events).
 EVENT_PAUSED = "Paused"

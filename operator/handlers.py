@@ -43,6 +43,7 @@ from specdeploy.operator.desired.planning import (
     plan_engine,
     plan_summary,
 )
+from specdeploy.operator.desired import pods as engine_pods
 from specdeploy.operator.desired import roles
 from specdeploy.operator.desired.render import (
     EngineDefaults,
@@ -58,7 +59,8 @@ log = logging.getLogger("specdeploy.operator")
 
 # Handlers that run on every Deployment status change; their success is not news.
 DEPLOYMENT_HANDLER_ID = "engine-deployment"
-ROUTINE_HANDLER_IDS = (DEPLOYMENT_HANDLER_ID,)
+POD_HANDLER_ID = "engine-pods"
+ROUTINE_HANDLER_IDS = (DEPLOYMENT_HANDLER_ID, POD_HANDLER_ID)
 
 # Retry delays for failures that can resolve without the resource changing.
 TRANSIENT_RETRY_DELAY_S = 30
@@ -87,27 +89,9 @@ def resolve_configs(
 ) -> tuple[dict[str, Any], dict[str, Any] | None, list[str], ModelWeights]:
     """Both models' config.json, where each came from, and the checkpoints' weight bytes where
     they come from the hub."""
-    spec, namespace = sdd["spec"], sdd["metadata"]["namespace"]
-    hub_spec = spec.get("hub") or {}
-    endpoint = hub_spec.get("endpoint") or options.hub_endpoint
-    needs_hub = any(
-        m and "config" not in m and "configMapRef" not in m for m in (spec["target"], spec.get("draft"))
-    )
-    token = config_source.resolve_hub_token(hub_spec, namespace, kube) if needs_hub else None
-    target = config_source.resolve_model_config(
-        spec["target"], "spec.target", namespace, kube, hub_endpoint=endpoint, hub_token=token
-    )
-    draft = None
-    if spec.get("draft"):
-        draft = config_source.resolve_model_config(
-            spec["draft"], "spec.draft", namespace, kube, hub_endpoint=endpoint, hub_token=token
-        )
+    target, draft, (target_weights, draft_weights) = config_source.resolve_configs(sdd, kube, options.hub_endpoint)
     origins = [target.origin] + ([draft.origin] if draft else [])
-    weights = ModelWeights(
-        config_source.resolve_model_weights(spec["target"], "spec.target", hub_endpoint=endpoint, hub_token=token),
-        config_source.resolve_model_weights(spec["draft"], "spec.draft", hub_endpoint=endpoint, hub_token=token)
-        if spec.get("draft") else None,
-    )
+    weights = ModelWeights(target_weights, draft_weights)
     return target.config, draft.config if draft else None, origins, weights
 
 
@@ -307,6 +291,45 @@ def deployment_event(
         _restore_deleted_engine(namespace, owner, kube, memo.options, logger, body["metadata"]["name"])
 
 
+def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """An engine pod changed: say in its resource's status what keeps the engine from being ready
+    (desired/pods.py), or nothing once nothing does. Pods that block nothing, of a resource whose
+    status says nothing is blocked, cost no API call (most pod events: a scale test's hundreds)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], (meta.get("labels") or {}).get(api.LABEL_INSTANCE)
+    if not name or (meta.get("labels") or {}).get(api.ROLE_LABEL):
+        return  # disaggregated roles' pods: their counts only (serving_roles)
+    key = (namespace, name)
+    pod = None if event.get("type") == "DELETED" else plain(body)
+    if (pod is None or engine_pods.pod_blocked(pod) is None) and not memo.blocked_engines.get(key):
+        return
+    kube: KubeClient = memo.kube
+    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+    pods = kube.list_pods(namespace, selector)
+    logs = {p["metadata"]["name"]: kube.pod_log_tail(namespace, p["metadata"]["name"], engine_pods.ENGINE_CONTAINER,
+                                                     engine_pods.LOG_LINES)
+            for p in pods if engine_pods.needs_logs(p)}
+
+    def compute(current: dict[str, Any], sdd: dict[str, Any]) -> dict[str, Any]:
+        if roles.is_disaggregated(sdd["spec"]):
+            return current
+        weights = int((current.get("plan") or {}).get("weightBytes") or 0)
+        found = engine_pods.blocked(pods, logs, weight_bytes=weights)
+        deployment = kube.get_deployment(namespace, deployment_name(name))
+        return status.engine_pods(current, deployment, found.to_dict() if found else None,
+                                  generation=sdd["metadata"].get("generation", 1), now=status.now_rfc3339())
+
+    result = kube.update_status(namespace, name, compute)
+    if result is None:
+        memo.blocked_engines.pop(key, None)
+        return
+    old, new = result
+    memo.blocked_engines[key] = "blockedBy" in new
+    if old.get("blockedBy") != new.get("blockedBy") and new.get("blockedBy"):
+        # Logged, not posted as an event on the pod (kopf would post a pod handler's lines there).
+        log.info(f"[{namespace}/{name}] engine not ready: {new['blockedBy']['reason']}: {new['blockedBy']['message']}")
+
+
 def _restore_deleted_engine(
     namespace: str, owner: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
     deleted: str,
@@ -382,6 +405,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: Operato
     settings.execution.max_workers = HANDLER_THREADS
     memo.options = options
     memo.kube = KubeClient(new_api_client())
+    memo.blocked_engines = {}  # (namespace, name) -> whether its status names a blocked engine
 
 
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -414,4 +438,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         "apps", "v1", "deployments", registry=registry, id=DEPLOYMENT_HANDLER_ID,
         labels={LABEL_MANAGED_BY: MANAGED_BY},
     )(deployment_event)
+    kopf.on.event(
+        "", "v1", "pods", registry=registry, id=POD_HANDLER_ID, labels={LABEL_MANAGED_BY: MANAGED_BY},
+    )(pod_event)
     return registry

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import re
 import sys
 
@@ -32,11 +33,28 @@ _REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 _EXTRA_MARKER = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed; run from a source tree)"
+
+
+def plan_resource(args: argparse.Namespace) -> int:
+    """`specdeploy plan -f`: the operator's planning of a resource file (the planner's CLI has
+    the flags; the operator package, which it may not import, does the work)."""
+    from specdeploy.operator import plan_file
+
+    return plan_file.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdeploy", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module, extra in SUBCOMMANDS:
         importlib.import_module(module).add_parser(sub).set_defaults(_extra=extra)
+    sub.choices["plan"].set_defaults(plan_resource=plan_resource)
     return parser
 
 
@@ -79,7 +97,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"specdeploy {command}: needs the {extra} extra ({', '.join(missing)} not installed): "
                   f"pip install '{DISTRIBUTION}[{extra}]'", file=sys.stderr)
             return 2
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `specdeploy plan ... | head`: the reader left; what it did not read is not an error.
+        # stdout is pointed at /dev/null so that the interpreter's own flush at exit stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
 
 
 if __name__ == "__main__":

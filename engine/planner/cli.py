@@ -35,7 +35,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Derive both models' shapes from config.json and plan per-GPU memory: weights, "
         "KV cache, CUDA-graph and disaggregation buffers, tensor-parallel size, max_total_tokens.",
     )
-    parser.add_argument("--target", required=True, metavar="PATH",
+    parser.add_argument("-f", "--filename", metavar="FILE",
+                        help="a SpecDecodeDeployment (YAML or JSON): plan it as the operator does (its defaults, "
+                        "its config and hub reads); prints the plan.json the operator would write")
+    parser.add_argument("--target-config", metavar="PATH",
+                        help="with -f: this config.json in place of spec.target's source (as if given inline)")
+    parser.add_argument("--draft-config", metavar="PATH",
+                        help="with -f: this config.json in place of spec.draft's source (as if given inline)")
+    parser.add_argument("--target", metavar="PATH",
                         help="config.json, a model directory (config.json + *.safetensors or pytorch_model*.bin), or a hub id ORG/NAME "
                         "(config.json and safetensors headers read from the hub, no weights downloaded)")
     parser.add_argument("--draft", metavar="PATH",
@@ -43,9 +50,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--hub-endpoint", metavar="URL", help="hub for ORG/NAME ids (default $HF_ENDPOINT or https://huggingface.co; token from $HF_TOKEN)")
     parser.add_argument("--target-revision", default="main", metavar="REV", help="hub revision of the target (default main)")
     parser.add_argument("--draft-revision", default="main", metavar="REV", help="hub revision of the draft (default main)")
-    parser.add_argument("--algorithm", required=True, choices=ALGORITHMS)
+    parser.add_argument("--algorithm", type=_algorithm, metavar="{" + ",".join(ALGORITHMS) + "}",
+                        help="speculative algorithm (any case; required without -f)")
     gpu = parser.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU model (default h200)")
+    gpu.add_argument("--gpu", type=_gpu, default="h200", metavar="{" + ",".join(sorted(GPUS)) + "}",
+                     help="GPU model (any case; default h200); others: --gpu-memory-gib")
     gpu.add_argument("--gpu-memory-gib", type=float, metavar="X", help="GPU memory in GiB, for GPUs outside the catalog")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs one node offers (default 8)")
     parser.add_argument("--steps", type=int, default=DEFAULTS.num_steps, metavar="S", help=f"draft steps (default {DEFAULTS.num_steps})")
@@ -56,9 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help=f"concurrent requests, also the largest CUDA-graph batch (default {DEFAULT_LIMITS.max_running_requests})",
     )
     parser.add_argument(
-        "--context-length", type=int, default=DEFAULT_LIMITS.context_length, metavar="L",
-        help=f"tokens per request the KV pool must hold for all R at once (default {DEFAULT_LIMITS.context_length})",
+        "--context-length", type=int, metavar="L",
+        help=f"tokens per request the KV pool must hold for all R at once (default {DEFAULT_LIMITS.context_length}, "
+             "or the target's max_position_embeddings when smaller)",
     )
+    parser.add_argument("--allow-long-context", action="store_true",
+                        help="plan a --context-length beyond the target's max_position_embeddings")
     parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes, per-layer scales)")
     parser.add_argument("--role", choices=ROLES, default="both",
@@ -69,7 +81,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _algorithm(text: str) -> str:
+    name = text.upper()
+    if name not in ALGORITHMS:
+        raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(ALGORITHMS)}")
+    return name
+
+
+def _gpu(text: str) -> str:
+    name = text.lower()
+    if name not in GPUS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in the catalog ({', '.join(sorted(GPUS))}); "
+                                         "for another GPU give its memory with --gpu-memory-gib")
+    return name
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.filename:
+        given = [flag for flag, value in (("--target", args.target), ("--draft", args.draft),
+                                          ("--algorithm", args.algorithm)) if value]
+        if given:
+            print(f"specdeploy plan: {', '.join(given)}: not used with -f (the resource names them)", file=sys.stderr)
+            return 2
+        # Planning a resource is the operator's planning (operator/plan_file.py); the command
+        # line hands it over (specdeploy/cli.py), so this package never imports the operator.
+        return args.plan_resource(args)
+    if args.target_config or args.draft_config:
+        print("specdeploy plan: --target-config / --draft-config: only with -f", file=sys.stderr)
+        return 2
+    if not args.target or not args.algorithm:
+        print("specdeploy plan: --target and --algorithm are required (or -f RESOURCE)", file=sys.stderr)
+        return 2
     try:
         result = _plan(args)
     except (ConfigError, PlanError) as err:
@@ -99,7 +141,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     else:
         draft_tokens = args.draft_tokens if args.draft_tokens is not None else args.steps + 1
         spec = SpecSettings(args.algorithm, args.steps, args.topk, draft_tokens)
-    limits = Limits(args.max_running_requests, args.context_length, args.max_running_requests)
+    limits = Limits(args.max_running_requests, _context_length(args, target_config), args.max_running_requests)
     return plan_from_configs(
         target_config, draft_config, spec, gpu, limits,
         target_weight_bytes=target_weights.total_bytes if target_weights else None,
@@ -108,6 +150,21 @@ def _plan(args: argparse.Namespace) -> Plan:
         draft_weight_source=draft_weights.source if draft_weights else None,
         gpus_per_node=args.gpus_per_node, kv_cache_dtype=args.kv_cache_dtype, role=args.role,
     )
+
+
+def _context_length(args: argparse.Namespace, target_config: dict) -> int:
+    """--context-length, refused beyond the target's max_position_embeddings unless asked for;
+    by default the smaller of the two."""
+    c = target_config if isinstance(target_config, dict) else {}
+    c = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+    limit = c.get("max_position_embeddings")
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    if args.context_length is None:
+        return min(DEFAULT_LIMITS.context_length, limit or DEFAULT_LIMITS.context_length)
+    if limit is not None and args.context_length > limit and not args.allow_long_context:
+        raise ConfigError(f"--context-length {args.context_length}: longer than the target's "
+                          f"max_position_embeddings {limit}; pass --allow-long-context to plan it anyway")
+    return args.context_length
 
 
 def _load(path: str, revision: str, endpoint: str | None,

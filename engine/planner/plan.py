@@ -53,10 +53,12 @@ from typing import Any
 
 from specdeploy.engine.planner.deepseek_v4 import (
     V4ForwardDims,
+    is_deepseek_v4,
     v4_forward_peak_bytes,
     v4_in_flight_rows,
     v4_staged_bytes,
 )
+from specdeploy.engine.planner.compat import DRAFT_INCOMPATIBLE, pair_incompatibility
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
     ConfigError,
@@ -209,6 +211,17 @@ class PlanError(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+
+def check_pair(algorithm: str, target_config: dict[str, Any], draft_config: dict[str, Any] | None) -> None:
+    """Refuses a draft that cannot speculate for this target (PlanError DraftIncompatible; a
+    DeepSeek-V4 target with another algorithm than its MTP is check_servable's refusal)."""
+    if isinstance(target_config, dict):
+        text = target_config.get("text_config")
+        check_servable(is_deepseek_v4(text if isinstance(text, dict) else target_config), algorithm)
+    problem = pair_incompatibility(algorithm, target_config, draft_config)
+    if problem:
+        raise PlanError(DRAFT_INCOMPATIBLE, problem)
 
 
 def check_servable(deepseek_v4: bool, algorithm: str) -> None:
@@ -891,7 +904,9 @@ def plan_from_configs(
     dtype: str | None = None,
 ) -> Plan:
     """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan().
-    dtype: the compute dtype, when it is not the config's torch_dtype (`engine serve --dtype`)."""
+    dtype: the compute dtype, when it is not the config's torch_dtype (`engine serve --dtype`).
+    A pair that cannot speculate together is PlanError "DraftIncompatible" (compat.py), first."""
+    check_pair(spec.algorithm, target_config, draft_config)
     target = derive_shapes(target_config, role="target", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype,
                                 kv_cache_dtype=kv_cache_dtype)

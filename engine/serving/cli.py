@@ -42,6 +42,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 32
 KEEP_ALIVE_TIMEOUT_S = 30
 # After a finished drain: how long the last responses may take to go out before they are cut.
 SHUTDOWN_TIMEOUT_S = 5
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -98,6 +99,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         f"nothing (default: {DEFAULT_STALL_TIMEOUT_S:g})")
     p.add_argument("--log-interval-s", type=float, default=5.0, help="seconds between throughput log lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="debug adds tracebacks to start-up failures (which are otherwise one line)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (system prompts, chat history) held in "
@@ -143,10 +146,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def configure_logging(rank: int | None = None) -> None:
+def configure_logging(rank: int | None = None, level: str = "info") -> None:
     # Every rank logs to the same stream (kubectl logs); ranks other than 0 say which they are.
     where = "" if not rank else f"[tp{rank}] "
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
 
 
@@ -154,20 +157,24 @@ def run(args: argparse.Namespace) -> int:
     from specdeploy.engine.serving.metrics import EngineMetrics
     from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
 
-    configure_logging()
+    from specdeploy.engine.serving import startup
+
+    configure_logging(level=args.log_level)
     try:
         check_args(args)
         guard = serve_guard(args)
-    except ValueError as e:
-        log.error("%s", e)
-        return 2
+        # Before the server listens: a wrong path, an unreachable hub or a mismatched pair is
+        # one line and exit 2, never a download followed by a traceback.
+        startup.preflight(args)
+    except Exception as e:  # noqa: BLE001 - every start-up failure is reported as one line
+        return startup.report(e)
     model_name = args.served_model_name or args.target
     state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
     config, limits = server_config(args)
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
     ranks = TensorParallelRanks()
     config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks, guard),
-                            on_load_failure=server.fail, limits=limits, guard=guard)
+                            on_load_failure=lambda e: load_failed(server, e), limits=limits, guard=guard)
     try:
         server.run()
     finally:
@@ -187,6 +194,14 @@ def server_config(args: argparse.Namespace):
                             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
                             http=bounded_h11_protocol(args.header_timeout_s))
     return config, limits
+
+
+def load_failed(server, error: BaseException) -> None:
+    """Loading failed after the server started: one line, and exit 2 (the user's to fix) or 1."""
+    from specdeploy.engine.serving import startup
+
+    server.fail(error)
+    server.exit_code = startup.report(error)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -292,7 +307,7 @@ def _check_gpus(tensor_parallel_size: int, device: str) -> None:
 
     visible = torch.cuda.device_count()
     if tensor_parallel_size > visible:
-        raise RuntimeError(f"the plan needs tensor_parallel_size {tensor_parallel_size} GPUs; "
+        raise ValueError(f"the plan needs tensor_parallel_size {tensor_parallel_size} GPUs; "
                            f"this pod sees {visible}")
 
 
@@ -634,6 +649,14 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     target_dir = resolve_model_path(args.target, args.target_revision)
     draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
     plan = make_plan(args, target_dir, draft_dir, device)
+    if args.plan:
+        # A plan made elsewhere still goes through the pair check before a weight is read (a
+        # plan computed here went through it in plan_from_configs).
+        from specdeploy.engine.models.llama import read_config
+        from specdeploy.engine.planner.plan import check_pair
+
+        check_pair(plan.algorithm, read_config(str(target_dir)),
+                   read_config(str(draft_dir)) if draft_dir and draft_dir != target_dir else None)
     if plan.algorithm == "MTP" and draft_dir is None:
         draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
     if plan.algorithm != "NONE" and draft_dir is None:
@@ -805,7 +828,7 @@ class ServerThread:
         self.server = DrainingServer(config, self.state, drain_timeout_s=args.drain_timeout_s)
         self.ranks = TensorParallelRanks()
         config.app = create_app(self.state, loader=lambda metrics: load_engine(args, metrics, self.ranks, guard),
-                                on_load_failure=self.server.fail, limits=limits, guard=guard)
+                                on_load_failure=lambda e: load_failed(self.server, e), limits=limits, guard=guard)
         self.base_url = f"http://{args.host}:{args.port}"
         self._thread = threading.Thread(target=self.server.run, name="engine-server", daemon=True)
 

@@ -239,9 +239,10 @@ def create_app(state: EngineState, loader: Loader | None = None,
                 try:
                     scheduler, tokenizer, *service = await asyncio.to_thread(loader, state.metrics)
                 except Exception as e:
-                    log.exception("loading failed")
                     state.not_ready_reason = f"loading failed: {e}"
-                    if on_load_failure is not None:
+                    if on_load_failure is None:
+                        log.exception("loading failed")
+                    else:  # it reports the failure (engine/serving/startup.py: one line)
                         on_load_failure(e)
                     return
                 state.tokenizer = tokenizer

@@ -342,3 +342,30 @@ def resolve_model_weights(
         _weights_cache.pop(next(iter(_weights_cache)))
     _weights_cache[key] = (now(), weights)
     return weights
+
+
+def resolve_configs(
+    sdd: dict[str, Any], reader: ClusterReader, hub_endpoint: str
+) -> tuple[ResolvedConfig, ResolvedConfig | None, tuple[CheckpointWeights | None, CheckpointWeights | None]]:
+    """Both models' config.json and, where they come from the hub, their checkpoints' weight
+    bytes: what the operator reads for a resource (handlers.resolve_configs) and what
+    `specdeploy plan -f` reads for a file (operator/plan_file.py), the same way."""
+    spec, namespace = sdd["spec"], sdd["metadata"].get("namespace") or "default"
+    hub_spec = spec.get("hub") or {}
+    endpoint = hub_spec.get("endpoint") or hub_endpoint
+    needs_hub = any(
+        m and "config" not in m and "configMapRef" not in m for m in (spec["target"], spec.get("draft"))
+    )
+    token = resolve_hub_token(hub_spec, namespace, reader) if needs_hub else None
+    target = resolve_model_config(spec["target"], "spec.target", namespace, reader, hub_endpoint=endpoint,
+                                  hub_token=token)
+    draft = None
+    if spec.get("draft"):
+        draft = resolve_model_config(spec["draft"], "spec.draft", namespace, reader, hub_endpoint=endpoint,
+                                     hub_token=token)
+    weights = (
+        resolve_model_weights(spec["target"], "spec.target", hub_endpoint=endpoint, hub_token=token),
+        resolve_model_weights(spec["draft"], "spec.draft", hub_endpoint=endpoint, hub_token=token)
+        if spec.get("draft") else None,
+    )
+    return target, draft, weights

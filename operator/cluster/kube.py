@@ -124,6 +124,18 @@ class KubeClient:
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         return self._dict(self.core.list_namespaced_pod(namespace, label_selector=label_selector))["items"]
 
+    def pod_log_tail(self, namespace: str, pod: str, container: str, lines: int) -> list[str]:
+        """The last `lines` lines of the container's previous run (a crashed engine's last words),
+        else of its current one; [] when the kubelet has none to give."""
+        for previous in (True, False):  # kubelets without the previous run's log give the current one
+            try:
+                text = self.core.read_namespaced_pod_log(pod, namespace, container=container, tail_lines=lines,
+                                                         previous=previous, _request_timeout=5)
+            except Exception:  # noqa: BLE001 - the status says what it can without them
+                continue
+            return str(text).splitlines()[-lines:]
+        return []
+
     def list_sdds(self, namespaces: list[str] | None) -> list[dict[str, Any]]:
         if not namespaces:
             return self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]

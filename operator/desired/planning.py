@@ -97,6 +97,11 @@ def _plan_engine(
     settings = engine_settings(spec)
     algorithm = settings["algorithm"]
     try:
+        # A pair that cannot speculate together is refused before anything is sized or created.
+        planner.check_pair(algorithm, target_config, draft_config)
+    except planner.PlanError as err:
+        raise PlanningError(err.reason, str(err)) from err
+    try:
         # derive_shapes normalises fields in the dict it reads: give it copies.
         target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"),
                                kv_cache_dtype=settings.get("kv_cache_dtype", "auto"))

@@ -46,6 +46,14 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # answers; liveness must not kill the pod meanwhile. 10 s x 180 = 30 minutes of grace.
 STARTUP_PROBE_PERIOD_S = 10
 STARTUP_PROBE_FAILURES = 180
+# The engine Deployment's progressDeadlineSeconds: a pod downloads and loads the plan's weights
+# (target + draft, whole, in every pod) and captures its graphs before /ready; the deadline allows
+# that at LOAD_RATE_BYTES_PER_S (a hub download on a fast link, or a cold volume read) plus a fixed
+# allowance, and never less than Kubernetes' default, so a large model that is loading is
+# Progressing, not ProgressDeadlineExceeded.
+LOAD_RATE_BYTES_PER_S = 100 * 2**20
+LOAD_ALLOWANCE_S = 300
+MIN_PROGRESS_DEADLINE_S = 600
 # Give the Service's endpoints time to drop a terminating pod before the engine stops accepting.
 PRE_STOP_SLEEP_S = 5
 DEFAULT_TERMINATION_GRACE_S = 120
@@ -459,7 +467,7 @@ def render_children(
     }
     cache_status["weights"] = weights_sources(spec, hub_endpoint)
     deployment = deployment_object(deployment_name(name), labels, selector_labels(name),
-                                   spec.get("replicas", 1), hash_value, pod_spec)
+                                   spec.get("replicas", 1), hash_value, pod_spec, progress_deadline_s(planned.plan))
     service = service_object(service_name(name), labels, selector_labels(name))
     finish_children(sdd, [config_map, deployment, service] + ([cache_claim] if cache_claim else []), labels)
     return Children(config_map, deployment, service, hash_value, cache_claim, cache_status)
@@ -511,9 +519,15 @@ def engine_pod_spec(spec: dict[str, Any], container: dict[str, Any], config_map:
     }
 
 
+def progress_deadline_s(plan: dict[str, Any]) -> int:
+    """progressDeadlineSeconds for an engine of this plan (see LOAD_RATE_BYTES_PER_S)."""
+    weights = sum(int((plan.get(m) or {}).get("weight_bytes") or 0) for m in ("target", "draft"))
+    return max(MIN_PROGRESS_DEADLINE_S, -(-weights // LOAD_RATE_BYTES_PER_S) + LOAD_ALLOWANCE_S)
+
+
 def deployment_object(name: str, labels: dict[str, str], selector: dict[str, str], replicas: int,
-                      hash_value: str, pod_spec: dict[str, Any]) -> dict[str, Any]:
-    return {
+                      hash_value: str, pod_spec: dict[str, Any], progress_deadline: int | None = None) -> dict[str, Any]:
+    deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
@@ -538,6 +552,9 @@ def deployment_object(name: str, labels: dict[str, str], selector: dict[str, str
             },
         },
     }
+    if progress_deadline is not None:
+        deployment["spec"]["progressDeadlineSeconds"] = progress_deadline
+    return deployment
 
 
 def service_object(name: str, labels: dict[str, str], selector: dict[str, str],

@@ -49,6 +49,7 @@ from specdeploy.operator.desired.render import (
     with_api_keys,
     config_hash,
     deployment_object,
+    progress_deadline_s,
     engine_args,
     engine_container,
     engine_pod_spec,
@@ -245,7 +246,8 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
     for role in ENGINE_ROLES:
         deployments[role] = deployment_object(
             role_deployment_name(name, role), role_labels(name, role), role_selector(name, role),
-            role_spec(spec, role).get("replicas", 1), hash_value, pod_specs[role])
+            role_spec(spec, role).get("replicas", 1), hash_value, pod_specs[role],
+            progress_deadline_s(planned.role_plans[role] if planned.role_plans else planned.plan))
         services[role] = service_object(role_service_name(name, role), role_labels(name, role),
                                   role_selector(name, role), headless=True)
     deployments["router"] = deployment_object(

@@ -56,24 +56,51 @@ def camelize(value: Any) -> Any:
 
 
 
+# memory_per_gpu terms shown in status.plan.memoryPerGpuGiB (the rest of the plan's byte-level
+# terms stay in the engine ConfigMap's plan.json).
+_MEMORY_TERMS = {"total": "gpu_memory_bytes", "weights": "weight_bytes", "kvCache": "kv_cache_bytes",
+                 "cudaGraphs": "cuda_graph_pool_bytes", "workspace": "activation_workspace_bytes",
+                 "staticBuffers": "static_buffer_bytes", "perRequestState": "per_request_state_bytes",
+                 "reserve": "reserve_bytes"}
+_GIB = 2**30
+
+
+def _gib(n: Any) -> float:
+    return round(int(n or 0) / _GIB, 2)
+
+
 def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
-    """`status.plan`: the plan JSON in camelCase, plus three headline figures per replica.
+    """`status.plan`: the plan summarized for people (`kubectl describe`): its scalar figures in
+    camelCase, each model in one line, memory per GPU in GiB, the KV pool in tokens. The whole
+    byte-level plan is the engine ConfigMap's plan.json (what the engine allocates).
 
     weightBytes and kvBytesPerToken sum target and draft over the whole model (before tensor
-    parallelism); the per-model and per-GPU terms stay under target, draft and memoryPerGpu.
-    weightsSource says how the target's weights were counted: "headers" (its safetensors
-    headers, read from the hub), "index" (model.safetensors.index.json's total), an estimate from
-    "quantization_config", or "shapes" (parameters x dtype).
+    parallelism). weightsSource says how the target's weights were counted: "headers" (its
+    safetensors headers, read from the hub), "index" (model.safetensors.index.json's total), an
+    estimate from "quantization_config", or "shapes" (parameters x dtype).
     gpusPerReplica is the tensor-parallel size, or 0 in CPU mode (spec.cpu: the plan sizes one
     device, the CPU's memory).
     """
-    result = camelize(plan)
-    result["gpusPerReplica"] = 0 if result.get("gpu") == "cpu" else int(result.get("tensorParallelSize") or 0)
-    models = [m for m in (result.get("target"), result.get("draft")) if m]
-    result["weightBytes"] = sum(int(m.get("weightBytes") or 0) for m in models)
+    result = {camel_case(k): v for k, v in plan.items() if not isinstance(v, (dict, list))}
+    result["gpusPerReplica"] = 0 if plan.get("gpu") == "cpu" else int(plan.get("tensor_parallel_size") or 0)
+    models = {role: plan[role] for role in ("target", "draft") if isinstance(plan.get(role), dict) and plan[role]}
+    result["weightBytes"] = sum(int(m.get("weight_bytes") or 0) for m in models.values())
     # where the target's bytes came from: headers | index | quantization_config | shapes
-    result["weightsSource"] = (result.get("target") or {}).get("weightSource", "")
-    result["kvBytesPerToken"] = sum(int(m.get("kvCacheBytesPerToken") or 0) for m in models)
+    result["weightsSource"] = (models.get("target") or {}).get("weight_source", "")
+    result["kvBytesPerToken"] = sum(int(m.get("kv_cache_bytes_per_token") or 0) for m in models.values())
+    for role, m in models.items():
+        result[role] = (f"{m.get('architecture') or m.get('model_type') or '?'} as {m.get('role', role)}, "
+                        f"{m.get('dtype', '?')}, {m.get('num_layers', '?')} layer{'' if m.get('num_layers') == 1 else 's'}, "
+                        f"{_gib(m.get('weight_bytes'))} GiB of weights ({m.get('weight_source', '?')}), "
+                        f"{m.get('kv_cache_bytes_per_token', '?')} KV bytes per token")
+    memory = plan.get("memory_per_gpu")
+    if isinstance(memory, dict):
+        result["memoryPerGpuGiB"] = {name: _gib(memory.get(key)) for name, key in _MEMORY_TERMS.items()}
+    if plan.get("max_total_tokens") is not None and plan.get("required_tokens") is not None:
+        result["kvCacheTokens"] = (f"{plan['max_total_tokens']} token slots for {plan['required_tokens']} needed "
+                                   f"({plan.get('context_length')} context x {plan.get('max_running_requests')} requests)")
+    if plan.get("notes"):
+        result["notes"] = list(plan["notes"])
     return result
 
 
@@ -182,6 +209,7 @@ def plan_failed(
         return status
     status["phase"] = PHASE_PENDING if transient else PHASE_FAILED
     if not transient:
+        status.pop("blockedBy", None)
         status.pop("plan", None)
         status.pop("configHash", None)
         status.pop("disaggregation", None)
@@ -311,17 +339,25 @@ def serving(
     # opposed to a rollout still starting them.
     lost_replicas = was_ready and not ready and r["updatedReplicas"] >= r["wanted"] and r["replicas"] == r["updatedReplicas"]
     if ready:
+        status.pop("blockedBy", None)
+    # What the engine pods say blocks them (engine_pods), in the words of the pods.
+    blocked = status.get("blockedBy") if not ready else None
+    not_ready_reason = blocked["reason"] if blocked else api.REASON_REPLICAS_NOT_READY
+    not_ready = f"{blocked['message']} ({counts})" if blocked else counts
+    if ready:
         condition(READY, True, api.REASON_ALL_REPLICAS_READY, counts)
         condition(PROGRESSING, False, api.REASON_ROLLOUT_COMPLETE, counts)
     elif r["deadlineExceeded"]:
-        condition(READY, False, api.REASON_REPLICAS_NOT_READY, counts)
-        condition(PROGRESSING, False, api.REASON_PROGRESS_DEADLINE_EXCEEDED, counts)
+        condition(READY, False, not_ready_reason, not_ready)
+        condition(PROGRESSING, False, api.REASON_PROGRESS_DEADLINE_EXCEEDED, not_ready)
     else:
-        condition(READY, False, api.REASON_REPLICAS_NOT_READY, counts)
-        condition(PROGRESSING, True, api.REASON_ROLLING_OUT, counts)
+        condition(READY, False, not_ready_reason, not_ready)
+        condition(PROGRESSING, True, api.REASON_ROLLING_OUT, not_ready)
 
     if r["deadlineExceeded"]:
-        condition(DEGRADED, True, api.REASON_PROGRESS_DEADLINE_EXCEEDED, f"rollout stalled: {counts}")
+        condition(DEGRADED, True, api.REASON_PROGRESS_DEADLINE_EXCEEDED, f"rollout stalled: {not_ready}")
+    elif blocked and blocked["reason"] != api.REASON_ENGINE_LOADING:
+        condition(DEGRADED, True, blocked["reason"], not_ready)
     elif r["replicaFailure"]:
         condition(DEGRADED, True, api.REASON_REPLICA_FAILURE, r["replicaFailure"])
     elif lost_replicas:
@@ -330,6 +366,24 @@ def serving(
         condition(DEGRADED, False, api.REASON_AS_EXPECTED, counts)
     status["phase"] = PHASE_READY if ready else PHASE_DEPLOYING
     return status
+
+
+def engine_pods(
+    current: dict[str, Any] | None,
+    deployment: dict[str, Any] | None,
+    blocked: dict[str, str] | None,
+    *,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    """Record what blocks the engine pods (desired/pods.blocked: reason and message, or None when
+    nothing does) as status.blockedBy, and fold it into the conditions through serving()."""
+    status = _base(current)
+    if blocked:
+        status["blockedBy"] = dict(blocked)
+    else:
+        status.pop("blockedBy", None)
+    return serving(status, deployment, generation=generation, now=now)
 
 
 def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) -> dict[str, Any]:

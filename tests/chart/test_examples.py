@@ -6,6 +6,7 @@ After a planner change, `python3 tests/chart/test_examples.py --update` rewrites
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -50,6 +51,23 @@ def test_plan_comment_is_what_the_operator_plans(path):
     assert commented == actual, (
         f"{path.name}: the plan comment is stale; run `python3 tests/chart/test_examples.py --update`"
     )
+
+
+@pytest.mark.parametrize("path", example_files(), ids=lambda p: p.name)
+def test_plan_file_reproduces_the_comment(path, capsys):
+    """`specdeploy plan -f EXAMPLE` (the configs the comment names in place of the hub's) prints
+    the plan the comment gives, and the operator's plan entire."""
+    from specdeploy.cli import main
+
+    files = config_sources(path)
+    argv = ["plan", "-f", str(path), "--json"]
+    for role, file in files.items():
+        argv += [f"--{role}-config", str(file)]
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err
+    printed = json.loads(capsys.readouterr().out)
+    assert {key: plan_value(printed, key) for key in PLAN_KEYS} == commented_plan(path)
+    assert printed == operator_plan(path)
 
 
 def test_examples_cover_the_promised_cases():

@@ -54,7 +54,8 @@ def test_enums_follow_the_catalogs():
 def test_printer_columns_point_at_fields_the_operator_writes():
     _, version, schema = load()
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Tok/s", "Shape", "Age"]
+    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Tok/s", "Shape", "Age", "Message"]
+    assert columns["Message"] == '.status.conditions[?(@.type=="Ready")].message'
     assert columns["Shape"] == ".status.serving.speculativeShape"
     assert columns["Tok/s"] == ".status.serving.tokensPerSecond"
     assert columns["GPUs"] == ".status.plan.gpusPerReplica"

@@ -34,6 +34,7 @@ HUB_MODELS = {
     "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b-instruct.json",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b-instruct.json",
     "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": "eagle3-llama3.1-instruct-8b.json",
+    "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B": "eagle3-llama3.3-instruct-70b.json",
 }
 
 
@@ -215,7 +216,7 @@ def sdd_manifest(name: str, **spec_overrides: Any) -> dict[str, Any]:
     """A 70B Llama with an EAGLE-3 head, configs from the hub (with a token), on H200s."""
     spec: dict[str, Any] = {
         "target": {"model": "meta-llama/Llama-3.3-70B-Instruct"},
-        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
+        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"},
         "speculative": {"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
         "engine": {"maxRunningRequests": 32, "contextLength": 8192},
         "gpu": {"product": "h200"},

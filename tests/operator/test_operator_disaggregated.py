@@ -14,7 +14,8 @@ SPLIT = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}, "router": {"repl
 
 def test_disaggregated_resource_reconciles_and_reverts(kube_cluster, kube_namespace, operator, hub_secret,
                                                         manifest, sdd_of):
-    body = manifest("split", target={"model": "meta-llama/Llama-3.1-8B-Instruct"}, replicas=1,
+    body = manifest("split", target={"model": "meta-llama/Llama-3.1-8B-Instruct"},
+                    draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}, replicas=1,
                     disaggregation=SPLIT)
     kube_cluster.apply(body, namespace=kube_namespace)
     sdd = sdd_of("split")

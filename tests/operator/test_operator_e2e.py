@@ -14,7 +14,7 @@ import yaml
 
 from testcluster import wait_for
 
-EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eagle3-llama3.1-instruct-8b.json"
+EAGLE3_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "eagle3-llama3.3-instruct-70b.json"
 
 TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 
@@ -43,7 +43,7 @@ def test_apply_to_ready(kube_cluster, kube_namespace, operator, hub_secret, mani
     # 70B in bf16 with an EAGLE-3 head does not fit one H200: the plan picks TP 2.
     assert gpu_request(deployment) == 2
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:6] == ["--target", "meta-llama/Llama-3.3-70B-Instruct", "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "--algorithm", "EAGLE3"]
+    assert args[:6] == ["--target", "meta-llama/Llama-3.3-70B-Instruct", "--draft", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "--algorithm", "EAGLE3"]
     pods = wait_for(lambda: len(running := [p for p in sdd.pods() if p["status"].get("phase") == "Running"]) == 2 and running,
                     timeout_s=60, what="2 engine pods Running")
     h200_nodes = {n.name for n in kube_cluster.gpu_nodes if n.gpu_product == "NVIDIA-H200"}
@@ -158,6 +158,40 @@ def test_unfittable_spec_gets_a_reason_and_no_deployment(kube_cluster, kube_name
     wait_for(lambda: sdd.status().get("phase") == "Failed", timeout_s=10, what="phase Failed")
     assert sdd.condition("Ready")["status"] == "False"
     assert "plan" not in sdd.status()
+
+
+def test_plan_file_prints_the_plan_the_operator_writes(kube_cluster, kube_namespace, operator, hub_url, hub_secret,
+                                                        manifest, sdd_of, tmp_path, capsys):
+    """`specdeploy plan -f` of the applied file (with the token Secret beside it) reads the same hub
+    files and gives the ConfigMap's plan.json, byte for byte as JSON."""
+    from specdeploy.cli import main
+
+    resource = manifest("planfile", replicas=1)
+    kube_cluster.apply(resource, namespace=kube_namespace)
+    sdd_of("planfile").wait_ready()
+    (config_map,) = [c for c in sdd_of("planfile").owned("configmaps") if c["metadata"]["name"] == "planfile-engine"]
+    path = tmp_path / "planfile.yaml"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub-token"},
+              "stringData": {"token": "hf_test_token"}}   # conftest.token_secret, as hub_secret applied it
+    path.write_text(yaml.safe_dump_all([resource, secret]))
+    capsys.readouterr()
+    assert main(["plan", "-f", str(path), "--hub-endpoint", hub_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(config_map["data"]["plan.json"])
+
+
+def test_a_mismatched_pair_is_refused_before_any_child_exists(kube_cluster, kube_namespace, operator, hub_secret,
+                                                               manifest, sdd_of):
+    """The 70B target with the 8B model's EAGLE-3 head (hidden 8192 vs 4096): PlanReady=False
+    DraftIncompatible naming both numbers, phase Failed, no ConfigMap, Deployment or Service."""
+    kube_cluster.apply(manifest("mismatch", draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}),
+                       namespace=kube_namespace)
+    sdd = sdd_of("mismatch")
+    cond = wait_for(lambda: sdd.condition("PlanReady").get("reason") == "DraftIncompatible" and sdd.condition("PlanReady"),
+                    timeout_s=30, what="DraftIncompatible")
+    assert cond["status"] == "False" and "8192" in cond["message"] and "4096" in cond["message"]
+    assert sdd.status()["phase"] == "Failed"
+    assert sdd.deployment() is None
+    assert sdd.owned("configmaps") == [] and sdd.owned("services") == []
 
 
 def test_config_problems_name_the_url_or_field(kube_cluster, kube_namespace, operator, hub_url, hub_secret, manifest, sdd_of):
@@ -341,6 +375,8 @@ def test_fp8_checkpoint_counted_from_its_headers(kube_cluster, kube_namespace, o
     plan = wait_for(lambda: (sdd.status() or {}).get("plan"), timeout_s=30, what="status.plan")
     index = httpx.get(f"{hub_url}/{model}/resolve/main/model.safetensors.index.json",
                       headers={"Authorization": "Bearer hf_test_token"}).json()
-    assert plan["weightsSource"] == "headers"
-    assert plan["target"]["weightBytes"] == index["metadata"]["total_size"] < 75e9
-    assert plan["target"]["kvCacheDtype"] == "fp8_e4m3" and plan["gpusPerReplica"] == 1
+    assert plan["weightsSource"] == "headers" and plan["gpusPerReplica"] == 1
+    (config_map,) = [c for c in sdd.owned("configmaps") if c["metadata"]["name"] == "fp8-engine"]
+    full = json.loads(config_map["data"]["plan.json"])   # status.plan is its summary
+    assert full["target"]["weight_bytes"] == index["metadata"]["total_size"] < 75e9
+    assert full["target"]["kv_cache_dtype"] == "fp8_e4m3"

@@ -121,6 +121,7 @@ def _model_dirs() -> list[Path]:
 HEAD_TARGETS = {
     "eagle3-llama3.1-instruct-8b": ("EAGLE3", "llama-3.1-8b-instruct"),
     "eagle-llama3.1-instruct-8b": ("EAGLE", "llama-3.1-8b-instruct"),
+    "eagle3-llama3.3-instruct-70b": ("EAGLE3", "llama-3.3-70b-instruct"),
 }
 
 

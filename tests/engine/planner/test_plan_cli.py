@@ -165,3 +165,47 @@ def test_console_script_bad_input_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "no such file" in result.stderr
+
+
+# ---- manners ------------------------------------------------------------------------------
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("specdeploy ")
+
+
+def test_gpu_and_algorithm_in_any_case(capsys):
+    lower = run_json(capsys, "--target", LLAMA, "--draft", EAGLE3, "--algorithm", "eagle3", "--gpu", "H100")
+    assert lower["algorithm"] == "EAGLE3" and lower["gpu"] == "h100"
+
+
+def test_a_gpu_outside_the_catalog_names_the_memory_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--target", LLAMA, "--algorithm", "NONE", "--gpu", "l4"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "'l4' is not in the catalog" in err and "--gpu-memory-gib" in err
+
+
+def test_a_context_beyond_the_models_positions_is_refused_unless_asked_for(capsys, tmp_path):
+    assert main(["plan", "--target", LLAMA, "--algorithm", "NONE", "--context-length", "200000"]) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings 131072" in err and "--allow-long-context" in err and err.count("\n") == 1
+    d = run_json(capsys, "--target", LLAMA, "--algorithm", "NONE", "--context-length", "200000", "--allow-long-context",
+                 "--max-running-requests", "1")
+    assert d["context_length"] == 200000
+    # The default is the smaller of 8192 and the model's positions (the EAGLE-3 head's 2048 is no target's).
+    short = {**json.loads(Path(LLAMA).read_text()), "max_position_embeddings": 4096}
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps(short))
+    assert run_json(capsys, "--target", str(path), "--algorithm", "NONE")["context_length"] == 4096
+
+
+def test_plan_into_a_closed_pipe_is_quiet():
+    """`specdeploy plan ... | head -1`: head exits after one line; no BrokenPipeError, exit 0."""
+    result = subprocess.run(f"'{console_script()}' plan --target '{LLAMA}' --algorithm NONE --json | head -c 1; "
+                            "echo \" rc=${PIPESTATUS[0]}\"", shell=True, executable="/bin/bash",
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.stdout == "{ rc=0\n" and result.stderr == "", result.stderr

@@ -24,7 +24,7 @@ def config(name: str) -> dict:
 def make_sdd(**spec_overrides) -> dict:
     spec = {
         "target": {"model": "meta-llama/Llama-3.3-70B-Instruct", "revision": "main"},
-        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "revision": "main"},
+        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "revision": "main"},
         "speculative": {"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
         "engine": {"maxRunningRequests": 32, "contextLength": 8192},
         "gpu": {"product": "h200", "perNode": 8},
@@ -39,7 +39,7 @@ def make_sdd(**spec_overrides) -> dict:
     }
 
 
-def planned_for(sdd: dict, target="llama-3.3-70b-instruct", draft="eagle3-llama3.1-instruct-8b"):
+def planned_for(sdd: dict, target="llama-3.3-70b-instruct", draft="eagle3-llama3.3-instruct-70b"):
     return plan_engine(sdd["spec"], config(target), config(draft) if draft else None)
 
 
@@ -79,7 +79,7 @@ def test_engine_command_line(children):
     assert container["command"] == ["specdeploy", "engine", "serve"]
     assert container["args"] == [
         "--target", "meta-llama/Llama-3.3-70B-Instruct",
-        "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "--draft", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
         "--algorithm", "EAGLE3",
         "--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4",
         "--plan", "/etc/specdeploy/plan.json", "--dtype", "bfloat16",
@@ -142,7 +142,7 @@ def test_none_algorithm_has_no_draft_arguments():
 def test_pinned_revisions_reach_the_engine():
     sdd = make_sdd(
         target={"model": "meta-llama/Llama-3.3-70B-Instruct", "revision": "6f6073b423013f6a7d4d9f39144961bfbfbc386b"},
-        draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "revision": "v1.1"},
+        draft={"model": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "revision": "v1.1"},
     )
     args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
     assert args[args.index("--target-revision") + 1] == "6f6073b423013f6a7d4d9f39144961bfbfbc386b"
@@ -154,13 +154,13 @@ def test_engine_runs_the_dtype_the_plan_sized():
     # No spec.engine.dtype: the target's torch_dtype (float16 here), not the engine's auto (bf16 on GPU).
     sdd = make_sdd()
     fp16 = {**config("llama-3.3-70b-instruct"), "torch_dtype": "float16"}
-    planned = plan_engine(sdd["spec"], fp16, config("eagle3-llama3.1-instruct-8b"))
+    planned = plan_engine(sdd["spec"], fp16, config("eagle3-llama3.3-instruct-70b"))
     args = engine_container(render.render_children(sdd, planned, DEFAULTS))["args"]
     assert planned.plan["target"]["dtype"] == "float16"
     assert args[args.index("--dtype") + 1] == "float16"
     # spec.engine.dtype overrides the config's, in the plan and on the command line alike.
     sdd = make_sdd(engine={"dtype": "float32"})
-    planned = plan_engine(sdd["spec"], fp16, config("eagle3-llama3.1-instruct-8b"))
+    planned = plan_engine(sdd["spec"], fp16, config("eagle3-llama3.3-instruct-70b"))
     args = engine_container(render.render_children(sdd, planned, DEFAULTS))["args"]
     assert planned.plan["target"]["dtype"] == "float32" and args[args.index("--dtype") + 1] == "float32"
 
@@ -169,10 +169,10 @@ def test_a_dtype_the_engine_cannot_compute_in_is_refused():
     sdd = make_sdd(gpu={"product": "h200", "perNode": 8})
     fp8 = {**config("llama-3.3-70b-instruct"), "torch_dtype": "float8_e4m3fn"}
     with pytest.raises(PlanningError) as err:
-        plan_engine(sdd["spec"], fp8, config("eagle3-llama3.1-instruct-8b"))
+        plan_engine(sdd["spec"], fp8, config("eagle3-llama3.3-instruct-70b"))
     assert err.value.reason == "ConfigInvalid" and "spec.engine.dtype" in err.value.message
     sdd = make_sdd(engine={"dtype": "bfloat16"})
-    assert plan_engine(sdd["spec"], fp8, config("eagle3-llama3.1-instruct-8b")).plan["target"]["dtype"] == "bfloat16"
+    assert plan_engine(sdd["spec"], fp8, config("eagle3-llama3.3-instruct-70b")).plan["target"]["dtype"] == "bfloat16"
 
 
 def test_unexpected_planner_errors_are_config_invalid(monkeypatch):
@@ -295,7 +295,7 @@ def test_unfittable_plan_is_refused_with_the_numbers():
 
 def test_invalid_config_names_the_model_and_field():
     sdd = make_sdd()
-    broken = config("eagle3-llama3.1-instruct-8b")
+    broken = config("eagle3-llama3.3-instruct-70b")
     del broken["hidden_size"]
     with pytest.raises(PlanningError) as err:
         plan_engine(sdd["spec"], config("llama-3.3-70b-instruct"), broken)

@@ -35,13 +35,33 @@ def planned_status(generation=1, now=T0):
     return st.plan_ready({}, generation=generation, plan=PLAN, config_hash="h1", message="TP 2", now=now)
 
 
-def test_status_plan_is_camel_case_with_totals():
+def test_status_plan_is_a_camel_case_summary_with_totals():
     plan = planned_status()["plan"]
     assert plan["tensorParallelSize"] == 2 and plan["maxTotalTokens"] == 458231
     assert plan["gpusPerReplica"] == 2
     assert plan["specHiddenSize"] == 8192 and plan["draftInputHiddenSize"] == 24576
-    assert plan["memoryPerGpu"] == {"kvCacheBudgetBytes": 5}
     assert plan["weightBytes"] == 107 and plan["kvBytesPerToken"] == 13
+    # Memory in GiB, no byte-level terms (those are the ConfigMap's plan.json), nothing nested deeper.
+    assert set(plan["memoryPerGpuGiB"]) >= {"total", "weights", "kvCache", "reserve"}
+    assert all(not isinstance(v, (dict, list)) for k, v in plan.items() if k not in ("memoryPerGpuGiB", "notes"))
+
+
+def test_describe_of_a_real_plan_is_short():
+    """`kubectl describe` of status.plan: a screenful, not one line per byte-level term."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, plan_from_configs
+
+    models = Path(__file__).resolve().parents[3] / "manifests" / "models"
+    load = lambda n: json.loads((models / n / "config.json").read_text())  # noqa: E731
+    full = plan_from_configs(load("llama-3.1-8b-instruct"), load("eagle3-llama3.1-instruct-8b"),
+                             SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits()).to_dict()
+    summary = st.status_plan(full)
+    assert len(yaml.safe_dump(summary).splitlines()) <= 40 < len(yaml.safe_dump(full).splitlines())
+    assert "14.96 GiB of weights" in summary["target"] and "953759 token slots" in summary["kvCacheTokens"]
 
 
 def test_rollout_in_progress_then_ready():
