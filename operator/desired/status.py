@@ -64,10 +64,12 @@ def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
     weightsSource says how the target's weights were counted: "headers" (its safetensors
     headers, read from the hub), "index" (model.safetensors.index.json's total), an estimate from
     "quantization_config", or "shapes" (parameters x dtype).
-    gpusPerReplica is the tensor-parallel size, or 0 in CPU mode (spec.cpu: the plan sizes one
-    device, the CPU's memory).
+    gpusPerReplica is the tensor-parallel size (every node of the group together), or 0 in CPU
+    mode (spec.cpu: the plan sizes one device, the CPU's memory). nodes: the nodes one replica
+    spans (1 for plans written before it existed).
     """
     result = camelize(plan)
+    result["nodes"] = int(result.get("nodes") or 1)
     result["gpusPerReplica"] = 0 if result.get("gpu") == "cpu" else int(result.get("tensorParallelSize") or 0)
     models = [m for m in (result.get("target"), result.get("draft")) if m]
     result["weightBytes"] = sum(int(m.get("weightBytes") or 0) for m in models)
