@@ -32,15 +32,12 @@ class LeaderWorkerSets:
     def served(self) -> bool:
         """Is leaderworkerset.x-k8s.io/v1 served (the CRD installed and established)?"""
         try:
-            resources = self.kube.api_client.call_api(
-                f"/apis/{LWS_GROUP}/{LWS_VERSION}", "GET", response_type="object",
-                auth_settings=["BearerToken"], _return_http_data_only=True,
-            )
+            resources = self.custom.get_api_resources(LWS_GROUP, LWS_VERSION)
         except ApiException as err:
             if err.status == 404:
                 return False
             raise
-        return any(r.get("name") == LWS_PLURAL for r in (resources or {}).get("resources") or [])
+        return any(r.name == LWS_PLURAL for r in resources.resources or [])
 
     def get(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
