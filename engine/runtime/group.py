@@ -74,9 +74,12 @@ class PodGroup:
         first = (self.index if index is None else index) * ranks_per_pod
         return range(first, first + ranks_per_pod)
 
-    def init_method(self) -> str:
-        """torch.distributed's rendezvous: the store rank 0 serves on the leader."""
-        return f"tcp://{self.leader_address}:{self.port + 1}"
+    def init_method(self, leader_ip: str | None = None) -> str:
+        """torch.distributed's rendezvous: the store rank 0 serves on the leader (on every
+        interface). The leader pod's own ranks reach it on loopback; a worker pod's at the address
+        it resolved the leader to (so that torch never resolves the name a second time)."""
+        host = "127.0.0.1" if self.is_leader else leader_ip or self.leader_address
+        return f"tcp://{host}:{self.port + 1}"
 
 
 def pod_group(env: Mapping[str, str] | None = None, port: int = GROUP_PORT) -> PodGroup | None:
@@ -260,12 +263,13 @@ class Member:
     def __init__(self, group: PodGroup, ranks_per_pod: int, lost: Callable[[str], None]) -> None:
         self.group, self.ranks_per_pod, self._lost = group, ranks_per_pod, lost
         self.peer: _Peer | None = None
+        self.leader_ip: str | None = None  # what the leader's address resolved to
 
     def join(self, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
         """Resolve and reach the leader, say which pod this is, and wait until the leader starts
         the group; GroupError (one line) when that does not happen within timeout_s."""
         deadline = time.monotonic() + timeout_s
-        address = resolve(self.group.leader_address, deadline)
+        address = self.leader_ip = resolve(self.group.leader_address, deadline)
         where = f"the leader {self.group.leader_address} ({address}) port {self.group.port}"
         while True:
             try:

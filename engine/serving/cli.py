@@ -576,6 +576,7 @@ def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
         ranks.pods = member = pod_rendezvous.Member(
             group, spec.ranks_per_pod, lambda lost: ranks.fatal(f"group: lost {lost}: exiting"))
         member.join(args.rendezvous_timeout_s)
+        spec = dataclasses.replace(spec, init_method=group.init_method(member.leader_ip))
         ranks.start(spec, range(mine.start + 1, mine.stop))
         tp = distributed.init_tp(first, spec.tp_size, spec.init_method, spec.rank_device(first), spec.all_reduce)
         runner, _ = build_runner(spec, first)

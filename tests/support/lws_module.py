@@ -9,7 +9,10 @@ import subprocess
 from pathlib import Path
 
 LWS_MODULE = "sigs.k8s.io/lws"
-LWS_VERSION = "v0.9.0"
+VERSIONS = Path(__file__).resolve().parents[2] / "hack" / "tools-versions.env"
+# The version hack/build-lws.sh builds the controller of (one home: hack/tools-versions.env).
+LWS_VERSION = dict(line.split("=", 1) for line in VERSIONS.read_text().splitlines()
+                   if line and not line.startswith("#"))["LWS_VERSION"]
 CRD_FILE = "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 
 

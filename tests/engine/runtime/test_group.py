@@ -32,7 +32,8 @@ def test_group_from_lws_variables():
     assert pod == g.PodGroup("lws-0.lws.ns", 2, 1, "node-b", 9000)
     assert not pod.is_leader
     assert pod.ranks(8) == range(8, 16) and pod.ranks(8, 0) == range(0, 8)
-    assert pod.init_method() == "tcp://lws-0.lws.ns:9001"
+    assert pod.init_method("10.0.0.7") == "tcp://10.0.0.7:9001"
+    assert g.PodGroup("lws-0.lws.ns", 2, 0, "node-a", 9000).init_method() == "tcp://127.0.0.1:9001"
 
 
 @pytest.mark.parametrize(("env", "message"), [
