@@ -91,3 +91,17 @@ EVENT_APPLIED = "Applied"
 EVENT_READY = "Ready"
 EVENT_CHILD_CONFLICT = "ChildConflict"
 EVENT_DEPLOYMENT_DELETED = "DeploymentDeleted"
+
+# LeaderWorkerSet (sigs.k8s.io/lws, v0.9.0): a replica that spans nodes is one group of pods.
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_VERSION = "v1"
+LWS_API_VERSION = f"{LWS_GROUP}/{LWS_VERSION}"
+LWS_PLURAL = "leaderworkersets"
+LWS_KIND = "LeaderWorkerSet"
+LWS_CRD_NAME = f"{LWS_PLURAL}.{LWS_GROUP}"
+LWS_RELEASE = "v0.9.0"
+# The label LWS puts on each pod of a group: "0" on the leader.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_INSTALL = (f"kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/"
+               f"{LWS_RELEASE}/manifests.yaml")
+REASON_LWS_MISSING = "LeaderWorkerSetMissing"

@@ -28,6 +28,7 @@ from specdeploy.operator import api
 from specdeploy.operator.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
 from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
 from specdeploy.operator.cluster import config_source, serving_metrics
+from specdeploy.operator.cluster.leaderworkerset import LeaderWorkerSets
 from specdeploy.operator.cluster.kube import (
     ChildConflict,
     ChildInvalid,
@@ -43,8 +44,8 @@ from specdeploy.operator.desired.planning import (
     plan_engine,
     plan_summary,
 )
+from specdeploy.operator.desired import leaderworkerset, roles
 from specdeploy.operator.desired import pods as engine_pods
-from specdeploy.operator.desired import roles
 from specdeploy.operator.desired.render import (
     EngineDefaults,
     PlannedEngine,
@@ -60,7 +61,8 @@ log = logging.getLogger("specdeploy.operator")
 # Handlers that run on every Deployment status change; their success is not news.
 DEPLOYMENT_HANDLER_ID = "engine-deployment"
 POD_HANDLER_ID = "engine-pods"
-ROUTINE_HANDLER_IDS = (DEPLOYMENT_HANDLER_ID, POD_HANDLER_ID)
+GROUP_HANDLER_ID = "engine-leaderworkerset"
+ROUTINE_HANDLER_IDS = (DEPLOYMENT_HANDLER_ID, POD_HANDLER_ID, GROUP_HANDLER_ID)
 
 # Retry delays for failures that can resolve without the resource changing.
 TRANSIENT_RETRY_DELAY_S = 30
@@ -130,6 +132,9 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     if roles.is_disaggregated(sdd["spec"]):
         _converge_roles(sdd, kube, options, logger, planned, summary)
         return
+    if planned.nodes > 1:
+        _converge_group(sdd, kube, options, logger, planned, summary)
+        return
     children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
     try:
         deployment = kube.apply_children(children)
@@ -175,6 +180,74 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
     if gone:
         logger.info(f"removed the disaggregated children: {', '.join(gone)}")
+    # A resource whose replicas spanned nodes before: its LeaderWorkerSet goes.
+    if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
+        logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
+
+
+def _converge_group(
+    sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
+    planned: PlannedEngine, summary: str,
+) -> None:
+    """converge() for a plan of more than one node: ConfigMap, LeaderWorkerSet and Service
+    (desired/leaderworkerset.py), or LeaderWorkerSetMissing until the cluster serves LWS."""
+    meta = sdd["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+    now = status.now_rfc3339
+    groups = LeaderWorkerSets(kube)
+    children = leaderworkerset.render_group(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
+
+    def blocked(reason: str, message: str) -> None:
+        def compute(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
+            new = status.plan_ready(current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
+                                    message=summary, now=now(), model_cache=children.model_cache)
+            return status.apply_blocked(new, generation=generation, reason=reason, message=message, now=now())
+
+        logger.warning(f"not applied (will retry): {message}")
+        _event(sdd, warning=True, reason=reason, message=message)
+        kube.update_status(namespace, name, compute)
+
+    if not groups.served():
+        message = (f"the plan spans {planned.nodes} nodes, which run as one {api.LWS_KIND} group per replica, and "
+                   f"this cluster does not serve {api.LWS_API_VERSION}: install LeaderWorkerSet ({api.LWS_INSTALL})")
+        blocked(api.REASON_LWS_MISSING, message)
+        raise kopf.TemporaryError(message, delay=options.transient_retry_delay_s)
+    try:
+        for child in (children.config_map, children.service):
+            kube.check_not_foreign(child)
+        groups.check_not_foreign(children.deployment)
+        kube._apply_unchecked(children.config_map)
+        group = groups.apply(children.deployment)
+        kube._apply_unchecked(children.service)
+    except ChildInvalid as err:
+        _refuse(kube, sdd, err.reason, str(err), transient=False, logger=logger)
+        raise kopf.PermanentError(f"{err.reason}: {err}") from None
+    except ChildConflict as err:
+        blocked(err.reason, str(err))
+        raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S) from None
+    per_pod = "CPU" if planned.cpu else f"{planned.tensor_parallel_size // planned.nodes} GPU"
+    applied = (f"{api.LWS_KIND} {name}: {sdd['spec'].get('replicas', 1)} group(s) of {planned.nodes} pods x {per_pod},"
+               f" config hash {children.config_hash}")
+    logger.info(f"applied ConfigMap, {applied} and Service {name}")
+    _event(sdd, warning=False, reason=api.EVENT_APPLIED, message=f"engine {applied}")
+
+    def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
+        new = status.plan_ready(current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
+                                message=summary, now=now(), model_cache=children.model_cache)
+        latest = groups.get(namespace, name) or group
+        return status.serving(new, leaderworkerset.deployment_view(latest), generation=generation, now=now())
+
+    kube.update_status(namespace, name, planned_status)
+    # What served the single-node plan, or the disaggregated one, goes.
+    gone = kube.delete_owned(namespace, {"Deployment": [deployment_name(name)]}, meta["uid"])
+    gone += kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
+    if gone:
+        logger.info(f"removed {', '.join(gone)}: the plan spans nodes")
+
+
+def _spans_nodes(current: dict[str, Any]) -> bool:
+    """Does the resource's current plan run as a LeaderWorkerSet?"""
+    return int((current.get("plan") or {}).get("nodes") or 1) > 1
 
 
 def _converge_roles(
@@ -241,6 +314,8 @@ def _refuse(
     else:
         engine_kept = False
         deleted = kube.delete_engine(namespace, name, meta["uid"])
+        if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
+            deleted.append(f"{api.LWS_KIND} {name}")
         deleted += kube.delete_owned(namespace, {k: v for k, v in roles.child_names(name).items() if k != "Service"},
                                      meta["uid"])
         logger.warning(f"{reason}: {message}" + (f"; deleted {', '.join(deleted)}" if deleted else "; nothing deployed"))
@@ -272,7 +347,7 @@ def deployment_event(
         if roles.is_disaggregated(sdd["spec"]):
             return status.serving_roles(current, role_deployments(kube, namespace, owner["name"]),
                                         generation=generation, now=status.now_rfc3339())
-        if body["metadata"]["name"] != deployment_name(owner["name"]):
+        if body["metadata"]["name"] != deployment_name(owner["name"]) or _spans_nodes(current):
             return current  # a leftover of the other mode, about to be deleted
         return status.serving(current, deployment, generation=generation, now=status.now_rfc3339())
 
@@ -330,6 +405,42 @@ def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any)
         log.info(f"[{namespace}/{name}] engine not ready: {new['blockedBy']['reason']}: {new['blockedBy']['message']}")
 
 
+def group_event(
+    event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    """An engine LeaderWorkerSet changed: fold its group counts into the owner's status."""
+    owner = controller_owner(body)
+    if owner is None:
+        return
+    kube: KubeClient = memo.kube
+    namespace = body["metadata"]["namespace"]
+    group = None if event.get("type") == "DELETED" else plain(body)
+
+    def compute(current: dict[str, Any], sdd: dict[str, Any]) -> dict[str, Any]:
+        if sdd["metadata"].get("uid") != owner.get("uid") or not _spans_nodes(current):
+            return current  # a new resource with the old name, or a leftover about to be deleted
+        return status.serving(current, leaderworkerset.deployment_view(group),
+                              generation=sdd["metadata"].get("generation", 1), now=status.now_rfc3339())
+
+    result = kube.update_status(namespace, owner["name"], compute)
+    if result is not None and result[0].get("phase") != result[1].get("phase"):
+        ready = (status.get_condition(result[1], api.READY) or {}).get("message", "")
+        logger.info(f"status: phase {result[0].get('phase')} -> {result[1].get('phase')} ({ready})")
+    if group is None:
+        sdd = kube.get_sdd(namespace, owner["name"])
+        current = (sdd or {}).get("status") or {}
+        plan_ready = status.get_condition(current, api.PLAN_READY) or {}
+        if (sdd is not None and sdd["metadata"].get("uid") == owner.get("uid") and _spans_nodes(current)
+                and not sdd["metadata"].get("deletionTimestamp") and not is_paused(sdd["metadata"])
+                and plan_ready.get("status") == "True"
+                and current.get("observedGeneration") == sdd["metadata"].get("generation")):
+            logger.warning("engine LeaderWorkerSet deleted from outside; applying it again")
+            try:
+                converge(sdd, kube, memo.options, logger)
+            except (kopf.TemporaryError, kopf.PermanentError):
+                pass
+
+
 def _restore_deleted_engine(
     namespace: str, owner: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
     deleted: str,
@@ -339,6 +450,8 @@ def _restore_deleted_engine(
     sdd = kube.get_sdd(namespace, owner["name"])
     if sdd is None or sdd["metadata"].get("uid") != owner.get("uid") or sdd["metadata"].get("deletionTimestamp"):
         return
+    if _spans_nodes(sdd.get("status") or {}):
+        return  # the single-node Deployment, removed by converge
     if roles.is_disaggregated(sdd["spec"]):
         wanted = [roles.role_deployment_name(owner["name"], role) for role in roles.ROLES]
     else:
@@ -441,4 +554,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     kopf.on.event(
         "", "v1", "pods", registry=registry, id=POD_HANDLER_ID, labels={LABEL_MANAGED_BY: MANAGED_BY},
     )(pod_event)
+    # Watched only while the cluster serves the API (kopf follows CRDs coming and going).
+    kopf.on.event(
+        api.LWS_GROUP, api.LWS_VERSION, api.LWS_PLURAL, registry=registry, id=GROUP_HANDLER_ID,
+        labels={LABEL_MANAGED_BY: MANAGED_BY},
+    )(group_event)
     return registry

@@ -1,4 +1,5 @@
-"""`specdeploy plan`: print the memory plan for a target + draft on one node's GPUs."""
+"""`specdeploy plan`: print the memory plan for a target + draft on one node's GPUs, or on several
+nodes' (--max-nodes: tensor parallel across them)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="GPU model (any case; default h200); others: --gpu-memory-gib")
     gpu.add_argument("--gpu-memory-gib", type=float, metavar="X", help="GPU memory in GiB, for GPUs outside the catalog")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs one node offers (default 8)")
+    parser.add_argument("--max-nodes", type=int, default=1, metavar="N",
+                        help="the most nodes one replica may span, tensor parallel across all their GPUs; "
+                             "the plan takes the fewest that fit (default 1)")
     parser.add_argument("--steps", type=int, default=DEFAULTS.num_steps, metavar="S", help=f"draft steps (default {DEFAULTS.num_steps})")
     parser.add_argument("--topk", type=int, default=DEFAULTS.topk, metavar="K", help=f"branches per draft step (default {DEFAULTS.topk})")
     parser.add_argument("--draft-tokens", type=int, metavar="N", help="tokens verified per request (default steps + 1)")
@@ -149,6 +153,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         target_weight_source=target_weights.source if target_weights else None,
         draft_weight_source=draft_weights.source if draft_weights else None,
         gpus_per_node=args.gpus_per_node, kv_cache_dtype=args.kv_cache_dtype, role=args.role,
+        max_nodes=args.max_nodes,
     )
 
 
@@ -185,6 +190,7 @@ def format_plan(p: Plan) -> str:
     rows: list[tuple[str, str]] = [
         ("algorithm", f"{p.algorithm}" + (f" (steps {p.num_steps}, topk {p.topk}, draft tokens {p.num_draft_tokens})" if p.draft else "")),
         ("gpu", f"{p.gpus_per_node} x {p.gpu} ({_gib(m.gpu_memory_bytes)} each){' ' + p.gpu_product_label if p.gpu_product_label else ''}"),
+        ("nodes", f"{p.nodes}" + (f" x {p.gpus_per_node_used} GPUs, one tensor-parallel group across them" if p.nodes > 1 else "")),
         ("spec_hidden_size", f"{p.spec_hidden_size} (hidden {p.target.hidden_size} x hc_mult {p.target.hc_mult})"),
         ("draft_input_hidden_size", str(p.draft_input_hidden_size)),
         ("tensor_parallel_size", str(p.tensor_parallel_size)),

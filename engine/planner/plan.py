@@ -29,6 +29,13 @@ TP is the smallest of 1, 2, 4, 8 (at most gpus_per_node, dividing the heads it m
 which max_total_tokens >= context_length * max_running_requests; none fitting is a PlanError.
 A requested tensor_parallel_size is the only one tried.
 
+Nodes (max_nodes > 1): when no size within one node fits, the group spans nodes with tensor
+parallelism across all of their GPUs, TP = nodes x gpus_per_node, trying 2, 3, ... max_nodes
+nodes (a size that does not divide the heads, or the experts, is refused and the next tried).
+The per-GPU terms are the same formula at that TP: every rank holds 1/TP of the split layers
+whichever node it is on. Why tensor rather than pipeline parallelism across nodes, and the
+interconnect that assumes: docs/engine.md, Multi-node.
+
 Static buffers (H_s = target spec_hidden_size, H_in = draft input width, bs = cuda_graph_max_bs):
     draft CUDA-graph hidden_states   [bs * topk, H_s]
     draft-extend hidden_states       [bs * (steps + 1), H_in]
@@ -84,6 +91,7 @@ __all__ = [
     "SpecSettings",
     "cuda_graph_batch_sizes",
     "gemv_width_bytes",
+    "group_sizes",
     "gemv_workspace_bytes",
     "plan",
     "plan_from_configs",
@@ -93,6 +101,9 @@ MIB = 1024**2
 GIB = 1024**3
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+
+# The most nodes one tensor-parallel group may span (a LeaderWorkerSet group's size).
+MAX_NODES = 64
 
 # Bytes that are on the GPU but not in any tensor the plan sizes: the CUDA context and its module
 # images, cuBLAS/cuDNN workspaces, NCCL communicator buffers, the index buffers of the graphs
@@ -433,6 +444,13 @@ class Plan:
     cuda_graph_batch_sizes: tuple[int, ...]
     notes: tuple[str, ...]
     role: str = "both"  # "prefill" | "decode": one half of a disaggregated deployment
+    # Nodes the tensor-parallel group spans: tensor_parallel_size / nodes ranks (GPUs) on each.
+    nodes: int = 1
+
+    @property
+    def gpus_per_node_used(self) -> int:
+        """Ranks (GPUs) of the group on each of its nodes."""
+        return self.tensor_parallel_size // self.nodes
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of `specdeploy plan --json`, of the ConfigMap's plan.json and of status.plan."""
@@ -779,6 +797,28 @@ def _notes(
     return tuple(notes)
 
 
+def group_sizes(gpus_per_node: int, max_nodes: int,
+                tensor_parallel_size: int | None = None) -> tuple[tuple[int, int], ...]:
+    """(tensor-parallel size, nodes) in the order plan() tries them: 1, 2, 4, 8 within a node (at
+    most gpus_per_node), then every GPU of 2, 3, ... max_nodes nodes. A requested size is the only
+    one, on as many nodes as it needs, or a PlanError when it is none of these."""
+    within = tuple((tp, 1) for tp in TENSOR_PARALLEL_SIZES if tp <= gpus_per_node)
+    across = tuple((n * gpus_per_node, n) for n in range(2, max_nodes + 1))
+    if tensor_parallel_size is None:
+        return within + across
+    for size, nodes in within + across:
+        if size == tensor_parallel_size:
+            return ((size, nodes),)
+    if tensor_parallel_size <= gpus_per_node:
+        raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size must be one of "
+                        f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))} within a node, got {tensor_parallel_size}")
+    if tensor_parallel_size % gpus_per_node:
+        raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size {tensor_parallel_size} spans nodes "
+                        f"but is not a multiple of the {gpus_per_node} GPU(s) of a node")
+    raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size {tensor_parallel_size} needs "
+                    f"{tensor_parallel_size // gpus_per_node} nodes of {gpus_per_node} GPU(s); max_nodes is {max_nodes}")
+
+
 def plan(
     target: ModelShapes,
     draft: ModelShapes | None,
@@ -793,9 +833,11 @@ def plan(
     gpus_per_node: int = 8,
     role: str = "both",
     tensor_parallel_size: int | None = None,
+    max_nodes: int = 1,
 ) -> Plan:
     """Plan memory for `target` + `draft` on `gpu` (see the module docstring for the formula;
-    `role` "prefill" or "decode" plans one half of a disaggregated deployment).
+    `role` "prefill" or "decode" plans one half of a disaggregated deployment; `max_nodes`: the
+    most nodes of `gpus_per_node` GPUs one tensor-parallel group may span).
 
     Weight bytes come from the checkpoints when given (`*_weight_source` says how they were read:
     "headers", the default, or "index"), else from quantization_config, else from the shapes.
@@ -814,18 +856,11 @@ def plan(
     check_servable(target.v4 is not None, spec.algorithm)
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
+    if not 1 <= max_nodes <= MAX_NODES:
+        raise PlanError("InvalidNodes", f"max_nodes must be in [1, {MAX_NODES}], got {max_nodes}")
     refusals: list[str] = []  # TP sizes that cannot split the heads, and why
-    last: tuple[int, MemoryTerms] | None = None
-    sizes = TENSOR_PARALLEL_SIZES if tensor_parallel_size is None else (tensor_parallel_size,)
-    if tensor_parallel_size is not None and tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
-        raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size must be one of "
-                        f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))}, got {tensor_parallel_size}")
-    for tp in sizes:
-        if tp > gpus_per_node:
-            if tensor_parallel_size is not None:
-                raise PlanError("InvalidTensorParallelSize", f"tensor_parallel_size {tp} is more "
-                                f"than the {gpus_per_node} GPU(s) of a node")
-            break
+    last: tuple[int, int, MemoryTerms] | None = None
+    for tp, nodes in group_sizes(gpus_per_node, max_nodes, tensor_parallel_size):
         refusal = _tp_refusal(target, tp) or (draft and _tp_refusal(draft, tp))
         if refusal:
             refusals.append(f"TP {tp}: {refusal}")
@@ -835,7 +870,7 @@ def plan(
                        if draft else None)
         memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp, role)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
-        last = (tp, memory)
+        last = (tp, nodes, memory)
         if max_total_tokens >= required:
             return Plan(
                 algorithm=spec.algorithm,
@@ -861,10 +896,11 @@ def plan(
                 cuda_graph_batch_sizes=() if role == "prefill" else cuda_graph_batch_sizes(limits.cuda_graph_max_bs),
                 notes=_notes(target, draft, target_weight_bytes, draft_weight_bytes, limits, tp),
                 role=role,
+                nodes=nodes,
             )
     if last is None:  # only a requested TP size that cannot split the model gets here
         raise PlanError("InvalidTensorParallelSize", "; ".join(refusals))
-    tp, memory = last
+    tp, nodes, memory = last
     fixed = memory.gpu_memory_bytes - memory.kv_cache_budget_bytes
     needed = fixed + required * memory.kv_cache_bytes_per_token
     hint = ""
@@ -876,9 +912,12 @@ def plan(
             f"; weights were counted at {target.dtype} but the checkpoint is {target.quantization}: "
             "give the model directory to read its real size"
         )
+    where = f"{tp} x {gpu.name}" if nodes == 1 else f"{nodes} nodes x {tp // nodes} {gpu.name} (TP {tp})"
+    if nodes == max_nodes and tensor_parallel_size is None:
+        hint += f"; tried up to max_nodes {max_nodes}"
     raise PlanError(
         "InsufficientGPUMemory",
-        f"does not fit on {tp} x {gpu.name}: at TP {tp} each GPU needs "
+        f"does not fit on {where}: at TP {tp} each GPU needs "
         f"{needed / GIB:.1f} GiB (weights {memory.weight_bytes / GIB:.1f} GiB + other fixed "
         f"{(fixed - memory.weight_bytes) / GIB:.1f} GiB + KV {required} tokens x "
         f"{memory.kv_cache_bytes_per_token} B) but has {memory.gpu_memory_bytes / GIB:.1f} GiB{hint}"
@@ -902,6 +941,7 @@ def plan_from_configs(
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int | None = None,
     dtype: str | None = None,
+    max_nodes: int = 1,
 ) -> Plan:
     """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan().
     dtype: the compute dtype, when it is not the config's torch_dtype (`engine serve --dtype`).
@@ -919,5 +959,6 @@ def plan_from_configs(
         target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
         target_weight_source=target_weight_source, draft_weight_source=draft_weight_source,
         gpus_per_node=gpus_per_node, role=role, tensor_parallel_size=tensor_parallel_size,
+        max_nodes=max_nodes,
     )
 

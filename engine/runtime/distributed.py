@@ -1,6 +1,6 @@
 """Tensor parallelism across processes: the TP group, its collectives, and the ranks' lockstep.
 
-One process per GPU (ranks 0..N-1 of one host). Every rank holds a shard of each model and the
+One process per GPU (ranks 0..N-1 of one host, or of several pods: engine/runtime/group.py). Every rank holds a shard of each model and the
 KV heads of its shard, and runs an identical Runner: the same requests, the same steps, the
 same model calls in the same order, so the collectives inside the models (and inside the CUDA
 graphs that captured them) pair up without any per-call coordination. Rank 0 alone owns HTTP and
@@ -369,16 +369,18 @@ class Workers:
     """Ranks 1..N-1 as child processes of rank 0 (torch.multiprocessing, spawn), and the watchdog
     that ends rank 0 when one of them dies."""
 
-    def __init__(self, target, size: int, args_for_rank, on_death=None):
-        """target(rank, *args_for_rank(rank)) runs in each child."""
+    def __init__(self, target, size: int, args_for_rank, on_death=None, ranks: range | None = None):
+        """target(rank, *args_for_rank(rank)) runs in each child, one per rank of `ranks`
+        (default 1..size-1; across pods, the ranks of this pod but its first)."""
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.size = size
+        self.ranks = ranks if ranks is not None else range(1, size)
         self._stopping = False
         self._on_death = on_death or _die
         self.procs = []
-        for rank in range(1, size):
+        for rank in self.ranks:
             p = ctx.Process(target=target, args=(rank, *args_for_rank(rank)), name=f"tp-rank-{rank}",
                             daemon=True)
             p.start()
@@ -396,7 +398,7 @@ class Workers:
                 p.join()
                 if self._stopping:
                     continue
-                rank = self.procs.index(p) + 1
+                rank = self.ranks[self.procs.index(p)]
                 self.kill()
                 self._on_death(f"tensor-parallel rank {rank} (pid {p.pid}) exited with "
                                f"{_exit_text(p.exitcode)}: stopping the server")

@@ -10,11 +10,19 @@ process is rank 0 (HTTP, scheduler, GPU 0) and starts ranks 1..N-1 itself, one p
 (`tp_worker`, spawned; no launcher tool needed). Every rank loads only its own shards and builds
 the same Runner (`build_runner`); rank 0 drives them in lockstep (engine/runtime/distributed.py).
 A rank that dies ends the server with exit code 1 and a log line naming it.
+
+Across pods (a plan of more than one node, run as a LeaderWorkerSet group; the LWS_* variables
+set): every pod runs this same command. The leader pod (LWS_WORKER_INDEX 0) is rank 0 as above
+and starts its other local ranks; each worker pod starts its own ranks (`serve_worker_pod`: no
+HTTP) and they all meet through engine/runtime/group.py before joining one torch group. The
+leader is ready only when every rank of every pod has loaded its shards; a lost pod stops the
+leader with exit code 1 (and a worker pod whose leader is gone), so LWS recreates the group.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -26,6 +34,7 @@ import time
 from pathlib import Path
 
 from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
+from specdeploy.engine.runtime.group import GROUP_PORT, RENDEZVOUS_TIMEOUT_S, GroupError, PodGroup, pod_group
 from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, DEFAULT_BODY_TIMEOUT_S,
                                               DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                               DEFAULT_STALL_TIMEOUT_S, MIN_CONCURRENT_REQUESTS)
@@ -139,6 +148,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="random target and draft weights of the checkpoints' shapes instead of reading them "
                         "(a model directory needs only config.json and a tokenizer): start-up and speed checks "
                         "of real shapes without their weights; the text is noise")
+    p.add_argument("--group-port", type=int, default=GROUP_PORT,
+                   help=f"across pods (LWS_* set): the leader's rendezvous port; torch's store takes the next "
+                        f"(default {GROUP_PORT})")
+    p.add_argument("--rendezvous-timeout-s", type=float, default=RENDEZVOUS_TIMEOUT_S,
+                   help=f"across pods: how long the leader waits for every worker pod, and a worker pod for the "
+                        f"leader (default {RENDEZVOUS_TIMEOUT_S:g})")
     p.add_argument("--all-reduce", choices=("nccl", "symm-mem"), default="nccl",
                    help="tensor-parallel all-reduce: NCCL, or PyTorch's symmetric-memory one-shot "
                         "kernel for small messages (CUDA)")
@@ -146,10 +161,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def configure_logging(rank: int | None = None, level: str = "info") -> None:
-    # Every rank logs to the same stream (kubectl logs); ranks other than 0 say which they are.
-    where = "" if not rank else f"[tp{rank}] "
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+def configure_logging(rank: int | None = None, node: str = "", level: str = "info") -> None:
+    # Every rank logs to the same stream (kubectl logs); ranks other than 0 say which they are,
+    # and across pods every rank says its node too.
+    if node:  # a worker pod knows its ranks only once it has the plan
+        where = f"[tp{rank} {node}] " if rank is not None else f"[{node}] "
+    else:
+        where = "" if not rank else f"[tp{rank}] "
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
 
 
@@ -159,7 +178,14 @@ def run(args: argparse.Namespace) -> int:
 
     from specdeploy.engine.serving import startup
 
-    configure_logging(level=args.log_level)
+    try:
+        group = pod_group(port=args.group_port)
+    except GroupError as e:
+        configure_logging(level=args.log_level)
+        log.error("%s", e)
+        return 2
+    configure_logging(0 if group is not None and group.is_leader else None, group.node if group else "",
+                      level=args.log_level)
     try:
         check_args(args)
         guard = serve_guard(args)
@@ -168,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         startup.preflight(args)
     except Exception as e:  # noqa: BLE001 - every start-up failure is reported as one line
         return startup.report(e)
+    if group is not None and not group.is_leader:
+        return serve_worker_pod(args, group)
     model_name = args.served_model_name or args.target
     state = EngineState(model_name=model_name, metrics=EngineMetrics(model_name), role=args.role)
     config, limits = server_config(args)
@@ -311,7 +339,8 @@ def _check_gpus(tensor_parallel_size: int, device: str) -> None:
                            f"this pod sees {visible}")
 
 
-def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str):
+def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, device: str, nodes: int = 1):
+    """The plan from --plan, else made here for --tensor-parallel-size ranks over `nodes` pods."""
     from specdeploy.engine.planner.plan import Limits, Plan, plan_from_configs
     from specdeploy.engine.planner.cli import format_plan
     from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, load_model_path
@@ -341,13 +370,15 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
             target_config.get("text_config", target_config).get("max_position_embeddings", 4096))
         running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         limits = Limits(running, context_length, running)
-        tp = args.tensor_parallel_size or 1
+        tp = args.tensor_parallel_size or nodes
+        if tp % nodes:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide over the group's {nodes} pods")
         # Planned in the dtype this server computes in (--dtype), not the checkpoint's: the KV
         # bytes per token and the disaggregation metadata row are that dtype's.
         plan = plan_from_configs(target_config, draft_config, spec,
                                  _host_gpu(device, args.gpu_memory_fraction), limits,
                                  target_weight_bytes=target_weight_bytes, draft_weight_bytes=draft_weight_bytes,
-                                 gpus_per_node=tp, tensor_parallel_size=tp, role=args.role,
+                                 gpus_per_node=tp // nodes, tensor_parallel_size=tp, max_nodes=nodes, role=args.role,
                                  kv_cache_dtype=args.kv_cache_dtype or "auto",
                                  dtype=str(_torch_dtype(args.dtype, device)).removeprefix("torch."))
         share = f", {args.gpu_memory_fraction:g} of its memory" if args.gpu_memory_fraction != 1 else ""
@@ -428,9 +459,11 @@ class RankSpec:
     random_weights: bool = False
     overlap: bool = True
     launch_ahead: bool = False
+    ranks_per_pod: int = 0          # across pods: the ranks (GPUs) of each pod; 0: all of them
+    node: str = ""                  # across pods: this pod's node, for log lines
 
     def rank_device(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device == "cuda" else "cpu"
+        return f"cuda:{rank % (self.ranks_per_pod or self.tp_size)}" if self.device == "cuda" else "cpu"
 
 
 def check_plan_for_target(plan, target_config: dict) -> bool:
@@ -575,7 +608,7 @@ def tp_worker(rank: int, spec: RankSpec) -> None:
     failure exits non-zero, which rank 0's watchdog turns into the server's exit."""
     from specdeploy.engine.runtime import distributed
 
-    configure_logging(rank)
+    configure_logging(rank, spec.node)
     distributed.watch_parent()
     try:
         import torch
@@ -593,18 +626,70 @@ def tp_worker(rank: int, spec: RankSpec) -> None:
     log.info("tensor-parallel rank %d: exiting", rank)
 
 
+def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
+    """A worker pod of a LeaderWorkerSet group (LWS_WORKER_INDEX > 0): its ranks of the plan,
+    no HTTP. Joins the leader, starts its other local ranks, builds its Runner and follows rank
+    0's steps until the leader ends the group (exit 0); a lost leader or a failed rank exits 1,
+    a group that cannot form exits 1 with one line."""
+    import torch
+
+    from specdeploy.engine.runtime import distributed
+    from specdeploy.engine.runtime import group as pod_rendezvous
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    ranks = TensorParallelRanks()
+    first = None
+    try:
+        plan, spec, _ = prepare_ranks(args, device, group)
+        mine = group.ranks(spec.ranks_per_pod)
+        first = mine.start
+        configure_logging(first, group.node)
+        log.info("group: worker pod %d of %d on node %s: ranks %d..%d of %d; joining the leader %s port %d",
+                 group.index, group.size, group.node, mine.start, mine.stop - 1, spec.tp_size,
+                 group.leader_address, group.port)
+        ranks.pods = member = pod_rendezvous.Member(
+            group, spec.ranks_per_pod, lambda lost: ranks.fatal(f"group: lost {lost}: exiting"))
+        member.join(args.rendezvous_timeout_s)
+        spec = dataclasses.replace(spec, init_method=group.init_method(member.leader_ip))
+        ranks.start(spec, range(mine.start + 1, mine.stop))
+        tp = distributed.init_tp(first, spec.tp_size, spec.init_method, spec.rank_device(first), spec.all_reduce)
+        runner, _ = build_runner(spec, first)
+        if device == "cuda":
+            tp.min_over_ranks(_available_gpu_bytes())
+        log.info("rank %d: following rank 0's steps", first)
+        distributed.follow(runner, tp)
+    except (GroupError, ValueError, FileNotFoundError) as e:  # one line, then exit 1
+        ranks.fatal(str(e))
+    except BaseException:
+        log.exception("tensor-parallel rank %s failed", first)
+        ranks.fatal(f"worker pod {group.index}: stopping")
+    log.info("tensor-parallel rank %d: the leader ended the group; exiting", first)
+    if ranks.pods is not None:
+        ranks.pods.close()
+        ranks.pods = None
+    if ranks.workers is not None:
+        ranks.workers.stop()
+    return 0
+
+
 class TensorParallelRanks:
     """Rank 0's handle on the other ranks: starts them, and stops them when the server ends."""
 
     def __init__(self):
         self.workers = None
         self.leader = None
+        self.pods = None  # across pods: group.Leader or group.Member, stopped before the ranks
 
-    def start(self, spec: RankSpec) -> None:
+    def start(self, spec: RankSpec, ranks: range | None = None) -> None:
+        """Start `ranks` of this pod (default 1..N-1) as child processes."""
         from specdeploy.engine.runtime import distributed
 
-        self.workers = distributed.Workers(tp_worker, spec.tp_size, lambda rank: (spec,))
-        log.info("tensor parallel %d: started ranks 1..%d (pids %s)", spec.tp_size, spec.tp_size - 1,
+        ranks = ranks if ranks is not None else range(1, spec.tp_size)
+        if not ranks:
+            return
+        self.workers = distributed.Workers(tp_worker, spec.tp_size, lambda rank: (spec,), ranks=ranks)
+        log.info("tensor parallel %d: started ranks %d..%d (pids %s)", spec.tp_size, ranks.start, ranks.stop - 1,
                  " ".join(str(p.pid) for p in self.workers.procs))
 
     def fatal(self, message: str) -> None:
@@ -615,8 +700,15 @@ class TensorParallelRanks:
         distributed._die(message)
 
     def stop(self) -> None:
-        """After the server stopped (no step runs any more): tell the ranks to exit, reap them."""
+        """After the server stopped (no step runs any more): tell the ranks to exit, reap them.
+        Across pods the other pods are told first, so that their exit is not taken for a loss."""
+        if self.pods is not None:
+            self.pods.close()
+            self.pods = None
         if self.workers is None:
+            if self.leader is not None:
+                with contextlib.suppress(Exception):
+                    self.leader.close()
             return
         if self.leader is None:  # loading never finished: nothing to wait for
             self.workers.stop(timeout_s=0)
@@ -635,62 +727,30 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     import torch
 
     from specdeploy.engine.runtime import distributed
+    from specdeploy.engine.runtime import group as pod_rendezvous
     from specdeploy.engine.runtime.runner import Request
     from specdeploy.engine.serving.scheduler import Scheduler
     from specdeploy.engine.serving.tokenizer import Tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    if args.plan:
-        # Refuse before any download: a plan for more GPUs than the pod has would otherwise
-        # fetch the whole checkpoint (131 GiB for a 70B target) only to stop later.
-        _check_gpus(args.tensor_parallel_size or
-                    json.loads(Path(args.plan).read_text()).get("tensor_parallel_size", 1), device)
-    target_dir = resolve_model_path(args.target, args.target_revision)
-    draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
-    plan = make_plan(args, target_dir, draft_dir, device)
-    if args.plan:
-        # A plan made elsewhere still goes through the pair check before a weight is read (a
-        # plan computed here went through it in plan_from_configs).
-        from specdeploy.engine.models.llama import read_config
-        from specdeploy.engine.planner.plan import check_pair
-
-        check_pair(plan.algorithm, read_config(str(target_dir)),
-                   read_config(str(draft_dir)) if draft_dir and draft_dir != target_dir else None)
-    if plan.algorithm == "MTP" and draft_dir is None:
-        draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
-    if plan.algorithm != "NONE" and draft_dir is None:
-        raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
+    group = pod_group(port=args.group_port)
+    plan, spec, target_dir = prepare_ranks(args, device, group)
     tp_size = plan.tensor_parallel_size
-    _check_gpus(tp_size, device)
-    dtype = _torch_dtype(args.dtype, device)
-    dtype_name = str(dtype).removeprefix("torch.")
-    if args.role != "both" and plan.target.dtype != dtype_name:
-        # The metadata buffer is allocated with the plan's row bytes: another dtype cannot fill it.
-        raise ValueError(f"--role {args.role}: the plan is for {plan.target.dtype} and this server computes in "
-                         f"{dtype_name} (--dtype {args.dtype}); give --dtype {plan.target.dtype} or a plan "
-                         f"made for {dtype_name}")
-
-    max_total_tokens = plan.max_total_tokens
-    if args.max_total_tokens is not None and args.max_total_tokens < max_total_tokens:
-        max_total_tokens = args.max_total_tokens
-        log.info("KV pool: capped at %d token slots by --max-total-tokens (plan: %d)", max_total_tokens,
-                 plan.max_total_tokens)
-    elif device == "cpu" and not args.plan and plan.required_tokens < max_total_tokens:
-        # A plan made here on CPU counts the host's RAM as "GPU memory": the pool gets what the
-        # limits need, not all of it. A given --plan is allocated as it is.
-        max_total_tokens = plan.required_tokens
-        log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
-                 max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
-    plan = dataclasses.replace(plan, max_total_tokens=max_total_tokens)
-    spec = RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(),
-                    dtype_name, device, args.seed, tp_size,
-                    distributed.free_init_method() if tp_size > 1 else "", args.all_reduce,
-                    bool(args.adaptive_speculation), bool(args.prefix_cache), args.role,
-                    bool(args.random_weights), bool(args.overlap), bool(args.launch_ahead))
     ranks = ranks or TensorParallelRanks()
     if tp_size > 1:
-        ranks.start(spec)
+        if group is not None:
+            # Listen before anything slow, so that worker pods find the leader at once.
+            ranks.pods = leader = pod_rendezvous.Leader(
+                group, spec.ranks_per_pod, lambda lost: ranks.fatal(f"group: lost {lost}: stopping the server"))
+        ranks.start(spec, range(1, spec.ranks_per_pod or tp_size))
+        if group is not None:
+            try:
+                nodes = leader.wait_for_workers(args.rendezvous_timeout_s)
+            except GroupError as e:  # one line, as the worker pods say theirs, and exit 1
+                ranks.fatal(str(e))
+            log.info("group: all %d pods joined (leader on node %s; %s)", group.size, group.node,
+                     ", ".join(f"worker {i} on {n}" for i, n in sorted(nodes.items())))
         tp = distributed.init_tp(0, tp_size, spec.init_method, spec.rank_device(0), args.all_reduce)
         log.info("tensor parallel %d over %s", tp_size,
                  f"NCCL, all-reduce {tp.all_reduce_backend}" if device == "cuda" else "gloo")
@@ -725,12 +785,81 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     overlap = ("launch-ahead" if getattr(inner, "launch_ahead", False) else
                "staged" if getattr(inner, "overlap", False) else "off")
     log.info("engine ready: max %d running, %d queued, context %d tokens, %d KV slots, prefix cache %s, "
-             "decode overlap %s%s", plan.max_running_requests, queued, plan.context_length, max_total_tokens,
+             "decode overlap %s%s", plan.max_running_requests, queued, plan.context_length, plan.max_total_tokens,
              "on" if runner.prefix_cache is not None else "off", overlap,
              f", tensor parallel {tp_size}" if tp_size > 1 else "")
     if args.role == "both":
         return scheduler, tokenizer
     return scheduler, tokenizer, disaggregation_service(args, scheduler, plan, guard)
+
+
+def prepare_ranks(args: argparse.Namespace, device: str, group: PodGroup | None):
+    """What every rank of this server builds from: the models' directories (downloaded if need
+    be), the plan (read or made here, checked against this pod), the RankSpec; -> (plan, spec,
+    target directory). The same on every pod of a group, from the same arguments."""
+    from specdeploy.engine.runtime import distributed
+
+    if args.plan:
+        # Refuse before any download: a plan for more GPUs than the pod has would otherwise
+        # fetch the whole checkpoint (131 GiB for a 70B target) only to stop later.
+        planned = json.loads(Path(args.plan).read_text())
+        _check_gpus((args.tensor_parallel_size or planned.get("tensor_parallel_size", 1))
+                    // planned.get("nodes", 1), device)
+    target_dir = resolve_model_path(args.target, args.target_revision)
+    draft_dir = resolve_model_path(args.draft, args.draft_revision) if args.draft else None
+    plan = make_plan(args, target_dir, draft_dir, device, group.size if group is not None else 1)
+    if args.plan:
+        # A plan made elsewhere still goes through the pair check before a weight is read (a
+        # plan computed here went through it in plan_from_configs).
+        from specdeploy.engine.models.llama import read_config
+        from specdeploy.engine.planner.plan import check_pair
+
+        check_pair(plan.algorithm, read_config(str(target_dir)),
+                   read_config(str(draft_dir)) if draft_dir and draft_dir != target_dir else None)
+    if plan.algorithm == "MTP" and draft_dir is None:
+        draft_dir = target_dir  # MTP layers ship inside the target's checkpoint
+    if plan.algorithm != "NONE" and draft_dir is None:
+        raise ValueError(f"the plan's algorithm is {plan.algorithm}: give its draft with --draft")
+    tp_size = plan.tensor_parallel_size
+    check_group(plan, group)
+    _check_gpus(tp_size // plan.nodes, device)
+    dtype = _torch_dtype(args.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if args.role != "both" and plan.target.dtype != dtype_name:
+        # The metadata buffer is allocated with the plan's row bytes: another dtype cannot fill it.
+        raise ValueError(f"--role {args.role}: the plan is for {plan.target.dtype} and this server computes in "
+                         f"{dtype_name} (--dtype {args.dtype}); give --dtype {plan.target.dtype} or a plan "
+                         f"made for {dtype_name}")
+
+    max_total_tokens = plan.max_total_tokens
+    if args.max_total_tokens is not None and args.max_total_tokens < max_total_tokens:
+        max_total_tokens = args.max_total_tokens
+        log.info("KV pool: capped at %d token slots by --max-total-tokens (plan: %d)", max_total_tokens,
+                 plan.max_total_tokens)
+    elif device == "cpu" and not args.plan and plan.required_tokens < max_total_tokens:
+        # A plan made here on CPU counts the host's RAM as "GPU memory": the pool gets what the
+        # limits need, not all of it. A given --plan is allocated as it is.
+        max_total_tokens = plan.required_tokens
+        log.info("KV pool: %d token slots on CPU (context %d x %d requests; the plan allows %d)",
+                 max_total_tokens, plan.context_length, plan.max_running_requests, plan.max_total_tokens)
+    plan = dataclasses.replace(plan, max_total_tokens=max_total_tokens)
+    init_method = group.init_method() if group is not None else distributed.free_init_method() if tp_size > 1 else ""
+    spec = RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(),
+                    dtype_name, device, args.seed, tp_size, init_method, args.all_reduce,
+                    bool(args.adaptive_speculation), bool(args.prefix_cache), args.role,
+                    bool(args.random_weights), bool(args.overlap), bool(args.launch_ahead),
+                    tp_size // plan.nodes if group is not None else 0, group.node if group is not None else "")
+    return plan, spec, target_dir
+
+
+def check_group(plan, group: PodGroup | None) -> None:
+    """A plan of N nodes runs on the N pods of one LWS group, and a group runs such a plan."""
+    pods = group.size if group is not None else 1
+    if plan.nodes != pods:
+        where = f"LWS_GROUP_SIZE is {pods}" if group is not None else "this pod is not part of a LeaderWorkerSet group (LWS_* not set)"
+        raise ValueError(f"the plan spans {plan.nodes} node(s) and {where}")
+    if plan.tensor_parallel_size % pods:
+        raise ValueError(f"tensor_parallel_size {plan.tensor_parallel_size} does not divide over {pods} pods")
 
 
 def disaggregation_service(args: argparse.Namespace, scheduler, plan, guard=None):

@@ -129,11 +129,13 @@ def _plan_engine(
 
     cpu_spec = spec.get("cpu")
     if cpu_spec:
-        # One device, so tensor parallel 1 (the engine runs one process per pod on CPU).
-        gpu, per_node = cpu_device(cpu_spec), 1
+        # One device per pod: tensor parallel over spec.cpu.nodes pods, exactly (one each).
+        nodes = cpu_spec.get("nodes", 1)
+        gpu, per_node, max_nodes, requested_tp = cpu_device(cpu_spec), 1, nodes, nodes
     else:
         gpu_spec = spec["gpu"]
         gpu, per_node = gpu_for_spec(gpu_spec), gpu_spec.get("perNode", 8)
+        max_nodes, requested_tp = gpu_spec.get("maxNodes", 1), None
     try:
         speculative = planner.SpecSettings(
             algorithm=algorithm,
@@ -156,7 +158,7 @@ def _plan_engine(
             target_weight_source=target_weights.source if target_weights else None,
             draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
             draft_weight_source=draft_weights.source if draft_weights else None,
-            role=role,
+            role=role, max_nodes=max_nodes, tensor_parallel_size=requested_tp,
         )
     except planner.PlanError as err:
         where = "" if role == "both" else f"{role} role: "
@@ -166,6 +168,7 @@ def _plan_engine(
     return PlannedEngine(
         plan=plan.to_dict(),
         tensor_parallel_size=plan.tensor_parallel_size,
+        nodes=plan.nodes,
         gpu_product_label=gpu.product_label,
         cpu=bool(cpu_spec),
         target_config=target_config,
@@ -181,8 +184,9 @@ def plan_summary(planned: PlannedEngine) -> str:
             f"{role}: TP {rp['tensor_parallel_size']} x {rp['gpu']}, max_total_tokens {rp['max_total_tokens']}"
             for role, rp in planned.role_plans.items()
         ) + f"; spec_hidden_size {p['spec_hidden_size']}, metadata row {p['buffers']['metadata_hidden_states_shape']}"
+    nodes = p.get("nodes", 1)
     return (
-        f"TP {p['tensor_parallel_size']} x {p['gpu']}, max_total_tokens {p['max_total_tokens']}"
+        f"TP {p['tensor_parallel_size']} x {p['gpu']}" + (f" on {nodes} nodes" if nodes > 1 else "") + ", max_total_tokens {p['max_total_tokens']}"
         f" (needs {p['required_tokens']}), spec_hidden_size {p['spec_hidden_size']},"
         f" draft_input_hidden_size {p['draft_input_hidden_size']}"
     )

@@ -98,6 +98,9 @@ class PlannedEngine:
     cpu: bool = False  # CPU mode (spec.cpu): no GPU request, affinity nor toleration
     # spec.disaggregation: each engine role's own plan ("prefill", "decode"); `plan` is decode's.
     role_plans: dict[str, dict[str, Any]] | None = None
+    # Nodes one replica spans: more than one renders a LeaderWorkerSet group per replica
+    # (desired/leaderworkerset.py), tensor_parallel_size / nodes ranks on each.
+    nodes: int = 1
 
 
 @dataclass(frozen=True)

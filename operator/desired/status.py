@@ -78,10 +78,12 @@ def status_plan(plan: dict[str, Any]) -> dict[str, Any]:
     parallelism). weightsSource says how the target's weights were counted: "headers" (its
     safetensors headers, read from the hub), "index" (model.safetensors.index.json's total), an
     estimate from "quantization_config", or "shapes" (parameters x dtype).
-    gpusPerReplica is the tensor-parallel size, or 0 in CPU mode (spec.cpu: the plan sizes one
-    device, the CPU's memory).
+    gpusPerReplica is the tensor-parallel size (every node of the group together), or 0 in CPU
+    mode (spec.cpu: the plan sizes one device, the CPU's memory). nodes: the nodes one replica
+    spans (1 for plans written before it existed).
     """
     result = {camel_case(k): v for k, v in plan.items() if not isinstance(v, (dict, list))}
+    result["nodes"] = int(plan.get("nodes") or 1)
     result["gpusPerReplica"] = 0 if plan.get("gpu") == "cpu" else int(plan.get("tensor_parallel_size") or 0)
     models = {role: plan[role] for role in ("target", "draft") if isinstance(plan.get(role), dict) and plan[role]}
     result["weightBytes"] = sum(int(m.get("weight_bytes") or 0) for m in models.values())

@@ -79,6 +79,8 @@ PLAN_KEYS = {
     "memory_per_gpu.weight_bytes",
     "memory_per_gpu.kv_cache_bytes_per_token",
 }
+# Keys an example may add to its plan comment (a multi-node example says its nodes).
+OPTIONAL_PLAN_KEYS = {"nodes"}
 
 
 def example_files() -> list[Path]:

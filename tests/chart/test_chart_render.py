@@ -152,6 +152,7 @@ EXPECTED_OPERATOR_RULES = {
     ("specdeploy.dev", "specdecodedeployments/status"): {"update"},
     ("specdeploy.dev", "specdecodedeployments/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "persistentvolumeclaims"): {"get", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
@@ -186,7 +187,8 @@ def test_operator_rules_are_exactly_the_contract(helm, variant):
     assert {k for k, verbs in grants.items() if "update" in verbs} == {
         ("specdeploy.dev", "specdecodedeployments/status"), ("specdeploy.dev", "specdecodedeployments/finalizers"),
     }
-    assert {k for k, verbs in grants.items() if "delete" in verbs} == {("apps", "deployments"), ("", "configmaps")}
+    assert {k for k, verbs in grants.items() if "delete" in verbs} == {
+        ("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"), ("", "configmaps")}
 
 
 def test_chart_versions_follow_the_package():

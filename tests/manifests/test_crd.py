@@ -54,8 +54,10 @@ def test_enums_follow_the_catalogs():
 def test_printer_columns_point_at_fields_the_operator_writes():
     _, version, schema = load()
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Phase", "GPUs", "Max tokens", "Accept length", "Tok/s", "Shape", "Age", "Message"]
+    assert list(columns) == ["Ready", "Phase", "GPUs", "Nodes", "Max tokens", "Accept length", "Tok/s", "Shape", "Age",
+                             "Message"]
     assert columns["Message"] == '.status.conditions[?(@.type=="Ready")].message'
+    assert columns["Nodes"] == ".status.plan.nodes"
     assert columns["Shape"] == ".status.serving.speculativeShape"
     assert columns["Tok/s"] == ".status.serving.tokensPerSecond"
     assert columns["GPUs"] == ".status.plan.gpusPerReplica"
@@ -63,7 +65,7 @@ def test_printer_columns_point_at_fields_the_operator_writes():
     assert columns["Accept length"] == ".status.serving.meanAcceptLength"
     written = status.status_plan({"tensor_parallel_size": 1, "max_total_tokens": 2, "target": {}})
     status_props = schema["properties"]["status"]["properties"]
-    for path in (columns["GPUs"], columns["Max tokens"]):
+    for path in (columns["GPUs"], columns["Nodes"], columns["Max tokens"]):
         key = path.rsplit(".", 1)[1]
         assert key in written and key in status_props["plan"]["properties"]
     assert {"meanAcceptLength", "tokensPerSecond", "speculativeShape"} <= set(status_props["serving"]["properties"])

@@ -178,3 +178,8 @@ def test_blocked_apply_keeps_the_plan_and_says_why():
 def test_cpu_mode_plans_no_gpus_per_replica():
     plan = st.status_plan({**PLAN, "gpu": "cpu", "tensor_parallel_size": 1})
     assert plan["gpusPerReplica"] == 0 and plan["tensorParallelSize"] == 1
+
+
+def test_status_plan_says_the_nodes():
+    assert st.status_plan({**PLAN, "nodes": 2, "tensor_parallel_size": 16})["nodes"] == 2
+    assert st.status_plan({**PLAN})["nodes"] == 1  # a plan written before nodes existed

@@ -1,0 +1,32 @@
+"""LeaderWorkerSet v0.9.0 as the Go module sigs.k8s.io/lws publishes it: its CRD, read from the
+Go module cache (`go mod download` fills it once; nothing of LWS is copied into this repository)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+LWS_MODULE = "sigs.k8s.io/lws"
+VERSIONS = Path(__file__).resolve().parents[2] / "hack" / "tools-versions.env"
+# The version hack/build-lws.sh builds the controller of (one home: hack/tools-versions.env).
+LWS_VERSION = dict(line.split("=", 1) for line in VERSIONS.read_text().splitlines()
+                   if line and not line.startswith("#"))["LWS_VERSION"]
+CRD_FILE = "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+
+
+def module_dir() -> Path:
+    """The module's source in the Go module cache, downloaded on first use."""
+    if shutil.which("go") is None:
+        raise RuntimeError("the LeaderWorkerSet CRD is read from the Go module cache: install Go >= 1.26")
+    out = subprocess.run(["go", "mod", "download", "-json", f"{LWS_MODULE}@{LWS_VERSION}"],
+                         capture_output=True, text=True, timeout=600, cwd="/")
+    info = json.loads(out.stdout or "{}")
+    if out.returncode != 0 or "Dir" not in info:
+        raise RuntimeError(f"go mod download {LWS_MODULE}@{LWS_VERSION} failed: {info.get('Error') or out.stderr.strip()}")
+    return Path(info["Dir"])
+
+
+def crd_path() -> Path:
+    return module_dir() / CRD_FILE
