@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine.planner.plan import GIB
+from specdeploy.operator.desired import scheduling
 from specdeploy.operator.api import (
     API_VERSION,
     CONFIG_HASH_ANNOTATION,
@@ -413,6 +414,7 @@ def render_children(
     pod_spec = engine_pod_spec(spec, container, config_map_name(name), planned, cache_volume)
     deployment = deployment_object(deployment_name(name), labels, selector_labels(name),
                                    spec.get("replicas", 1), hash_value, pod_spec)
+    scheduling.customize_deployment(deployment, spec)
     service = service_object(service_name(name), labels, selector_labels(name))
     finish_children(sdd, [config_map, deployment, service] + ([cache_claim] if cache_claim else []), labels)
     return Children(config_map, deployment, service, hash_value, cache_claim, cache_status)
