@@ -96,8 +96,8 @@ def test_gateway_names_and_saturation_follow_the_engine_under_load(server):
         assert m["vllm:num_requests_running"] == m["specdeploy_num_requests_running"]
         assert m["vllm:num_requests_waiting"] == m["specdeploy_num_requests_waiting"]
         assert m["vllm:kv_cache_usage_perc"] == m["specdeploy_kv_slot_usage_ratio"]
-        load = m["specdeploy_num_requests_running"] + m["specdeploy_num_requests_waiting"]
-        assert m["specdeploy_saturation"] == load / server.max_running_requests
+        in_flight = m["specdeploy_num_requests_running"] + m["specdeploy_num_requests_waiting"]
+        assert m["specdeploy_saturation"] == in_flight / server.max_running_requests
     assert max(m["specdeploy_saturation"] for m in busy) > 0.5
 
 
