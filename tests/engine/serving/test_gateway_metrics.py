@@ -71,7 +71,7 @@ def test_gateway_names_and_saturation_follow_the_engine_under_load(server):
     """While requests run and queue: the protocol's gauges are the engine's own, and saturation is
     (running + queued) / maxRunningRequests (no adaptive speculation here)."""
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    wanted = server.max_running_requests + 2
+    wanted = server.max_queued_requests  # all at once: more would be refused (429) while queued
 
     async def load() -> list:
         return await asyncio.gather(*(client.completions.create(
