@@ -11,6 +11,7 @@ Usage: hack/core-schemas.py PATH/api__v1_openapi.json Toleration Affinity ...
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -30,7 +31,7 @@ def structural(node: dict, schemas: dict) -> dict:
         out.update(structural(schemas[ref.rsplit("/", 1)[1]], schemas))
     for key in KEPT:
         if key in node:
-            out[key] = node[key]
+            out[key] = copy.deepcopy(node[key])  # no shared lists: they would become YAML aliases
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]

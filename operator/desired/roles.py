@@ -215,6 +215,9 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
         role_spec(spec, "router").get("replicas", 1), hash_value, router_pod)
     for role, deployment in deployments.items():
         scheduling.customize_deployment(deployment, spec, role)
+        if role in ENGINE_ROLES and role_spec(spec, role).get("autoscaling"):
+            # Its autoscaler owns the replicas; server-side apply keeps the count it set.
+            deployment["spec"].pop("replicas")
     services["router"] = service_object(service_name(name), role_labels(name, "router"), role_selector(name, "router"))
 
     objects = []
