@@ -57,10 +57,13 @@ class FakeNode:
     cpu: str = "192"
     memory: str = "2048Gi"
     pods: str = "110"
+    extra_labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[tuple[str, str, str], ...] = ()  # (key, value, effect)
 
     @property
     def labels(self) -> dict[str, str]:
         return {
+            **dict(self.extra_labels),
             "kubernetes.io/hostname": self.name,
             "kubernetes.io/os": "linux",
             "kubernetes.io/arch": "amd64",
@@ -91,7 +94,7 @@ class FakeNode:
                 # kwok's controller manages only nodes carrying this annotation.
                 "annotations": {FAKE_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
             },
-            "spec": {},
+            "spec": {"taints": [{"key": k, "value": v, "effect": e} for k, v, e in self.taints]} if self.taints else {},
             "status": {
                 "capacity": self.capacity,
                 "allocatable": self.capacity,
@@ -486,6 +489,26 @@ class KubeCluster:
             return {n.name for n in self.nodes} <= ready
 
         wait_for(all_ready, timeout_s=60, what="fake nodes to become Ready")
+
+    def add_fake_nodes(self, nodes: Iterable[FakeNode], timeout_s: float = 60) -> list[FakeNode]:
+        """More kwok nodes for one test (remove them with delete_nodes); returns them once Ready."""
+        nodes = list(nodes)
+        self.apply([n.manifest() for n in nodes])
+        names = {n.name for n in nodes}
+
+        def ready() -> bool:
+            items = self.kubectl_json("get", "nodes")["items"]
+            return names <= {n["metadata"]["name"] for n in items
+                             if any(c["type"] == "Ready" and c["status"] == "True"
+                                    for c in n.get("status", {}).get("conditions", []))}
+
+        wait_for(ready, timeout_s=timeout_s, what=f"fake nodes {sorted(names)} Ready")
+        return nodes
+
+    def delete_nodes(self, names: Iterable[str]) -> None:
+        names = list(names)
+        if names:
+            self.kubectl("delete", "node", *names, "--ignore-not-found", "--wait=false", check=False)
 
     def _install_default_logs(self) -> None:
         """Every pod's `kubectl logs` returns one line unless a test sets its own with set_pod_log."""

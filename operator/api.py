@@ -38,6 +38,9 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 CONDITION_TYPES = (PLAN_READY, READY, PROGRESSING, DEGRADED)
+# What a resource gets beyond its engine (operator/desired/addons.py): present only when asked for.
+AUTOSCALING = "Autoscaling"
+INFERENCE_POOL = "InferencePool"
 
 # Phases: one word for humans.
 PHASE_PENDING = "Pending"
@@ -83,6 +86,13 @@ REASON_ERR_IMAGE_PULL = "ErrImagePull"
 REASON_CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
 REASON_OOM_KILLED = "OOMKilled"
 REASON_ENGINE_LOADING = "EngineLoading"
+
+# Autoscaling / InferencePool reasons (the True ones: the kinds applied, or these).
+REASON_KEDA_NOT_INSTALLED = "KEDANotInstalled"
+REASON_METRIC_NOT_EXPORTED = "MetricNotExported"
+REASON_METRIC_EXPORTED = "MetricExported"
+REASON_INFERENCE_POOL_CRD_MISSING = "InferencePoolCRDMissing"
+REASON_INFERENCE_POOL_APPLIED = "InferencePoolApplied"
 
 # Event reasons (kubectl describe / kubectl get events).
 EVENT_PAUSED = "Paused"

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 from specdeploy.operator import api
 from specdeploy.operator.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
 from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
-from specdeploy.operator.cluster import config_source, serving_metrics
+from specdeploy.operator.cluster import addons, config_source, serving_metrics
 from specdeploy.operator.cluster.leaderworkerset import LeaderWorkerSets
 from specdeploy.operator.cluster.kube import (
     ChildConflict,
@@ -37,6 +38,7 @@ from specdeploy.operator.cluster.kube import (
     new_api_client,
     plain,
 )
+from specdeploy.operator.desired import addons as desired_addons
 from specdeploy.operator.desired import status
 from specdeploy.operator.desired.planning import (
     ModelWeights,
@@ -183,6 +185,7 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     # A resource whose replicas spanned nodes before: its LeaderWorkerSet goes.
     if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
         logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
+    _converge_addons(sdd, kube, logger)
 
 
 def _converge_group(
@@ -296,6 +299,16 @@ def _converge_roles(
         return status.serving_roles(new, latest, generation=generation, now=now(), role_plans=planned.role_plans)
 
     kube.update_status(namespace, name, planned_status)
+    _converge_addons(sdd, kube, logger)
+
+
+def _converge_addons(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger) -> None:
+    """Budgets, policies, autoscalers, InferencePool (operator/desired/addons.py): their failures
+    are conditions; an API error here leaves the engine as applied and is retried next time."""
+    try:
+        addons.report(kube, sdd, addons.converge_addons(kube, sdd, logger))
+    except ApiException as err:
+        logger.warning(f"addons not converged (retried at the next reconcile): {err.status} {err.reason}")
 
 
 def role_deployments(kube: KubeClient, namespace: str, name: str) -> dict[str, dict[str, Any] | None]:
@@ -490,6 +503,12 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None) -> No
         figures = serving_metrics.summarize(samples)
         if figures:
             kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
+        verdict = desired_addons.exported_metric_check(sdd, [set(s.names) for s in samples])
+        if verdict is not None:
+            log.warning(f"[{meta['namespace']}/{meta['name']}] {verdict.reason}: {verdict.message}")
+            generation = meta.get("generation", 1)
+            kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, v=verdict, g=generation:
+                               desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
 
 
 async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:

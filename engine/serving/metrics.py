@@ -10,9 +10,24 @@ decode step (`spec_decode_shape_num_steps` / `_topk` / `_num_draft_tokens`, all 
 measured per-depth acceptance rate P(accepted >= d | accepted >= d - 1) of chain drafts, the
 expected tokens per request-step of every shape, and the smallest batch size at which the policy
 would stop speculating (0: at none of its batch sizes).
+
+Saturation, the autoscaling signal that counts speculation (`specdeploy_saturation`): requests
+running and queued over the batch this replica serves well, which is the smallest of
+maxRunningRequests and, with adaptive speculation, the crossover batch at which the policy stops
+speculating. 1.0 means a replica at that batch: a target below 1 adds a replica before
+speculation has to be given up, rather than after the queue grows.
+
+The Gateway API Inference Extension's model-server protocol
+(gateway-api-inference-extension docs/proposals/003-model-server-protocol) is served under the
+names its reference endpoint picker reads by default, vLLM's: `vllm:num_requests_waiting`,
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc` (a 0..1 fraction, as vLLM's),
+`vllm:cache_config_info{block_size, num_gpu_blocks}` (the prefix scorer's block geometry: one
+token per KV slot, the pool's slots) and `vllm:lora_requests_info` (no adapters: max_lora 0).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -98,6 +113,40 @@ class EngineMetrics:
         self.prefix_cache_slots = gauge(
             "prefix_cache_slots", "KV token slots held by the prefix cache (unused ones are evicted when needed).")
 
+        # Saturation and the inference gateway's names are read from the gauges above at scrape time.
+        self.max_running_requests = 0
+        Gauge(f"{_PREFIX}_saturation", "Requests running and queued per request this replica serves well "
+              "(the smaller of max running requests and the adaptive crossover batch); 1.0 is that batch.",
+              ["model_name"], registry=r).labels(**labels).set_function(self.saturation)
+        for name, doc, source in (
+            ("vllm:num_requests_waiting", "Requests queued (inference gateway model-server protocol).",
+             self.num_requests_waiting),
+            ("vllm:num_requests_running", "Requests running (inference gateway model-server protocol).",
+             self.num_requests_running),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (inference gateway model-server protocol).",
+             self.kv_slot_usage),
+        ):
+            Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(
+                lambda g=source: _gauge_value(g))
+        self._cache_config = Gauge("vllm:cache_config_info", "KV cache geometry: tokens per block, blocks.",
+                                   ["model_name", "block_size", "num_gpu_blocks"], registry=r)
+        Gauge("vllm:lora_requests_info", "LoRA adapters: none are served (max_lora 0).",
+              ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r).labels(
+            max_lora="0", running_lora_adapters="", waiting_lora_adapters="", **labels).set(time.time())
+
+    def serving_capacity(self, max_running_requests: int, kv_slots: int) -> None:
+        """The engine's limits: its running batch and its KV pool's token slots."""
+        self.max_running_requests = max_running_requests
+        self._cache_config.labels(block_size="1", num_gpu_blocks=str(kv_slots), **self._labels).set(1)
+
+    def saturation(self) -> float:
+        load = _gauge_value(self.num_requests_running) + _gauge_value(self.num_requests_waiting)
+        capacity = self.max_running_requests
+        crossover = _gauge_value(self.crossover_batch_size)
+        if crossover > 0 and _gauge_value(self.spec_decode_adaptive):
+            capacity = min(capacity, crossover) if capacity else crossover
+        return load / capacity if capacity else 0.0
+
     def request_finished(self, endpoint: str, finish_reason: str) -> None:
         self._requests.labels(endpoint=endpoint, finish_reason=finish_reason, **self._labels).inc()
 
@@ -130,3 +179,7 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _gauge_value(gauge) -> float:
+    return gauge._value.get()  # noqa: SLF001 - prometheus_client has no public read of a gauge

@@ -148,6 +148,7 @@ class Scheduler:
         # check_fits applies the runner's two limits (max_sequence_tokens, slots_needed) up front,
         # so a request that could *never* run is refused with a 400 instead of waiting in the queue.
         self.capacity_slots = runner.table.capacity
+        metrics.serving_capacity(runner.max_running_requests, runner.table.capacity)
         # The most prompt + max_tokens a request may have (what clients see as the context).
         self.context_length = runner.max_sequence_tokens
         self.log_interval_s = log_interval_s

@@ -6,7 +6,10 @@ tokens per second = the sum of the pods' generation throughput gauges; prefix ca
 prompt tokens found in the cache / prompt tokens looked up, summed over the pods (lifetime).
 An engine with adaptive speculation also reports the shape of its last decode step and its
 measured per-depth acceptance: the status shows the shapes the pods run (one label, or the
-distinct ones joined with '/') and the acceptance per depth averaged over the pods.
+distinct ones joined with '/') and the acceptance per depth averaged over the pods, and the
+smallest crossover batch of the pods (where speculation stops paying); saturation (the
+speculation-aware scaling signal) is the mean over the pods. Each sample keeps the metric names
+the pod serves, so the operator can tell an autoscaler's target that no pod exports.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ SHAPE = "specdeploy_spec_decode_shape"
 ACCEPTANCE_RATE = "specdeploy_spec_decode_acceptance_rate"
 PREFIX_HITS = "specdeploy_prefix_cache_hits_total"
 PREFIX_QUERIES = "specdeploy_prefix_cache_queries_total"
+CROSSOVER = "specdeploy_spec_decode_crossover_batch_size"
+SATURATION = "specdeploy_saturation"
 SCRAPE_TIMEOUT_S = 2.0
 
 # name{labels} value  (timestamps, if any, follow the value and are ignored)
@@ -44,17 +49,22 @@ class EngineSample:
     acceptance_rates: tuple[float, ...] = ()        # adaptive engines: depth 1, 2, ...
     prefix_hits: float = 0.0                        # prompt tokens found in the prefix cache
     prefix_queries: float = 0.0                     # prompt tokens looked up in it
+    crossover_batch: float = 0.0                    # adaptive engines: 0 = none within its batch sizes
+    saturation: float | None = None                 # None: the engine does not export it
+    names: frozenset[str] = frozenset()             # every metric name the pod serves
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
     """Sum each wanted metric over its label sets; absent metrics count as 0."""
     totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0, PREFIX_HITS: 0.0, PREFIX_QUERIES: 0.0}
     adaptive, shape, rates = False, None, {}
+    crossover, saturation, names = 0.0, None, set()
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if not match:
             continue
         name = match.group(1)
+        names.add(name)
         try:
             value = float(match.group(3))
         except ValueError:
@@ -63,6 +73,10 @@ def parse_engine_metrics(text: str) -> EngineSample:
             totals[name] += value
         elif name == ADAPTIVE:
             adaptive = value == 1
+        elif name == CROSSOVER:
+            crossover = value
+        elif name == SATURATION:
+            saturation = value
         elif name in (SHAPE, ACCEPTANCE_RATE):
             labels = dict(_LABEL.findall(match.group(2) or ""))
             if name == SHAPE and value == 1 and "shape" in labels:
@@ -72,7 +86,8 @@ def parse_engine_metrics(text: str) -> EngineSample:
     depths = tuple(rates[d] for d in sorted(rates))
     return EngineSample(totals[ACCEPTED_TOKENS], totals[VERIFY_STEPS], totals[TOKENS_PER_SECOND],
                         shape if adaptive else None, depths if adaptive else (),
-                        totals[PREFIX_HITS], totals[PREFIX_QUERIES])
+                        totals[PREFIX_HITS], totals[PREFIX_QUERIES], crossover if adaptive else 0.0,
+                        saturation, frozenset(names))
 
 
 def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
@@ -90,6 +105,12 @@ def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
     queries = sum(s.prefix_queries for s in samples)
     if queries > 0:
         result["prefixCacheHitRate"] = round(sum(s.prefix_hits for s in samples) / queries, 3)
+    crossovers = [s.crossover_batch for s in samples if s.crossover_batch > 0]
+    if crossovers:
+        result["crossoverBatchSize"] = int(min(crossovers))
+    saturations = [s.saturation for s in samples if s.saturation is not None]
+    if saturations:
+        result["saturation"] = round(sum(saturations) / len(saturations), 3)
     rated = [s.acceptance_rates for s in samples if s.acceptance_rates]
     if rated:
         depth = min(len(r) for r in rated)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine.planner.plan import GIB
+from specdeploy.operator.desired import scheduling
 from specdeploy.operator.api import (
     API_VERSION,
     CONFIG_HASH_ANNOTATION,
@@ -471,6 +472,7 @@ def render_children(
     cache_status["weights"] = weights_sources(spec, hub_endpoint)
     deployment = deployment_object(deployment_name(name), labels, selector_labels(name),
                                    spec.get("replicas", 1), hash_value, pod_spec, progress_deadline_s(planned.plan))
+    scheduling.customize_deployment(deployment, spec)
     service = service_object(service_name(name), labels, selector_labels(name))
     finish_children(sdd, [config_map, deployment, service] + ([cache_claim] if cache_claim else []), labels)
     return Children(config_map, deployment, service, hash_value, cache_claim, cache_status)

@@ -36,6 +36,7 @@ from specdeploy.operator.api import (
     ROLE_LABEL,
     ROUTER_APP_NAME,
 )
+from specdeploy.operator.desired import scheduling
 from specdeploy.operator.desired.render import (
     ENGINE_PORT,
     ENGINE_PORT_NAME,
@@ -253,6 +254,11 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
     deployments["router"] = deployment_object(
         role_deployment_name(name, "router"), role_labels(name, "router"), role_selector(name, "router"),
         role_spec(spec, "router").get("replicas", 1), hash_value, router_pod)
+    for role, deployment in deployments.items():
+        scheduling.customize_deployment(deployment, spec, role)
+        if role in ENGINE_ROLES and role_spec(spec, role).get("autoscaling"):
+            # Its autoscaler owns the replicas; server-side apply keeps the count it set.
+            deployment["spec"].pop("replicas")
     services["router"] = service_object(service_name(name), role_labels(name, "router"), role_selector(name, "router"))
 
     objects = []

@@ -394,7 +394,8 @@ def engine_metrics(current: dict[str, Any] | None, figures: dict[str, float]) ->
     under serving."""
     status = _base(current)
     serving_status = dict(status.get("serving") or {})
-    for key in ("meanAcceptLength", "tokensPerSecond", "speculativeShape", "acceptanceRates", "prefixCacheHitRate"):
+    for key in ("meanAcceptLength", "tokensPerSecond", "speculativeShape", "acceptanceRates", "prefixCacheHitRate",
+                "crossoverBatchSize", "saturation"):
         if key in figures:
             serving_status[key] = figures[key]
     status["serving"] = serving_status

@@ -159,7 +159,15 @@ EXPECTED_OPERATOR_RULES = {
     ("", "pods"): {"list"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "create", "patch", "delete"},
+    ("keda.sh", "scaledobjects"): {"get", "list", "create", "patch", "delete"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "create", "patch", "delete"},
 }
+ADDONS = {("policy", "poddisruptionbudgets"), ("networking.k8s.io", "networkpolicies"),
+          ("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects"),
+          ("inference.networking.k8s.io", "inferencepools")}
 
 
 def _flatten(rules):
@@ -188,7 +196,7 @@ def test_operator_rules_are_exactly_the_contract(helm, variant):
         ("specdeploy.dev", "specdecodedeployments/status"), ("specdeploy.dev", "specdecodedeployments/finalizers"),
     }
     assert {k for k, verbs in grants.items() if "delete" in verbs} == {
-        ("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"), ("", "configmaps")}
+        ("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"), ("", "configmaps")} | ADDONS
 
 
 def test_chart_versions_follow_the_package():

@@ -28,7 +28,7 @@ def cluster_env(tmp_path_factory, kube_tools) -> dict[str, str]:
     from specdeploy.engine.demo.cli import DEMO_VERSION
 
     home = tmp_path_factory.mktemp("local-cluster")
-    build_demo_pair(yaml.safe_load(TINY_CPU_DEMO.read_text()), home / "cache" / "specdeploy" / "demo" / DEMO_VERSION)
+    build_demo_pair(home / "cache" / "specdeploy" / "demo" / DEMO_VERSION, yaml.safe_load(TINY_CPU_DEMO.read_text()))
     env = dict(os.environ)
     env.pop("KUBECONFIG", None)
     env.update(XDG_STATE_HOME=str(home / "state"), XDG_CACHE_HOME=str(home / "cache"),

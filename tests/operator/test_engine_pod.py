@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from demo_pair import IMAGE_DEMO_DIR, build_demo_pair
 from testcluster import wait_for
 from specdeploy.localcluster.kubelet import LocalKubelet
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"
-IMAGE_DEMO_DIR = "/opt/specdeploy/demo"
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,9 @@ def example() -> dict:
 
 @pytest.fixture(scope="module")
 def demo_pair(tmp_path_factory, example) -> Path:
-    """What the engine image holds at /opt/specdeploy/demo (tests/support/demo_pair.py)."""
-    from demo_pair import build_demo_pair
-
-    return build_demo_pair(example, tmp_path_factory.mktemp("image") / "demo")
+    """What the engine image holds at /opt/specdeploy/demo: target/ (with its tokenizer) and draft/,
+    whose config.json files are the example's inline configs, byte for byte the same fields."""
+    return build_demo_pair(tmp_path_factory.mktemp("image") / "demo", example)
 
 
 @pytest.fixture
@@ -122,8 +121,9 @@ def test_the_rendered_engine_pod_runs_and_reports_into_status(
         assert (config_dir / key).read_text() == text
     # Its env, exactly (the model cache mount mapped too), and nothing of this process's but PATH,
     # HOME, LANG and thread counts; the apiserver's Service variables, as a kubelet sets them.
+    volumes = {m["mountPath"]: str(runner.dir / "volumes" / m["name"]) for m in container["volumeMounts"]}
     for var in container["env"]:
-        assert engine.env[var["name"]] in (var.get("value", ""), str(runner.dir / "volumes" / "model-cache"))
+        assert engine.env[var["name"]] == volumes.get(var.get("value"), var.get("value", ""))
     assert set(engine.env) - {v["name"] for v in container["env"]} <= {
         "PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "HOSTNAME",
         "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT", "KUBERNETES_SERVICE_PORT_HTTPS"}

@@ -19,6 +19,10 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    *({"apiGroups": [group], "resources": [resource], "verbs": ["get", "list", "create", "patch", "delete"]}
+      for group, resource in (("policy", "poddisruptionbudgets"), ("networking.k8s.io", "networkpolicies"),
+                              ("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects"),
+                              ("inference.networking.k8s.io", "inferencepools"))),
 ]
 CLUSTER_RULES = [
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
@@ -57,9 +61,11 @@ def test_operator_runs_with_the_documented_permissions(kube_cluster, kube_namesp
     kubeconfig = service_account_kubeconfig(kube_cluster, kube_namespace, tmp_path / "sa-kubeconfig.yaml")
     operator = operator_process(kubeconfig=kubeconfig, metrics_interval_s=1)
     try:
-        kube_cluster.apply(manifest("restricted", replicas=1), namespace=kube_namespace)
+        kube_cluster.apply(manifest("restricted", replicas=2, networkPolicy={}), namespace=kube_namespace)
         sdd = sdd_of("restricted")
         sdd.wait_ready(timeout_s=90)
+        # Its addons too: the disruption budget of two replicas and the network policy.
+        wait_for(lambda: sdd.owned("poddisruptionbudgets") and sdd.owned("networkpolicies"), timeout_s=30, what="addons")
         wait_for(lambda: {"Planned", "Applied"} <= {e["reason"] for e in sdd.events()}, timeout_s=20, what="events")
         # A config error path (Secret read, delete of nothing) and a few metrics rounds.
         kube_cluster.kubectl("patch", "sdd", "restricted", "-n", kube_namespace, "--type=merge", "-p", '{"spec":{"gpu":{"product":"l40s","perNode":1}}}')

@@ -1,18 +1,19 @@
-"""What the engine image holds at /opt/specdeploy/demo, made in seconds for tests: a target (with
-its tokenizer) and an EAGLE draft whose config.json files are manifests/examples/tiny-cpu-demo.yaml's
-inline configs, field for field. The target is the toy "predictable" one, so drafts get accepted
-(`specdeploy demo` trains the real pair instead, minutes on a CPU)."""
+"""What the engine image holds at /opt/specdeploy/demo (Dockerfile.engine), built here: the tiny
+target (with its tokenizer) and EAGLE draft whose config.json files are those of
+manifests/examples/tiny-cpu-demo.yaml, field for field, with weights that make drafts accepted."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+IMAGE_DEMO_DIR = "/opt/specdeploy/demo"
 # Small enough that the toy target's next token follows its input often, so drafts get accepted.
 TOY_LAYER_SCALE = 0.2
 
 
-def build_demo_pair(example: dict, root: Path) -> Path:
-    """Write target/ and draft/ under `root` for the SpecDecodeDeployment `example`; -> root."""
+def build_demo_pair(root: Path, example: dict[str, Any]) -> Path:
+    """root/target and root/draft for the example resource's inline configs; -> root."""
     from specdeploy.engine.demo import train
     from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 

@@ -59,7 +59,7 @@ def test_scrape_and_summarize(two_engines):
     assert len(samples) == 2 and len(errors) == 1 and "ConnectError" in errors[0]
     figures = sm.summarize(samples)
     # 1 + (180 + 120) / (100 + 50)
-    assert figures == {"meanAcceptLength": 3.0, "tokensPerSecond": 1350.5}
+    assert figures == {"meanAcceptLength": 3.0, "tokensPerSecond": 1350.5, "saturation": 0.0}
 
 
 def test_adaptive_engines_report_their_shape_and_acceptance():
@@ -80,12 +80,14 @@ def test_adaptive_engines_report_their_shape_and_acceptance():
     figures = sm.summarize([a, b])
     assert figures["speculativeShape"] == "3,1,4/none"
     assert figures["acceptanceRates"] == [0.7, 0.6, 0.5]
+    assert figures["crossoverBatchSize"] == 32
     assert sm.summarize([a])["speculativeShape"] == "3,1,4"
     # A fixed-shape engine reports neither.
     fixed = sm.summarize([sm.parse_engine_metrics(EngineMetrics("x").render().decode())])
-    assert "speculativeShape" not in fixed and "acceptanceRates" not in fixed
+    assert "speculativeShape" not in fixed and "acceptanceRates" not in fixed and "crossoverBatchSize" not in fixed
     st = status.engine_metrics({}, figures)
     assert st["serving"]["speculativeShape"] == "3,1,4/none" and st["serving"]["acceptanceRates"] == [0.7, 0.6, 0.5]
+    assert st["serving"]["crossoverBatchSize"] == 32
 
 
 def test_prefix_cache_hit_rate_over_the_pods():
@@ -105,7 +107,7 @@ def test_prefix_cache_hit_rate_over_the_pods():
 
 def test_no_steps_yet_gives_throughput_only():
     fresh = sm.parse_engine_metrics(EngineMetrics("x").render().decode())
-    assert sm.summarize([fresh]) == {"tokensPerSecond": 0.0}
+    assert sm.summarize([fresh]) == {"tokensPerSecond": 0.0, "saturation": 0.0}
     assert sm.summarize([]) == {}
 
 
