@@ -22,8 +22,10 @@ PAIRS = {
     "eagle-llama3.1-instruct-8b": ("EAGLE", "llama-3.1-8b-instruct"),
     "eagle3-llama3.1-instruct-8b": ("EAGLE3", "llama-3.1-8b-instruct"),
     "eagle3-llama3.3-instruct-70b": ("EAGLE3", "llama-3.3-70b-instruct"),
+    "eagle3-llama3.1-instruct-405b": ("EAGLE3", "llama-3.1-405b-instruct"),
 }
-TARGETS = ("llama-3.1-8b-instruct", "llama-3.3-70b-instruct", "qwen3-8b", "deepseek-v4-flash")
+TARGETS = ("llama-3.1-8b-instruct", "llama-3.3-70b-instruct", "llama-3.1-405b-instruct", "qwen3-8b",
+           "deepseek-v4-flash")
 
 
 def load(name: str) -> dict:

@@ -22,7 +22,7 @@ def config(name: str) -> dict:
 def make_sdd(**spec_overrides) -> dict:
     spec = {
         "target": {"model": "meta-llama/Llama-3.3-70B-Instruct"},
-        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
+        "draft": {"model": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"},
         "speculative": {"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "numDraftTokens": 4},
         "engine": {"maxRunningRequests": 32, "contextLength": 8192},
         "gpu": {"product": "h200", "perNode": 8},
@@ -34,11 +34,12 @@ def make_sdd(**spec_overrides) -> dict:
 
 
 def planned_for(sdd: dict):
-    return plan_engine(sdd["spec"], config("llama-3.3-70b-instruct"), config("eagle3-llama3.1-instruct-8b"))
+    return plan_engine(sdd["spec"], config("llama-3.3-70b-instruct"), config("eagle3-llama3.3-instruct-70b"))
 
 
 def make_roles_sdd(**disaggregation) -> dict:
-    sdd = make_sdd(target={"model": "meta-llama/Llama-3.1-8B-Instruct"}, replicas=1)
+    sdd = make_sdd(target={"model": "meta-llama/Llama-3.1-8B-Instruct"},
+                   draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}, replicas=1)
     sdd["metadata"]["name"] = "llama8b"
     sdd["spec"]["disaggregation"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 3},
                                      "router": {"replicas": 2}, **disaggregation}
@@ -187,4 +188,6 @@ def test_security_contexts_are_merged_with_the_users_and_rdma_roles_keep_ipc_loc
     assert [v["value"] for v in container["env"] if v["name"] == "HOME"] == ["/data/home"]
     router = pod_template(deployments["llama8b-router"])["spec"]
     assert router["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert {m["mountPath"] for m in router["containers"][0]["volumeMounts"]} == {"/tmp", security.ENGINE_HOME}
+    # The router's writable volumes, and the split roles' shared secret (read-only).
+    assert {m["mountPath"] for m in router["containers"][0]["volumeMounts"]} == {
+        "/tmp", security.ENGINE_HOME, roles.DISAGG_SECRET_MOUNT_PATH}
