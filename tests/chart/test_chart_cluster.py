@@ -288,7 +288,9 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
             ("delete", "secrets", "-n", ns),
             ("list", "secrets", "-n", ns),
             ("watch", "secrets", "-n", ns),
-            ("create", "secrets", "-n", ns),
+            # It creates a split-role resource's shared secret once; it never rewrites a Secret.
+            ("update", "secrets", "-n", ns),
+            ("patch", "secrets", "-n", ns),
             ("get", "secrets", "-n", other),
             ("list", "pods", "--all-namespaces"),
             ("get", "pods", "-n", ns),
@@ -367,6 +369,14 @@ def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, 
         return plan
 
     summary = wait_for(planned, timeout_s=90, what=f"status.plan of {name}")
+    if int(summary.get("nodes") or 1) > 1:
+        # A group of nodes runs as a LeaderWorkerSet, which this cluster does not serve: the
+        # resource says so and how to install it, and nothing is applied.
+        sdd = cluster.kubectl_json("-n", ns, "get", "sdd", name)
+        ready = [c for c in sdd["status"]["conditions"] if c["type"] == "Ready"][0]
+        assert ready["reason"] == "LeaderWorkerSetMissing" and "kubectl apply" in ready["message"], ready
+        assert summary["nodes"] == examples.commented_plan(path)["nodes"]
+        return
     # status.plan is the summary for people; the byte-level plan is the engine ConfigMap's plan.json.
     config_map = cluster.kubectl_json("-n", ns, "get", "configmap", config_map_name(name))
     plan = json.loads(config_map["data"]["plan.json"])
