@@ -825,6 +825,27 @@ def _kernel_profile(prof: dict, step_ms: float | None) -> str:
     return note + "\n\n" + _table(["kernel", "launches", "µs", "share"], rows)
 
 
+def _e2e_note(r: dict) -> list[str]:
+    """Where the batch-1 speed-up at the 8B cost goes, from section 7's own rows: a speculative
+    system's speed-up is its tokens per target forward over what one of its steps costs."""
+    rows = {row["system"]: row for row in r.get("rows", [])}
+    base = rows.get("engine target-only")
+    spec = [row for name, row in rows.items() if name.startswith("engine EAGLE") and row.get("accept_length")]
+    if not base or not spec:
+        return []
+    out = ["## End to end at the 8B cost: where the speed-up goes", "",
+           f"Batch 1, section 7 (medians of {base.get('runs', 1)} runs): target-only {base['tok_s']:.0f} tok/s "
+           f"({base.get('tok_s_min') or base['tok_s']:.0f}-{base.get('tok_s_max') or base['tok_s']:.0f}). A speculative "
+           "system's speed-up is its accept length (tokens per target forward) over the cost of one of its steps "
+           "in target-only steps; the second factor is the price of drafting and verifying.", "",
+           _table(["system", "tok/s (min-max)", "speed-up", "accept length", "implied step cost (accept length / speed-up, prefill included)"],
+                  [[row["system"], f"{row['tok_s']:.0f} ({(row.get('tok_s_min') or row['tok_s']):.0f}-"
+                    f"{(row.get('tok_s_max') or row['tok_s']):.0f})", f"{row['speedup_vs_engine_target_only']:.2f}×",
+                    f"{row['accept_length']:.2f}", f"{row['accept_length'] / row['speedup_vs_engine_target_only']:.2f}×"]
+                   for row in spec]), ""]
+    return out
+
+
 def render_repository(scan: dict, repo: Path) -> str:
     sections, scripts = scan["sections"], scan["scripts"]
     lines = ["# Benchmarks", "",
@@ -865,6 +886,9 @@ def render_repository(scan: dict, repo: Path) -> str:
             lines += ["Where the batch-1 FP8 step's time goes (the goal of 1.8× bf16 and 85% of the FP8 roofline "
                       "is missed): torch.profiler over replays of the graphed decode call.", "",
                       _kernel_profile(prof, row.get("median_ms")), ""]
+    e2e = sections.get("7")
+    if e2e and e2e["status"] == "ok":
+        lines += _e2e_note(e2e["results"])
     for key in sorted(sections):
         rec = sections[key]
         lines.append(_header(rec).rstrip())
