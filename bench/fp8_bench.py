@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, eagle3_head_config, random_head, random_target,  # noqa: E402
+from harness import (EngineDecode, eagle3_head_config, profile_top, random_head, random_target,  # noqa: E402
                      runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 
@@ -271,6 +271,11 @@ def main() -> int:
         free_device_memory()
         log(f"quantized {len(converted)} linears to FP8 block 128x128 in place")
         fp8_rows = decode_rows(target, sizes, device, bandwidth, "fp8")
+        if device.type == "cuda":  # where the batch-1 FP8 step's time goes, per kernel (graph replay)
+            call = EngineDecode(target, 1, sizes["context"], graph=True)
+            result["profile_fp8_batch1"] = profile_top(call, device, reps=10, top=16)
+            del call
+            free_device_memory()
         spec.append(spec_row(target, head, sizes, device, fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"]),
                              "fp8"))
         result["decode"] = bf16_rows + fp8_rows

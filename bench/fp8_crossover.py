@@ -43,7 +43,7 @@ from specdeploy.engine.models import fp8  # noqa: E402
 
 LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
-ROWS = (1, 16, 32, 64, 128, 256, 512, 2048, 8192)
+ROWS = (1, 16, 32, 64, 65, 128, 256, 512, 2048, 8192)
 OPTIONS = ("bf16", "gemv", "w8a16", "w8a8", "torch_block", "torch_block_gemm", "torch_tensor", "engine")
 L2_MULTIPLE_BYTES = 512 << 20  # weight bytes per graph replay: many times the 50-60 MB L2
 MAX_COPIES = 32

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -511,6 +512,19 @@ RENDER = {"1": s1, "2": s2, "3": s3, "4": s4, "5": s5, "6": s6, "7": s7, "8": s8
 # ---- goals and figures -------------------------------------------------------------------------
 
 def goals(sections: dict) -> str:
+    return _table(["figure", "goal", "measured", ""], [row[:4] for row in goal_rows(sections)])
+
+
+def _x(g: dict) -> str:
+    """A multiple with its spread where the record has one (the median of several runs)."""
+    text = f"{g['value']:.2f}×"
+    if g.get("range"):
+        text += f" ({g['range'][0]:.2f}–{g['range'][1]:.2f}, {g.get('runs', '?')} runs)"
+    return text
+
+
+def goal_rows(sections: dict) -> list[list]:
+    """[figure, goal, measured, verdict, section key] per goal the section records carry."""
     rows = []
 
     def res(key):
@@ -519,37 +533,37 @@ def goals(sections: dict) -> str:
 
     for key, rec in sorted(sections.items()):
         if rec["status"] != "ok":
-            rows.append([f"section {key} ({rec['name']})", "—", rec["status"], (rec.get("error", "").splitlines() or [""])[0][:120]])
+            rows.append([f"section {key} ({rec['name']})", "—", rec["status"], (rec.get("error", "").splitlines() or [""])[0][:120], key])
 
     r = res("2")
     if r:
         g = r["goal"]
-        rows.append(["decode call at batch 1, % of HBM roofline", "≥ 90%", _pct(g["value"]), _met(g["met"])])
+        rows.append(["decode call at batch 1, % of HBM roofline", "≥ 90%", _pct(g["value"]), _met(g["met"]), "2"])
         step = r["ours"][0].get("runner_fraction_of_roofline")
         if step is not None:
             rows.append(["Runner decode step at batch 1, % of HBM roofline", "≥ 90%", _pct(step),
-                         _met(step >= 0.9)])
+                         _met(step >= 0.9), "2"])
     r = res("3")
     if r:
         for x in r["rows"]:
             if x.get("goal_met") is not None:
                 rows.append([f"{x['target']} {x['algorithm']} {x['shape']} step / decode step", f"≤ {x['goal']}×",
-                             f"{x['x_decode_step']:.2f}×", _met(x["goal_met"])])
+                             f"{x['x_decode_step']:.2f}×", _met(x["goal_met"]), "3"])
     r = res("4")
     if r:
         g = r["goal"]
-        rows.append(["CUDA graphs vs eager at batch 1", "≥ 3×", f"{g['value']:.2f}×", _met(g["met"])])
+        rows.append(["CUDA graphs vs eager at batch 1", "≥ 3×", f"{g['value']:.2f}×", _met(g["met"]), "4"])
     r = res("5")
     if r:
         g = r["goal"]
         rows.append(["speculative vs target-only tok/s at batch 1 (trained models)", "≥ 2.5×",
-                     f"{g['value']:.2f}×", _met(g["met"])])
+                     f"{g['value']:.2f}×", _met(g["met"]), "5"])
     r = res("7")
     if r:
         for g in r["goals"]:
-            rows.append([g["metric"], f"≥ {g['target']}×", f"{g['value']:.2f}×", _met(g["met"])])
+            rows.append([g["metric"], f"≥ {g['target']}×", _x(g), _met(g["met"]), "7"])
         for name, batch in r["crossover_batch"].items():
-            rows.append([f"crossover batch, fixed {name}", "report", "none up to 64" if batch is None else str(batch), "—"])
+            rows.append([f"crossover batch, fixed {name}", "report", "none up to 64" if batch is None else str(batch), "—", "7"])
     r = res("6")
     if r:
         for x in r["rows"]:
@@ -561,13 +575,13 @@ def goals(sections: dict) -> str:
                 # whatever the total says.
                 rows.append([f"planner total, {x['config']}", "within 5%",
                              f"{v:.3f}" + (f" ({', '.join(oom)} ran out of memory)" if oom else ""),
-                             _met(abs(v - 1) <= 0.05 and not oom)])
+                             _met(abs(v - 1) <= 0.05 and not oom), "6"])
             elif "error" in x:
-                rows.append([f"planner total, {x['config']}", "within 5%", "error", "**missed**"])
+                rows.append([f"planner total, {x['config']}", "within 5%", "error", "**missed**", "6"])
     missing = [k for k in RENDER if k not in sections]
     for k in missing:
-        rows.append([f"section {k}", "—", "not run", "—"])
-    return _table(["figure", "goal", "measured", ""], rows)
+        rows.append([f"section {k}", "—", "not run", "—", k])
+    return rows
 
 
 def figures(sections: dict, fig_dir: Path) -> list[str]:
@@ -672,12 +686,244 @@ def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# ---- the repository's report: every committed run, each goal once from its latest run ---------
+
+RUNS_COMMAND = "python3 bench/report.py --runs docs/benchmarks/runs --out docs/benchmarks.md"
+HISTORY = "benchmarks/history.md"  # the earlier, hand-written reports, relative to docs/
+SCRIPT_JSON = ("fp8.json", "fp8_crossover.json")  # scripts outside bench/run.py whose JSON carries goals
+SECTION_FILE = re.compile(r"\d_[a-z0-9_]+\.json")  # a section record (not superseded-/partial-/before-)
+
+
+def _json(path: Path):
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _record_date(folder_date: str | None, started: str | None) -> str | None:
+    """A section record's date: its folder's day and its own start time ("HH:MM:SS")."""
+    if folder_date and started and re.fullmatch(r"\d\d:\d\d:\d\d", started):
+        return f"{folder_date[:10]} {started[:5]} UTC"
+    return folder_date
+
+
+def scan_runs(root: Path, repo: Path) -> dict:
+    """Every run folder under `root`: the latest record of each section and of each goal-carrying
+    script JSON (by date), and every GPU-test log's summary line. Records keep where they came
+    from: `_source` (path in the repository), `_date`, `_commit`."""
+    sections: dict = {}
+    scripts: dict = {}
+    tests: list = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        records = {p: _json(p) for p in sorted(folder.glob("*.json"))}
+        env = records.pop(folder / "env.json", None)
+        dated = sorted((r.get("environment") or {}).get("date") for r in records.values()
+                       if r and (r.get("environment") or {}).get("date"))
+        folder_date = (env or {}).get("date") or (dated[0] if dated else None)
+        folder_commit = (env or {}).get("commit")
+        for path, rec in records.items():
+            if rec is None:
+                continue
+            rel = path.relative_to(repo).as_posix()
+            if "section" in rec and SECTION_FILE.fullmatch(path.name):
+                cand = {**rec, "_source": rel, "_date": _record_date(folder_date, rec.get("started")),
+                        "_commit": folder_commit, "_env": env}
+                old = sections.get(rec["section"])
+                if old is None or (cand["_date"] or "") >= (old["_date"] or ""):
+                    sections[rec["section"]] = cand
+            elif path.name in SCRIPT_JSON:
+                renv = rec.get("environment") or {}
+                cand = {"data": rec, "_source": rel, "_date": renv.get("date") or folder_date,
+                        "_commit": renv.get("commit") or folder_commit, "_folder": folder}
+                old = scripts.get(path.name)
+                if old is None or (cand["_date"] or "") >= (old["_date"] or ""):
+                    scripts[path.name] = cand
+        for log in sorted(folder.glob("gpu_tests*.log")):
+            lines = [x for x in log.read_text(errors="replace").splitlines()
+                     if re.search(r"\d+ (passed|failed)", x) and " in " in x]
+            name_commit = re.fullmatch(r"gpu_tests_([0-9a-f]{7,40})\.log", log.name)
+            name_time = re.fullmatch(r"gpu_tests_(\d\d)(\d\d)\.log", log.name)  # an older naming: the UTC time
+            tests.append({"log": log.relative_to(repo).as_posix(), "summary": lines[-1].strip("= ") if lines else
+                          "no summary line (stopped before the end)",
+                          "date": f"{folder_date[:10]} {name_time[1]}:{name_time[2]} UTC" if name_time and folder_date
+                          else folder_date,
+                          "commit": name_commit.group(1) if name_commit and not name_time else folder_commit or
+                          next(((r.get("environment") or {}).get("commit") for r in records.values()
+                                if r and (r.get("environment") or {}).get("commit")), None)})
+    return {"sections": sections, "scripts": scripts, "tests": tests}
+
+
+def script_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
+    """([figure, goal, measured, verdict], record) per goal of bench/fp8_bench.py and
+    bench/fp8_crossover.py."""
+    rows = []
+    fp8 = scripts.get("fp8.json")
+    if fp8:
+        names = {"batch1_fp8_over_bf16": ("FP8 / bf16 decode call at batch 1 (Llama-3.1-8B shape)", "x"),
+                 "batch1_fraction_of_fp8_roofline": ("FP8 decode call at batch 1, share of the FP8 roofline", "%"),
+                 "fp8_over_bf16_every_batch_min": ("FP8 / bf16 decode call, worst batch of 1-256", "x")}
+        for key, g in (fp8["data"].get("goals") or {}).items():
+            figure, unit = names.get(key, (key, "x"))
+            goal = f"≥ {g['goal']:.0%}" if unit == "%" else f"≥ {g['goal']}×"
+            measured = _pct(g["measured"]) if unit == "%" else f"{g['measured']:.2f}×"
+            rows.append(([figure, goal, measured, _met(g["measured"] >= g["goal"])], fp8))
+    cross = scripts.get("fp8_crossover.json")
+    if cross and cross["data"].get("goal"):
+        d = cross["data"]
+        g = d["goal"]
+        rows.append((["FP8 linears / bf16, worst M of 1-8192 (a step's 8B linears)", "≥ 1.0×",
+                      f"{g['min_engine_speedup']:.2f}×", _met(g["met"])], cross))
+        prefill = [e["speedup_vs_bf16"]["engine"] for e in d.get("step_linears", [])
+                   if e["m"] >= 2048 and "engine" in e["speedup_vs_bf16"]]
+        if prefill:
+            rows.append((["FP8 prefill linears / bf16, worst M >= 2048", "≥ 1.5×", f"{min(prefill):.2f}×",
+                          _met(min(prefill) >= 1.5)], cross))
+    return rows
+
+
+def repository_goals(scan: dict) -> list[list]:
+    """The Goals table's rows: [figure, goal, measured, verdict, date, commit, source], each goal
+    once (the latest run that measured it)."""
+    rows = {}
+    sections = scan["sections"]
+    for row in goal_rows(sections):
+        figure, goal, measured, verdict, key = row
+        rec = sections.get(key, {})
+        if measured == "not run":
+            continue
+        rows[figure] = [figure, goal, measured, verdict, rec.get("_date") or "—", rec.get("_commit") or "—",
+                        rec.get("_source") or "—"]
+    for (figure, goal, measured, verdict), rec in script_goal_rows(scan["scripts"]):
+        rows[figure] = [figure, goal, measured, verdict, rec["_date"] or "—", rec["_commit"] or "—", rec["_source"]]
+    return list(rows.values())
+
+
+def goals_table(rows: list[list]) -> str:
+    return _table(["figure", "goal", "measured", "verdict", "date", "commit", "JSON"],
+                  [[*r[:6], f"`{r[6]}`"] for r in rows])
+
+
+def _crossover_table(d: dict) -> str:
+    options = [o for o in ("bf16", "gemv", "w8a16", "w8a8", "torch_block", "torch_tensor", "engine")
+               if any(o in e["us"] for e in d["step_linears"])]
+    rows = [[e["m"]] + [f"{e['us'][o]:.0f} ({e['speedup_vs_bf16'][o]:.2f}×)" if o in e["us"] else "—"
+                        for o in options] for e in d["step_linears"]]
+    return _table(["M"] + options, rows)
+
+
+def _kernel_profile(prof: dict, step_ms: float | None) -> str:
+    """A profile_top table (bench/harness.py) by kernel; step_ms: the same call's unprofiled median."""
+    if not prof or prof.get("error"):
+        return f"(profile unavailable: {prof.get('error') if prof else 'not recorded'})"
+    rows = [[t["name"][:60], f"{t['calls_per_rep']:.0f}", f"{t['self_device_us_per_rep']:.1f}",
+             _pct(t["share_of_device_time"])] for t in prof["top"] if t["self_device_us_per_rep"] >= 1.0]
+    note = (f"Device time per profiled replay {prof['device_time_us_per_call']:.0f} µs"
+            + (f" against {1e3 * step_ms:.0f} µs unprofiled (the profiler stretches each of the step's "
+               "kernels, so read the shares, and the µs as upper bounds)" if step_ms else "") + ".")
+    return note + "\n\n" + _table(["kernel", "launches", "µs", "share"], rows)
+
+
+def _e2e_note(r: dict) -> list[str]:
+    """Where the batch-1 speed-up at the 8B cost goes, from section 7's own rows: a speculative
+    system's speed-up is its tokens per target forward over what one of its steps costs."""
+    rows = {row["system"]: row for row in r.get("rows", [])}
+    base = rows.get("engine target-only")
+    spec = [row for name, row in rows.items() if name.startswith("engine EAGLE") and row.get("accept_length")]
+    if not base or not spec:
+        return []
+    out = ["## End to end at the 8B cost: where the speed-up goes", "",
+           f"Batch 1, section 7 (medians of {base.get('runs', 1)} runs): target-only {base['tok_s']:.0f} tok/s "
+           f"({base.get('tok_s_min') or base['tok_s']:.0f}-{base.get('tok_s_max') or base['tok_s']:.0f}). A speculative "
+           "system's speed-up is its accept length (tokens per target forward) over the cost of one of its steps "
+           "in target-only steps; the second factor is the price of drafting and verifying.", "",
+           _table(["system", "tok/s (min-max)", "speed-up", "accept length", "implied step cost (accept length / speed-up, prefill included)"],
+                  [[row["system"], f"{row['tok_s']:.0f} ({(row.get('tok_s_min') or row['tok_s']):.0f}-"
+                    f"{(row.get('tok_s_max') or row['tok_s']):.0f})", f"{row['speedup_vs_engine_target_only']:.2f}×",
+                    f"{row['accept_length']:.2f}", f"{row['accept_length'] / row['speedup_vs_engine_target_only']:.2f}×"]
+                   for row in spec]), ""]
+    return out
+
+
+def render_repository(scan: dict, repo: Path) -> str:
+    sections, scripts = scan["sections"], scan["scripts"]
+    lines = ["# Benchmarks", "",
+             f"Generated by `{RUNS_COMMAND}` from the JSON committed under `docs/benchmarks/runs/` (each "
+             "folder one device session). Every figure below is read from those files; each goal appears "
+             "once, from the latest run that measured it, with that run's date, the commit it measured "
+             "(— where the run predates commit recording) and its JSON. Earlier hand-written reports, "
+             f"whose figures these supersede: [history]({HISTORY}).", "", HOW_TO_READ,
+             "## Goals", "", goals_table(repository_goals(scan)), "",
+             "## GPU tests", "",
+             "Each log's summary line, newest first. From 2026-12-01 19:54 UTC the whole suite in one call: "
+             "`python3 -P -m pytest -q -n 8 tests/gpu` (pytest-xdist, one H200); earlier logs ran subsets "
+             "under a time cap (the history says which).", "",
+             _table(["date", "commit", "result", "log"],
+                    [[t["date"] or "—", t["commit"] or "—", t["summary"], f"`{t['log']}`"]
+                     for t in sorted(scan["tests"], key=lambda t: t["date"] or "", reverse=True)]), ""]
+    fp8 = scripts.get("fp8.json")
+    cross = scripts.get("fp8_crossover.json")
+    if fp8 or cross:
+        lines += ["## FP8 weights (issue 32)", ""]
+    if cross and cross["data"].get("step_linears"):
+        env = cross["data"].get("environment", {})
+        lines += [f"### FP8 GEMM options side by side (`python3 bench/fp8_crossover.py --out OUT`, {cross['_date']}, "
+                  f"commit {cross['_commit']}, `{cross['_source']}`)", "",
+                  f"{env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}. Microseconds of a "
+                  "decode step's linears (the Llama-3.1-8B qkv, o, gate_up and down x 32 layers, each layer a "
+                  "CUDA graph over weight copies that defeat the L2), bf16 / option in brackets; `engine` is "
+                  "the route `fp8_linear` takes (docs/engine.md says why).", "", _crossover_table(cross["data"]), ""]
+    if fp8:
+        md = fp8["_folder"] / "fp8.md"
+        lines += [f"### FP8 end to end (`python3 bench/fp8_bench.py --out OUT`, {fp8['_date']}, commit "
+                  f"{fp8['_commit']}, `{fp8['_source']}`)", ""]
+        if md.is_file():
+            lines += [md.read_text().split("\n", 1)[1].strip(), ""]
+        prof = fp8["data"].get("profile_fp8_batch1")
+        if prof:
+            row = next((r for r in fp8["data"].get("decode", []) if r["weights"] == "fp8" and r["batch"] == 1), {})
+            lines += ["Where the batch-1 FP8 step's time goes (the goal of 1.8× bf16 and 85% of the FP8 roofline "
+                      "is missed): torch.profiler over replays of the graphed decode call.", "",
+                      _kernel_profile(prof, row.get("median_ms")), ""]
+    e2e = sections.get("7")
+    if e2e and e2e["status"] == "ok":
+        lines += _e2e_note(e2e["results"])
+    for key in sorted(sections):
+        rec = sections[key]
+        lines.append(_header(rec).rstrip())
+        lines += ["", f"Source: `{rec['_source']}` ({rec['_date'] or 'undated'}, commit {rec['_commit'] or '—'}).", ""]
+        if rec["status"] in ("ok", "partial") and key in RENDER:
+            try:
+                if key == "5":
+                    spec = sections.get("3", {}).get("results") or {}
+                    lines.append(s5(rec["results"], spec.get("rows")))
+                else:
+                    lines.append(RENDER[key](rec["results"]))
+            except Exception as e:  # a record of an older layout shows as such; the page stands
+                lines.append(f"(could not render: {type(e).__name__}: {e})")
+        lines.append("")
+    prof = profiles(sections)
+    if prof:
+        lines += ["## Profiles", "", "Where the time goes (torch.profiler).", "", prof]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="results JSON -> docs/benchmarks.md")
-    parser.add_argument("dirs", nargs="+", type=Path, help="folders holding env.json and <n>_<name>.json")
+    parser.add_argument("dirs", nargs="*", type=Path, help="folders holding env.json and <n>_<name>.json")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="the repository's report: every run folder under this one (docs/benchmarks/runs)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument("--no-figures", action="store_true")
     args = parser.parse_args(argv)
+    if args.runs is not None:
+        repo = Path(__file__).resolve().parent.parent
+        args.out.write_text(render_repository(scan_runs(args.runs.resolve(), repo), repo))
+        print(f"wrote {args.out}")
+        return 0
+    if not args.dirs:
+        parser.error("give result folders, or --runs")
     sections, envs = load(args.dirs)
     if not sections:
         print(f"no section JSON under {', '.join(map(str, args.dirs))}", file=sys.stderr)

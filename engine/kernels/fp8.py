@@ -67,18 +67,23 @@ def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s, s
     tl.store(s_ptr + row * stride_s + groups * stride_sg, s, mask=groups * GROUP < n_cols)
 
 
-def act_quant(x: torch.Tensor, round_scale: bool = False,
-              column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, round_scale: bool = False, column_major: bool = False,
+              pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)]), x ~ y * s per group.
     column_major: the scales laid out M-fastest (strides (1, M)), as cuBLASLt's 1x128 block
-    scaling reads them."""
+    scaling reads them. pad_rows_to: both outputs get rows up to a multiple of it, codes 0 and
+    scales 1 there (a GEMM's padded rows are its own, sliced off after)."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP_K)
-    y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    rows = triton.cdiv(m, pad_rows_to) * pad_rows_to
+    y = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     if column_major:
-        s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+        s = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
     else:
-        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+        s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows > m:
+        y[m:].zero_()
+        s[m:].fill_(1.0)
     per_program = 4
     if m:
         _act_quant_kernel[(m, triton.cdiv(groups, per_program))](
@@ -199,7 +204,10 @@ def w8a16(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n
 # cuBLASLt's block-scaled FP8 GEMM through torch, by (device index, output dtype): True where the
 # probe ran it and it agreed with the Triton W8A8 kernel, False where it did not (logged once).
 _TORCH_BLOCK_MM: dict[tuple[int, torch.dtype], bool] = {}
-_PROBE_SHAPE = (32, 256, 512)  # (M, N, K): small, every dimension a multiple of the tiles
+_PROBE_SHAPE = (17, 256, 512)  # (M, N, K): small; M unaligned, so the row padding is probed too
+# cuBLASLt refuses 1x128 activation scales whose column (M floats) is not 16-byte aligned
+# (CUBLAS_STATUS_NOT_SUPPORTED at 65 rows on the H200, 2026-12-01): rows are padded to this.
+TORCH_BLOCK_ROW_ALIGN = 16
 _PROBE_TOLERANCE = 2**-6  # relative Frobenius gap to the Triton kernel; a wrong layout is ~1
 
 
@@ -236,8 +244,8 @@ def _probe_torch_block_mm(device: torch.device, out_dtype: torch.dtype) -> str |
     weight = (torch.randn(n, k, device=device, generator=g) * 16).to(torch.float8_e4m3fn)
     scale = torch.rand(n // 128, k // GROUP_K, device=device, generator=g) * 1e-3 + 1e-4
     try:
-        a, a_s = act_quant(x, column_major=True)
-        got = _torch_block_call(a, a_s, weight, scale, out_dtype).float()
+        a, a_s = act_quant(x, column_major=True, pad_rows_to=TORCH_BLOCK_ROW_ALIGN)
+        got = _torch_block_call(a, a_s, weight, scale, out_dtype)[:m].float()
     except Exception as e:  # noqa: BLE001 - whatever torch refuses with, the Triton kernels serve
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     want = _w8a8(x, weight, scale, 128, None, torch.empty(m, n, dtype=out_dtype, device=device), False).float()
@@ -281,9 +289,9 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
                        bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
     """rows [M, K] @ (weight * scale)^T (+ bias) through torch's block-scaled GEMM, activations
     quantized by `act_quant` (DeepSeek's numerics, as on the Triton W8A8 path)."""
-    a, a_s = act_quant(rows, round_scale, column_major=True)
-    out = _torch_block_call(a, a_s, weight, scale, rows.dtype)
-    if bias is not None:
+    a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=TORCH_BLOCK_ROW_ALIGN)
+    out = _torch_block_call(a, a_s, weight, scale, rows.dtype)[:rows.shape[0]]
+    if bias is not None:  # a second rounding to the output dtype: within one ulp, not half
         out += bias
     return out
 

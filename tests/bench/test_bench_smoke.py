@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,10 @@ def test_bench_smoke(tmp_path):
     if missing:
         pytest.skip(f"engine pieces the bench needs are not importable: {missing}")
     out = tmp_path / "out"
+    cache = tmp_path / "pairs"
     proc = subprocess.run([sys.executable, "-P", "bench/run.py", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SPECDEPLOY_BENCH_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SUMMARY" in proc.stdout
     env = json.loads((out / "env.json").read_text())
@@ -67,6 +70,11 @@ def test_bench_smoke(tmp_path):
     assert {"engine target-only", "engine EAGLE chain", "transformers", "transformers assisted"} <= systems
     chain = next(r for r in accept["rows"] if r["system"] == "engine EAGLE chain")
     assert chain["accept_length"] >= 1.0
+    # trained for fixed steps from a fixed seed, and cached for the next run
+    assert accept["recipe"]["mode"] == "fixed steps" and accept["recipe"]["seed"] == 0
+    assert accept["pair_cache"]["hit"] is False and Path(accept["pair_cache"]["path"]).parent == cache
+    assert Path(accept["pair_cache"]["path"]).is_file()
+    assert accept["target_training"]["last_progress"].startswith(f"target: step {accept['recipe']['target_steps']}/")
 
     e2e = json.loads((out / "7_e2e8b.json").read_text())["results"]
     assert e2e["trained_in"] == "section 5 of this run"  # the pair is section 5's, not trained twice
@@ -76,6 +84,12 @@ def test_bench_smoke(tmp_path):
     assert [r["batch"] for r in e2e["sweep_table"]] == [1, 2]
     assert all(r["adaptive_tok_s"] > 0 and r["adaptive_shapes"] for r in e2e["sweep_table"])
     assert len(e2e["goals"]) == 3
+    # headline figures: medians of three runs, their spread beside them
+    tree_deep = next(r for r in e2e["rows"] if r["system"] == "engine EAGLE tree-deep")
+    assert tree_deep["runs"] == 3 and tree_deep["tok_s_min"] <= tree_deep["tok_s"] <= tree_deep["tok_s_max"]
+    assert all(g["runs"] == 3 for g in e2e["goals"])
+    low, high = e2e["goals"][0]["range"]  # the speed-up of run k over target-only run k, min and max
+    assert 0 < low <= high
 
     planner = json.loads((out / "6_planner.json").read_text())["results"]
     for row in planner["rows"]:

@@ -48,7 +48,7 @@ def _weights(n, k, scheme, seed=0):
 
 
 # The row counts bench/fp8_crossover.py times (decode, verify and prefill chunks)
-BENCH_ROWS = (1, 16, 32, 64, 128, 256, 512, 2048, 8192)
+BENCH_ROWS = (1, 16, 32, 64, 65, 128, 256, 512, 2048, 8192)
 SM90_TORCH = (torch.cuda.get_device_capability() == (9, 0) and hasattr(F, "scaled_mm")
               and hasattr(F, "ScalingType"))
 
@@ -95,7 +95,7 @@ def _assert_w8a8(got, x, codes, scale, scale_n):
 
 
 @pytest.mark.parametrize("n,k", LLAMA_8B)
-@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16] + [65])
+@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16] + [17])
 @pytest.mark.parametrize("scheme", ["block", "channel"])
 def test_w8a8_prefill_kernel(n, k, m, scheme):
     """The engine's route above 16 rows, then the Triton W8A8 kernel itself for block weights
@@ -114,17 +114,20 @@ def test_w8a8_prefill_kernel(n, k, m, scheme):
 
 @pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")
 @pytest.mark.parametrize("n,k", LLAMA_8B)
-@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16])
+@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16] + [17, 100])
 def test_torch_block_scaled_mm_route(n, k, m):
-    """On the H200 block weights above 16 rows take torch's block-scaled GEMM (the probe passes),
-    with a bias too, and agree with the dequantized reference as the Triton W8A8 kernel does."""
+    """On the H200 block weights above 16 rows take torch's block-scaled GEMM (the probe passes;
+    rows not a multiple of 16 padded), agreeing with the dequantized reference as the Triton W8A8
+    kernel does; a bias is one bf16 add after the GEMM's own rounding."""
     assert fp8_kernels.torch_block_mm_available(torch.device(DEV), torch.bfloat16)
     codes, scale, scale_n = _weights(n, k, "block")
     assert fp8_kernels.torch_block_shape_ok(codes, scale, scale_n)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    bias = (0.01 * torch.randn(n, device=DEV)).to(torch.bfloat16)  # small: the bound is the product's
-    got = fp8_kernels.torch_block_linear(x, codes, scale, bias)
-    _assert_w8a8(got.float() - bias.float(), x, codes, scale, scale_n)
+    got = fp8_kernels.torch_block_linear(x, codes, scale)
+    assert got.shape == (m, n) and got.is_contiguous()
+    _assert_w8a8(got, x, codes, scale, scale_n)
+    bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+    assert torch.equal(fp8_kernels.torch_block_linear(x, codes, scale, bias), got + bias)
 
 
 @pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")

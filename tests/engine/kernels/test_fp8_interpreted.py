@@ -31,6 +31,12 @@ for m, k, round_scale in [(3, 300, False), (2, 4096, True), (1, 128, False), (0,
     y_t, s_t = kernels.act_quant(x, round_scale, column_major=True)
     assert torch.equal(s_t, want_s) and (m < 2 or s_t.stride() == (1, m)), (m, k, s_t.stride())
     assert torch.equal(y_t.view(torch.uint8), want_y.view(torch.uint8)), (m, k)
+    # rows padded to a multiple of 16 for cuBLASLt: the real rows as above, codes 0 and scales 1 after
+    y_p, s_p = kernels.act_quant(x, round_scale, column_major=True, pad_rows_to=16)
+    rows = -(-m // 16) * 16
+    assert y_p.shape[0] == s_p.shape[0] == rows and (rows == 0 or s_p.stride() == (1, rows))
+    assert torch.equal(s_p[:m], want_s) and torch.equal(y_p[:m].view(torch.uint8), want_y.view(torch.uint8))
+    assert (s_p[m:] == 1).all() and (y_p[m:].float() == 0).all()
 
 def layouts(n, k):
     w = torch.randn(n, k) * 0.05
