@@ -24,18 +24,21 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Literal, Union
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdeploy.engine.serving.auth import AuthMiddleware, Guard
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody, RegisterBody
-from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, MIN_SAMPLING_TEMPERATURE,
-                                              lone_surrogate, refused_field, stop_problem)
+from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS,
+                                              MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS, MIN_SAMPLING_TEMPERATURE,
+                                              check_list_length, check_prompt_shape, lone_surrogate,
+                                              refused_field, stop_problem)
 from specdeploy.engine.serving.limits import (MIN_CONCURRENT_REQUESTS, RETRY_AFTER_S, ConnectionLimits,
-                                              RequestLimitsMiddleware, concurrency_for)
+                                              RequestLimitsMiddleware, concurrency_for, parse_json_body)
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer
@@ -98,6 +101,8 @@ class _SamplingFields(_Body):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None  # bounded in sampling_params (fields.stop_problem)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    _stop_count = field_validator("stop", mode="before")(
+        lambda v: check_list_length(v, MAX_STOP_SEQUENCES, "stop sequences"))
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -110,6 +115,7 @@ class _SamplingFields(_Body):
 class CompletionBody(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=INT64_MAX)
+    _prompt_shape = field_validator("prompt", mode="before")(check_prompt_shape)
     echo: bool = False
     logprobs: int | None = None
 
@@ -123,10 +129,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # templates may read name, tool_calls, ...
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    _parts = field_validator("content", mode="before")(
+        lambda v: check_list_length(v, MAX_CONTENT_PARTS, "content parts"))
 
 
 class ChatBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    _message_count = field_validator("messages", mode="before")(
+        lambda v: check_list_length(v, MAX_CHAT_MESSAGES, "messages"))
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
@@ -188,6 +198,25 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
 
 
 # ---- the app -------------------------------------------------------------------------------
+
+class _BodyOffLoopRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = await asyncio.to_thread(parse_json_body, await self.body())
+        return self._json
+
+
+class _BodyOffLoopRoute(APIRoute):
+    """FastAPI's route, whose request parses its JSON body off the event loop (FastAPI's
+    documented way to customise the Request: a route class)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def off_loop(request: Request):
+            return await handler(_BodyOffLoopRequest(request.scope, request.receive))
+        return off_loop
+
 
 @dataclass
 class EngineState:
@@ -262,6 +291,7 @@ def create_app(state: EngineState, loader: Loader | None = None,
             state.scheduler.shutdown()
 
     app = FastAPI(title="specdeploy engine", lifespan=lifespan)
+    app.router.route_class = _BodyOffLoopRoute  # the routes below parse their JSON in a thread
     app.state.engine = state
 
     def concurrency_cap() -> int | None:

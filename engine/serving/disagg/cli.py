@@ -56,5 +56,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     app = create_app(args.prefill, args.decode, refresh_s=args.refresh_s, timeout_s=args.timeout_s, guard=guard)
     log.info("router: prefill %s, decode %s", " ".join(args.prefill), " ".join(args.decode))
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, timeout_keep_alive=30)
+    from specdeploy.engine.serving.cli import KEEP_ALIVE_TIMEOUT_S
+    from specdeploy.engine.serving.limits import DEFAULT_HEADER_TIMEOUT_S, bounded_h11_protocol
+
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+                http=bounded_h11_protocol(DEFAULT_HEADER_TIMEOUT_S))
     return 0

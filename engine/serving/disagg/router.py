@@ -19,7 +19,6 @@ KV slots.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import time
@@ -30,8 +29,10 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdeploy.engine.serving.auth import AuthMiddleware, Guard, disagg_headers
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER
+from specdeploy.engine.serving.limits import ConnectionLimits, RequestLimitsMiddleware, parse_json_body
 
 log = logging.getLogger("specdeploy.router")
 
@@ -110,7 +111,7 @@ class Pools:
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
     kind = {429: "rate_limit_error", 503: "service_unavailable", 502: "bad_gateway",
-            400: "invalid_request_error"}.get(status, "error")
+            400: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error"}.get(status, "error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=status)
 
@@ -160,7 +161,19 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
 
     app = FastAPI(title="specdeploy router", lifespan=lifespan)
     app.state.pools = pools
-    if guard is not None:
+    # The engine's body cap and body deadline (limits.py); concurrency is the engines' to refuse.
+    app.add_middleware(RequestLimitsMiddleware, limits=ConnectionLimits(), cap=lambda: None,
+                       refuse=lambda status, message: _error(status, message, "body_too_large"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # A body cut off by the limits (408, 413) or Starlette's own refusals, in OpenAI's shape.
+        codes = {408: "body_timeout", 413: "body_too_large", 404: "not_found", 405: "method_not_allowed"}
+        response = _error(exc.status_code, str(exc.detail), codes.get(exc.status_code, "invalid_request"))
+        response.headers.update(exc.headers or {})
+        return response
+
+    if guard is not None:  # added last: the outermost, so an unauthenticated body is never read
         app.add_middleware(AuthMiddleware, guard=guard)
 
     @app.get("/health")
@@ -204,7 +217,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
         counters["requests"] += 1
         raw = await request.body()
         try:
-            stream = bool(json.loads(raw).get("stream", False))
+            stream = bool((await asyncio.to_thread(parse_json_body, raw)).get("stream", False))
         except (ValueError, AttributeError):
             stream = False  # the decode server answers the malformed body with its own 400
         prefill, decode = pick(pools.of("prefill")), pick(pools.of("decode"))

@@ -125,6 +125,20 @@ def test_errors_reach_the_client_unchanged(server, disagg):
         assert (got.status_code, got.json()) == (want.status_code, want.json())
 
 
+def test_the_router_caps_bodies_as_the_engine_does(server, disagg):
+    from specdeploy.engine.serving.limits import DEFAULT_MAX_BODY_BYTES
+
+    _, _, router = disagg
+    big = b'{"model": "tiny-target", "prompt": "' + b"x" * DEFAULT_MAX_BODY_BYTES + b'"}'
+    chunked = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+    for content in (big, chunked):
+        r = httpx.post(f"{router}/v1/completions", content=content, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    ok = httpx.post(f"{router}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_each_role_refuses_what_it_does_not_serve(disagg):
     prefill, decode, _ = disagg
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4}
