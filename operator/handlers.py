@@ -76,6 +76,10 @@ class OperatorOptions:
     transient_retry_delay_s: float = TRANSIENT_RETRY_DELAY_S
     metrics_interval_s: float = METRICS_INTERVAL_S  # 0: off
     namespaces: list[str] | None = None  # None: all
+    # Endpoints a hub token may go to besides the public hub and hub_endpoint (docs/operator.md);
+    # trust_resource_hub_endpoints: any spec.hub.endpoint (a cluster whose users are all trusted).
+    trusted_hub_endpoints: tuple[str, ...] = ()
+    trust_resource_hub_endpoints: bool = False
 
 
 def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
@@ -93,6 +97,10 @@ def resolve_configs(
     needs_hub = any(
         m and "config" not in m and "configMapRef" not in m for m in (spec["target"], spec.get("draft"))
     )
+    if hub_spec.get("tokenSecretRef"):  # the engine pod gets the token too, hub reads here or not
+        config_source.check_token_endpoint(
+            endpoint, config_source.trusted_endpoints(options.hub_endpoint, options.trusted_hub_endpoints),
+            allow_any=options.trust_resource_hub_endpoints)
     token = config_source.resolve_hub_token(hub_spec, namespace, kube) if needs_hub else None
     target = config_source.resolve_model_config(
         spec["target"], "spec.target", namespace, kube, hub_endpoint=endpoint, hub_token=token
