@@ -288,7 +288,8 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
             ("delete", "secrets", "-n", ns),
             ("list", "secrets", "-n", ns),
             ("watch", "secrets", "-n", ns),
-            ("create", "secrets", "-n", ns),
+            ("update", "secrets", "-n", ns),
+            ("patch", "secrets", "-n", ns),
             ("get", "secrets", "-n", other),
             ("list", "pods", "--all-namespaces"),
             ("get", "pods", "-n", ns),
@@ -319,6 +320,7 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
             ("patch", "deployments", "-n", ns),
             ("update", "specdecodedeployments.specdeploy.dev", "--subresource=status", "-n", ns),
             ("get", "secrets", "-n", ns),
+            ("create", "secrets", "-n", ns),  # a disaggregated resource's shared secret, made once
             ("watch", "customresourcedefinitions"),
         ]:
             assert can_i(kube_cluster, subject, *args), f"{subject} may not {' '.join(args)}"
