@@ -48,6 +48,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="Hugging Face-compatible hub for resources that name none (env SPECDEPLOY_HUB_ENDPOINT; default %(default)s)",
     )
     parser.add_argument(
+        "--trusted-hub-endpoint", action="append", dest="trusted_hub_endpoints", metavar="URL",
+        default=[e for e in os.environ.get("SPECDEPLOY_TRUSTED_HUB_ENDPOINTS", "").split(",") if e.strip()],
+        help="a hub a resource's spec.hub.tokenSecretRef token may be sent to (repeatable; env "
+             "SPECDEPLOY_TRUSTED_HUB_ENDPOINTS, comma-separated). Always trusted: the public hub, "
+             "--hub-endpoint and HF_ENDPOINT",
+    )
+    parser.add_argument(
+        "--trust-resource-hub-endpoints", action="store_true",
+        default=os.environ.get("SPECDEPLOY_TRUST_RESOURCE_HUB_ENDPOINTS", "").lower() == "true",
+        help="send tokens to whatever spec.hub.endpoint a resource names (only where everyone who may "
+             "create resources may read those Secrets anyway)",
+    )
+    parser.add_argument(
         "--metrics-interval-s", type=float, default=30.0,
         help="read engine pods' /metrics into status.serving this often (0: never; default %(default)s)",
     )
@@ -125,5 +138,8 @@ def main(args: argparse.Namespace) -> int:
         namespaces=args.namespaces,
         liveness_port=args.liveness_port,
         metrics_interval_s=args.metrics_interval_s,
+        trusted_hub_endpoints=tuple(args.trusted_hub_endpoints)
+        + ((os.environ["HF_ENDPOINT"],) if os.environ.get("HF_ENDPOINT") else ()),
+        trust_resource_hub_endpoints=args.trust_resource_hub_endpoints,
     )
     return 0

@@ -82,6 +82,10 @@ class OperatorOptions:
     transient_retry_delay_s: float = TRANSIENT_RETRY_DELAY_S
     metrics_interval_s: float = METRICS_INTERVAL_S  # 0: off
     namespaces: list[str] | None = None  # None: all
+    # Endpoints a hub token may go to besides the public hub and hub_endpoint (docs/operator.md);
+    # trust_resource_hub_endpoints: any spec.hub.endpoint (a cluster whose users are all trusted).
+    trusted_hub_endpoints: tuple[str, ...] = ()
+    trust_resource_hub_endpoints: bool = False
 
 
 def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
@@ -93,7 +97,9 @@ def resolve_configs(
 ) -> tuple[dict[str, Any], dict[str, Any] | None, list[str], ModelWeights]:
     """Both models' config.json, where each came from, and the checkpoints' weight bytes where
     they come from the hub."""
-    target, draft, (target_weights, draft_weights) = config_source.resolve_configs(sdd, kube, options.hub_endpoint)
+    trusted = config_source.trusted_endpoints(options.hub_endpoint, options.trusted_hub_endpoints)
+    target, draft, (target_weights, draft_weights) = config_source.resolve_configs(
+        sdd, kube, options.hub_endpoint, trusted_endpoints=trusted, trust_any_endpoint=options.trust_resource_hub_endpoints)
     origins = [target.origin] + ([draft.origin] if draft else [])
     weights = ModelWeights(target_weights, draft_weights)
     return target.config, draft.config if draft else None, origins, weights

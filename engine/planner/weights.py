@@ -44,8 +44,12 @@ from specdeploy.engine.planner.errors import ConfigError
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# A safetensors header larger than this is not a header: refuse it rather than read gigabytes.
-MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+# A safetensors header larger than this is not a header: refuse it rather than read (and parse)
+# it. The format allows 100 MB; published shards have a few kilobytes to ~1 MB (a DeepSeek-V4
+# shard of 256 experts x 6 tensors is about 200 KB), and the operator runs in 512 Mi.
+MAX_SAFETENSORS_HEADER_BYTES = 16 * 1024 * 1024
+# Shards one index may list: published checkpoints have up to a few hundred (DeepSeek-V3: 163).
+MAX_CHECKPOINT_SHARDS = 4096
 # The first read of a file asks for this many bytes: most headers fit (a DeepSeek-V4 shard of 256
 # experts x 6 tensors is about 200 KB), the rest take one more read of exactly what is missing.
 HEADER_PROBE_BYTES = 512 * 1024
@@ -191,6 +195,11 @@ def read_checkpoint_weights(files: CheckpointFiles, unused: tuple[str, ...] = ()
         if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
             raise ConfigError(f"{origin}: has no weight_map of tensor names to shard files")
         shards = sorted(set(weight_map.values()))
+        if len(shards) > MAX_CHECKPOINT_SHARDS:
+            raise ConfigError(f"{origin}: lists {len(shards)} shard files, more than {MAX_CHECKPOINT_SHARDS}; refused")
+        bad = next((s for s in shards if not _plain_file_name(s)), None)
+        if bad is not None:
+            raise ConfigError(f"{origin}: shard {bad!r} is not a plain .safetensors file name")
         summaries = []
         for shard in shards:
             summary = read_header(files, shard, unused)
@@ -205,6 +214,12 @@ def read_checkpoint_weights(files: CheckpointFiles, unused: tuple[str, ...] = ()
         raise ConfigError(f"{files.origin}/{shards[len(summaries)]}: shard listed in {SAFETENSORS_INDEX} is missing")
     summaries = [s for s in (read_header(files, n, unused) for n in files.safetensors_names()) if s is not None]
     return _combine(summaries, "headers") if summaries else None
+
+
+def _plain_file_name(name: str) -> bool:
+    """A shard name an index may give: a file beside it, never a path out of the repository."""
+    return (name.endswith(".safetensors") and not name.startswith((".", "-")) and "/" not in name
+            and "\\" not in name and all(0x20 < ord(c) < 0x7F for c in name))
 
 
 def read_pytorch_weights(root: Path, unused: tuple[str, ...] = ()) -> CheckpointWeights | None:

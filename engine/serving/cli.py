@@ -238,6 +238,15 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    from specdeploy.engine.planner.remote import revision_problem
+
+    for flag, model in (("--target", args.target), ("--draft", args.draft)):
+        if model is not None and (not model or model.startswith("-")):
+            raise ValueError(f"{flag} {model!r}: a model name cannot be empty or start with '-'")
+    for flag, revision in (("--target-revision", args.target_revision), ("--draft-revision", args.draft_revision)):
+        problem = revision_problem(revision)
+        if problem is not None:
+            raise ValueError(f"{flag}: {problem}")
     if args.algorithm in ("EAGLE", "EAGLE3") and not args.draft:
         raise ValueError(f"--draft is required for --algorithm {args.algorithm}")
     if args.algorithm == "NONE" and args.draft:

@@ -8,18 +8,34 @@ fetched only when missing; what is fetched lands where the next start (or transf
 Only what the engine reads is fetched: JSON configs, tokenizer files, chat templates and one copy
 of the weights: the safetensors, or, in a repository that has none (the published EAGLE and EAGLE-3
 heads), the `pytorch_model*.bin` files (engine/models/checkpoint.py reads both).
+
+The hub's answers are untrusted input (planner/remote.py keeps the limits): the revision listing
+and every file but the weights are read under one total deadline (HUB_DEADLINE_S) and a byte cap
+(MAX_HUB_JSON_BYTES for the listing, MAX_SMALL_FILE_BYTES per file); the commit the hub names
+must be 40 hex digits and each file name a plain name, since both become paths in the cache; a
+revision with '.'/'..' segments is refused before anything is asked. The weights are read with a
+per-read timeout only (they may take hours) and must match their declared length.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import os
 import time
 import urllib.parse
 from pathlib import Path
 
-from specdeploy.engine.planner.remote import DEFAULT_HUB_ENDPOINT
+from specdeploy.engine.planner.remote import (
+    DEFAULT_HUB_ENDPOINT,
+    HUB_DEADLINE_S,
+    MAX_HUB_JSON_BYTES,
+    Deadline,
+    bound_httpx_client,
+    is_commit,
+    revision_problem,
+)
 
 log = logging.getLogger("specdeploy.hub")
 
@@ -33,6 +49,9 @@ PYTORCH_INDEX = "pytorch_model.bin.index.json"
 SKIPPED_FILES = ("*/*", "*.pt", "*.pth", "*.gguf", "*.msgpack", "*.h5", "*.onnx")
 _PROGRESS_EVERY_S = 10.0
 _CHUNK_BYTES = 8 << 20
+# A configuration, tokenizer or template file: the largest published tokenizer.json files are
+# tens of megabytes.
+MAX_SMALL_FILE_BYTES = 256 << 20
 
 
 class HubError(RuntimeError):
@@ -60,7 +79,7 @@ def cached_snapshot(repo_id: str, revision: str = "main", cache: Path | None = N
 def wanted_files(names: list[str]) -> list[str]:
     """The files of a repository listing that the engine reads (sorted): configs, tokenizer,
     templates, and the safetensors, else, when there are none, the PyTorch weight files."""
-    names = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in SKIPPED_FILES)]
+    names = [n for n in names if _plain_name(n) and not any(fnmatch.fnmatch(n, p) for p in SKIPPED_FILES)]
     if any(fnmatch.fnmatch(n, SAFETENSORS_FILES) for n in names):
         weights, stale_index = SAFETENSORS_FILES, PYTORCH_INDEX  # a .bin copy's index is not read
     else:
@@ -69,27 +88,46 @@ def wanted_files(names: list[str]) -> list[str]:
                    if n != stale_index and any(fnmatch.fnmatch(n, p) for p in (*WANTED_FILES, weights))})
 
 
+def _plain_name(name: object) -> bool:
+    """A repository file name that stays inside the snapshot directory."""
+    return (isinstance(name, str) and bool(name) and not name.startswith(("/", ".")) and "\\" not in name
+            and ".." not in name.split("/") and all(ord(c) >= 0x20 for c in name))
+
+
 def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = None,
-                token: str | None = None, cache: Path | None = None) -> Path:
+                token: str | None = None, cache: Path | None = None, deadline_s: float = HUB_DEADLINE_S) -> Path:
     """Download what the engine needs of `repo_id` at `revision`; -> the snapshot directory."""
     import httpx
 
+    problem = revision_problem(revision)
+    if problem is not None:
+        raise HubError(f"{repo_id}: {problem}")
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT).rstrip("/")
     token = token or os.environ.get("HF_TOKEN")
     cache = cache or hub_cache_dir()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     quoted_rev = urllib.parse.quote(revision, safe="")
-    with httpx.Client(base_url=endpoint, headers=headers, follow_redirects=True,
-                      timeout=httpx.Timeout(30.0, read=300.0)) as client:
-        resp = client.get(f"/api/models/{repo_id}/revision/{quoted_rev}")
-        if resp.status_code in (401, 403):
-            raise HubError(f"{repo_id}: {endpoint} refused access ({resp.status_code}); set HF_TOKEN for gated models")
-        if resp.status_code == 404:
-            raise HubError(f"{repo_id}: no such model or revision {revision!r} at {endpoint}")
-        resp.raise_for_status()
-        info = resp.json()
-        commit = info.get("sha") or revision
-        files = wanted_files([s["rfilename"] for s in info.get("siblings", [])])
+    deadline = Deadline(deadline_s)  # the listing and the small files; weights have no total bound
+
+    def client(bounded: bool) -> httpx.Client:
+        c = httpx.Client(base_url=endpoint, headers=headers, follow_redirects=True,
+                         timeout=httpx.Timeout(30.0, read=300.0))
+        return bound_httpx_client(c, deadline) if bounded else c
+
+    with client(True) as small, client(False) as large:
+        try:
+            info = _listing(small, f"/api/models/{repo_id}/revision/{quoted_rev}", repo_id, revision, endpoint)
+        except httpx.TimeoutException:
+            if deadline.expired:
+                raise HubError(f"{repo_id}: {endpoint} did not answer within the {deadline_s:.0f} s deadline") from None
+            raise
+        commit = info.get("sha") if isinstance(info, dict) else None
+        if commit is None and is_commit(revision):
+            commit = revision
+        if not is_commit(commit):
+            raise HubError(f"{repo_id}@{revision}: the hub named no commit (40 hex digits) but {commit!r}")
+        siblings = info.get("siblings") if isinstance(info.get("siblings"), list) else []
+        files = wanted_files([s.get("rfilename") for s in siblings if isinstance(s, dict)])
         if "config.json" not in files:
             raise HubError(f"{repo_id}@{revision}: the repository has no config.json")
         repo = _repo_dir(cache, repo_id)
@@ -99,8 +137,15 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
         t0 = time.monotonic()
         total_bytes = 0
         for name in files:
-            total_bytes += _download(client, f"/{repo_id}/resolve/{commit}/{urllib.parse.quote(name)}",
-                                     snapshot / name, name)
+            weights = name.endswith((".safetensors", ".bin"))
+            try:
+                total_bytes += _download(large if weights else small,
+                                         f"/{repo_id}/resolve/{commit}/{urllib.parse.quote(name)}",
+                                         snapshot / name, name, None if weights else MAX_SMALL_FILE_BYTES)
+            except httpx.TimeoutException:
+                if not weights and deadline.expired:
+                    raise HubError(f"{name}: {endpoint} did not send it within the {deadline_s:.0f} s deadline") from None
+                raise
         ref = repo / "refs" / revision
         ref.parent.mkdir(parents=True, exist_ok=True)  # a revision may hold slashes (refs/pr/1)
         ref.write_text(commit)
@@ -110,7 +155,31 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
     return snapshot
 
 
-def _download(client, url: str, dest: Path, name: str) -> int:
+def _listing(client, url: str, repo_id: str, revision: str, endpoint: str) -> dict:
+    """The revision listing (JSON), at most MAX_HUB_JSON_BYTES."""
+    with client.stream("GET", url) as resp:
+        if resp.status_code in (401, 403):
+            raise HubError(f"{repo_id}: {endpoint} refused access ({resp.status_code}); set HF_TOKEN for gated models")
+        if resp.status_code == 404:
+            raise HubError(f"{repo_id}: no such model or revision {revision!r} at {endpoint}")
+        if resp.status_code != 200:
+            raise HubError(f"{repo_id}: {endpoint} answered {resp.status_code}")
+        body, total = [], 0
+        for chunk in resp.iter_bytes():
+            total += len(chunk)
+            if total > MAX_HUB_JSON_BYTES:
+                raise HubError(f"{repo_id}: the listing of {endpoint} is larger than {MAX_HUB_JSON_BYTES} bytes")
+            body.append(chunk)
+    try:
+        info = json.loads(b"".join(body))
+    except ValueError as e:
+        raise HubError(f"{repo_id}: the listing of {endpoint} is not JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise HubError(f"{repo_id}: the listing of {endpoint} is not a JSON object")
+    return info
+
+
+def _download(client, url: str, dest: Path, name: str, limit_bytes: int | None = None) -> int:
     """One file, written beside its final name and renamed when complete (a pod killed mid-way
     never leaves a truncated file that looks whole). Already present: skipped."""
     if dest.exists():
@@ -122,11 +191,17 @@ def _download(client, url: str, dest: Path, name: str) -> int:
         if resp.status_code != 200:
             raise HubError(f"{name}: download failed with HTTP {resp.status_code}")
         size = int(resp.headers.get("content-length") or 0)
+        if limit_bytes is not None and size > limit_bytes:
+            raise HubError(f"{name}: {size} bytes, larger than {limit_bytes}; refused")
         last_report_s = t0 = time.monotonic()
         with open(part, "wb") as f:
             for chunk in resp.iter_bytes(_CHUNK_BYTES):
                 f.write(chunk)
                 done += len(chunk)
+                if limit_bytes is not None and done > limit_bytes:
+                    f.close()
+                    part.unlink()
+                    raise HubError(f"{name}: more than {limit_bytes} bytes; refused")
                 now = time.monotonic()
                 if now - last_report_s >= _PROGRESS_EVERY_S:
                     last_report_s = now

@@ -14,6 +14,13 @@ operator is not to reach the hub for that model: its weights are then estimated 
 
 Every failure is a `ConfigSourceError` with a condition reason, a message that names the field or
 URL, and whether retrying can help without the user editing the resource (`transient`).
+
+A hub is untrusted input (the endpoint may be the resource's choice): each read has a total
+deadline as well as a per-read timeout (a drip of one byte every few seconds would never trip the
+latter), HUB_CONFIG_DEADLINE_S for config.json and planner/remote.HUB_DEADLINE_S for all of a
+model's weight headers; a JSON answer is capped at remote.MAX_HUB_JSON_BYTES, a header and the
+shard count by the planner's weights limits. A token goes only to an endpoint the operator trusts
+(`check_token_endpoint`; docs/operator.md).
 """
 
 from __future__ import annotations
@@ -28,6 +35,15 @@ from typing import Any, Protocol
 import httpx
 
 from specdeploy.engine.planner.errors import ConfigError
+from specdeploy.engine.planner.remote import (
+    DEFAULT_HUB_ENDPOINT,
+    HUB_DEADLINE_S,
+    MAX_HUB_JSON_BYTES,
+    Deadline,
+    bound_httpx_client,
+    read_capped,
+    revision_problem,
+)
 from specdeploy.engine.planner.weights import SINGLE_FILE, CheckpointWeights, read_checkpoint_weights
 from specdeploy.operator import api
 from specdeploy.operator.desired.render import api_key_secret
@@ -36,6 +52,8 @@ DEFAULT_REVISION = "main"
 DEFAULT_CONFIG_KEY = "config.json"
 DEFAULT_TOKEN_KEY = "token"
 HUB_TIMEOUT_S = 10.0
+# config.json is one small file: the whole GET (redirects included) ends by then.
+HUB_CONFIG_DEADLINE_S = 2 * HUB_TIMEOUT_S
 
 
 
@@ -74,6 +92,67 @@ def hub_config_url(endpoint: str, model: str, revision: str) -> str:
         f"{endpoint.rstrip('/')}/{urllib.parse.quote(model, safe='/')}"
         f"/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
     )
+
+
+def _origin(url: str) -> tuple[str, str, int | None, str]:
+    parts = urllib.parse.urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"https": 443, "http": 80}.get(scheme), \
+        parts.path.rstrip("/")
+
+
+def trusted_endpoints(operator_endpoint: str, extra: tuple[str, ...] | list[str] = ()) -> tuple[str, ...]:
+    """The endpoints a hub token may be sent to: the public hub, the operator's own default
+    endpoint (--hub-endpoint) and those its flags list (--trusted-hub-endpoint, HF_ENDPOINT)."""
+    return tuple(dict.fromkeys([DEFAULT_HUB_ENDPOINT, operator_endpoint, *extra]))
+
+
+def check_token_endpoint(endpoint: str, trusted: tuple[str, ...], *, allow_any: bool) -> None:
+    """A token Secret is named: refuse (permanently: the spec or the operator's flags must change)
+    unless `endpoint`, where the operator and the engine pod would send it, is trusted."""
+    if allow_any or any(_origin(endpoint) == _origin(t) for t in trusted):
+        return
+    raise ConfigSourceError(
+        api.REASON_HUB_NOT_TRUSTED,
+        f"spec.hub.endpoint {endpoint} is not an endpoint this operator sends tokens to "
+        f"(trusted: {', '.join(trusted)}); drop spec.hub.tokenSecretRef, use a trusted endpoint, "
+        "or start the operator with --trusted-hub-endpoint",
+        transient=False,
+    )
+
+
+def _revision(model_spec: dict[str, Any], field: str) -> str:
+    revision = model_spec.get("revision", DEFAULT_REVISION)
+    problem = revision_problem(revision)
+    if problem is not None:
+        raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{field}.{problem}", transient=False)
+    return revision
+
+
+def _hub_client(deadline: Deadline) -> httpx.Client:
+    return bound_httpx_client(httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True), deadline)
+
+
+def _hub_failure(url: str, exc: httpx.HTTPError, deadline: Deadline | None) -> ConfigSourceError:
+    if deadline is not None and deadline.expired:
+        return ConfigSourceError(api.REASON_HUB_UNREACHABLE,
+                                 f"GET {url}: no whole answer within the {deadline.seconds:.0f} s deadline",
+                                 transient=True)
+    return ConfigSourceError(api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}", transient=True)
+
+
+def _read_json_body(response: httpx.Response, url: str) -> bytes:
+    """The body of a JSON answer, refused past MAX_HUB_JSON_BYTES (declared or sent)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_HUB_JSON_BYTES:
+        raise ConfigSourceError(api.REASON_HUB_ANSWER_TOO_LARGE,
+                                f"GET {url}: {declared} bytes, larger than {MAX_HUB_JSON_BYTES}; refused",
+                                transient=False)
+    chunks = response.iter_bytes()
+    try:
+        return read_capped(lambda _n: next(chunks, b""), MAX_HUB_JSON_BYTES, f"GET {url}")
+    except ConfigError as err:
+        raise ConfigSourceError(api.REASON_HUB_ANSWER_TOO_LARGE, str(err), transient=False) from None
 
 
 def resolve_hub_token(
@@ -128,6 +207,7 @@ def resolve_model_config(
     hub_endpoint: str,
     hub_token: str | None,
     http: httpx.Client | None = None,
+    deadline_s: float = HUB_CONFIG_DEADLINE_S,
 ) -> ResolvedConfig:
     """The config.json of `model_spec` (spec.target or spec.draft, named by `field`)."""
     if "config" in model_spec:
@@ -141,10 +221,11 @@ def resolve_model_config(
         return _from_config_map(model_spec["configMapRef"], field, namespace, reader)
     return _from_hub(
         model_spec["model"],
-        model_spec.get("revision", DEFAULT_REVISION),
+        _revision(model_spec, field),
         hub_endpoint,
         hub_token,
         http,
+        deadline_s,
     )
 
 
@@ -176,19 +257,20 @@ def _from_hub(
     endpoint: str,
     token: str | None,
     http: httpx.Client | None,
+    deadline_s: float = HUB_CONFIG_DEADLINE_S,
 ) -> ResolvedConfig:
     url = hub_config_url(endpoint, model, revision)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = Deadline(deadline_s)
+    client = http or _hub_client(deadline)
     try:
-        if http is None:
-            with httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True) as client:
-                response = client.get(url, headers=headers)
-        else:
-            response = http.get(url, headers=headers)
+        with client.stream("GET", url, headers=headers) as response:
+            body = _read_json_body(response, url) if response.status_code == 200 else b""
     except httpx.HTTPError as exc:
-        raise ConfigSourceError(
-            api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}", transient=True
-        ) from exc
+        raise _hub_failure(url, exc, deadline) from exc
+    finally:
+        if http is None:
+            client.close()
     status = response.status_code
     if status == 404:
         raise ConfigSourceError(
@@ -212,7 +294,7 @@ def _from_hub(
         raise ConfigSourceError(
             api.REASON_CONFIG_NOT_FOUND, f"GET {url}: unexpected status {status}", transient=False
         )
-    return ResolvedConfig(_parse_json_object(response.text, url, transient=False), url)
+    return ResolvedConfig(_parse_json_object(body.decode("utf-8", errors="replace"), url, transient=False), url)
 
 
 def _parse_json_object(text: str, origin: str, *, transient: bool) -> dict[str, Any]:
@@ -243,8 +325,10 @@ class HubCheckpointFiles:
     """The planner's CheckpointFiles over a hub repository, with httpx: JSON files whole, shard
     headers by Range (a server that ignores Range is read only as far as needed)."""
 
-    def __init__(self, model: str, revision: str, endpoint: str, token: str | None, http: httpx.Client):
+    def __init__(self, model: str, revision: str, endpoint: str, token: str | None, http: httpx.Client,
+                 deadline: Deadline | None = None):
         self.model, self.revision, self.endpoint, self.http = model, revision, endpoint, http
+        self.deadline = deadline
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.token_given = bool(token)
         self.origin = f"{endpoint.rstrip('/')}/{model}/resolve/{revision}"
@@ -268,14 +352,14 @@ class HubCheckpointFiles:
     def read_json(self, name: str) -> Any | None:
         url = hub_file_url(self.endpoint, self.model, self.revision, name)
         try:
-            response = self.http.get(url, headers=self.headers)
+            with self.http.stream("GET", url, headers=self.headers) as response:
+                if not self._check(url, response.status_code):
+                    return None
+                body = _read_json_body(response, url)
         except httpx.HTTPError as exc:
-            raise ConfigSourceError(api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}",
-                                    transient=True) from exc
-        if not self._check(url, response.status_code):
-            return None
+            raise _hub_failure(url, exc, self.deadline) from exc
         try:
-            return json.loads(response.content)
+            return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{url}: not JSON ({exc})", transient=False) from exc
 
@@ -296,8 +380,7 @@ class HubCheckpointFiles:
                         break
                 return body[:wanted] if response.status_code == 206 else body[start:wanted]
         except httpx.HTTPError as exc:
-            raise ConfigSourceError(api.REASON_HUB_UNREACHABLE, f"GET {url}: {type(exc).__name__}: {exc}",
-                                    transient=True) from exc
+            raise _hub_failure(url, exc, self.deadline) from exc
 
     def safetensors_names(self) -> list[str]:
         return [SINGLE_FILE]
@@ -319,20 +402,22 @@ def resolve_model_weights(
     hub_token: str | None,
     http: httpx.Client | None = None,
     now: Callable[[], float] = time.monotonic,
+    deadline_s: float = HUB_DEADLINE_S,
 ) -> CheckpointWeights | None:
     """The checkpoint bytes of a model whose config comes from the hub (None for an inline or
-    ConfigMap config, or a repository without safetensors)."""
+    ConfigMap config, or a repository without safetensors), all read within `deadline_s`."""
     if "config" in model_spec or "configMapRef" in model_spec:
         return None
-    revision = model_spec.get("revision", DEFAULT_REVISION)
+    revision = _revision(model_spec, field)
     key = (hub_endpoint, model_spec["model"], revision, bool(hub_token))
     cached = _weights_cache.get(key)
     if cached is not None and now() - cached[0] < WEIGHTS_CACHE_TTL_S:
         return cached[1]
-    client = http or httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True)
+    deadline = Deadline(deadline_s)
+    client = http or _hub_client(deadline)
     try:
         weights = read_checkpoint_weights(HubCheckpointFiles(model_spec["model"], revision, hub_endpoint, hub_token,
-                                                             client))
+                                                             client, deadline))
     except ConfigError as err:
         raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{field}: checkpoint: {err}", transient=False) from err
     finally:
@@ -345,14 +430,19 @@ def resolve_model_weights(
 
 
 def resolve_configs(
-    sdd: dict[str, Any], reader: ClusterReader, hub_endpoint: str
+    sdd: dict[str, Any], reader: ClusterReader, hub_endpoint: str, *,
+    trusted_endpoints: tuple[str, ...] | None = None, trust_any_endpoint: bool = False,
 ) -> tuple[ResolvedConfig, ResolvedConfig | None, tuple[CheckpointWeights | None, CheckpointWeights | None]]:
     """Both models' config.json and, where they come from the hub, their checkpoints' weight
     bytes: what the operator reads for a resource (handlers.resolve_configs) and what
-    `specdeploy plan -f` reads for a file (operator/plan_file.py), the same way."""
+    `specdeploy plan -f` reads for a file (operator/plan_file.py), the same way.
+    `trusted_endpoints` (the operator's): a named token Secret goes only to those (check_token_endpoint)."""
     spec, namespace = sdd["spec"], sdd["metadata"].get("namespace") or "default"
     hub_spec = spec.get("hub") or {}
     endpoint = hub_spec.get("endpoint") or hub_endpoint
+    if hub_spec.get("tokenSecretRef") and trusted_endpoints is not None:
+        # The engine pod gets the token too, whether the operator reads the hub or not.
+        check_token_endpoint(endpoint, trusted_endpoints, allow_any=trust_any_endpoint)
     needs_hub = any(
         m and "config" not in m and "configMapRef" not in m for m in (spec["target"], spec.get("draft"))
     )

@@ -319,6 +319,7 @@ def test_install_serves_examples_with_the_charts_service_account(kube_cluster, k
             ("patch", "deployments", "-n", ns),
             ("update", "specdecodedeployments.specdeploy.dev", "--subresource=status", "-n", ns),
             ("get", "secrets", "-n", ns),
+            ("create", "secrets", "-n", ns),  # a disaggregated resource's shared secret, made once
             ("watch", "customresourcedefinitions"),
         ]:
             assert can_i(kube_cluster, subject, *args), f"{subject} may not {' '.join(args)}"

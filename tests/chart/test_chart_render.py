@@ -93,6 +93,14 @@ def test_engine_image_and_hub_endpoint_reach_the_operator(helm):
     )))
     assert "--engine-image=registry.local/engine:dev" in args
     assert "--hub-endpoint=http://hub.local:8080" in args
+    assert not [a for a in args if a.startswith("--trust")]
+
+
+def test_trusted_hub_endpoints_reach_the_operator(helm):
+    args = _operator_args(parse(helm.template(
+        "hub.trustedEndpoints={https://mirror.corp:8443,http://hub.local}", "hub.trustResourceEndpoints=true")))
+    assert "--trusted-hub-endpoint=https://mirror.corp:8443" in args and "--trusted-hub-endpoint=http://hub.local" in args
+    assert "--trust-resource-hub-endpoints" in args
 
 
 def test_health_port_moves_the_probes(helm):

@@ -184,12 +184,14 @@ class OperatorProcess:
     def __init__(
         self, cluster: KubeCluster, namespace: str, hub_endpoint: str, log_path: Path,
         liveness_port: int = 0, kubeconfig: Path | None = None, metrics_interval_s: float = 30,
+        trusted_hub_endpoints: tuple[str, ...] = (),
     ) -> None:
         self.liveness_port = liveness_port
         self.cmd = [
             sys.executable, "-P", "-m", "specdeploy.cli", "operator", "--namespace", namespace,
             "--hub-endpoint", hub_endpoint, "--engine-image", "registry.local/specdeploy-engine:test",
             "--liveness-port", str(liveness_port), "--metrics-interval-s", str(metrics_interval_s),
+            *(arg for e in trusted_hub_endpoints for arg in ("--trusted-hub-endpoint", e)),
         ]
         self.env = {**cluster.env, "PYTHONUNBUFFERED": "1"}
         if kubeconfig is not None:

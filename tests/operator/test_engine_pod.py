@@ -205,7 +205,8 @@ def test_model_cache_claim_keeps_downloaded_weights_for_restarts_and_new_replica
         resource["spec"]["draft"]["model"] = "org/tiny-eagle"
         resource["spec"]["hub"] = {"endpoint": hub.url, "tokenSecretRef": {"name": "hub-token"}}
         resource["spec"]["modelCache"] = {"storageClassName": "local-test"}
-        operator_process(metrics_interval_s=0)
+        # The resource names its own hub and a token: the operator must be told to trust it.
+        operator_process(metrics_interval_s=0, trusted_hub_endpoints=(hub.url,))
         kube_cluster.apply(resource, namespace=kube_namespace)
         sdd = sdd_of("tiny")
         status = sdd.wait_ready(timeout_s=180)

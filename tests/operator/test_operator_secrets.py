@@ -62,3 +62,27 @@ def test_the_roles_shared_secret_is_created_once(kube_cluster, kube_namespace, o
     again = kube_cluster.kubectl_json("get", "secret", "pair-disagg", "-n", kube_namespace)
     assert again["data"] == secret["data"]
     assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+
+
+def test_a_token_is_not_sent_to_an_endpoint_the_operator_does_not_trust(kube_cluster, kube_namespace, operator,
+                                                                         hub_secret, manifest, sdd_of):
+    from hostile_hub import HostileHub
+
+    elsewhere = HostileHub()
+    try:
+        body = manifest("leaky", replicas=1, hub={"endpoint": elsewhere.url, "tokenSecretRef": {"name": "hub-token"}})
+        kube_cluster.apply(body, namespace=kube_namespace)
+        sdd = sdd_of("leaky")
+        cond = wait_for(lambda: (c := sdd.condition("PlanReady")).get("reason") == "HubEndpointNotTrusted" and c,
+                        timeout_s=60, what="PlanReady HubEndpointNotTrusted")
+        assert cond["status"] == "False" and elsewhere.url in cond["message"]
+        assert sdd.deployment() is None
+        assert elsewhere.requests == []  # not asked anything, let alone with the token
+        # Without the token the resource's own endpoint is fine to read (it gets nothing secret).
+        body["spec"]["hub"] = {"endpoint": elsewhere.url}
+        kube_cluster.apply(body, namespace=kube_namespace)
+        wait_for(lambda: sdd.condition("PlanReady").get("reason") not in (None, "HubEndpointNotTrusted"),
+                 timeout_s=60, what="a plan attempt at the resource's endpoint")
+        assert elsewhere.requests and all(auth is None for _, auth in elsewhere.requests)
+    finally:
+        elsewhere.close()

@@ -12,8 +12,9 @@ POST /disagg/prefill (protocol.PrefillBody), per request:
      to or read from slot run by slot run (transfer.kv_copies);
   4. release the slots and answer 200 (or an error: 4xx for a request this server refuses,
      409 aborted, 503 busy, 502 transfer failed, 504 past the deadline).
-POST /disagg/register {peer, regions}: a decode server's Mooncake session and the memory it
-registered (docs/disaggregation.md: the control plane). A prefill request is refused unless its
+POST /disagg/register {peer, regions}: a decode server's Mooncake session (at the caller's own
+address) and the memory it registered (docs/disaggregation.md: the control plane). A prefill
+request is refused unless its
 peer's session was registered, from the same caller address, and every byte it would write falls
 inside those regions: a request body cannot aim the transfer engine at another process or at
 memory the decode server did not offer.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass
@@ -99,6 +101,9 @@ class PrefillService:
         why = self.info.mismatch(peer)
         if why is not None:
             raise PrefillRefused(400, f"the decode server does not pair with this prefill server: {why}")
+        if not _same_host(peer.session_id.rpartition(":")[0], caller):
+            raise PrefillRefused(403, f"Mooncake session {peer.session_id} is not at the caller's address {caller}: "
+                                      "a decode server registers its own session (--transfer-host = its address)")
         ranges = tuple(sorted((r.address, r.address + r.bytes) for r in body.regions))
         if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
             raise PrefillRefused(400, "registered regions overlap")
@@ -265,6 +270,14 @@ class PrefillService:
     def _release(self, req_id: str) -> None:
         if self.runner.is_held(req_id):
             self.runner.release_held(req_id)
+
+
+def _same_host(host: str, caller: str) -> bool:
+    """Whether a session's host is the caller's address (IPv6 in any spelling, brackets or not)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")) == ipaddress.ip_address(caller)
+    except ValueError:
+        return False
 
 
 def _peer_info(data: dict) -> ServerInfo:

@@ -141,6 +141,11 @@ def test_a_prefill_writes_only_into_memory_its_decode_server_registered(secured)
         r = elsewhere.post(f"{prefill}/disagg/prefill", json=forged_prefill(decode, prefill, "forged-3"),
                            headers=SIGNED, timeout=60)
         assert r.status_code == 403 and "another address" in r.json()["error"]["message"]
+        # Nor register the decode server's session as its own, with memory of its choosing.
+        r = elsewhere.post(f"{prefill}/disagg/register", headers=SIGNED, json={
+            "peer": httpx.get(f"{decode}/disagg/info", headers=SIGNED).json(),
+            "regions": [{"address": 0x10000, "bytes": 1 << 20}]})
+        assert r.status_code == 403 and "not at the caller's address" in r.json()["error"]["message"]
         # Nor can that address abort the decode server's rooms: rooms are kept per caller.
         assert elsewhere.post(f"{prefill}/disagg/abort", json={"room": "forged-1"},
                               headers=SIGNED).json()["aborted"] is False
