@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -99,30 +100,35 @@ def run(
     )
 
 
-class _RoutineSuccessFilter(logging.Filter):
-    """Drops kopf's "Handler '...' succeeded." lines for handlers that fire on every Deployment
-    status change; the handlers log what they decided themselves."""
+# kopf's own bookkeeping at INFO: every handler's success, each cause "is processed", start-up
+# activities and logins, and a failed handler's reason again after the handler logged it. At the
+# default level they are dropped (--verbose shows them): the handlers log what they decided, once.
+_KOPF_CHATTER = re.compile(
+    r"^(Handler '[^']+' (succeeded|failed (permanently|temporarily)|is invoked)"
+    r"|(Creation|Updating|Resuming|Deletion|Resumption) is (processed|in progress)"
+    r"|Activity '[^']+' (succeeded|is invoked)"
+    r"|Initial authentication has (been initiated|finished))"
+)
 
-    def __init__(self, handler_ids: tuple[str, ...]) -> None:
-        super().__init__()
-        self.messages = {f"Handler {handler_id!r} succeeded." for handler_id in handler_ids}
+
+class _KopfChatterFilter(logging.Filter):
+    """Drops kopf's bookkeeping lines (_KOPF_CHATTER); everything else passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in self.messages
+        return not (record.name.startswith("kopf") and _KOPF_CHATTER.match(record.getMessage()))
 
 
 def configure_logging(verbose: bool) -> None:
     import kopf
-    from specdeploy.operator.handlers import ROUTINE_HANDLER_IDS
 
     # One line per decision for `kubectl logs`: "[namespace/name] message", no colour, no JSON.
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN, log_prefix=True)
     if not verbose:
         # httpx logs every request at INFO; config fetches are reported by the handlers.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        routine = _RoutineSuccessFilter(ROUTINE_HANDLER_IDS)
+        chatter = _KopfChatterFilter()
         for handler in logging.getLogger().handlers:
-            handler.addFilter(routine)
+            handler.addFilter(chatter)
 
 
 def main(args: argparse.Namespace) -> int:

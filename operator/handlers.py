@@ -20,6 +20,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +61,10 @@ from specdeploy.operator.desired.render import (
 
 log = logging.getLogger("specdeploy.operator")
 
-# Handlers that run on every Deployment status change; their success is not news.
+# Handlers that run on every Deployment / engine pod status change.
 DEPLOYMENT_HANDLER_ID = "engine-deployment"
 POD_HANDLER_ID = "engine-pods"
 GROUP_HANDLER_ID = "engine-leaderworkerset"
-ROUTINE_HANDLER_IDS = (DEPLOYMENT_HANDLER_ID, POD_HANDLER_ID, GROUP_HANDLER_ID)
 
 # Retry delays for failures that can resolve without the resource changing.
 TRANSIENT_RETRY_DELAY_S = 30
@@ -183,7 +183,9 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         latest = kube.get_deployment(namespace, name) or deployment
         return status.serving(new, latest, generation=generation, now=now())
 
-    kube.update_status(namespace, name, planned_status)
+    result = kube.update_status(namespace, name, planned_status)
+    if result is not None:
+        _phase_changed(kube, namespace, name, *result, logger)
     # A resource that was disaggregated before: its role children go.
     gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
     if gone:
@@ -368,19 +370,19 @@ def deployment_event(
                                         generation=generation, now=status.now_rfc3339())
         if body["metadata"]["name"] != deployment_name(owner["name"]) or _spans_nodes(current):
             return current  # a leftover of the other mode, about to be deleted
-        return status.serving(current, deployment, generation=generation, now=status.now_rfc3339())
+        new = status.serving(current, deployment, generation=generation, now=status.now_rfc3339())
+        if deployment is not None and new.get("phase") != current.get("phase"):
+            # Events trail the reconciler's own read of the Deployment: a phase change is decided on
+            # the Deployment as it is now, never on an older view (a Ready -> Deploying flicker).
+            latest = kube.get_deployment(namespace, body["metadata"]["name"])
+            new = status.serving(current, latest, generation=generation, now=status.now_rfc3339())
+        return new
 
     result = kube.update_status(namespace, owner["name"], compute)
     if result is None:
         return
-    old, new = result
-    if old.get("phase") != new.get("phase"):
-        ready = (status.get_condition(new, api.READY) or {}).get("message", "")
-        # The Deployment carries the resource's name, so kopf's "[namespace/name]" prefix fits.
-        logger.info(f"status: phase {old.get('phase')} -> {new.get('phase')} ({ready})")
-        sdd = kube.get_sdd(namespace, owner["name"])
-        if sdd is not None and new.get("phase") == api.PHASE_READY:
-            _event(sdd, warning=False, reason=api.EVENT_READY, message=ready)
+    # The Deployment carries the resource's name, so kopf's "[namespace/name]" prefix fits.
+    _phase_changed(kube, namespace, owner["name"], *result, logger)
     if deployment is None:
         _restore_deleted_engine(namespace, owner, kube, memo.options, logger, body["metadata"]["name"])
 
@@ -442,9 +444,8 @@ def group_event(
                               generation=sdd["metadata"].get("generation", 1), now=status.now_rfc3339())
 
     result = kube.update_status(namespace, owner["name"], compute)
-    if result is not None and result[0].get("phase") != result[1].get("phase"):
-        ready = (status.get_condition(result[1], api.READY) or {}).get("message", "")
-        logger.info(f"status: phase {result[0].get('phase')} -> {result[1].get('phase')} ({ready})")
+    if result is not None:
+        _phase_changed(kube, namespace, owner["name"], *result, logger)
     if group is None:
         sdd = kube.get_sdd(namespace, owner["name"])
         current = (sdd or {}).get("status") or {}
@@ -458,6 +459,20 @@ def group_event(
                 converge(sdd, kube, memo.options, logger)
             except (kopf.TemporaryError, kopf.PermanentError):
                 pass
+
+
+def _phase_changed(kube: KubeClient, namespace: str, name: str, old: dict[str, Any], new: dict[str, Any],
+                   logger: logging.Logger) -> None:
+    """One log line per phase change, whoever wrote it (the reconciler or a watch); an event when
+    the resource turns Ready."""
+    if old.get("phase") == new.get("phase") or new.get("phase") is None:
+        return
+    ready = (status.get_condition(new, api.READY) or {}).get("message", "")
+    logger.info(f"status: phase {old.get('phase') or 'new'} -> {new.get('phase')} ({ready})")
+    if new.get("phase") == api.PHASE_READY:
+        sdd = kube.get_sdd(namespace, name)
+        if sdd is not None:
+            _event(sdd, warning=False, reason=api.EVENT_READY, message=ready)
 
 
 def _restore_deleted_engine(
@@ -493,20 +508,26 @@ def _restore_deleted_engine(
         pass  # converge has written the reason to status; the next spec change or restart retries
 
 
-def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None) -> None:
+def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
+                           rates: serving_metrics.TokenRate | None = None) -> None:
     """Scrape the ready engine pods' /metrics of every serving resource into status.serving
     (the Accept length column). An operator-wide loop rather than a kopf timer: timers need a
     finalizer on each resource, and deleting a resource must never wait for the operator."""
+    scraped: list[str] = []
     for sdd in kube.list_sdds(namespaces):
         meta = sdd["metadata"]
         if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
             continue
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(meta["name"]).items())
         urls = serving_metrics.ready_pod_metrics_urls(kube.list_pods(meta["namespace"], selector))
-        samples, errors = serving_metrics.scrape(urls)
+        answered: list[str] = []
+        samples, errors = serving_metrics.scrape(urls, answered=answered)
         for error in errors:
             log.debug(f"[{meta['namespace']}/{meta['name']}] metrics not scraped: {error}")
-        figures = serving_metrics.summarize(samples)
+        now_s = time.monotonic()
+        per_pod = [rates.rate(url, now_s, sample) for url, sample in zip(answered, samples)] if rates else None
+        scraped += answered
+        figures = serving_metrics.summarize(samples, per_pod)
         if figures:
             kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
         verdict = desired_addons.exported_metric_check(sdd, [set(s.names) for s in samples])
@@ -515,13 +536,16 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None) -> No
             generation = meta.get("generation", 1)
             kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, v=verdict, g=generation:
                                desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
+    if rates is not None:
+        rates.forget_except(scraped)
 
 
 async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:
+    rates = serving_metrics.TokenRate()
     while True:
         await asyncio.sleep(options.metrics_interval_s)
         try:
-            await asyncio.to_thread(collect_engine_metrics, kube, options.namespaces)
+            await asyncio.to_thread(collect_engine_metrics, kube, options.namespaces, rates)
         except Exception as err:  # noqa: BLE001 - one failed round must not end the loop
             log.warning(f"engine metrics round failed: {type(err).__name__}: {err}")
 

@@ -2,7 +2,10 @@
 
 mean accept length = 1 + accepted draft tokens / verify steps, summed over ready pods (each
 counter is cumulative since its pod started, so this is the lifetime mean of the current pods);
-tokens per second = the sum of the pods' generation throughput gauges; prefix cache hit rate =
+tokens per second = generated tokens per second over the last RATE_WINDOW_S, from each pod's
+cumulative generation counter between the oldest and newest scrape of it inside that window,
+summed over the pods (TokenRate; a pod seen once contributes its own throughput gauge, a pod
+whose counter went back restarted and starts afresh); prefix cache hit rate =
 prompt tokens found in the cache / prompt tokens looked up, summed over the pods (lifetime).
 An engine with adaptive speculation also reports the shape of its last decode step and its
 measured per-depth acceptance: the status shows the shapes the pods run (one label, or the
@@ -26,6 +29,9 @@ from specdeploy.operator.desired.render import ENGINE_PORT
 ACCEPTED_TOKENS = "specdeploy_spec_decode_num_accepted_tokens_total"
 VERIFY_STEPS = "specdeploy_spec_decode_num_steps_total"
 TOKENS_PER_SECOND = "specdeploy_generation_tokens_per_second"
+GENERATED_TOKENS = "specdeploy_generation_tokens_total"
+# The window of status.serving.tokensPerSecond (the Tok/s column).
+RATE_WINDOW_S = 60.0
 ADAPTIVE = "specdeploy_spec_decode_adaptive"
 SHAPE = "specdeploy_spec_decode_shape"
 ACCEPTANCE_RATE = "specdeploy_spec_decode_acceptance_rate"
@@ -52,11 +58,13 @@ class EngineSample:
     crossover_batch: float = 0.0                    # adaptive engines: 0 = none within its batch sizes
     saturation: float | None = None                 # None: the engine does not export it
     names: frozenset[str] = frozenset()             # every metric name the pod serves
+    generated_tokens: float = 0.0                   # cumulative, since the pod started
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
     """Sum each wanted metric over its label sets; absent metrics count as 0."""
-    totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0, PREFIX_HITS: 0.0, PREFIX_QUERIES: 0.0}
+    totals = {ACCEPTED_TOKENS: 0.0, VERIFY_STEPS: 0.0, TOKENS_PER_SECOND: 0.0, PREFIX_HITS: 0.0, PREFIX_QUERIES: 0.0,
+              GENERATED_TOKENS: 0.0}
     adaptive, shape, rates = False, None, {}
     crossover, saturation, names = 0.0, None, set()
     for line in text.splitlines():
@@ -87,16 +95,40 @@ def parse_engine_metrics(text: str) -> EngineSample:
     return EngineSample(totals[ACCEPTED_TOKENS], totals[VERIFY_STEPS], totals[TOKENS_PER_SECOND],
                         shape if adaptive else None, depths if adaptive else (),
                         totals[PREFIX_HITS], totals[PREFIX_QUERIES], crossover if adaptive else 0.0,
-                        saturation, frozenset(names))
+                        saturation, frozenset(names), totals[GENERATED_TOKENS])
 
 
-def summarize(samples: Iterable[EngineSample]) -> dict[str, float]:
-    """The status.serving fields the samples support (none without samples or steps)."""
+class TokenRate:
+    """Generated tokens per second over the last `window_s`, per pod, from its cumulative counter
+    (the operator keeps one for all resources; pods are keyed by their metrics URL)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self._seen: dict[str, list[tuple[float, float]]] = {}
+
+    def rate(self, key: str, now_s: float, sample: EngineSample) -> float:
+        seen = [(t, n) for t, n in self._seen.get(key, []) if now_s - t <= self.window_s and n <= sample.generated_tokens]
+        seen.append((now_s, sample.generated_tokens))
+        self._seen[key] = seen
+        (t0, n0), (t1, n1) = seen[0], seen[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else sample.tokens_per_second
+
+    def forget_except(self, keys: Iterable[str]) -> None:
+        """Drop the pods not scraped any more."""
+        keep = set(keys)
+        for key in [k for k in self._seen if k not in keep]:
+            del self._seen[key]
+
+
+def summarize(samples: Iterable[EngineSample], rates: Iterable[float] | None = None) -> dict[str, float]:
+    """The status.serving fields the samples support (none without samples or steps); `rates`:
+    each pod's tokens per second over the window (TokenRate), else their throughput gauges."""
     samples = list(samples)
     if not samples:
         return {}
     steps = sum(s.verify_steps for s in samples)
-    result = {"tokensPerSecond": round(sum(s.tokens_per_second for s in samples), 1)}
+    per_pod = list(rates) if rates is not None else [s.tokens_per_second for s in samples]
+    result = {"tokensPerSecond": round(sum(per_pod), 1)}
     if steps > 0:
         result["meanAcceptLength"] = round(1 + sum(s.accepted_tokens for s in samples) / steps, 2)
     shapes = sorted({s.shape for s in samples if s.shape is not None})
@@ -136,8 +168,10 @@ def ready_pod_metrics_urls(pods: Iterable[dict[str, Any]]) -> list[str]:
     return urls
 
 
-def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple[list[EngineSample], list[str]]:
-    """(samples of the pods that answered, one error line per pod that did not)."""
+def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S,
+           answered: list[str] | None = None) -> tuple[list[EngineSample], list[str]]:
+    """(samples of the pods that answered, one error line per pod that did not); `answered`
+    collects the URLs of the samples, in their order."""
     samples, errors = [], []
     with httpx.Client(timeout=timeout_s) as client:
         for url in urls:
@@ -145,6 +179,8 @@ def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple
                 response = client.get(url)
                 response.raise_for_status()
                 samples.append(parse_engine_metrics(response.text))
+                if answered is not None:
+                    answered.append(url)
             # One pod's failure (unreachable, bad URL, garbled answer) must not end the round for
             # the others: InvalidURL and decoding errors are not HTTPErrors.
             except Exception as err:

@@ -137,3 +137,21 @@ def test_figures_land_in_status_and_survive_replica_updates():
     dep = {"metadata": {"name": "d", "generation": 1, "annotations": {}}, "spec": {"replicas": 2}, "status": {"readyReplicas": 1}}
     after = status.serving(st, dep, generation=1, now="2026-01-01T00:00:00Z")
     assert after["serving"]["meanAcceptLength"] == 3.0 and after["serving"]["readyReplicas"] == 1
+
+
+def test_tokens_per_second_is_a_rate_over_the_window():
+    """A burst then silence: the rate over the window, not the last interval's 489 then 0."""
+    from specdeploy.operator.cluster.serving_metrics import EngineSample, TokenRate
+
+    def sample(tokens, gauge=0.0):
+        return EngineSample(0, 0, gauge, generated_tokens=tokens)
+
+    rates = TokenRate(window_s=60)
+    assert rates.rate("pod", 0.0, sample(0, gauge=7.0)) == 7.0          # one scrape: the engine's own figure
+    assert rates.rate("pod", 10.0, sample(4890)) == 489.0                # the burst
+    assert rates.rate("pod", 30.0, sample(4890)) == 4890 / 30            # then silence: still averaged
+    assert rates.rate("pod", 75.0, sample(4890)) == 0.0                  # the burst left the window
+    assert rates.rate("pod", 80.0, sample(10, gauge=2.0)) == 2.0        # a restart: the counter went back
+    assert rates.rate("pod", 85.0, sample(60)) == (60 - 10) / 5
+    rates.forget_except([])
+    assert rates.rate("pod", 90.0, sample(100, gauge=3.0)) == 3.0
