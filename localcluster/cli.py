@@ -15,9 +15,10 @@ from typing import Any
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "cluster", help="a local Kubernetes cluster: control plane + a node that runs pods as processes",
-        description=__doc__.splitlines()[0],
+        description="A Kubernetes cluster on this machine, without Docker or a container runtime: the real "
+                    "control plane and a local node that runs each pod's command as a process.",
     )
-    sub = parser.add_subparsers(dest="cluster_command", required=True)
+    sub = parser.add_subparsers(dest="cluster_command", required=True, metavar="{up,down,status,env}")
     up = sub.add_parser("up", help="start the cluster (builds the control-plane tools the first time: minutes)")
     up.add_argument("--port", type=int, default=None, help="kube-apiserver port on 127.0.0.1 (default 6443)")
     up.add_argument("--image-path", action="append", default=[], metavar="IMAGE_PATH=HOST_PATH",

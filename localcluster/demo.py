@@ -132,7 +132,8 @@ def _run(args: argparse.Namespace) -> int:
     say("pods as local processes), serving the tiny demo pair through its Service. Nothing is downloaded.")
     say()
     say("[1/5] models: the tiny target + EAGLE draft the engine image holds at /opt/specdeploy/demo")
-    recipe = engine_demo.Recipe()
+    recipe = engine_demo.Recipe(target_steps=args.target_steps, target_train_s=args.target_train_s,
+                                draft_steps=args.draft_steps, draft_train_s=args.draft_train_s)
     engine_demo.ensure_models(args.cache_dir or engine_demo.default_cache_dir(), recipe, retrain=args.retrain)
     image_paths = {"/opt/specdeploy/demo": str(args.cache_dir or engine_demo.default_cache_dir())}
 
@@ -168,7 +169,9 @@ def _run(args: argparse.Namespace) -> int:
     for line in table.splitlines():
         say(f"  {line}")
     say()
-    say(f"done in {time.monotonic() - t0:.0f} s. Look further (the cluster is {'being removed' if args.down else 'still running'}):")
+    say(f"done in {time.monotonic() - t0:.0f} s. " + ("The cluster is removed now (--down); without --down it stays up "
+                                                     "to look further with:" if args.down else
+                                                     "The cluster is still running; look further with:"))
     say(f"  {layout.export_line()}")
     for command in (f"kubectl get sdd -n {NAMESPACE}", f"kubectl describe sdd {EXAMPLE} -n {NAMESPACE}",
                     f"kubectl logs -n {NAMESPACE} deploy/{RELEASE}", f"kubectl logs -n {NAMESPACE} deploy/{EXAMPLE} --tail=20",

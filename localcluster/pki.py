@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import ipaddress
 import ssl
+import warnings
 from pathlib import Path
 
 CERT_VALIDITY_DAYS = 365
@@ -26,7 +27,10 @@ def issue_serving_cert(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, 
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    with warnings.catch_warnings():
+        # kwokctl's CA carries a serial number cryptography warns about; it signs as well as any.
+        warnings.simplefilter("ignore")
+        ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -156,6 +156,8 @@ def test_the_readme_local_cluster_commands_verbatim(cluster_env, capsys):
                 assert "engine ready:" in out and "ready: serving /opt/specdeploy/demo/target" in out
             elif command.startswith("specdeploy cluster down"):
                 assert "cluster local removed" in out
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n--- what the cluster shows:\n{_diagnostics(shell, state_dir)}") from None
     finally:
         shell.close()
         if state_dir.exists():
@@ -166,3 +168,14 @@ def test_the_readme_local_cluster_commands_verbatim(cluster_env, capsys):
     with capsys.disabled():
         print(f"README sequence in {time.monotonic() - t0:.0f} s")
 
+
+
+def _diagnostics(shell: Shell, state_dir: Path) -> str:
+    out = []
+    for args in (["get", "sdd,deploy,pods,events", "-A", "-o", "wide"], ["logs", "-n", "specdeploy", "deploy/specdeploy", "--tail=30"]):
+        result = subprocess.run(["kubectl", *args], env=shell.env, capture_output=True, text=True, timeout=30)
+        out.append(f"$ kubectl {' '.join(args)}\n{result.stdout}{result.stderr}")
+    node_log = state_dir / "logs" / "node.log"
+    if node_log.exists():
+        out.append("--- node log\n" + "\n".join(node_log.read_text(errors="replace").splitlines()[-40:]))
+    return "\n".join(out)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "manifests" / "models"
 EXAMPLES = ROOT / "manifests" / "examples"
 # What goes into the wheel (pyproject's packages and package-dir, plus the readme it names).
-SOURCES = ("pyproject.toml", "README.md", "specdeploy", "engine", "operator")
+SOURCES = ("pyproject.toml", "README.md", "specdeploy", "engine", "operator", "localcluster")
 PLAN_KEYS = ("tensor_parallel_size", "spec_hidden_size", "draft_input_hidden_size", "max_total_tokens",
              "required_tokens", "memory_per_gpu.weight_bytes", "memory_per_gpu.kv_cache_bytes_per_token")
 
@@ -213,6 +213,7 @@ def test_plan_every_example_as_its_comment_says(bare, example, tmp_path):
     (["operator"], "operator"),
     (["engine", "serve", "--target", "meta-llama/Llama-3.1-8B-Instruct"], "engine"),
     (["demo"], "engine"),
+    (["cluster", "up"], "cluster"),
 ])
 def test_subcommands_name_the_extra_they_need(bare, argv, extra):
     result = _run(bare, *argv)
@@ -226,7 +227,7 @@ def test_subcommands_name_the_extra_they_need(bare, argv, extra):
 def test_help_lists_every_subcommand(bare):
     result = _run(bare, "--help")
     assert result.returncode == 0, result.stderr
-    for command in ("plan", "engine", "demo", "operator"):
+    for command in ("plan", "engine", "demo", "operator", "cluster"):
         assert command in result.stdout
 
 
