@@ -237,3 +237,14 @@ def test_install_yaml_carries_namespace_crd_and_operator():
     deploy = one(objs, "Deployment")
     assert deploy["metadata"]["namespace"] == "specdeploy"
     assert "--namespace=specdeploy" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_network_policies_let_in_the_charts_operator_pods(helm):
+    """spec.networkPolicy opens the engines' port to the operator's pods by their labels: the
+    chart's pods carry them (the operator reads the engines' /metrics)."""
+    from specdeploy.operator.desired.policy import OPERATOR_PEER
+
+    deployment = one(parse(helm.template(release="sd")), "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert OPERATOR_PEER["podSelector"]["matchLabels"].items() <= labels.items()
+    assert OPERATOR_PEER["namespaceSelector"] == {}  # whichever namespace the chart is installed in

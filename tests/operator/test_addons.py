@@ -17,24 +17,40 @@ import yaml
 from testcluster import KubectlError, wait_for
 
 POOL_CRD = Path(__file__).parent / "data" / "inference.networking.k8s.io_inferencepools.yaml"
+KEDA_CRD = Path(__file__).parent / "data" / "keda.sh_scaledobjects.yaml"
 PEERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]
 EPP = {"name": "epp", "port": {"number": 9002}}
 
 
-@pytest.fixture
-def pool_crd(kube_cluster):
-    """install() puts the InferencePool CRD on the cluster; removed after the test."""
+def crd_installer(kube_cluster, path: Path):
+    """install() puts the CRD at `path` on the cluster; cleanup() removes what was installed."""
     installed = []
 
     def install() -> None:
-        kube_cluster.kubectl("apply", "--server-side", "-f", str(POOL_CRD))
-        name = yaml.safe_load(POOL_CRD.read_text())["metadata"]["name"]
+        kube_cluster.kubectl("apply", "--server-side", "-f", str(path))
+        name = next(d for d in yaml.safe_load_all(path.read_text()) if d)["metadata"]["name"]
         kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
         installed.append(name)
 
+    def cleanup() -> None:
+        for name in installed:
+            kube_cluster.kubectl("delete", "crd", name, "--ignore-not-found", "--wait=false", check=False)
+
+    return install, cleanup
+
+
+@pytest.fixture
+def pool_crd(kube_cluster):
+    install, cleanup = crd_installer(kube_cluster, POOL_CRD)
     yield install
-    for name in installed:
-        kube_cluster.kubectl("delete", "crd", name, "--ignore-not-found", "--wait=false", check=False)
+    cleanup()
+
+
+@pytest.fixture
+def keda_crd(kube_cluster):
+    install, cleanup = crd_installer(kube_cluster, KEDA_CRD)
+    yield install
+    cleanup()
 
 
 def touch(kube_cluster, namespace: str, name: str, value: str) -> None:
@@ -141,6 +157,23 @@ def test_a_role_autoscaler_owns_its_deployments_replicas(kube_cluster, kube_name
     decode = sdd.items("deployments", "--field-selector", "metadata.name=split-decode")[0]
     assert decode["spec"]["replicas"] == 3
     assert {"split-decode"} <= {b["metadata"]["name"] for b in sdd.owned("poddisruptionbudgets")}
+
+
+def test_keda_scaled_object_is_accepted_where_keda_is_installed(kube_cluster, kube_namespace, operator, hub_secret,
+                                                                  manifest, sdd_of, keda_crd):
+    keda_crd()
+    autoscale = {"metric": "TTFTP90", "maxReplicas": 3, "provider": "KEDA",
+                 "keda": {"serverAddress": "http://prometheus.monitoring:9090"}}
+    kube_cluster.apply(manifest("keda", replicas=1, autoscaling=autoscale), namespace=kube_namespace)
+    sdd = sdd_of("keda")
+    applied = wait_for(lambda: condition(sdd, "Autoscaling").get("status") == "True" and condition(sdd, "Autoscaling"),
+                       timeout_s=60, what="Autoscaling True")
+    assert applied["reason"] == "ScaledObject" and "TTFTP90 2 per replica, 1..3 replicas" in applied["message"]
+    (scaled,) = sdd.items("scaledobjects.keda.sh", "-l", "app.kubernetes.io/instance=keda")
+    assert scaled["spec"]["scaleTargetRef"]["kind"] == "SpecDecodeDeployment"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["metricType"] == "Value" and "histogram_quantile(0.9" in trigger["metadata"]["query"]
+    assert not sdd.owned("horizontalpodautoscalers")  # KEDA makes its own from the ScaledObject
 
 
 @pytest.mark.parametrize("autoscaling, message", [
