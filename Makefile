@@ -7,9 +7,11 @@ PIP_FLAGS ?= -q
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
 
-# Kubernetes control-plane binaries for tests/cluster, tests/operator, tests/chart (cached, see hack/build-tools.sh).
+# Kubernetes control-plane binaries for tests/cluster, tests/operator, tests/chart (cached, see hack/build-tools.sh),
+# and the LeaderWorkerSet controller for tests/operator/test_leaderworkerset_local.py (hack/build-lws.sh).
 tools:
 	bash hack/build-tools.sh
+	bash hack/build-lws.sh
 
 test: install tools
 	$(PYTHON) -P -m pytest

@@ -518,7 +518,10 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
         meta = sdd["metadata"]
         if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
             continue
-        selector = ",".join(f"{k}={v}" for k, v in selector_labels(meta["name"]).items())
+        # A LeaderWorkerSet's worker pods serve no HTTP: only its leaders have /metrics.
+        labels = (leaderworkerset.leader_selector(meta["name"]) if _spans_nodes(sdd.get("status") or {})
+                  else selector_labels(meta["name"]))
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
         urls = serving_metrics.ready_pod_metrics_urls(kube.list_pods(meta["namespace"], selector))
         answered: list[str] = []
         samples, errors = serving_metrics.scrape(urls, answered=answered)

@@ -80,6 +80,13 @@ INVALID = {
         "must not ask for nvidia.com/gpu in CPU mode",
     ),
     "hub-endpoint-not-http": (spec(hub={"endpoint": "ftp://hub"}), "spec.hub.endpoint"),
+    "zero-max-nodes": (spec(gpu={"product": "h100", "maxNodes": 0}), "spec.gpu.maxNodes"),
+    "too-many-nodes": (spec(gpu={"product": "h100", "maxNodes": 65}), "spec.gpu.maxNodes"),
+    "cpu-zero-nodes": (spec(gpu=None, cpu={"memoryGiB": 3, "nodes": 0}), "spec.cpu.nodes"),
+    "nodes-with-disaggregation": (
+        spec(gpu={"product": "h100", "maxNodes": 2}, disaggregation={}),
+        "spec.disaggregation runs each role on one node",
+    ),
 }
 
 

@@ -13,13 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-
 import lws_module
 from testcluster import wait_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 
 
 def manifest_405b(name: str, product: str = "h100") -> dict:
@@ -40,28 +37,11 @@ def manifest_405b(name: str, product: str = "h100") -> dict:
     }
 
 
-def uninstall_lws(kube_cluster) -> None:
-    kube_cluster.kubectl("delete", "crd", LWS_CRD, "--ignore-not-found", "--wait=true", "--timeout=60s")
-    wait_for(lambda: kube_cluster.kubectl("get", "--raw", "/apis/leaderworkerset.x-k8s.io/v1",
-                                          check=False).returncode != 0, timeout_s=60, what="LWS API gone")
-
-
 @pytest.fixture
 def no_lws(kube_cluster):
-    uninstall_lws(kube_cluster)
+    lws_module.uninstall_crd(kube_cluster)
     yield
-    uninstall_lws(kube_cluster)  # the cluster is shared by the session: leave it as found
-
-
-def install_lws(kube_cluster) -> None:
-    path = lws_module.crd_path()
-    assert yaml.safe_load(path.read_text())["metadata"]["name"] == LWS_CRD
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
-    wait_for(lambda: "True" in kube_cluster.kubectl(
-        "get", "crd", LWS_CRD, "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}").stdout,
-        timeout_s=60, what="LWS CRD established")
-    wait_for(lambda: kube_cluster.kubectl("get", "lws", "-A", check=False).returncode == 0,
-             timeout_s=30, what="lws storage")
+    lws_module.uninstall_crd(kube_cluster)  # the cluster is shared by the session: leave it as found
 
 
 def lws_of(kube_cluster, namespace: str, name: str) -> dict | None:
@@ -86,7 +66,7 @@ def test_two_node_plan_without_lws_then_with_it(kube_cluster, kube_namespace, no
 
     # 2. LWS installed: the operator's retry applies the group, which the API server validates
     # against LWS's own schema.
-    install_lws(kube_cluster)
+    lws_module.install_crd(kube_cluster)
     group = wait_for(lambda: lws_of(kube_cluster, kube_namespace, "llama405b"), timeout_s=60, what="LeaderWorkerSet")
     spec = group["spec"]
     assert spec["replicas"] == 1

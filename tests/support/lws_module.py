@@ -30,3 +30,27 @@ def module_dir() -> Path:
 
 def crd_path() -> Path:
     return module_dir() / CRD_FILE
+
+
+CRD_NAME = "leaderworkersets.leaderworkerset.x-k8s.io"
+
+
+def install_crd(cluster) -> None:
+    """Apply the CRD to the test cluster and wait until its API is served."""
+    from testcluster import wait_for
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd_path()))
+    wait_for(lambda: "True" in cluster.kubectl(
+        "get", "crd", CRD_NAME, "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}").stdout,
+        timeout_s=60, what="LWS CRD established")
+    wait_for(lambda: cluster.kubectl("get", "lws", "-A", check=False).returncode == 0,
+             timeout_s=30, what="lws storage")
+
+
+def uninstall_crd(cluster) -> None:
+    """Delete the CRD (and every LeaderWorkerSet with it) and wait until its API is gone."""
+    from testcluster import wait_for
+
+    cluster.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=true", "--timeout=60s")
+    wait_for(lambda: cluster.kubectl("get", "--raw", "/apis/leaderworkerset.x-k8s.io/v1", check=False).returncode != 0,
+             timeout_s=60, what="LWS API gone")
