@@ -28,8 +28,8 @@ import yaml
 from demo_pair import IMAGE_DEMO_DIR, build_demo_pair
 from load import Load
 from testcluster import wait_for
-from testcluster.local_kubelet import LocalKubelet
-from testcluster.tools import read_versions, tools_dir
+from specdeploy.localcluster.kubelet import LocalKubelet
+from specdeploy.localcluster.tools import read_versions, tools_dir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from lws_controller import ClusterHosts, LwsController
 from testcluster import wait_for
-from testcluster.local_kubelet import LocalKubelet
+from specdeploy.localcluster.kubelet import LocalKubelet
 
 def _engine_pod_module():
     """tests/operator/test_engine_pod.py, for its fixtures: the image's demo pair as it builds it."""

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 from testcluster import KubectlError, wait_for
-from testcluster.cluster import FakeNode
+from testcluster import FakeNode
 
 TAINT = ("dedicated", "inference", "NoSchedule")
 

@@ -18,7 +18,7 @@ import yaml
 from demo_pair import IMAGE_DEMO_DIR, build_demo_pair
 from load import Load
 from testcluster import wait_for
-from testcluster.local_kubelet import LocalKubelet
+from specdeploy.localcluster.kubelet import LocalKubelet
 
 TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 
