@@ -111,7 +111,7 @@ def up(name: str, port: int, say: Say, image_paths: dict[str, str] | None = None
         raise ClusterError(str(err).splitlines()[0]) from None
 
     why_not = netns.available()
-    tag = tag_for(name)
+    tag = tag_for(layout.root)
     if why_not is None:
         subnet = netns.pick_subnet(netns.taken_networks())
         network, node_ip = "netns", str(subnet.network_address + 1)
@@ -202,7 +202,7 @@ def down(name: str, say: Say) -> bool:
             say("deleting the control plane ...")
             KubeCluster(name=state.kwok_name, tools=tools, workdir=layout.control_plane, nodes=()).stop()
     stopped = _terminate(lambda: _pids_mentioning(layout.root))
-    removed_net = netns.teardown(state.tag if state else tag_for(name))
+    removed_net = netns.teardown(state.tag if state else tag_for(layout.root))
     shutil.rmtree(layout.root, ignore_errors=True)
     left = leftovers(name)
     if left:
@@ -216,7 +216,7 @@ def down(name: str, say: Say) -> bool:
 def leftovers(name: str) -> list[str]:
     """What of the cluster still exists on this machine: processes, namespaces, interfaces, mounts, files."""
     layout = layout_of(name)
-    tag = tag_for(name)
+    tag = tag_for(layout.root)
     left = [f"process {p}" for p in _pids_mentioning(layout.root)]
     left += [f"netns {n}" for n in netns.namespaces_of(tag)]
     left += [f"link {n}" for n in netns.links_of(tag)]

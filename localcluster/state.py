@@ -100,9 +100,10 @@ class Layout:
         return f"export KUBECONFIG={self.kubeconfig} PATH={self.bin_dir}:$PATH"
 
 
-def tag_for(name: str) -> str:
-    """Six characters naming the cluster's interfaces: stable for a name, so a crashed node's
-    leftovers are found again by `down`."""
+def tag_for(root: Path) -> str:
+    """Six characters naming the cluster's interfaces: stable for its directory, so `down` finds a
+    crashed node's leftovers again, and distinct for two clusters of one name in two state
+    directories (a user's and a test's)."""
     import hashlib
 
-    return hashlib.sha256(name.encode()).hexdigest()[:6]
+    return hashlib.sha256(str(root).encode()).hexdigest()[:6]

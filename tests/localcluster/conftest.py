@@ -19,7 +19,7 @@ TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 
 
 @pytest.fixture(scope="module")
-def cluster_env(tmp_path_factory, kube_tools) -> dict[str, str]:
+def cluster_env(tmp_path_factory, kube_tools):
     why = netns.available()
     if why:
         pytest.skip(f"the local cluster's pod network: {why}")
@@ -35,5 +35,10 @@ def cluster_env(tmp_path_factory, kube_tools) -> dict[str, str]:
                HELM_CACHE_HOME=str(home / "helm" / "cache"), HELM_CONFIG_HOME=str(home / "helm" / "config"),
                HELM_DATA_HOME=str(home / "helm" / "data"),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
-    return env
+    yield env
+    # Whatever a failed or interrupted test left running is removed with its directory.
+    from local_cluster_cli import specdeploy  # tests/support
+
+    for root in sorted((home / "state" / "specdeploy" / "clusters").glob("*")):
+        specdeploy(env, "cluster", "down", "--name", root.name, timeout_s=180)
 

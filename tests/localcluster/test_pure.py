@@ -104,7 +104,8 @@ def test_pick_subnet_avoids_every_network_of_the_machine():
 
 
 def test_interface_names_fit_linux_limits():
-    bridge, veth, ns = netns.interface_names(state.tag_for("local"), 253)
+    bridge, veth, ns = netns.interface_names(state.tag_for(Path("/root/.local/state/specdeploy/clusters/local")), 253)
+    assert state.tag_for(Path("/a/local")) != state.tag_for(Path("/b/local"))
     assert len(bridge) <= 15 and len(veth) <= 15 and ns.startswith("sd-")
 
 
