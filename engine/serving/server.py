@@ -1,7 +1,10 @@
 """The engine's HTTP face: an OpenAI-compatible API, health/readiness probes and Prometheus metrics.
 
 This module only translates: JSON in → (prompt ids, SamplingParams) → Scheduler → JSON/SSE out.
-Everything about batching lives in the scheduler, everything about tensors in the runner.
+Everything about batching lives in the scheduler, everything about tensors in the runner. What a
+request may ask is bounded before it reaches the scheduler (fields.py), what a client may hold
+of the server by limits.py; large bodies are parsed and long prompts encoded off the event loop,
+so /health answers under any one client's load (docs/engine.md, "Hostile and careless clients").
 
 Roles (docs/disaggregation.md): a "decode" server takes OpenAI requests only with the header
 that names their prefill server (the router sets it) and a "prefill" server takes none; both
