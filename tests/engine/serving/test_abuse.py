@@ -503,3 +503,25 @@ def test_an_unexpected_error_admitting_one_request_fails_it_alone(tight, monkeyp
         assert "injected" in err["message"] and err["code"] == "engine_error"
     co.assert_unaffected(reference)
     wait_for_baseline(server)
+
+
+def test_kept_alive_connections_idle_freely_but_their_next_headers_are_timed(tight):
+    """The header deadline runs from a request's first byte, not through the idle time between
+    requests (uvicorn's keep-alive timeout's), and the body deadline ends with the body: a
+    response that takes longer than --body-timeout-s is not cut."""
+    server, _ = tight
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s")
+    body = json.dumps({"model": server.model, "prompt": "keep", "max_tokens": 100, "ignore_eos": True}).encode()
+    sock = _connect(server)
+    for _ in range(2):
+        sock.sendall(request % (len(body), body))
+        reply = b""
+        while b'"usage"' not in reply:
+            chunk = sock.recv(65536)
+            assert chunk, "the connection was closed"
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        time.sleep(1.5)  # idle past the header timeout: still open
+    assert _closed_within(sock, 5, trickle=b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" * 4) < 3
+    wait_for_baseline(server)
