@@ -30,8 +30,8 @@ MAX_PROMPTS = 128             # prompts in one /v1/completions list (one is serv
 MAX_PROMPT_TOKEN_IDS = 1 << 21  # token ids in one prompt: past any context length
 MAX_CHAT_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096      # parts of one message's content
-# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 would be
-# inf and the softmax NaN.
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): a float32 temperature of
+# 1e-300 is 0, one of 1e-30 scales logits past any meaning.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 # field -> values that mean "off" (a client sending the default is served). The openai client

@@ -125,6 +125,17 @@ def _content_length(scope: Scope) -> int:
     return 0
 
 
+# Below these sizes work is done on the event loop: microseconds, less than the hop to a thread,
+# and it never queues behind another client's long prompt in the thread pool.
+INLINE_BODY_BYTES = 64 << 10
+INLINE_TEXT_CHARS = 8192
+
+
+async def off_loop(fn, *args, inline: bool = False):
+    """fn(*args) in a worker thread, or here when `inline` (the work is small)."""
+    return fn(*args) if inline else await asyncio.to_thread(fn, *args)
+
+
 _gc_lock = threading.Lock()
 _gc_pausers = 0      # guarded by _gc_lock: parses under way
 _gc_was_enabled = True

@@ -10,6 +10,9 @@ event loop). Requests are submitted from the event loop; their outputs come back
 per-request asyncio.Queue fed with `loop.call_soon_threadsafe`. `run_in_engine` runs a function
 on the engine thread between steps (the disaggregation services use it to touch the runner).
 
+Liveness: `stalled` says the queue's head has waited past `stall_timeout_s` while no step ran
+(slots held by requests that compute nothing): /ready answers 503 and a gauge says so.
+
 Decode role (docs/disaggregation.md): a request submitted with a `prefill_url` is admitted with
 `runner.receive` (its prompt's slots taken, nothing computed) and handed to `remote` (the
 decode service), which has the prefill server fill those slots and then activates it. Until

@@ -1,7 +1,10 @@
 """The engine's HTTP face: an OpenAI-compatible API, health/readiness probes and Prometheus metrics.
 
 This module only translates: JSON in → (prompt ids, SamplingParams) → Scheduler → JSON/SSE out.
-Everything about batching lives in the scheduler, everything about tensors in the runner.
+Everything about batching lives in the scheduler, everything about tensors in the runner. What a
+request may ask is bounded before it reaches the scheduler (fields.py), what a client may hold
+of the server by limits.py; large bodies are parsed and long prompts encoded off the event loop,
+so /health answers under any one client's load (docs/engine.md, "Hostile and careless clients").
 
 Roles (docs/disaggregation.md): a "decode" server takes OpenAI requests only with the header
 that names their prefill server (the router sets it) and a "prefill" server takes none; both
@@ -38,7 +41,8 @@ from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_CHAT_MES
                                               check_list_length, check_prompt_shape, lone_surrogate,
                                               refused_field, stop_problem)
 from specdeploy.engine.serving.limits import (MIN_CONCURRENT_REQUESTS, RETRY_AFTER_S, ConnectionLimits,
-                                              RequestLimitsMiddleware, concurrency_for, parse_json_body)
+                                              INLINE_BODY_BYTES, INLINE_TEXT_CHARS, RequestLimitsMiddleware,
+                                              concurrency_for, off_loop, parse_json_body)
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer
@@ -202,7 +206,8 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
 class _BodyOffLoopRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = await asyncio.to_thread(parse_json_body, await self.body())
+            body = await self.body()
+            self._json = await off_loop(parse_json_body, body, inline=len(body) <= INLINE_BODY_BYTES)
         return self._json
 
 
@@ -470,7 +475,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
         if body.echo:
             raise APIError(400, "echo is not supported by this server", param="echo")
         # Off the event loop: a long prompt takes the tokenizer seconds, and /health must answer.
-        prompt_ids = await asyncio.to_thread(completion_prompt_ids, body.prompt, tokenizer, scheduler.context_length)
+        prompt_ids = await off_loop(completion_prompt_ids, body.prompt, tokenizer, scheduler.context_length,
+                                    inline=_text_chars(body.prompt) <= INLINE_TEXT_CHARS)
         max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
         handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions", url)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -493,7 +499,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
         scheduler, tokenizer = serving()
         check_fields(body)
         messages = [chat_message_dict(m) for m in body.messages]
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages, tokenizer, scheduler.context_length)
+        prompt_ids = await off_loop(chat_prompt_ids, messages, tokenizer, scheduler.context_length,
+                                    inline=sum(_text_chars(m["content"]) for m in messages) <= INLINE_TEXT_CHARS)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
@@ -665,6 +672,13 @@ def completion_prompt_ids(prompt, tokenizer: Tokenizer, context_length: int) -> 
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     return ids
+
+
+def _text_chars(value) -> int:
+    """Characters (or token ids) a prompt or message content holds: what encoding it costs."""
+    if isinstance(value, str):
+        return len(value)
+    return sum(_text_chars(v) if isinstance(v, (str, list)) else 1 for v in value) if isinstance(value, list) else 0
 
 
 def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_length: int) -> list[int]:

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdeploy.engine.serving.auth import AuthMiddleware, Guard, disagg_headers
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER
-from specdeploy.engine.serving.limits import ConnectionLimits, RequestLimitsMiddleware, parse_json_body
+from specdeploy.engine.serving.limits import (INLINE_BODY_BYTES, ConnectionLimits, RequestLimitsMiddleware, off_loop,
+                                              parse_json_body)
 
 log = logging.getLogger("specdeploy.router")
 
@@ -217,7 +218,8 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], *, refresh_s: fl
         counters["requests"] += 1
         raw = await request.body()
         try:
-            stream = bool((await asyncio.to_thread(parse_json_body, raw)).get("stream", False))
+            parsed = await off_loop(parse_json_body, raw, inline=len(raw) <= INLINE_BODY_BYTES)
+            stream = bool(parsed.get("stream", False))
         except (ValueError, AttributeError):
             stream = False  # the decode server answers the malformed body with its own 400
         prefill, decode = pick(pools.of("prefill")), pick(pools.of("decode"))
