@@ -153,7 +153,7 @@ def _top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature, top_k,
-              top_p, uniforms, sampling: bool):
+              top_p, uniforms, sampling: bool, process=None):
     """One speculative iteration for B requests, entirely on the device (no host sync, fixed
     shapes): draft, tree, verify, accept, draft extend. `calls` provides draft_multi_step,
     target_verify and draft_extend (eager ModelCalls, or graphed per-call replays) and the
@@ -164,7 +164,9 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     [B, (S - 1) * topk] and tree_slots [B, N] slots taken for this iteration; temperature /
     top_k / top_p [B]; uniforms [B, N + 1 + S] (verify coins per node, the bonus draw, one draw
     per chain draft step); sampling: rejection sampling (chain sampling when topk is 1) instead
-    of greedy acceptance.
+    of greedy acceptance; process: a sampling.StepLogits (eager steps only) whose controls apply
+    to every tree node's logits before acceptance, and which keeps the emitted tokens'
+    log-probabilities (from the raw logits at the accepted path's nodes) in `recorded`.
     -> num_accepted [B]; bonus [B]; path_tokens [B, S + 1] (the root, then the accepted drafts;
        padding past them); path_slots [B, S + 1] (the tree slots of those nodes, the pad slot
        past them); positions [B, S + 1] (lens + 0..S, where path_slots go in req_to_slot);
@@ -181,6 +183,9 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n, topk, steps, check=False)
     logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
                                           prefix_slots, lens, tree.mask)     # [B, N, V], [B, N, Hin]
+    raw = logits
+    if process is not None:
+        logits = process.tree(tree, logits)
     if not sampling:
         path, num_acc, bonus = verify_greedy(tree, logits)
     else:
@@ -198,6 +203,10 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     path_tokens = torch.gather(tree.tokens, 1, at)
     ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
     ext_tokens.scatter_(1, num_acc[:, None], bonus[:, None])
+    if process is not None and process.wants_logprobs:
+        # Path node d chose the d-th emitted token (the bonus at d = num_accepted).
+        at_logits = torch.gather(raw, 1, at[:, :, None].expand(-1, -1, raw.shape[-1]))
+        process.recorded = process.logprobs(at_logits, ext_tokens)
     ext_hidden = torch.gather(feature, 1, at[:, :, None].expand(-1, -1, feature.shape[-1]))
     positions = lens[:, None] + torch.arange(steps + 1, device=dev)
     draft_hidden = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots, prefix_slots,

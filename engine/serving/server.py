@@ -30,14 +30,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
+from specdeploy.engine.serving import choices as many
+from specdeploy.engine.serving import openai_fields as fields
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("specdeploy.server")
 
-# How often a non-streaming request checks whether its client is still there.
-_DISCONNECT_POLL_S = 0.25
 # OpenAI's default for /v1/completions.
 _DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Names pydantic puts into an error's location for the member of a union it tried.
@@ -77,7 +77,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(fields.ControlFields):
     model: str
     # None: the model's generation_config.json default, else OpenAI's (1.0, 1.0, off).
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -89,17 +89,16 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
-    # Accepted so that clients sending the defaults work; anything else is refused, not ignored.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 class CompletionBody(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=0)  # 0: only with echo
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids
 
 
 class ContentPart(_Body):
@@ -118,6 +117,7 @@ class ChatBody(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class ErrorDetail(BaseModel):
@@ -370,22 +370,79 @@ def create_app(state: EngineState, loader: Loader | None = None,
         check_model(body.model)
         url = prefill_url(request)
         scheduler, tokenizer = serving()
-        if body.echo:
-            raise APIError(400, "echo is not supported by this server", param="echo")
-        prompt_ids = completion_prompt_ids(body.prompt, tokenizer)
-        max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
-        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions", url)
+        if body.suffix:
+            raise APIError(400, "suffix: not supported by this server (no fill-in-the-middle)", param="suffix")
+        with field_errors():
+            fields.check_logprobs("logprobs", body.logprobs)
+            max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
+            if max_tokens == 0 and not body.echo:
+                raise fields.FieldError("max_tokens", "must be >= 1 (0 only with echo)")
+            best_of = body.best_of or body.n
+            if best_of < body.n:
+                raise fields.FieldError("best_of", f"must be >= n ({body.n}), got {best_of}")
+            if body.stream and best_of > body.n:
+                raise fields.FieldError("best_of", "cannot be streamed (best_of > n)")
+            prompts = completion_prompts(body.prompt, tokenizer)
+            check_choices(scheduler, len(prompts) * best_of, "best_of" if body.best_of else "n")
+        # best_of ranks by cumulative log-probability: computed even if not reported.
+        logprobs = body.logprobs if body.logprobs is not None else (
+            0 if best_of > body.n or body.return_token_ids else None)
+        echo_logprobs = body.logprobs if body.echo else None
+        runs = submit_choices(scheduler, tokenizer, body, prompts, best_of, max(max_tokens, 1), logprobs,
+                              echo_logprobs, "completions", url)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
+        def echoed(c: many.Choice) -> str:
+            return tokenizer.decode(c.prompt_ids) if body.echo else ""
+
+        def choice_logprobs(c: many.Choice, token_ids: list[int], entries: list, offset: int = 0):
+            if body.logprobs is None:
+                return None
+            return fields.completion_logprobs(tokenizer, token_ids, entries, body.logprobs, offset)
+
+        def chunk(index: int, text: str, finish_reason: str | None, lps=None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}]}
+
+        def echo_part(c: many.Choice):
+            ids = c.prompt_ids if body.echo else []
+            entries = ([None] + list(c.prompt_logprobs or [])) if body.echo else []
+            return ids, entries
 
         if body.stream:
-            return sse_response(handle, chunk, include_usage=bool(body.stream_options and body.stream_options.include_usage))
-        text, last = await collect(handle, request)
-        out = chunk(text, last.finish_reason)
-        out["usage"] = usage(last)
+            echoed_choices: set[int] = set()
+
+            def on_delta(index: int, c: many.Choice, delta: Delta) -> list[dict[str, Any]]:
+                out = []
+                if body.echo and index not in echoed_choices:  # the prompt (and its logprobs) first
+                    echoed_choices.add(index)
+                    ids, entries = echo_part(c)
+                    out.append(chunk(index, echoed(c), None, choice_logprobs(c, ids, entries)))
+                text = delta.text if max_tokens else ""
+                lps = choice_logprobs(c, delta.token_ids, delta.logprobs or []) \
+                    if max_tokens and delta.token_ids else None
+                if text or lps:
+                    out.append(chunk(index, text, None, lps))
+                if delta.finish_reason is not None:
+                    out.append(chunk(index, "", delta.finish_reason))
+                return out
+            return sse_many(runs, on_delta, body.stream_options)
+        await many.collect_all(runs, request)
+        check_errors(runs)
+        shown = runs if best_of == body.n else [c for p in range(len(prompts)) for c in many.best(
+            [r for r in runs if r.prompt_index == p], body.n)]
+        out = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+               "choices": []}
+        for index, c in enumerate(shown):
+            ids, entries = echo_part(c)
+            if max_tokens:
+                ids, entries = ids + c.token_ids, entries + c.logprobs
+            out["choices"].append({"index": index, "text": echoed(c) + (c.text if max_tokens else ""),
+                                   "logprobs": choice_logprobs(c, ids, entries),
+                                   "finish_reason": c.last.finish_reason if max_tokens else "length"})
+            if body.return_token_ids:
+                out["choices"][-1].update(prompt_token_ids=c.prompt_ids, token_ids=c.token_ids if max_tokens else [])
+        out["usage"] = usage_of(runs, count_output=bool(max_tokens))
         return out
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
@@ -394,6 +451,11 @@ def create_app(state: EngineState, loader: Loader | None = None,
         url = prefill_url(request)
         scheduler, tokenizer = serving()
         messages = [chat_message_dict(m) for m in body.messages]
+        with field_errors():
+            fields.check_logprobs("top_logprobs", body.top_logprobs)
+            if body.top_logprobs and not body.logprobs:
+                raise fields.FieldError("top_logprobs", "needs logprobs: true")
+            check_choices(scheduler, body.n, "n")
         try:
             prompt_ids = tokenizer.encode_chat(messages)
         except ChatTemplateError as e:
@@ -401,52 +463,69 @@ def create_app(state: EngineState, loader: Loader | None = None,
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
-        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "chat_completions", url)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        runs = submit_choices(scheduler, tokenizer, body, [prompt_ids], body.n, max_tokens, logprobs, None,
+                              "chat_completions", url)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-            if text and not first:
-                delta["content"] = text
+        def choice_logprobs(token_ids: list[int], entries: list):
+            if logprobs is None:
+                return None
+            return fields.chat_logprobs(tokenizer, token_ids, entries, logprobs)
+
+        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None, lps=None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}]}
 
         if body.stream:
-            return sse_response(handle, chunk, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                                first_chunk=chunk("", None, first=True))
-        text, last = await collect(handle, request)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": last.finish_reason}],
-                "usage": usage(last)}
+            started: set[int] = set()
 
-    def sse_response(handle: RequestHandle, chunk, include_usage: bool, first_chunk: dict | None = None):
+            def on_delta(index: int, c: many.Choice, delta: Delta) -> list[dict[str, Any]]:
+                out = []
+                if index not in started:
+                    started.add(index)
+                    out.append(chunk(index, {"role": "assistant", "content": ""}, None))
+                lps = choice_logprobs(delta.token_ids, delta.logprobs or []) if delta.token_ids else None
+                if delta.text or lps:
+                    out.append(chunk(index, {"content": delta.text} if delta.text else {}, None, lps))
+                if delta.finish_reason is not None:
+                    out.append(chunk(index, {}, delta.finish_reason))
+                return out
+            return sse_many(runs, on_delta, body.stream_options)
+        await many.collect_all(runs, request)
+        check_errors(runs)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": choice_logprobs(c.token_ids, c.logprobs),
+                             "finish_reason": c.last.finish_reason} for i, c in enumerate(runs)],
+                "usage": usage_of(runs)}
+
+    def sse_many(runs: list[many.Choice], on_delta, stream_options) -> StreamingResponse:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        rid_chunk: list[dict] = []
+
         async def events() -> AsyncIterator[str]:
             finished = False
             try:
-                if first_chunk is not None:
-                    yield sse(first_chunk)
-                async for delta in handle.deltas():
-                    if delta.finish_reason is None:
-                        if delta.text:
-                            yield sse(chunk(delta.text, None))
-                        continue
-                    finished = True
+                async for index, delta in many.merged(runs):
                     if delta.error is not None:
                         yield sse(APIError(500, delta.error, code="engine_error").body())
+                        finished = True
                         break
-                    if delta.text:
-                        yield sse(chunk(delta.text, None))
-                    yield sse(chunk("", delta.finish_reason))
-                    if include_usage:
-                        tail = chunk("", None)
-                        tail["choices"] = []
-                        tail["usage"] = usage(delta)
+                    for payload in on_delta(index, runs[index], delta):
+                        rid_chunk[:] = [payload]
+                        yield sse(payload)
+                else:
+                    finished = True
+                    if include_usage and rid_chunk:
+                        tail = {**rid_chunk[0], "choices": [], "usage": usage_of(runs)}
                         yield sse(tail)
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:  # the client went away (or the server is stopping): free its slots
-                    handle.abort()
+                    many.abort_all(runs)
+                elif any(c.last is None or c.last.finish_reason is None for c in runs):
+                    many.abort_all(runs)  # an engine error in one choice: the others stop too
 
         # no-cache / no buffering: proxies must pass tokens through as they come.
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -465,6 +544,63 @@ def usage(delta: Delta) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": delta.cached_tokens}}
 
 
+def usage_of(runs: list[many.Choice], count_output: bool = True) -> dict[str, Any]:
+    """Usage of many choices: each distinct prompt counted once, every choice's output."""
+    prompt_tokens = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in runs}.values())
+    completion = sum(c.last.completion_tokens for c in runs if c.last is not None) if count_output else 0
+    cached = sum(c.last.cached_tokens for c in runs if c.last is not None)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def check_errors(runs: list[many.Choice]) -> None:
+    for c in runs:
+        if c.last is not None and c.last.error is not None:
+            raise APIError(500, c.last.error, code="engine_error")
+
+
+class field_errors:
+    """`with field_errors():` turns openai_fields.FieldError into a 400 naming the field."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if isinstance(exc, fields.FieldError):
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        return False
+
+
+def check_choices(scheduler: Scheduler, count: int, param: str) -> None:
+    """n / best_of / prompts: every choice is a running request, and all must fit at once."""
+    limit = scheduler.runner.max_running_requests
+    if count > limit:
+        raise fields.FieldError(param, f"{count} choices in one request; this server runs at most {limit} "
+                                       f"requests at once (--max-running-requests)")
+
+
+def submit_choices(scheduler: Scheduler, tokenizer: Tokenizer, body, prompts: list[list[int]], per_prompt: int,
+                   max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, endpoint: str,
+                   url: str | None) -> list[many.Choice]:
+    """One engine request per choice (per_prompt for each prompt; seeded choices get seed + j);
+    if one cannot be submitted, those already submitted are aborted."""
+    runs: list[many.Choice] = []
+    try:
+        for p, ids in enumerate(prompts):
+            for j in range(per_prompt):
+                with field_errors():
+                    params = sampling_params(body, max_tokens, tokenizer, logprobs=logprobs,
+                                             prompt_logprobs=prompt_logprobs if j == 0 else None, seed_offset=j)
+                if params.controls is not None and url is not None:
+                    raise APIError(400, "penalties, logit_bias, min_tokens, logprobs and structured output are "
+                                        "not supported on a --role decode server", param="logprobs")
+                runs.append(many.Choice(submit(scheduler, ids, params, endpoint, url), p, ids))
+    except BaseException:
+        many.abort_all(runs)
+        raise
+    return runs
+
+
 def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, endpoint: str,
            prefill_url: str | None = None) -> RequestHandle:
     try:
@@ -474,43 +610,13 @@ def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, 
         raise APIError(e.status_code, str(e), code=code) from None
 
 
-async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
-    """Gather a whole response; abort it if the client disconnects while it is generated."""
-    parts: list[str] = []
-    last: list[Delta] = []
-
-    async def consume():
-        async for delta in handle.deltas():
-            parts.append(delta.text)
-            last.append(delta)
-
-    task = asyncio.ensure_future(consume())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                handle.abort()
-                await task
-    finally:
-        if not task.done():  # cancelled ourselves (server stopping)
-            handle.abort()
-            task.cancel()
-    final = last[-1]
-    if final.error is not None:
-        raise APIError(500, final.error, code="engine_error")
-    return "".join(parts), final
-
-
 # What a request without temperature / top_p / top_k gets when the model's generation_config.json
 # names none either (OpenAI's documented defaults; top_k 0 is off).
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
-    unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(body, name)]
-    unsupported += ["logprobs"] if getattr(body, "logprobs", None) else []
-    if unsupported:
-        raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
+def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer, *, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None, grammar=None, seed_offset: int = 0) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(s == "" for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
@@ -520,8 +626,11 @@ def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer
     given = {name: getattr(body, name) for name in OPENAI_SAMPLING_DEFAULTS}
     chosen = {name: defaults[name] if value is None else value for name, value in given.items()}
     return SamplingParams(max_tokens=max_tokens, temperature=float(chosen["temperature"]),
-                          top_p=float(chosen["top_p"]), top_k=max(int(chosen["top_k"]), 0), seed=body.seed, stop=stop,
-                          stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
+                          top_p=float(chosen["top_p"]), top_k=max(int(chosen["top_k"]), 0),
+                          seed=None if body.seed is None else body.seed + seed_offset, stop=stop,
+                          stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos,
+                          controls=fields.controls(body, tokenizer.vocab_size, max_tokens, logprobs=logprobs,
+                                                   prompt_logprobs=prompt_logprobs, grammar=grammar))
 
 
 def check_token_ids(ids, tokenizer: Tokenizer, param: str) -> None:
@@ -531,20 +640,20 @@ def check_token_ids(ids, tokenizer: Tokenizer, param: str) -> None:
                        param=param)
 
 
-def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:
-    # One prompt per request: a string, token ids, or a one-element batch of either.
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    else:
-        check_token_ids(prompt, tokenizer, "prompt")
-        ids = list(prompt)
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return ids
+def completion_prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+    """A string, token ids, or a list of either -> token ids per prompt."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for one in batch:
+        if isinstance(one, str):
+            ids = tokenizer.encode(one)
+        else:
+            check_token_ids(one, tokenizer, "prompt")
+            ids = list(one)
+        if not ids:
+            raise fields.FieldError("prompt", "the prompt is empty")
+        out.append(ids)
+    return out
 
 
 def chat_message_dict(message: ChatMessage) -> dict[str, Any]:
