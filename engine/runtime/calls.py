@@ -69,19 +69,28 @@ class ModelCalls:
         return speculate(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature,
                          top_k, top_p, uniforms, sampling)
 
+    # Eager calls take a grammar mask for chain drafts (speculate's draft_mask); graphed ones do not.
+    takes_draft_mask = True
+
     def draft_multi_step(self, hidden, prefix_slots, prefix_lens, scratch, temperature, top_k,
-                         top_p, uniforms, chain_sampling: bool):
+                         top_p, uniforms, chain_sampling: bool, draft_mask=None):
         """hidden [B * topk, Hc]: the draft state after each root, repeated topk times (the
         layout of the draft graph's static buffer). scratch [B, (S - 1) * topk] slots for the
         draft K/V of steps 1..S-1. uniforms [B, S] (chain sampling draws).
         -> cand_tokens, cand_scores, cand_parents [B, M] (target ids; parents are list indices,
            -1 = root) and draft_q [B, S, V] (chain sampling: the distribution each draft token
-           was drawn from, over the target vocabulary) or None."""
+           was drawn from, over the target vocabulary) or None.
+        draft_mask (a chain, topk 1): fn(chain tokens so far [B, i] in target ids, draft ids [Vd]
+        in target ids) -> allowed [B, Vd] or None; the draft proposes among allowed tokens only."""
         draft, k, steps = self.draft, self.topk, self.num_steps
         b = hidden.shape[0] // k
         dev = hidden.device
         hidden = hidden.view(b, k, -1)
         logits = draft.logits(hidden[:, :1])[:, 0]                            # [B, Vd]
+        draft_ids = None
+        if draft_mask is not None:
+            draft_ids = draft.to_target_ids(torch.arange(logits.shape[-1], device=dev))
+            logits = _masked(logits, draft_mask(torch.zeros(b, 0, dtype=torch.int64, device=dev), draft_ids))
         tokens, scores, qs = self._choose(logits, k, chain_sampling,
                                           (temperature, top_k, top_p), uniforms[:, 0])
         cand_tokens, cand_scores = [tokens], [scores]
@@ -96,6 +105,8 @@ class ModelCalls:
             positions = (prefix_lens + i - 1)[:, None].expand(b, k)
             out = draft(tokens, hidden, positions, batch, self.draft_kv)      # [B, K, Hc]
             logits = draft.logits(out)                                        # [B, K, Vd]
+            if draft_mask is not None:
+                logits = _masked(logits[:, 0], draft_mask(torch.cat(cand_tokens, 1), draft_ids))[:, None]
             if chain_sampling:
                 tokens, scores, q = self._choose(logits[:, 0], 1, True, (temperature, top_k, top_p),
                                                  uniforms[:, i])
@@ -141,6 +152,10 @@ class ModelCalls:
         return torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device).index_add_(1, ids, q)
 
 
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+
+
 def _top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens of logits [..., V] and their probabilities [..., k], without
     materialising the softmax over the vocabulary. k = 1 (a chain, where every candidate is kept
@@ -177,9 +192,12 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     b = roots.shape[0]
     dev = roots.device
     chain_sampling = sampling and topk == 1
+    masked = {}
+    if process is not None and process.grammars and topk == 1 and getattr(calls, "takes_draft_mask", False):
+        masked = {"draft_mask": lambda chain, ids: process.draft_mask(roots, chain, ids)}
     cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
         hidden, prefix_slots, lens, scratch, temperature, top_k, top_p, uniforms[:, n + 1:],
-        chain_sampling)
+        chain_sampling, **masked)
     tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n, topk, steps, check=False)
     logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
                                           prefix_slots, lens, tree.mask)     # [B, N, V], [B, N, Hin]

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody
 from specdeploy.engine.serving import choices as many
 from specdeploy.engine.serving import openai_fields as fields
+from specdeploy.engine.serving import structured
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, Tokenizer
@@ -388,8 +389,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
         logprobs = body.logprobs if body.logprobs is not None else (
             0 if best_of > body.n or body.return_token_ids else None)
         echo_logprobs = body.logprobs if body.echo else None
+        grammar = await request_grammar(body, tokenizer)
         runs = submit_choices(scheduler, tokenizer, body, prompts, best_of, max(max_tokens, 1), logprobs,
-                              echo_logprobs, "completions", url)
+                              echo_logprobs, "completions", url, grammar)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def echoed(c: many.Choice) -> str:
@@ -464,8 +466,9 @@ def create_app(state: EngineState, loader: Loader | None = None,
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        grammar = await request_grammar(body, tokenizer)
         runs = submit_choices(scheduler, tokenizer, body, [prompt_ids], body.n, max_tokens, logprobs, None,
-                              "chat_completions", url)
+                              "chat_completions", url, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice_logprobs(token_ids: list[int], entries: list):
@@ -579,9 +582,18 @@ def check_choices(scheduler: Scheduler, count: int, param: str) -> None:
                                        f"requests at once (--max-running-requests)")
 
 
+async def request_grammar(body, tokenizer: Tokenizer):
+    """The body's compiled grammar (structured.py), or None; compiled off the event loop."""
+    with field_errors():
+        spec = structured.request_spec(body)
+        if spec is None:
+            return None
+        return await asyncio.to_thread(structured.compile_spec, spec, tokenizer)
+
+
 def submit_choices(scheduler: Scheduler, tokenizer: Tokenizer, body, prompts: list[list[int]], per_prompt: int,
                    max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, endpoint: str,
-                   url: str | None) -> list[many.Choice]:
+                   url: str | None, grammar=None) -> list[many.Choice]:
     """One engine request per choice (per_prompt for each prompt; seeded choices get seed + j);
     if one cannot be submitted, those already submitted are aborted."""
     runs: list[many.Choice] = []
@@ -590,7 +602,8 @@ def submit_choices(scheduler: Scheduler, tokenizer: Tokenizer, body, prompts: li
             for j in range(per_prompt):
                 with field_errors():
                     params = sampling_params(body, max_tokens, tokenizer, logprobs=logprobs,
-                                             prompt_logprobs=prompt_logprobs if j == 0 else None, seed_offset=j)
+                                             prompt_logprobs=prompt_logprobs if j == 0 else None, seed_offset=j,
+                                             grammar=grammar.matcher() if grammar is not None else None)
                 if params.controls is not None and url is not None:
                     raise APIError(400, "penalties, logit_bias, min_tokens, logprobs and structured output are "
                                         "not supported on a --role decode server", param="logprobs")
