@@ -33,6 +33,7 @@ from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortB
 from specdeploy.engine.serving import choices as many
 from specdeploy.engine.serving import openai_fields as fields
 from specdeploy.engine.serving import structured
+from specdeploy.engine.serving import tools
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, Tokenizer
@@ -113,7 +114,7 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ChatBody(_SamplingFields):
+class ChatBody(_SamplingFields, tools.ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -458,15 +459,24 @@ def create_app(state: EngineState, loader: Loader | None = None,
             if body.top_logprobs and not body.logprobs:
                 raise fields.FieldError("top_logprobs", "needs logprobs: true")
             check_choices(scheduler, body.n, "n")
+            tool_req = tools.tool_request(body, tokenizer.chat_template)
+            if tool_req is not None and tool_req.choice != "auto" and structured.request_spec(body) is not None:
+                raise fields.FieldError("tool_choice", f"{body.tool_choice!r} constrains the reply itself: "
+                                                       f"not with response_format or guided_*")
         try:
-            prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = tokenizer.encode_chat(tools.template_messages(messages),
+                                               tools=tool_req.tools if tool_req is not None else None)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await request_grammar(body, tokenizer)
+        if tool_req is not None and tool_req.choice != "auto":
+            with field_errors():
+                grammar = await asyncio.to_thread(tools.call_grammar, tool_req, tokenizer)
+        else:
+            grammar = await request_grammar(body, tokenizer)
         runs = submit_choices(scheduler, tokenizer, body, [prompt_ids], body.n, max_tokens, logprobs, None,
                               "chat_completions", url, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -482,25 +492,47 @@ def create_app(state: EngineState, loader: Loader | None = None,
 
         if body.stream:
             started: set[int] = set()
+            streams = {i: tools.ToolStream(tool_req.fmt) for i in range(len(runs))} if tool_req else {}
 
             def on_delta(index: int, c: many.Choice, delta: Delta) -> list[dict[str, Any]]:
                 out = []
                 if index not in started:
                     started.add(index)
                     out.append(chunk(index, {"role": "assistant", "content": ""}, None))
+                text = streams[index].feed(delta.text) if streams else delta.text
+                calls = []
+                if streams and delta.finish_reason is not None:
+                    tail, calls = streams[index].finish()
+                    calls = calls if body.parallel_tool_calls else calls[:1]
+                    text += tail
                 lps = choice_logprobs(delta.token_ids, delta.logprobs or []) if delta.token_ids else None
-                if delta.text or lps:
-                    out.append(chunk(index, {"content": delta.text} if delta.text else {}, None, lps))
+                if text or lps:
+                    out.append(chunk(index, {"content": text} if text else {}, None, lps))
+                for k, call in enumerate(calls):  # each call: its id and name, then its arguments
+                    head = {"index": k, "id": call["id"], "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""}}
+                    out.append(chunk(index, {"tool_calls": [head]}, None))
+                    out.append(chunk(index, {"tool_calls": [
+                        {"index": k, "function": {"arguments": call["function"]["arguments"]}}]}, None))
                 if delta.finish_reason is not None:
-                    out.append(chunk(index, {}, delta.finish_reason))
+                    out.append(chunk(index, {}, "tool_calls" if calls else delta.finish_reason))
                 return out
             return sse_many(runs, on_delta, body.stream_options)
         await many.collect_all(runs, request)
         check_errors(runs)
+
+        def message(c: many.Choice) -> tuple[dict[str, Any], str]:
+            if tool_req is not None:
+                content, calls = tools.parse(c.text, tool_req.fmt)
+                calls = calls if body.parallel_tool_calls else calls[:1]
+                if calls:
+                    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": c.text}, c.last.finish_reason
+
+        shaped = [message(c) for c in runs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": choice_logprobs(c.token_ids, c.logprobs),
-                             "finish_reason": c.last.finish_reason} for i, c in enumerate(runs)],
+                "choices": [{"index": i, "message": m, "logprobs": choice_logprobs(c.token_ids, c.logprobs),
+                             "finish_reason": reason} for i, (c, (m, reason)) in enumerate(zip(runs, shaped))],
                 "usage": usage_of(runs)}
 
     def sse_many(runs: list[many.Choice], on_delta, stream_options) -> StreamingResponse:
