@@ -155,15 +155,24 @@ class CompiledGrammar:
 
 
 class Grammar:
-    """One choice's matcher (sampling.TokenGrammar)."""
+    """One choice's matcher (sampling.TokenGrammar). Pickles (tensor-parallel ranks each get
+    the request, engine/runtime/distributed.py) as its grammar and the tokens it accepted."""
 
-    def __init__(self, compiled: CompiledGrammar):
+    def __init__(self, compiled: CompiledGrammar, accepted: list[int] | None = None):
         import xgrammar as xgr
 
         self._xgr = xgr
+        self.compiled = compiled
         self.vocab_size = compiled.vocab_size
         self.matcher = xgr.GrammarMatcher(compiled.compiled)
         self._bits = torch.arange(32, dtype=torch.int32)
+        self.accepted: list[int] = []
+        self.accept(accepted or [])
+
+    def __reduce__(self):
+        c = self.compiled.compiled
+        return (_rebuild, (c.serialize_json(), c.tokenizer_info.serialize_json(), self.vocab_size,
+                           list(self.accepted)))
 
     def masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         n = len(tokens)
@@ -199,3 +208,11 @@ class Grammar:
         for tok in tokens:
             if self.matcher.is_terminated() or not self.matcher.accept_token(tok):
                 return  # the stop token past the end, or the tokens of a finished request
+            self.accepted.append(tok)
+
+
+def _rebuild(compiled_json: str, info_json: str, vocab_size: int, accepted: list[int]) -> Grammar:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(info_json)
+    return Grammar(CompiledGrammar(xgr.CompiledGrammar.deserialize_json(compiled_json, info), vocab_size), accepted)

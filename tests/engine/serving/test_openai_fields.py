@@ -197,3 +197,12 @@ def test_server_still_serves_after_the_bad_requests(server):
 def test_client_raises_bad_request(client, server):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=server.model, prompt="hi", max_tokens=2, n=50)
+
+
+def test_choices_of_one_prompt_share_its_kv(client, server):
+    """n choices are n requests of one prompt: all but the first reuse its positions (prefix cache)."""
+    prompt = "class Scheduler:\n    def step(self):\n        return self.runner.step() + 1 " * 2
+    out = client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=1.0, n=3, seed=1,
+                                    extra_body=LONG)
+    p = out.usage.prompt_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens >= 2 * (p // 2)

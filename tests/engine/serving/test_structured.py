@@ -141,3 +141,15 @@ def test_grammars_that_cannot_compile_are_400s(server, extra, param):
     body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
     assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
     assert_still_serving(server)
+
+
+def test_a_grammar_pickles_with_its_state(tiny):
+    """Tensor-parallel ranks get each request pickled: its matcher must arrive in the same state."""
+    import pickle
+
+    tok = tiny[0]
+    g = compile_spec(SPECS[2], tok).matcher()
+    g.accept(tok.encode("yes", add_special_tokens=False))
+    copy = pickle.loads(pickle.dumps(g))
+    assert copy.accepted == g.accepted
+    assert (copy.masks([0], [-1]) == g.masks([0], [-1])).all()
