@@ -88,6 +88,8 @@ from specdeploy.engine.speculative.logits import top_logprobs
 from specdeploy.engine.speculative.verify import sample_from, warp_probs
 
 _FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
+# Prompt positions whose logits are taken at once for prompt logprobs (x vocabulary x 4 bytes).
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
@@ -1012,8 +1014,11 @@ class Runner:
                 continue
             nxt = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.int64, device=self.device)
             k = seq.req.controls.prompt_logprobs
-            lp, ids, tops = top_logprobs(self.target.logits(hidden[i, :n]), nxt, k)
-            seq.prompt_lps += [(a, list(zip(b, c))) for a, b, c in zip(lp.tolist(), ids.tolist(), tops.tolist())]
+            # In pieces: a chunk's positions x a large vocabulary of float32 logits at once is GBs.
+            for at in range(0, n, _PROMPT_LOGPROBS_ROWS):
+                end = min(n, at + _PROMPT_LOGPROBS_ROWS)
+                lp, ids, tops = top_logprobs(self.target.logits(hidden[i, at:end]), nxt[at:end], k)
+                seq.prompt_lps += [(a, list(zip(b, c))) for a, b, c in zip(lp.tolist(), ids.tolist(), tops.tolist())]
 
     def _step_logits(self, seqs: list[_Seq]) -> StepLogits | None:
         return StepLogits(seqs, self.target.cfg.vocab_size, self.device) if wants_processing(seqs) else None

@@ -634,7 +634,7 @@ def submit_choices(scheduler: Scheduler, tokenizer: Tokenizer, body, prompts: li
             for j in range(per_prompt):
                 with field_errors():
                     params = sampling_params(body, max_tokens, tokenizer, logprobs=logprobs,
-                                             prompt_logprobs=prompt_logprobs if j == 0 else None, seed_offset=j,
+                                             prompt_logprobs=prompt_logprobs, seed_offset=j,
                                              grammar=grammar.matcher() if grammar is not None else None)
                 if params.controls is not None and url is not None:
                     raise APIError(400, "penalties, logit_bias, min_tokens, logprobs and structured output are "

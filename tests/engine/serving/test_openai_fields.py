@@ -206,3 +206,21 @@ def test_choices_of_one_prompt_share_its_kv(client, server):
                                     extra_body=LONG)
     p = out.usage.prompt_tokens
     assert out.usage.prompt_tokens_details.cached_tokens >= 2 * (p // 2)
+
+
+def test_streamed_echo_with_logprobs_and_n(client, server):
+    kwargs = dict(model=server.model, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, logprobs=1, echo=True,
+                  extra_body=LONG)
+    whole = client.completions.create(n=2, **kwargs)
+    texts, lps = {}, {}
+    for chunk in client.completions.create(n=2, stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    for i, choice in enumerate(whole.choices):
+        assert texts[i] == choice.text
+        assert len(lps[i]) == 4 + 5 and lps[i][0] is None and choice.logprobs.token_logprobs[0] is None
+        assert lps[i][1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+    assert whole.choices[1].logprobs.token_logprobs == pytest.approx(whole.choices[0].logprobs.token_logprobs,
+                                                                     abs=1e-5)  # greedy: the same
