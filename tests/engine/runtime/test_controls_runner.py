@@ -161,3 +161,31 @@ def test_sampled_second_token_follows_the_penalized_target():
     assert 0.05 < rate < 0.95, rate
     # A frequency's std from 3000 draws is at most 0.009: 0.04 is over 4 standard deviations.
     assert (freq - expected).abs().max() < 0.04
+
+
+@pytest.mark.parametrize("mode", ["overlap", "launch_ahead", "adaptive"])
+def test_controls_under_overlap_launch_ahead_and_adaptive_shapes(pair, mode):
+    """The pipelined decode loops wait for a step with controls before launching the next (its
+    tokens feed the next step's penalties); adaptive plain steps process their logits too."""
+    from specdeploy.engine.speculative.adaptive import candidate_shapes
+    from tests.support.scripted_policy import ScriptedPolicy
+
+    target, perm = pair
+    want, want_lps, _ = run(Runner(target, max_total_tokens=512, max_running_requests=4), requests())
+    spec = SpecConfig("EAGLE", 3, 1, 4)
+    kw = dict(max_total_tokens=512, max_running_requests=4)
+    if mode == "adaptive":
+        shapes = candidate_shapes(3, 1, 4)
+        runner = Runner(target, copy_draft("EAGLE", target, perm), spec, adaptive=True, adaptive_shapes=shapes,
+                        step_costs_s={(s, 1): 1.0 for s in shapes}, **kw)
+        runner.policy = ScriptedPolicy(runner.shapes, 0, None)
+    else:
+        runner = Runner(target, copy_draft("EAGLE", target, perm), spec, **{mode: True}, **kw)
+    # A request without controls rides along (it takes the eager steps too, unchanged).
+    reqs = requests() + [Request("plain", [9, 8, 7], 12)]
+    got, got_lps, _ = run(runner, reqs)
+    ref_plain, _, _ = run(Runner(target, max_total_tokens=512, max_running_requests=4), [Request("plain", [9, 8, 7], 12)])
+    assert {k: v for k, v in got.items() if k != "plain"} == want
+    assert got["plain"] == ref_plain["plain"]
+    for r in requests():
+        assert got_lps[r.id] == pytest.approx(want_lps[r.id], abs=1e-4)
