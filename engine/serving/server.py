@@ -637,8 +637,10 @@ def submit_choices(scheduler: Scheduler, tokenizer: Tokenizer, body, prompts: li
                                              prompt_logprobs=prompt_logprobs, seed_offset=j,
                                              grammar=grammar.matcher() if grammar is not None else None)
                 if params.controls is not None and url is not None:
-                    raise APIError(400, "penalties, logit_bias, min_tokens, logprobs and structured output are "
-                                        "not supported on a --role decode server", param="logprobs")
+                    param = fields.controls_param(body)
+                    raise APIError(400, f"{param}: penalties, logit_bias, min_tokens, logprobs, structured output "
+                                        f"and tool choices are not supported by split prefill/decode servers",
+                                   param=param)
                 runs.append(many.Choice(submit(scheduler, ids, params, endpoint, url), p, ids))
     except BaseException:
         many.abort_all(runs)
