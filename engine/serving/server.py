@@ -536,11 +536,13 @@ def create_app(state: EngineState, loader: Loader | None = None,
                 "usage": usage_of(runs)}
 
     def sse_many(runs: list[many.Choice], on_delta, stream_options) -> StreamingResponse:
+        """on_delta(index, choice, delta) -> the chunks of one choice's delta; with
+        include_usage a last chunk (no choices) carries the usage of all."""
         include_usage = bool(stream_options and stream_options.include_usage)
-        rid_chunk: list[dict] = []
 
         async def events() -> AsyncIterator[str]:
             finished = False
+            last: dict[str, Any] | None = None
             try:
                 async for index, delta in many.merged(runs):
                     if delta.error is not None:
@@ -548,13 +550,12 @@ def create_app(state: EngineState, loader: Loader | None = None,
                         finished = True
                         break
                     for payload in on_delta(index, runs[index], delta):
-                        rid_chunk[:] = [payload]
+                        last = payload
                         yield sse(payload)
                 else:
                     finished = True
-                    if include_usage and rid_chunk:
-                        tail = {**rid_chunk[0], "choices": [], "usage": usage_of(runs)}
-                        yield sse(tail)
+                    if include_usage and last is not None:
+                        yield sse({**last, "choices": [], "usage": usage_of(runs)})
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:  # the client went away (or the server is stopping): free its slots
@@ -571,12 +572,6 @@ def create_app(state: EngineState, loader: Loader | None = None,
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def usage(delta: Delta) -> dict[str, Any]:
-    return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
-            "total_tokens": delta.prompt_tokens + delta.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": delta.cached_tokens}}
 
 
 def usage_of(runs: list[many.Choice], count_output: bool = True) -> dict[str, Any]:
