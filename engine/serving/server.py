@@ -499,21 +499,18 @@ def create_app(state: EngineState, loader: Loader | None = None,
                 if index not in started:
                     started.add(index)
                     out.append(chunk(index, {"role": "assistant", "content": ""}, None))
-                text = streams[index].feed(delta.text) if streams else delta.text
-                calls = []
-                if streams and delta.finish_reason is not None:
-                    tail, calls = streams[index].finish()
-                    calls = calls if body.parallel_tool_calls else calls[:1]
-                    text += tail
+                text, events, calls = delta.text, [], []
+                if streams:
+                    text, events = streams[index].feed(delta.text)
+                    if delta.finish_reason is not None:
+                        tail, more, calls = streams[index].finish()
+                        text, events = text + tail, events + more
+                    if not body.parallel_tool_calls:  # the first call only
+                        events, calls = [e for e in events if e["index"] == 0], calls[:1]
                 lps = choice_logprobs(delta.token_ids, delta.logprobs or []) if delta.token_ids else None
                 if text or lps:
                     out.append(chunk(index, {"content": text} if text else {}, None, lps))
-                for k, call in enumerate(calls):  # each call: its id and name, then its arguments
-                    head = {"index": k, "id": call["id"], "type": "function",
-                            "function": {"name": call["function"]["name"], "arguments": ""}}
-                    out.append(chunk(index, {"tool_calls": [head]}, None))
-                    out.append(chunk(index, {"tool_calls": [
-                        {"index": k, "function": {"arguments": call["function"]["arguments"]}}]}, None))
+                out += [chunk(index, {"tool_calls": [e]}, None) for e in events]
                 if delta.finish_reason is not None:
                     out.append(chunk(index, {}, "tool_calls" if calls else delta.finish_reason))
                 return out

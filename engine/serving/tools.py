@@ -10,8 +10,8 @@ tool_choice: "none" (the tools are not rendered: the model cannot call them), "a
 model decides; a reply in the call format becomes tool_calls), "required" or a named function:
 the grammar engine (structured.py) holds the reply to one call of one of the tools (or the
 named one) whose arguments follow its JSON Schema, and speculation keeps target-only's output
-under it as under any grammar. Streamed, text before a call streams as content; a call is sent
-as deltas once it closes: its id, type and name, then its arguments.
+under it as under any grammar. Streamed, text before a call streams as content; each call as
+deltas: its id, type and name once its head is complete, then its arguments as they come.
 """
 
 from __future__ import annotations
@@ -205,25 +205,35 @@ def parse(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
     return None, calls
 
 
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
 class ToolStream:
-    """A streamed reply: content streams until the call format starts; the rest is held and
-    parsed at the end."""
+    """A streamed reply: content streams until the call format starts; then each call streams
+    as deltas: its id, type and name once its head (`{"name": ..., "arguments": `) is complete,
+    its arguments as they come, up to the brace that closes them (a JSON scan that knows
+    strings and escapes). A call whose name follows its arguments is sent whole at the end."""
 
     def __init__(self, fmt: str):
         self.fmt = fmt
         self.text = ""
         self.sent = 0        # characters of text already streamed as content
         self.in_call = False
+        self.scan = 0        # where the next call head is looked for
+        self.calls: list[dict[str, Any]] = []   # streamed so far: id, name, arguments
+        self._args = None    # the scan state inside a call's arguments: [depth, in string, escaped]
 
-    def feed(self, delta: str) -> str:
-        """-> the content to stream now."""
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """-> (the content to stream now, tool_calls delta entries)."""
         self.text += delta
-        if self.in_call:
-            return ""
+        content = "" if self.in_call else self._content()
+        return content, self._calls() if self.in_call else []
+
+    def _content(self) -> str:
         if self.fmt == "hermes":
             at = self.text.find(_HERMES_OPEN, self.sent)
             if at >= 0:
-                self.in_call = True
+                self.in_call, self.scan = True, at
                 end = at
             else:  # hold back a tail that may begin the tag
                 end = len(self.text) - _overlap(self.text, _HERMES_OPEN)
@@ -239,14 +249,64 @@ class ToolStream:
         self.sent = max(self.sent, end)
         return out
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """-> (content not streamed yet, tool calls)."""
+    def _calls(self) -> list[dict[str, Any]]:
+        events = []
+        while True:
+            if self._args is None:
+                m = _CALL_HEAD.search(self.text, self.scan)
+                if m is None:
+                    return events
+                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": m.group(1), "arguments": ""}
+                events.append({"index": len(self.calls), "id": call["id"], "type": "function",
+                               "function": {"name": call["name"], "arguments": ""}})
+                self.calls.append(call)
+                self.scan, self._args = m.end(), [0, False, False]
+            depth, in_str, esc = self._args
+            start = self.scan
+            if depth == 0:  # before the value: whitespace that came after the head
+                while start < len(self.text) and self.text[start].isspace():
+                    start += 1
+            end, done = start, False
+            for ch in self.text[start:]:
+                end += 1
+                if in_str:
+                    esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+                elif ch == '"':
+                    in_str = True
+                elif ch in "{[":
+                    depth += 1
+                elif ch in "}]":
+                    depth -= 1
+                    if depth == 0:
+                        done = True
+                        break
+            self._args = None if done else [depth, in_str, esc]
+            piece = self.text[start:end]
+            self.scan = end
+            if piece:
+                self.calls[-1]["arguments"] += piece
+                events.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            if not done:
+                return events
+
+    def finish(self) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+        """-> (content not streamed yet, tool_calls delta entries still to send, the reply's
+        calls as parsed whole)."""
         content, calls = parse(self.text, self.fmt)
         if not calls:
+            if self.calls:  # streamed as calls but not one when whole (cut off, say): as streamed
+                return "", [], [{"id": c["id"], "type": "function",
+                                 "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
             rest = self.text[self.sent:]
             self.sent = len(self.text)
-            return rest, []
-        return "", calls
+            return rest, [], []
+        events = []
+        for k, call in enumerate(calls[len(self.calls):], start=len(self.calls)):  # not streamed: whole
+            events.append({"index": k, "id": call["id"], "type": "function",
+                           "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}})
+        for c, call in zip(self.calls, calls):
+            call["id"] = c["id"]
+        return "", events, calls
 
 
 def _overlap(text: str, tag: str) -> int:

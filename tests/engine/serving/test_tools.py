@@ -91,18 +91,32 @@ def test_llama_json_replies_parse():
 
 @pytest.mark.parametrize("fmt,text", [
     ("hermes", 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "PST"}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": "x}\\"{", "b": [1, {"c": 2}]}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'),
     ("llama3_json", '{"name": "get_time", "parameters": {"zone": "PST"}}'),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": "}"}}'),
     ("hermes", "Just text, with a < sign and <tool but no call."),
 ])
 def test_streamed_replies_split_content_from_calls(fmt, text):
-    stream, streamed = tools.ToolStream(fmt), ""
+    stream, streamed, events = tools.ToolStream(fmt), "", []
     for i in range(0, len(text), 3):
-        streamed += stream.feed(text[i:i + 3])
-    tail, calls = stream.finish()
+        content, more = stream.feed(text[i:i + 3])
+        streamed, events = streamed + content, events + more
+    tail, more, calls = stream.finish()
+    events += more
     content, want = tools.parse(text, fmt)
     assert [c["function"] for c in calls] == [c["function"] for c in want]
+    # The deltas, accumulated as clients do, give the calls.
+    acc = {}
+    for e in events:
+        entry = acc.setdefault(e["index"], {"name": "", "arguments": ""})
+        entry["name"] += e["function"].get("name") or ""
+        entry["arguments"] += e["function"].get("arguments") or ""
+    assert [(acc[k]["name"], json.loads(acc[k]["arguments"])) for k in sorted(acc)] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want]
     if want:
         assert (streamed + tail).strip() == (content or "")
+        assert len([e for e in events if "arguments" in e["function"] and e["function"]["arguments"]]) > 1
     else:
         assert streamed + tail == text
 
