@@ -80,8 +80,9 @@ class ModelCalls:
         -> cand_tokens, cand_scores, cand_parents [B, M] (target ids; parents are list indices,
            -1 = root) and draft_q [B, S, V] (chain sampling: the distribution each draft token
            was drawn from, over the target vocabulary) or None.
-        draft_mask (a chain, topk 1): fn(chain tokens so far [B, i] in target ids, draft ids [Vd]
-        in target ids) -> allowed [B, Vd] or None; the draft proposes among allowed tokens only."""
+        draft_mask: fn(paths [R, i]: the draft tokens from the root to each node to expand (target
+        ids; R = B x nodes per request, request-major), draft ids [Vd] in target ids) -> allowed
+        [R, Vd]; the draft proposes among allowed tokens only (a grammar's mask)."""
         draft, k, steps = self.draft, self.topk, self.num_steps
         b = hidden.shape[0] // k
         dev = hidden.device
@@ -93,6 +94,8 @@ class ModelCalls:
             logits = _masked(logits, draft_mask(torch.zeros(b, 0, dtype=torch.int64, device=dev), draft_ids))
         tokens, scores, qs = self._choose(logits, k, chain_sampling,
                                           (temperature, top_k, top_p), uniforms[:, 0])
+        # [B, K, i]: the tokens root → each node to expand (only for a mask: not in the graphs)
+        paths = tokens[:, :, None] if draft_mask is not None else None
         cand_tokens, cand_scores = [tokens], [scores]
         cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=dev)]
         draft_q = [qs] if chain_sampling else []
@@ -106,7 +109,8 @@ class ModelCalls:
             out = draft(tokens, hidden, positions, batch, self.draft_kv)      # [B, K, Hc]
             logits = draft.logits(out)                                        # [B, K, Vd]
             if draft_mask is not None:
-                logits = _masked(logits[:, 0], draft_mask(torch.cat(cand_tokens, 1), draft_ids))[:, None]
+                allowed = draft_mask(paths.reshape(b * k, i), draft_ids)
+                logits = _masked(logits, allowed.view(b, k, -1))
             if chain_sampling:
                 tokens, scores, q = self._choose(logits[:, 0], 1, True, (temperature, top_k, top_p),
                                                  uniforms[:, i])
@@ -116,6 +120,8 @@ class ModelCalls:
                 draft_q.append(q)
                 list_index = torch.full((b, 1), i, dtype=torch.int64, device=dev)
                 hidden = out
+                if paths is not None:
+                    paths = torch.cat([paths, tokens[:, :, None]], 2)
                 continue
             child_p, child_i = _top_probs(logits, k)                          # [B, K, K]
             c_scores, c_tokens, c_parent, keep = expand_step(scores, child_p,
@@ -128,6 +134,8 @@ class ModelCalls:
             scores = torch.gather(c_scores, 1, keep)
             hidden = torch.gather(out, 1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
             anc = torch.gather(anc, 1, parent[:, :, None].expand(-1, -1, anc.shape[-1]))
+            if paths is not None:
+                paths = torch.cat([torch.gather(paths, 1, parent[:, :, None].expand(-1, -1, i)), tokens[:, :, None]], 2)
             list_index = k + (i - 1) * k * k + keep
         return (torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
                 torch.stack(draft_q, 1) if chain_sampling else None)
@@ -193,7 +201,7 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     dev = roots.device
     chain_sampling = sampling and topk == 1
     masked = {}
-    if process is not None and process.grammars and topk == 1 and getattr(calls, "takes_draft_mask", False):
+    if process is not None and process.grammars and getattr(calls, "takes_draft_mask", False):
         masked = {"draft_mask": lambda chain, ids: process.draft_mask(roots, chain, ids)}
     cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
         hidden, prefix_slots, lens, scratch, temperature, top_k, top_p, uniforms[:, n + 1:],

@@ -110,20 +110,24 @@ class StepLogits:
             host = (tree.tokens.tolist(), tree.parents.tolist())
         return self._process(logits.float(), extra, tree.depth, lambda i: (host[0][i], host[1][i]))
 
-    def draft_mask(self, roots: torch.Tensor, chain: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor | None:
-        """A chain draft's next proposal: allowed draft tokens [B, Vd] after root + chain [B, i]
-        (target ids) by each grammar (all allowed for rows without one). Drafts are only
-        proposals: this raises acceptance, verification alone keeps the output exact."""
-        allowed = torch.ones(chain.shape[0], draft_ids.shape[0], dtype=torch.bool, device=chain.device)
-        tokens = torch.cat([roots[:, None], chain], 1).tolist()
+    def draft_mask(self, roots: torch.Tensor, paths: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+        """The draft's next proposals: allowed draft tokens [R, Vd] after root + each path
+        (paths [R, i] target ids, R = B x nodes, request-major) by each grammar (all allowed for
+        rows without one). Drafts are only proposals: this raises acceptance, verification alone
+        keeps the output exact."""
+        r = paths.shape[0]
+        per = r // len(self.controls)
+        allowed = torch.ones(r, draft_ids.shape[0], dtype=torch.bool, device=paths.device)
+        host_roots, host_paths = roots.tolist(), paths.tolist()
         for i, grammar in self.grammars:
-            path = tokens[i]
-            mask = grammar.masks(path, list(range(-1, len(path) - 1)))[-1].to(chain.device)   # [Vg]
-            full = torch.zeros(self.vocab_size, dtype=torch.bool, device=chain.device)
-            full[:mask.shape[0]] = mask[:self.vocab_size]
-            row = full[draft_ids]
-            if row.any():  # (a reduced draft vocabulary may hold none of the allowed tokens)
-                allowed[i] = row
+            for row in range(i * per, (i + 1) * per):
+                path = [host_roots[i], *host_paths[row]]
+                mask = grammar.masks(path, list(range(-1, len(path) - 1)))[-1].to(paths.device)   # [Vg]
+                full = torch.zeros(self.vocab_size, dtype=torch.bool, device=paths.device)
+                full[:mask.shape[0]] = mask[:self.vocab_size]
+                ok = full[draft_ids]
+                if ok.any():  # (a reduced draft vocabulary may hold none of the allowed tokens)
+                    allowed[row] = ok
         return allowed
 
     def _process(self, logits, extra, depth, tree_of) -> torch.Tensor:

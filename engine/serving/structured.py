@@ -8,7 +8,8 @@ tree it gives one mask per node, the matcher advanced along the path root → no
 back: the verify pass then compares every draft token against the target's logits masked as
 target-only decoding would have masked them at that point, so speculative output under a
 grammar is target-only's. A draft token the grammar forbids is never accepted (its
-probability is zero); the drafts themselves are proposed unmasked.
+probability is zero); the draft also proposes under the mask (each node to expand with its own
+path), which only raises acceptance.
 """
 
 from __future__ import annotations
