@@ -69,21 +69,33 @@ class ModelCalls:
         return speculate(self, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature,
                          top_k, top_p, uniforms, sampling)
 
+    # Eager calls take a grammar mask for chain drafts (speculate's draft_mask); graphed ones do not.
+    takes_draft_mask = True
+
     def draft_multi_step(self, hidden, prefix_slots, prefix_lens, scratch, temperature, top_k,
-                         top_p, uniforms, chain_sampling: bool):
+                         top_p, uniforms, chain_sampling: bool, draft_mask=None):
         """hidden [B * topk, Hc]: the draft state after each root, repeated topk times (the
         layout of the draft graph's static buffer). scratch [B, (S - 1) * topk] slots for the
         draft K/V of steps 1..S-1. uniforms [B, S] (chain sampling draws).
         -> cand_tokens, cand_scores, cand_parents [B, M] (target ids; parents are list indices,
            -1 = root) and draft_q [B, S, V] (chain sampling: the distribution each draft token
-           was drawn from, over the target vocabulary) or None."""
+           was drawn from, over the target vocabulary) or None.
+        draft_mask: fn(paths [R, i]: the draft tokens from the root to each node to expand (target
+        ids; R = B x nodes per request, request-major), draft ids [Vd] in target ids) -> allowed
+        [R, Vd]; the draft proposes among allowed tokens only (a grammar's mask)."""
         draft, k, steps = self.draft, self.topk, self.num_steps
         b = hidden.shape[0] // k
         dev = hidden.device
         hidden = hidden.view(b, k, -1)
         logits = draft.logits(hidden[:, :1])[:, 0]                            # [B, Vd]
+        draft_ids = None
+        if draft_mask is not None:
+            draft_ids = draft.to_target_ids(torch.arange(logits.shape[-1], device=dev))
+            logits = _masked(logits, draft_mask(torch.zeros(b, 0, dtype=torch.int64, device=dev), draft_ids))
         tokens, scores, qs = self._choose(logits, k, chain_sampling,
                                           (temperature, top_k, top_p), uniforms[:, 0])
+        # [B, K, i]: the tokens root → each node to expand (only for a mask: not in the graphs)
+        paths = tokens[:, :, None] if draft_mask is not None else None
         cand_tokens, cand_scores = [tokens], [scores]
         cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=dev)]
         draft_q = [qs] if chain_sampling else []
@@ -96,6 +108,9 @@ class ModelCalls:
             positions = (prefix_lens + i - 1)[:, None].expand(b, k)
             out = draft(tokens, hidden, positions, batch, self.draft_kv)      # [B, K, Hc]
             logits = draft.logits(out)                                        # [B, K, Vd]
+            if draft_mask is not None:
+                allowed = draft_mask(paths.reshape(b * k, i), draft_ids)
+                logits = _masked(logits, allowed.view(b, k, -1))
             if chain_sampling:
                 tokens, scores, q = self._choose(logits[:, 0], 1, True, (temperature, top_k, top_p),
                                                  uniforms[:, i])
@@ -105,6 +120,8 @@ class ModelCalls:
                 draft_q.append(q)
                 list_index = torch.full((b, 1), i, dtype=torch.int64, device=dev)
                 hidden = out
+                if paths is not None:
+                    paths = torch.cat([paths, tokens[:, :, None]], 2)
                 continue
             child_p, child_i = _top_probs(logits, k)                          # [B, K, K]
             c_scores, c_tokens, c_parent, keep = expand_step(scores, child_p,
@@ -117,6 +134,8 @@ class ModelCalls:
             scores = torch.gather(c_scores, 1, keep)
             hidden = torch.gather(out, 1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
             anc = torch.gather(anc, 1, parent[:, :, None].expand(-1, -1, anc.shape[-1]))
+            if paths is not None:
+                paths = torch.cat([torch.gather(paths, 1, parent[:, :, None].expand(-1, -1, i)), tokens[:, :, None]], 2)
             list_index = k + (i - 1) * k * k + keep
         return (torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
                 torch.stack(draft_q, 1) if chain_sampling else None)
@@ -141,6 +160,10 @@ class ModelCalls:
         return torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device).index_add_(1, ids, q)
 
 
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+
+
 def _top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens of logits [..., V] and their probabilities [..., k], without
     materialising the softmax over the vocabulary. k = 1 (a chain, where every candidate is kept
@@ -153,7 +176,7 @@ def _top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, temperature, top_k,
-              top_p, uniforms, sampling: bool):
+              top_p, uniforms, sampling: bool, process=None):
     """One speculative iteration for B requests, entirely on the device (no host sync, fixed
     shapes): draft, tree, verify, accept, draft extend. `calls` provides draft_multi_step,
     target_verify and draft_extend (eager ModelCalls, or graphed per-call replays) and the
@@ -164,7 +187,9 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     [B, (S - 1) * topk] and tree_slots [B, N] slots taken for this iteration; temperature /
     top_k / top_p [B]; uniforms [B, N + 1 + S] (verify coins per node, the bonus draw, one draw
     per chain draft step); sampling: rejection sampling (chain sampling when topk is 1) instead
-    of greedy acceptance.
+    of greedy acceptance; process: a sampling.StepLogits (eager steps only) whose controls apply
+    to every tree node's logits before acceptance, and which keeps the emitted tokens'
+    log-probabilities (from the raw logits at the accepted path's nodes) in `recorded`.
     -> num_accepted [B]; bonus [B]; path_tokens [B, S + 1] (the root, then the accepted drafts;
        padding past them); path_slots [B, S + 1] (the tree slots of those nodes, the pad slot
        past them); positions [B, S + 1] (lens + 0..S, where path_slots go in req_to_slot);
@@ -175,12 +200,18 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     b = roots.shape[0]
     dev = roots.device
     chain_sampling = sampling and topk == 1
+    masked = {}
+    if process is not None and process.grammars and getattr(calls, "takes_draft_mask", False):
+        masked = {"draft_mask": lambda chain, ids: process.draft_mask(roots, chain, ids)}
     cand_tokens, cand_scores, cand_parents, draft_q = calls.draft_multi_step(
         hidden, prefix_slots, lens, scratch, temperature, top_k, top_p, uniforms[:, n + 1:],
-        chain_sampling)
+        chain_sampling, **masked)
     tree = build_tree(roots, cand_tokens, cand_scores, cand_parents, n, topk, steps, check=False)
     logits, feature = calls.target_verify(tree.tokens, lens[:, None] + tree.depth, tree_slots,
                                           prefix_slots, lens, tree.mask)     # [B, N, V], [B, N, Hin]
+    raw = logits
+    if process is not None:
+        logits = process.tree(tree, logits)
     if not sampling:
         path, num_acc, bonus = verify_greedy(tree, logits)
     else:
@@ -198,6 +229,10 @@ def speculate(calls, roots, lens, prefix_slots, hidden, scratch, tree_slots, tem
     path_tokens = torch.gather(tree.tokens, 1, at)
     ext_tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
     ext_tokens.scatter_(1, num_acc[:, None], bonus[:, None])
+    if process is not None and process.wants_logprobs:
+        # Path node d chose the d-th emitted token (the bonus at d = num_accepted).
+        at_logits = torch.gather(raw, 1, at[:, :, None].expand(-1, -1, raw.shape[-1]))
+        process.recorded = process.logprobs(at_logits, ext_tokens)
     ext_hidden = torch.gather(feature, 1, at[:, :, None].expand(-1, -1, feature.shape[-1]))
     positions = lens[:, None] + torch.arange(steps + 1, device=dev)
     draft_hidden = calls.draft_extend(ext_tokens, ext_hidden, positions, path_slots, prefix_slots,

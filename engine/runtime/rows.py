@@ -94,7 +94,7 @@ def plain_body(calls, st: RowState, packed: torch.Tensor, width: int, feature: b
 
 
 def spec_body(on, st: RowState, packed: torch.Tensor, width: int, sampling: bool, temperature, top_k,
-              top_p, uniforms, hidden_buf: torch.Tensor | None = None):
+              top_p, uniforms, hidden_buf: torch.Tensor | None = None, process=None):
     """One speculative iteration (calls.speculate) of the rows in packed [B, K] ->
     [B, 2 + (S + 1) + N] (accepted, bonus, path tokens, slots to free: the first
     sum(N - 1 - accepted) entries, row after row). hidden_buf: the plan's static draft-hidden
@@ -112,7 +112,7 @@ def spec_body(on, st: RowState, packed: torch.Tensor, width: int, sampling: bool
         hidden = hidden_buf[:b * k]
     num_acc, bonus, path_tokens, path_slots, positions, to_free, draft_hidden = speculate(
         on, roots, lens, prefix, hidden, scratch, tree_slots, temperature, top_k, top_p, uniforms,
-        sampling)
+        sampling, process)
     # All S + 1 columns are written; those past the new length hold the pad slot and are never
     # read (prefix_lens bounds every read) before being overwritten.
     st.table.req_to_slot[rows[:, None], positions] = path_slots
@@ -200,9 +200,10 @@ class RowSteps:
         return static
 
     def run(self, packed: torch.Tensor, b: int, width: int, sampling: bool = False, params=None,
-            uniforms=None):
+            uniforms=None, process=None):
         """packed: what upload returned; width: prefix columns the eager body gathers (the
-        longest committed length). -> (out [B, K_out] on the device, logits [B, V] of a plain
+        longest committed length); process: a speculative step's sampling.StepLogits, which
+        runs the body eagerly. -> (out [B, K_out] on the device, logits [B, V] of a plain
         step or None)."""
         graph = self.graphs.get(sampling) if self.graphs else None
         if self.kind != "spec":
@@ -212,9 +213,9 @@ class RowSteps:
             tokens, logits = graph(b, {}, padded=("packed",))
             return tokens, logits
         temperature, top_k, top_p = params
-        if graph is None or graph.bucket(b) is None:
+        if graph is None or graph.bucket(b) is None or process is not None:
             return spec_body(self.eager_spec, self.st, packed[:b], width, sampling, temperature, top_k,
-                             top_p, uniforms), None
+                             top_p, uniforms, process=process), None
         if sampling:
             values = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms)
             return graph(b, values, padded=("packed",))[0], None

@@ -80,15 +80,19 @@ from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, PoolExhausted, SlotTable
 from specdeploy.engine.runtime.prefix_cache import DEFER_MIN_TOKENS, PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.rows import RowState, RowSteps
+from specdeploy.engine.runtime.sampling import LogitControls, StepLogits, TokenLogprob, wants_processing
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
 from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, SpecShape, candidate_shapes
+from specdeploy.engine.speculative.logits import top_logprobs
 from specdeploy.engine.speculative.verify import sample_from, warp_probs
 
 _FEATURE_KIND = {"EAGLE": "eagle", "EAGLE3": "eagle3", "MTP": "mtp"}
 # A request's top_k goes into an int64 tensor with the batch's: a larger one is refused at admission.
 _INT64_MAX = 2**63 - 1
+# Prompt positions whose logits are taken at once for prompt logprobs (x vocabulary x 4 bytes).
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
@@ -101,6 +105,8 @@ class Request:
     top_k: int = 0          # 0 = off
     seed: int | None = None
     stop_token_ids: set[int] = field(default_factory=set)
+    # Penalties, bias, grammar, logprobs (sampling.py): such a request's steps run eagerly.
+    controls: LogitControls | None = None
 
 
 @dataclass
@@ -112,6 +118,8 @@ class StepOutput:
     finish_reason: str | None       # "stop" | "length" | None
     num_cached_tokens: int = 0      # on a request's first output: prompt tokens the prefix cache held
     num_draft_tokens: int = 0       # draft tokens this step proposed for it (0: prefill or a plain step)
+    logprobs: list[TokenLogprob] | None = None         # one per token_ids entry, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first output: prompt tokens 1.. (echo)
 
 
 ROLES = ("both", "prefill", "decode")
@@ -149,6 +157,7 @@ class _Seq:
     prompt_keys: list[int] | None = None
     match_version: int = -1         # the cache's num_inserted at its last match
     pending: int = 0                # committed tokens the draft has not run over yet (adaptive NONE steps)
+    prompt_lps: list | None = None  # prompt log-probabilities gathered over its prefill chunks
 
 
 @dataclass
@@ -162,6 +171,7 @@ class _Launched:
     slots: torch.Tensor
     host: torch.Tensor
     event: object
+    logprobs: list | None = None    # per request, its emitted tokens' (eager steps with controls)
 
 
 @dataclass
@@ -505,6 +515,8 @@ class Runner:
         if self.num_running >= self.max_running_requests:
             raise NoCapacity(f"request {req.id}: no room now ({self.num_running} running)")
         seq = _Seq(req, row=-1, length=0, reserved=need)
+        if req.controls is not None and req.controls.prompt_logprobs is not None:
+            seq.prompt_lps = []
         if req.seed is not None:  # before anything is taken: nothing to give back if it fails
             seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
         # From here seq owns what it takes (a cache lock): any failure gives it back.
@@ -744,7 +756,9 @@ class Runner:
         if seq.cache_node is not None and seq.match_version == cache.num_inserted:
             return  # nothing was cached since its last match
         seq.match_version = cache.num_inserted
-        match = cache.match(self._seq_keys(seq), len(seq.req.prompt_ids) - 1)
+        # Prompt log-probabilities want every prompt position computed: no reuse (it still caches).
+        longest = 0 if seq.prompt_lps is not None else len(seq.req.prompt_ids) - 1
+        match = cache.match(self._seq_keys(seq), longest)
         if seq.cache_node is not None and match.length <= seq.length:
             return
         cache.lock(match.node)
@@ -956,13 +970,17 @@ class Runner:
         positions = torch.where(torch.arange(q, device=dev) < takes[:, None], positions, 0)
         batch = causal_batch(slots, takes, prefix, starts)
         out = self.target(tokens, positions, batch, self.target_kv)
+        self._prompt_logprobs(chosen, out.hidden)
         done = [i for i, (seq, take) in enumerate(chosen) if seq.length + take == len(seq.req.prompt_ids)]
         finished = [chosen[i][0] for i in done]
-        first = None
+        first = first_lps = None
         if done:
             idx = torch.tensor(done, device=dev)
             logits = self.target.logits(out.hidden[idx, takes[idx] - 1])
-            first = self._sample(finished, logits)
+            process = self._step_logits(finished)
+            first = self._sample(finished, process.plain(logits) if process else logits)
+            if process is not None and process.wants_logprobs:
+                first_lps = process.logprobs(logits[:, None], first[:, None])
             shifted[idx, takes[idx] - 1] = first
             if self.role == "prefill":
                 lp = torch.log_softmax(logits.float(), -1).gather(1, first[:, None])[:, 0]
@@ -980,9 +998,11 @@ class Runner:
         for seq in finished:
             self._pending.remove(seq)
             self._running[seq.req.id] = seq
-        outputs = self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished)) if done else []
+        outputs = self._emit(finished, [[t] for t in first.tolist()], [0] * len(finished),
+                             logprobs=first_lps) if done else []
         for out, seq in zip(outputs, finished):
             out.num_cached_tokens = seq.num_cached_tokens
+            out.prompt_logprobs = seq.prompt_lps
         started = [seq for seq in finished if seq.req.id in self._running]
         if started:
             self.rows.start([s.row for s in started], [s.length for s in started], [s.root for s in started])
@@ -991,6 +1011,27 @@ class Runner:
                 if seq.row >= 0:  # not released (running, pending, or held for export)
                     self._cache_prefix(seq)
         return outputs
+
+    def _prompt_logprobs(self, chosen: list[tuple[_Seq, int]], hidden: torch.Tensor) -> None:
+        """Gather the log-probability of each prompt token after the first (from the logits at
+        the position before it) for the chunk's requests that asked (echo with logprobs)."""
+        for i, (seq, take) in enumerate(chosen):
+            if seq.prompt_lps is None:
+                continue
+            prompt, start = seq.req.prompt_ids, seq.length
+            n = min(take, len(prompt) - 1 - start)  # the last prompt position predicts the output
+            if n <= 0:
+                continue
+            nxt = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.int64, device=self.device)
+            k = seq.req.controls.prompt_logprobs
+            # In pieces: a chunk's positions x a large vocabulary of float32 logits at once is GBs.
+            for at in range(0, n, _PROMPT_LOGPROBS_ROWS):
+                end = min(n, at + _PROMPT_LOGPROBS_ROWS)
+                lp, ids, tops = top_logprobs(self.target.logits(hidden[i, at:end]), nxt[at:end], k)
+                seq.prompt_lps += [(a, list(zip(b, c))) for a, b, c in zip(lp.tolist(), ids.tolist(), tops.tolist())]
+
+    def _step_logits(self, seqs: list[_Seq]) -> StepLogits | None:
+        return StepLogits(seqs, self.target.cfg.vocab_size, self.device) if wants_processing(seqs) else None
 
     # ---- speculative decoding ------------------------------------------------------------------
 
@@ -1043,6 +1084,12 @@ class Runner:
         A request that this step finishes (or that is aborted) rides one step too many, whose
         output is discarded and whose slots go back when it is collected."""
         step, self._in_flight = self._in_flight, None
+        if wants_processing(list(self._running.values())):
+            # Controls read each request's tokens so far on the host: no step may be launched
+            # before the one before it is collected.
+            if step is not None:
+                return self._collect(step)
+            return self._collect(self._launch(seqs, shape))
         if step is None:
             step = self._launch(seqs, shape)
         else:
@@ -1078,6 +1125,7 @@ class Runner:
         # Prefix columns an eager body reads: the longest committed length.
         width = max(s.length for s in seqs) + lookahead
         taken = staged.slots.view(b, steps.width - 1)
+        process = self._step_logits(seqs)
         try:
             if steps.kind == "spec":
                 n, m = shape.num_draft_tokens, shape.num_steps
@@ -1086,11 +1134,13 @@ class Runner:
                     params, uniforms = self._sampling_params(seqs), self._uniforms(seqs, n + 1 + m)
                 else:
                     params, uniforms = self._greedy_args(b, n + 1 + m)
-                out, _ = steps.run(staged.packed, b, width, sampling, params, uniforms)
+                out, _ = steps.run(staged.packed, b, width, sampling, params, uniforms, process)
             else:
                 out, logits = steps.run(staged.packed, b, width)
-                if sampling:  # the body wrote the argmax; the drawn tokens replace it
-                    tokens = self._sample(seqs, logits)
+                if sampling or process is not None:  # the body wrote the argmax; these replace it
+                    tokens = self._sample(seqs, process.plain(logits) if process else logits)
+                    if process is not None and process.wants_logprobs:
+                        process.recorded = process.logprobs(logits[:, None], tokens[:, None])
                     rows = staged.packed[:b, 0]
                     self.rows.roots[rows] = tokens
                     if steps.kind == "feature":
@@ -1106,7 +1156,7 @@ class Runner:
             self.table.free(taken[:, :scratch])
             taken = taken[:, scratch:]
         host, event = self._to_host(out)
-        return _Launched(seqs, shape, steps, taken, host, event)
+        return _Launched(seqs, shape, steps, taken, host, event, getattr(process, "recorded", None))
 
     def _collect(self, step: _Launched) -> list[StepOutput]:
         """Wait for a launched step's output and commit it on the host: the slots off the
@@ -1122,6 +1172,7 @@ class Runner:
             n, m = shape.num_draft_tokens, shape.num_steps
             accepted = [v[0] for v in values]
             off_path = step.host[:, 2 + m + 1:].reshape(-1)  # [B * N], sum(N - 1 - accepted) first
+            lps = step.logprobs
             if all(live):
                 self.table.free(off_path[:b * (n - 1) - sum(accepted)])
             else:
@@ -1131,6 +1182,7 @@ class Runner:
                     at += n - 1 - a
             seqs = [s for s, ok in zip(step.seqs, live) if ok]
             values = [v for v, ok in zip(values, live) if ok]
+            lps = [x for x, ok in zip(lps, live) if ok] if lps is not None else None
             accepted = [v[0] for v in values]
             for s, a in zip(seqs, accepted):
                 if listeners:
@@ -1140,13 +1192,17 @@ class Runner:
             self.num_draft_tokens_proposed += len(seqs) * m
             self.num_draft_tokens_accepted += sum(accepted)
             emitted = [v[3:a + 3] + [v[1]] for v, a in zip(values, accepted)]
-            return self._emit(seqs, emitted, accepted, m)
+            if lps is not None:
+                lps = [x[:a + 1] if x is not None else None for x, a in zip(lps, accepted)]
+            return self._emit(seqs, emitted, accepted, m, lps)
+        lps = step.logprobs
         if not all(live):
             for i, ok in enumerate(live):
                 if not ok:
                     self.table.free(step.slots[i])
             seqs = [s for s, ok in zip(step.seqs, live) if ok]
             values = [v for v, ok in zip(values, live) if ok]
+            lps = [x for x, ok in zip(lps, live) if ok] if lps is not None else None
         else:
             seqs = step.seqs
         for s in seqs:
@@ -1157,7 +1213,7 @@ class Runner:
             if step.steps.kind == "feature":
                 s.pending += 1
         self._commit_step()
-        return self._emit(seqs, values, [0] * len(seqs))
+        return self._emit(seqs, values, [0] * len(seqs), logprobs=lps)
 
     def _drop_in_flight(self) -> None:
         """No request is left running: the launched-ahead step's slots go back (the device
@@ -1315,9 +1371,9 @@ class Runner:
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0])
 
     def _emit(self, seqs, emitted: list[list[int]], accepted: list[int],
-              num_draft_tokens: int = 0) -> list[StepOutput]:
+              num_draft_tokens: int = 0, logprobs: list | None = None) -> list[StepOutput]:
         outputs = []
-        for s, tokens, acc in zip(seqs, emitted, accepted):
+        for i, (s, tokens, acc) in enumerate(zip(seqs, emitted, accepted)):
             s.tokens += tokens  # all committed (+ the root), for the prefix cache's keys
             kept, reason = [], None
             for t in tokens:
@@ -1330,10 +1386,15 @@ class Runner:
                 if reason:
                     break
             s.root = kept[-1]
+            controls = s.req.controls
+            if controls is not None and controls.grammar is not None:
+                controls.grammar.accept(kept)
             if reason:
                 self._release(s, hold=self.role == "prefill")
+            lps = logprobs[i] if logprobs is not None else None
             outputs.append(StepOutput(s.req.id, kept, acc, reason is not None, reason,
-                                      num_draft_tokens=num_draft_tokens))
+                                      num_draft_tokens=num_draft_tokens,
+                                      logprobs=lps[:len(kept)] if lps is not None else None))
         return outputs
 
 

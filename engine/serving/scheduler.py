@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, StepOutput
+from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.serving.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("specdeploy.scheduler")
@@ -69,6 +70,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: set[int] = field(default_factory=set)
     ignore_eos: bool = False
+    controls: LogitControls | None = None  # penalties, bias, min_tokens, grammar, logprobs
 
 
 @dataclass
@@ -83,6 +85,11 @@ class Delta:
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
     error: str | None = None
     error_status: int = 500     # with `error`: 400 where the request was at fault (the runner refused it)
+    # With logprobs asked for: the tokens whose text this delta (or an earlier one: text held
+    # back for stop strings) carries, and one (logprob, top) entry each; the prompt's on the first.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -104,6 +111,10 @@ class _RequestState:
     text: str = ""
     emitted_chars: int = 0
     finished: bool = False
+    # Tokens (and their logprobs) not yet handed out with a delta.
+    unsent_ids: list[int] = field(default_factory=list)
+    unsent_lps: list = field(default_factory=list)
+    prompt_lps: list | None = None
 
 
 class RemotePrefill(Protocol):
@@ -266,6 +277,8 @@ class Scheduler:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
+        if params.controls is not None and params.controls.min_tokens:
+            params.controls.min_tokens_banned = frozenset(stop_ids)
         loop = asyncio.get_running_loop()
         state = _RequestState(
             id=f"req-{next(self._ids)}", endpoint=endpoint, prompt_ids=list(prompt_ids), params=params,
@@ -424,7 +437,7 @@ class Scheduler:
             p = state.params
             req = Request(id=state.id, prompt_ids=state.prompt_ids, max_tokens=p.max_tokens,
                           temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                          stop_token_ids=state.stop_token_ids)
+                          stop_token_ids=state.stop_token_ids, controls=p.controls)
             try:
                 if state.prefill_url is None:
                     self.runner.add(req)
@@ -504,6 +517,8 @@ class Scheduler:
         visible: list[int] = []
         finish_reason = None
         num_new = 0
+        if out.prompt_logprobs is not None:
+            state.prompt_lps = out.prompt_logprobs
         for tok in out.token_ids:
             num_new += 1
             state.num_output_tokens += 1
@@ -518,11 +533,15 @@ class Scheduler:
             finish_reason = out.finish_reason or "stop"
         self._log_tokens += num_new
         self.metrics.generation_tokens.inc(num_new)
+        if out.logprobs is not None:
+            state.unsent_ids += visible
+            state.unsent_lps += out.logprobs[:len(visible)]
 
         state.text += state.detokenizer.add(visible)
         if finish_reason is not None:
             state.text += state.detokenizer.flush()
-        if p.stop:
+        min_tokens = p.controls.min_tokens if p.controls is not None else 0
+        if p.stop and state.num_output_tokens >= min_tokens:
             # Only the new text (plus the longest stop's length) can hold a new match.
             search_from = max(0, state.emitted_chars - max(len(s) for s in p.stop))
             hits = [i for i in (state.text.find(s, search_from) for s in p.stop) if i >= 0]
@@ -559,6 +578,10 @@ class Scheduler:
             self._num_unfinished -= 1
 
     def _emit(self, state: _RequestState, delta: Delta) -> None:
+        if state.params.controls is not None and state.params.controls.logprobs is not None:
+            delta.token_ids, delta.logprobs = state.unsent_ids, state.unsent_lps
+            state.unsent_ids, state.unsent_lps = [], []
+        delta.prompt_logprobs, state.prompt_lps = state.prompt_lps, None
         self._outbox.append((state.loop, state.queue, delta))
 
     def _deliver(self) -> None:

@@ -43,14 +43,16 @@ from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_CHAT_MES
 from specdeploy.engine.serving.limits import (MIN_CONCURRENT_REQUESTS, RETRY_AFTER_S, ConnectionLimits,
                                               INLINE_BODY_BYTES, INLINE_TEXT_CHARS, RequestLimitsMiddleware,
                                               concurrency_for, off_loop, parse_json_body)
+from specdeploy.engine.serving import choices as many
+from specdeploy.engine.serving import openai_fields as fields
+from specdeploy.engine.serving import structured
+from specdeploy.engine.serving import tools
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.engine.serving.scheduler import Delta, RequestHandle, SamplingParams, Scheduler, SchedulerError
 from specdeploy.engine.serving.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer
 
 log = logging.getLogger("specdeploy.server")
 
-# How often a non-streaming request checks whether its client is still there.
-_DISCONNECT_POLL_S = 0.25
 # OpenAI's default for /v1/completions.
 _DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Names pydantic puts into an error's location for the member of a union it tried.
@@ -95,7 +97,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(fields.ControlFields):
+    # Unknown fields are kept (model_extra), so that check_fields can refuse those that would
+    # change the tokens.
     model_config = ConfigDict(strict=True, extra="allow")
     model: str
     # None: the model's generation_config.json default, else OpenAI's (1.0, 1.0, off).
@@ -110,18 +114,17 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
-    # Accepted so that clients sending the defaults work; anything else is refused, not ignored.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 class CompletionBody(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(_DEFAULT_COMPLETION_MAX_TOKENS, ge=0, le=INT64_MAX)  # 0: only with echo
     _prompt_shape = field_validator("prompt", mode="before")(check_prompt_shape)
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids
 
 
 class ContentPart(_Body):
@@ -137,13 +140,14 @@ class ChatMessage(BaseModel):
         lambda v: check_list_length(v, MAX_CONTENT_PARTS, "content parts"))
 
 
-class ChatBody(_SamplingFields):
+class ChatBody(_SamplingFields, tools.ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     _message_count = field_validator("messages", mode="before")(
         lambda v: check_list_length(v, MAX_CHAT_MESSAGES, "messages"))
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class ErrorDetail(BaseModel):
@@ -472,24 +476,80 @@ def create_app(state: EngineState, loader: Loader | None = None,
         url = prefill_url(request)
         scheduler, tokenizer = serving()
         check_fields(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported by this server", param="echo")
-        # Off the event loop: a long prompt takes the tokenizer seconds, and /health must answer.
-        prompt_ids = await off_loop(completion_prompt_ids, body.prompt, tokenizer, scheduler.context_length,
-                                    inline=_text_chars(body.prompt) <= INLINE_TEXT_CHARS)
-        max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
-        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "completions", url)
+        with field_errors():
+            fields.check_logprobs("logprobs", body.logprobs)
+            max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
+            if max_tokens == 0 and not body.echo:
+                raise fields.FieldError("max_tokens", "must be >= 1 (0 only with echo)")
+            best_of = body.best_of or body.n
+            if best_of < body.n:
+                raise fields.FieldError("best_of", f"must be >= n ({body.n}), got {best_of}")
+            if body.stream and best_of > body.n:
+                raise fields.FieldError("best_of", "cannot be streamed (best_of > n)")
+            # Off the event loop: a long prompt takes the tokenizer seconds, and /health must answer.
+            prompts = await off_loop(completion_prompts, body.prompt, tokenizer, scheduler.context_length,
+                                     inline=_text_chars(body.prompt) <= INLINE_TEXT_CHARS)
+            check_choices(scheduler, len(prompts) * best_of, "best_of" if body.best_of else "n")
+        # best_of ranks by cumulative log-probability: computed even if not reported.
+        logprobs = body.logprobs if body.logprobs is not None else (
+            0 if best_of > body.n or body.return_token_ids else None)
+        echo_logprobs = body.logprobs if body.echo else None
+        grammar = await request_grammar(body, tokenizer)
+        runs = submit_choices(scheduler, tokenizer, body, prompts, best_of, max(max_tokens, 1), logprobs,
+                              echo_logprobs, "completions", url, grammar)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
+        def echoed(c: many.Choice) -> str:
+            return tokenizer.decode(c.prompt_ids) if body.echo else ""
+
+        def choice_logprobs(c: many.Choice, token_ids: list[int], entries: list, offset: int = 0):
+            if body.logprobs is None:
+                return None
+            return fields.completion_logprobs(tokenizer, token_ids, entries, body.logprobs, offset)
+
+        def chunk(index: int, text: str, finish_reason: str | None, lps=None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}]}
+
+        def echo_part(c: many.Choice):
+            ids = c.prompt_ids if body.echo else []
+            entries = ([None] + list(c.prompt_logprobs or [])) if body.echo else []
+            return ids, entries
 
         if body.stream:
-            return sse_response(handle, chunk, include_usage=bool(body.stream_options and body.stream_options.include_usage))
-        text, last = await collect(handle, request)
-        out = chunk(text, last.finish_reason)
-        out["usage"] = usage(last)
+            echoed_choices: set[int] = set()
+
+            def on_delta(index: int, c: many.Choice, delta: Delta) -> list[dict[str, Any]]:
+                out = []
+                if body.echo and index not in echoed_choices:  # the prompt (and its logprobs) first
+                    echoed_choices.add(index)
+                    ids, entries = echo_part(c)
+                    out.append(chunk(index, echoed(c), None, choice_logprobs(c, ids, entries)))
+                text = delta.text if max_tokens else ""
+                lps = choice_logprobs(c, delta.token_ids, delta.logprobs or []) \
+                    if max_tokens and delta.token_ids else None
+                if text or lps:
+                    out.append(chunk(index, text, None, lps))
+                if delta.finish_reason is not None:
+                    out.append(chunk(index, "", delta.finish_reason))
+                return out
+            return sse_many(runs, on_delta, body.stream_options)
+        await many.collect_all(runs, request)
+        check_errors(runs)
+        shown = runs if best_of == body.n else [c for p in range(len(prompts)) for c in many.best(
+            [r for r in runs if r.prompt_index == p], body.n)]
+        out = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+               "choices": []}
+        for index, c in enumerate(shown):
+            ids, entries = echo_part(c)
+            if max_tokens:
+                ids, entries = ids + c.token_ids, entries + c.logprobs
+            out["choices"].append({"index": index, "text": echoed(c) + (c.text if max_tokens else ""),
+                                   "logprobs": choice_logprobs(c, ids, entries),
+                                   "finish_reason": c.last.finish_reason if max_tokens else "length"})
+            if body.return_token_ids:
+                out["choices"][-1].update(prompt_token_ids=c.prompt_ids, token_ids=c.token_ids if max_tokens else [])
+        out["usage"] = usage_of(runs, count_output=bool(max_tokens))
         return out
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
@@ -499,57 +559,110 @@ def create_app(state: EngineState, loader: Loader | None = None,
         scheduler, tokenizer = serving()
         check_fields(body)
         messages = [chat_message_dict(m) for m in body.messages]
-        prompt_ids = await off_loop(chat_prompt_ids, messages, tokenizer, scheduler.context_length,
+        with field_errors():
+            fields.check_logprobs("top_logprobs", body.top_logprobs)
+            if body.top_logprobs and not body.logprobs:
+                raise fields.FieldError("top_logprobs", "needs logprobs: true")
+            check_choices(scheduler, body.n, "n")
+            tool_req = tools.tool_request(body, tokenizer.chat_template)
+            if tool_req is not None and tool_req.choice != "auto" and structured.request_spec(body) is not None:
+                raise fields.FieldError("tool_choice", f"{body.tool_choice!r} constrains the reply itself: "
+                                                       f"not with response_format or guided_*")
+        # Off the event loop: a long conversation takes the tokenizer seconds, and /health must answer.
+        prompt_ids = await off_loop(chat_prompt_ids, tools.template_messages(messages), tokenizer,
+                                    scheduler.context_length, tool_req.tools if tool_req is not None else None,
                                     inline=sum(_text_chars(m["content"]) for m in messages) <= INLINE_TEXT_CHARS)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: as much as the context and the KV pool allow
             max_tokens = max(1, scheduler.max_new_tokens(len(prompt_ids)))
-        handle = submit(scheduler, prompt_ids, sampling_params(body, max_tokens, tokenizer), "chat_completions", url)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if tool_req is not None and tool_req.choice != "auto":
+            with field_errors():
+                grammar = await asyncio.to_thread(tools.call_grammar, tool_req, tokenizer)
+        else:
+            grammar = await request_grammar(body, tokenizer)
+        runs = submit_choices(scheduler, tokenizer, body, [prompt_ids], body.n, max_tokens, logprobs, None,
+                              "chat_completions", url, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-            if text and not first:
-                delta["content"] = text
+        def choice_logprobs(token_ids: list[int], entries: list):
+            if logprobs is None:
+                return None
+            return fields.chat_logprobs(tokenizer, token_ids, entries, logprobs)
+
+        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None, lps=None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}]}
 
         if body.stream:
-            return sse_response(handle, chunk, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                                first_chunk=chunk("", None, first=True))
-        text, last = await collect(handle, request)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": last.finish_reason}],
-                "usage": usage(last)}
+            started: set[int] = set()
+            streams = {i: tools.ToolStream(tool_req.fmt) for i in range(len(runs))} if tool_req else {}
 
-    def sse_response(handle: RequestHandle, chunk, include_usage: bool, first_chunk: dict | None = None):
+            def on_delta(index: int, c: many.Choice, delta: Delta) -> list[dict[str, Any]]:
+                out = []
+                if index not in started:
+                    started.add(index)
+                    out.append(chunk(index, {"role": "assistant", "content": ""}, None))
+                text, events, calls = delta.text, [], []
+                if streams:
+                    text, events = streams[index].feed(delta.text)
+                    if delta.finish_reason is not None:
+                        tail, more, calls = streams[index].finish()
+                        text, events = text + tail, events + more
+                    if not body.parallel_tool_calls:  # the first call only
+                        events, calls = [e for e in events if e["index"] == 0], calls[:1]
+                lps = choice_logprobs(delta.token_ids, delta.logprobs or []) if delta.token_ids else None
+                if text or lps:
+                    out.append(chunk(index, {"content": text} if text else {}, None, lps))
+                out += [chunk(index, {"tool_calls": [e]}, None) for e in events]
+                if delta.finish_reason is not None:
+                    out.append(chunk(index, {}, "tool_calls" if calls else delta.finish_reason))
+                return out
+            return sse_many(runs, on_delta, body.stream_options)
+        await many.collect_all(runs, request)
+        check_errors(runs)
+
+        def message(c: many.Choice) -> tuple[dict[str, Any], str]:
+            if tool_req is not None:
+                content, calls = tools.parse(c.text, tool_req.fmt)
+                calls = calls if body.parallel_tool_calls else calls[:1]
+                if calls:
+                    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": c.text}, c.last.finish_reason
+
+        shaped = [message(c) for c in runs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "choices": [{"index": i, "message": m, "logprobs": choice_logprobs(c.token_ids, c.logprobs),
+                             "finish_reason": reason} for i, (c, (m, reason)) in enumerate(zip(runs, shaped))],
+                "usage": usage_of(runs)}
+
+    def sse_many(runs: list[many.Choice], on_delta, stream_options) -> StreamingResponse:
+        """on_delta(index, choice, delta) -> the chunks of one choice's delta; with
+        include_usage a last chunk (no choices) carries the usage of all."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+
         async def events() -> AsyncIterator[str]:
             finished = False
+            last: dict[str, Any] | None = None
             try:
-                if first_chunk is not None:
-                    yield sse(first_chunk)
-                async for delta in handle.deltas():
-                    if delta.finish_reason is None:
-                        if delta.text:
-                            yield sse(chunk(delta.text, None))
-                        continue
-                    finished = True
+                async for index, delta in many.merged(runs):
                     if delta.error is not None:
                         yield sse(delta_error(delta).body())
+                        finished = True
                         break
-                    if delta.text:
-                        yield sse(chunk(delta.text, None))
-                    yield sse(chunk("", delta.finish_reason))
-                    if include_usage:
-                        tail = chunk("", None)
-                        tail["choices"] = []
-                        tail["usage"] = usage(delta)
-                        yield sse(tail)
+                    for payload in on_delta(index, runs[index], delta):
+                        last = payload
+                        yield sse(payload)
+                else:
+                    finished = True
+                    if include_usage and last is not None:
+                        yield sse({**last, "choices": [], "usage": usage_of(runs)})
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:  # the client went away (or the server is stopping): free its slots
-                    handle.abort()
+                    many.abort_all(runs)
+                elif any(c.last is None or c.last.finish_reason is None for c in runs):
+                    many.abort_all(runs)  # an engine error in one choice: the others stop too
 
         # no-cache / no buffering: proxies must pass tokens through as they come.
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -562,10 +675,73 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(delta: Delta) -> dict[str, Any]:
-    return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
-            "total_tokens": delta.prompt_tokens + delta.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": delta.cached_tokens}}
+def usage_of(runs: list[many.Choice], count_output: bool = True) -> dict[str, Any]:
+    """Usage of many choices: each distinct prompt counted once, every choice's output."""
+    prompt_tokens = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in runs}.values())
+    completion = sum(c.last.completion_tokens for c in runs if c.last is not None) if count_output else 0
+    cached = sum(c.last.cached_tokens for c in runs if c.last is not None)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def check_errors(runs: list[many.Choice]) -> None:
+    for c in runs:
+        if c.last is not None and c.last.error is not None:
+            raise delta_error(c.last)
+
+
+class field_errors:
+    """`with field_errors():` turns openai_fields.FieldError into a 400 naming the field."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if isinstance(exc, fields.FieldError):
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        return False
+
+
+def check_choices(scheduler: Scheduler, count: int, param: str) -> None:
+    """n / best_of / prompts: every choice is a running request, and all must fit at once."""
+    limit = scheduler.runner.max_running_requests
+    if count > limit:
+        raise fields.FieldError(param, f"{count} choices in one request; this server runs at most {limit} "
+                                       f"requests at once (--max-running-requests)")
+
+
+async def request_grammar(body, tokenizer: Tokenizer):
+    """The body's compiled grammar (structured.py), or None; compiled off the event loop."""
+    with field_errors():
+        spec = structured.request_spec(body)
+        if spec is None:
+            return None
+        return await asyncio.to_thread(structured.compile_spec, spec, tokenizer)
+
+
+def submit_choices(scheduler: Scheduler, tokenizer: Tokenizer, body, prompts: list[list[int]], per_prompt: int,
+                   max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, endpoint: str,
+                   url: str | None, grammar=None) -> list[many.Choice]:
+    """One engine request per choice (per_prompt for each prompt; seeded choices get seed + j);
+    if one cannot be submitted, those already submitted are aborted."""
+    runs: list[many.Choice] = []
+    try:
+        for p, ids in enumerate(prompts):
+            for j in range(per_prompt):
+                with field_errors():
+                    params = sampling_params(body, max_tokens, tokenizer, logprobs=logprobs,
+                                             prompt_logprobs=prompt_logprobs, seed_offset=j,
+                                             grammar=grammar.matcher() if grammar is not None else None)
+                if params.controls is not None and url is not None:
+                    param = fields.controls_param(body)
+                    raise APIError(400, f"{param}: penalties, logit_bias, min_tokens, logprobs, structured output "
+                                        f"and tool choices are not supported by split prefill/decode servers",
+                                   param=param)
+                runs.append(many.Choice(submit(scheduler, ids, params, endpoint, url), p, ids))
+    except BaseException:
+        many.abort_all(runs)
+        raise
+    return runs
 
 
 def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, endpoint: str,
@@ -575,33 +751,6 @@ def submit(scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, 
     except SchedulerError as e:
         code = {429: "queue_full", 503: "draining"}.get(e.status_code, "context_length_exceeded")
         raise APIError(e.status_code, str(e), code=code) from None
-
-
-async def collect(handle: RequestHandle, request: Request) -> tuple[str, Delta]:
-    """Gather a whole response; abort it if the client disconnects while it is generated."""
-    parts: list[str] = []
-    last: list[Delta] = []
-
-    async def consume():
-        async for delta in handle.deltas():
-            parts.append(delta.text)
-            last.append(delta)
-
-    task = asyncio.ensure_future(consume())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                handle.abort()
-                await task
-    finally:
-        if not task.done():  # cancelled ourselves (server stopping)
-            handle.abort()
-            task.cancel()
-    final = last[-1]
-    if final.error is not None:
-        raise delta_error(final)
-    return "".join(parts), final
 
 
 def delta_error(delta: Delta) -> APIError:
@@ -627,7 +776,8 @@ def check_fields(body: _SamplingFields) -> None:
                        code="invalid_value")
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
+def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer, *, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None, grammar=None, seed_offset: int = 0) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     problem = stop_problem(stop)
     if problem is not None:
@@ -640,8 +790,11 @@ def sampling_params(body: _SamplingFields, max_tokens: int, tokenizer: Tokenizer
     if chosen["temperature"] < MIN_SAMPLING_TEMPERATURE:
         chosen["temperature"] = 0.0
     return SamplingParams(max_tokens=max_tokens, temperature=float(chosen["temperature"]),
-                          top_p=float(chosen["top_p"]), top_k=max(int(chosen["top_k"]), 0), seed=body.seed, stop=stop,
-                          stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
+                          top_p=float(chosen["top_p"]), top_k=max(int(chosen["top_k"]), 0),
+                          seed=None if body.seed is None else body.seed + seed_offset, stop=stop,
+                          stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos,
+                          controls=fields.controls(body, tokenizer.vocab_size, max_tokens, logprobs=logprobs,
+                                                   prompt_logprobs=prompt_logprobs, grammar=grammar))
 
 
 def check_token_ids(ids, tokenizer: Tokenizer, param: str) -> None:
@@ -651,27 +804,26 @@ def check_token_ids(ids, tokenizer: Tokenizer, param: str) -> None:
                        param=param)
 
 
-def completion_prompt_ids(prompt, tokenizer: Tokenizer, context_length: int) -> list[int]:
-    """-> the prompt's token ids; 400 for one that is empty or longer than the context, found
-    before encoding all of a much longer one."""
-    # One prompt per request: a string, token ids, or a one-element batch of either.
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        try:
-            ids = tokenizer.encode_at_most(prompt, context_length)
-        except PromptTooLong as e:
-            raise prompt_too_long(e, context_length, "prompt") from None
-    else:
-        if len(prompt) > context_length:
-            raise prompt_too_long(PromptTooLong(len(prompt), exact=True), context_length, "prompt")
-        check_token_ids(prompt, tokenizer, "prompt")
-        ids = list(prompt)
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return ids
+def completion_prompts(prompt, tokenizer: Tokenizer, context_length: int) -> list[list[int]]:
+    """A string, token ids, or a list of either -> token ids per prompt; 400 for one that is empty
+    or longer than the context, found before encoding all of a much longer one."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for one in batch:
+        if isinstance(one, str):
+            try:
+                ids = tokenizer.encode_at_most(one, context_length)
+            except PromptTooLong as e:
+                raise prompt_too_long(e, context_length, "prompt") from None
+        else:
+            if len(one) > context_length:
+                raise prompt_too_long(PromptTooLong(len(one), exact=True), context_length, "prompt")
+            check_token_ids(one, tokenizer, "prompt")
+            ids = list(one)
+        if not ids:
+            raise fields.FieldError("prompt", "the prompt is empty")
+        out.append(ids)
+    return out
 
 
 def _text_chars(value) -> int:
@@ -681,9 +833,10 @@ def _text_chars(value) -> int:
     return sum(_text_chars(v) if isinstance(v, (str, list)) else 1 for v in value) if isinstance(value, list) else 0
 
 
-def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_length: int) -> list[int]:
+def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_length: int,
+                    tool_defs: list[dict[str, Any]] | None = None) -> list[int]:
     try:
-        return tokenizer.encode_chat(messages, max_tokens=context_length)
+        return tokenizer.encode_chat(messages, max_tokens=context_length, tools=tool_defs)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     except PromptTooLong as e:

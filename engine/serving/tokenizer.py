@@ -133,7 +133,8 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         if self._compiled_template is None:
@@ -147,14 +148,15 @@ class Tokenizer:
             self._compiled_template = env.from_string(self.chat_template)
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], max_tokens: int | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered template already carries BOS where the model wants it.
-        text = self.apply_chat_template(messages)
+        text = self.apply_chat_template(messages, tools=tools)
         if max_tokens is None:
             return self.encode(text, add_special_tokens=False)
         return self.encode_at_most(text, max_tokens, add_special_tokens=False)

@@ -347,3 +347,18 @@ def test_tensor_parallel_split_roles_answer_as_one_server(server, serve_command,
         assert sent["transfers"] == 3 and sent["bytes_sent"] > 0
     for role in argvs:
         assert "[tp1]" in (tmp_path / f"{role}.log").read_text(errors="replace")  # rank 1 ran its share
+
+
+@pytest.mark.parametrize("extra,param", [({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                                         ({"guided_choice": ["a", "b"]}, "guided_choice")])
+def test_split_roles_refuse_logit_controls_and_serve_many_choices(server, disagg, extra, param):
+    _, _, router = disagg
+    body = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{router}/v1/completions", json={**body, **extra}, timeout=30)
+    assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+    many = httpx.post(f"{router}/v1/completions", json={**body, "n": 2, "prompt": ["def main(", "import os"]},
+                      timeout=60).json()
+    want = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 2, "prompt": ["def main(", "import os"]},
+                      timeout=60).json()
+    assert [c["text"] for c in many["choices"]] == [c["text"] for c in want["choices"]]
+    assert len(many["choices"]) == 4

@@ -68,7 +68,7 @@ def test_prompt_longer_than_the_context(client, server):
     ("prompt", None),
     ("stop", 5),
     ("stream", "yes"),
-    ("n", 2),
+    ("n", 100),
     ("seed", "abc"),
 ])
 def test_bad_completion_fields(server, field, value):
@@ -98,7 +98,7 @@ def test_missing_fields_and_empty_prompt(server):
     assert_error(post(server, "/v1/completions", {"prompt": "hi"}), 400, param="model")
     assert_error(post(server, "/v1/completions", {"model": server.model}), 400, param="prompt")
     assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": []}), 400)
-    assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": ["a", "b"]}), 400,
+    assert_error(post(server, "/v1/completions", {"model": server.model, "prompt": ["a", []]}), 400,
                  param="prompt")
 
 
@@ -106,9 +106,7 @@ def test_server_survives_all_of_the_above(server):
     assert_still_serving(server)
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 2), ("echo", True), ("presence_penalty", 0.5),
-                                         ("frequency_penalty", -1.0)])
-def test_unsupported_options_are_refused_not_ignored(server, field, value):
-    body = {"model": server.model, "prompt": "hi", "max_tokens": 2, field: value}
-    err = assert_error(post(server, "/v1/completions", body), 400, param=field)
+def test_unsupported_options_are_refused_not_ignored(server):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2, "suffix": "}"}
+    err = assert_error(post(server, "/v1/completions", body), 400, param="suffix")
     assert "not supported" in err["message"]
