@@ -298,7 +298,9 @@ def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any)
         return  # disaggregated roles' pods: their counts only (serving_roles)
     key = (namespace, name)
     pod = None if event.get("type") == "DELETED" else plain(body)
-    if (pod is None or engine_pods.pod_blocked(pod) is None) and not memo.blocked_engines.get(key):
+    this = engine_pods.pod_blocked(pod) if pod is not None else None
+    if (this is None or this.reason == api.REASON_ENGINE_LOADING) and not memo.blocked_engines.get(key):
+        # Starting pods (most pod events) are the metrics loop's to report as loading.
         return
     kube: KubeClient = memo.kube
     selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
@@ -383,7 +385,9 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
         if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
             continue
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(meta["name"]).items())
-        urls = serving_metrics.ready_pod_metrics_urls(kube.list_pods(meta["namespace"], selector))
+        pods = kube.list_pods(meta["namespace"], selector)
+        _report_loading(kube, sdd, pods)
+        urls = serving_metrics.ready_pod_metrics_urls(pods)
         answered: list[str] = []
         samples, errors = serving_metrics.scrape(urls, answered=answered)
         for error in errors:
@@ -396,6 +400,27 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
             kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
     if rates is not None:
         rates.forget_except(scraped)
+
+
+def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+    """A resource still Deploying whose pods only load: say so (the pod watch reports the rest)."""
+    current = sdd.get("status") or {}
+    if current.get("phase") != api.PHASE_DEPLOYING or roles.is_disaggregated(sdd["spec"]):
+        return
+    found = engine_pods.blocked(pods, weight_bytes=int((current.get("plan") or {}).get("weightBytes") or 0))
+    was = current.get("blockedBy")
+    if found is None or found.reason != api.REASON_ENGINE_LOADING or (was and was["reason"] != found.reason):
+        return
+    if was == found.to_dict():
+        return
+    meta = sdd["metadata"]
+
+    def compute(cur: dict[str, Any], obj: dict[str, Any]) -> dict[str, Any]:
+        deployment = kube.get_deployment(meta["namespace"], deployment_name(meta["name"]))
+        return status.engine_pods(cur, deployment, found.to_dict(), generation=obj["metadata"].get("generation", 1),
+                                  now=status.now_rfc3339())
+
+    kube.update_status(meta["namespace"], meta["name"], compute)
 
 
 async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:
