@@ -110,7 +110,12 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         _event(sdd, warning=False, reason=api.EVENT_PAUSED, message="reconciliation paused; children left untouched")
         return
 
-    kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
+    spec = sdd["spec"]
+    if any(m and "config" not in m for m in (spec["target"], spec.get("draft"))):
+        # Configs from a ConfigMap or the hub take round trips (seconds, for a hub): say Planning
+        # meanwhile. Inline configs plan in milliseconds; the status write would only cost a GET
+        # and a PUT per resource (a burst of creates queues behind them).
+        kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
     try:
         target_config, draft_config, origins, weights = resolve_configs(sdd, kube, options)
         planned: PlannedEngine = plan_engine(sdd["spec"], target_config, draft_config, weights)
