@@ -355,7 +355,6 @@ def test_cluster_wide_install_serves_any_namespace(kube_cluster, kube_namespace,
 
 def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, must_be_ready: bool) -> None:
     """The operator planned the example as its comment says and created the engine's children."""
-    from specdeploy.operator.desired.status import camel_case
 
     name = examples.load_sdd(path)["metadata"]["name"]
 
@@ -365,12 +364,16 @@ def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, 
         assert plan, f"no status.plan yet; status: {json.dumps(sdd.get('status'))}"
         return plan
 
-    plan = wait_for(planned, timeout_s=90, what=f"status.plan of {name}")
+    summary = wait_for(planned, timeout_s=90, what=f"status.plan of {name}")
+    # status.plan is the summary; the byte-level plan is the engine ConfigMap's plan.json.
+    config_map = cluster.kubectl_json("-n", ns, "get", "configmap", f"{name}-engine")
+    plan = json.loads(config_map["data"]["plan.json"])
+    assert summary["maxTotalTokens"] == plan["max_total_tokens"]
     for dotted, value in examples.commented_plan(path).items():
         got: Any = plan
         for part in dotted.split("."):
-            got = got[camel_case(part)]
-        assert got == value, f"{path.name}: status.plan {dotted} = {got}, the example's comment says {value}"
+            got = got[part]
+        assert got == value, f"{path.name}: plan.json {dotted} = {got}, the example's comment says {value}"
 
     deploy = wait_for(
         lambda: cluster.kubectl_json("-n", ns, "get", "deployment", name), timeout_s=30, what=f"deployment {name}"
@@ -380,9 +383,9 @@ def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, 
     if "cpu" in examples.load_sdd(path)["spec"]:
         # CPU mode: no GPU asked for, no GPU node required.
         assert "nvidia.com/gpu" not in json.dumps(deploy["spec"]["template"]["spec"])
-        assert plan["tensorParallelSize"] == 1
+        assert plan["tensor_parallel_size"] == 1
     else:
-        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == plan["tensorParallelSize"]
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == plan["tensor_parallel_size"]
     owner = deploy["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("SpecDecodeDeployment", name)
     cluster.kubectl("-n", ns, "get", "service", name)

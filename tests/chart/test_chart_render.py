@@ -155,7 +155,8 @@ EXPECTED_OPERATOR_RULES = {
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "persistentvolumeclaims"): {"get", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
-    ("", "pods"): {"list"},
+    ("", "pods"): {"list", "watch"},
+    ("", "pods/log"): {"get"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},
 }
