@@ -121,7 +121,12 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         _event(sdd, warning=False, reason=api.EVENT_PAUSED, message="reconciliation paused; children left untouched")
         return
 
-    kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
+    spec = sdd["spec"]
+    if any(m and "config" not in m for m in (spec["target"], spec.get("draft"))):
+        # Configs from a ConfigMap or the hub take round trips (seconds, for a hub): say Planning
+        # meanwhile. Inline configs plan in milliseconds; the status write would only cost a GET
+        # and a PUT per resource (a burst of creates queues behind them).
+        kube.update_status(namespace, name, lambda cur, _o: status.planning(cur, generation=generation, now=now()))
     try:
         target_config, draft_config, origins, weights = resolve_configs(sdd, kube, options)
         config_source.check_api_key_secret(sdd["spec"], namespace, kube)
@@ -397,7 +402,9 @@ def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any)
         return  # disaggregated roles' pods: their counts only (serving_roles)
     key = (namespace, name)
     pod = None if event.get("type") == "DELETED" else plain(body)
-    if (pod is None or engine_pods.pod_blocked(pod) is None) and not memo.blocked_engines.get(key):
+    this = engine_pods.pod_blocked(pod) if pod is not None else None
+    if (this is None or this.reason == api.REASON_ENGINE_LOADING) and not memo.blocked_engines.get(key):
+        # Starting pods (most pod events) are the metrics loop's to report as loading.
         return
     kube: KubeClient = memo.kube
     selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
@@ -522,7 +529,9 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
         labels = (leaderworkerset.leader_selector(meta["name"]) if _spans_nodes(sdd.get("status") or {})
                   else selector_labels(meta["name"]))
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        urls = serving_metrics.ready_pod_metrics_urls(kube.list_pods(meta["namespace"], selector))
+        pods = kube.list_pods(meta["namespace"], selector)
+        _report_loading(kube, sdd, pods)
+        urls = serving_metrics.ready_pod_metrics_urls(pods)
         answered: list[str] = []
         samples, errors = serving_metrics.scrape(urls, answered=answered)
         for error in errors:
@@ -541,6 +550,27 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
                                desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
     if rates is not None:
         rates.forget_except(scraped)
+
+
+def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+    """A resource still Deploying whose pods only load: say so (the pod watch reports the rest)."""
+    current = sdd.get("status") or {}
+    if current.get("phase") != api.PHASE_DEPLOYING or roles.is_disaggregated(sdd["spec"]):
+        return
+    found = engine_pods.blocked(pods, weight_bytes=int((current.get("plan") or {}).get("weightBytes") or 0))
+    was = current.get("blockedBy")
+    if found is None or found.reason != api.REASON_ENGINE_LOADING or (was and was["reason"] != found.reason):
+        return
+    if was == found.to_dict():
+        return
+    meta = sdd["metadata"]
+
+    def compute(cur: dict[str, Any], obj: dict[str, Any]) -> dict[str, Any]:
+        deployment = kube.get_deployment(meta["namespace"], deployment_name(meta["name"]))
+        return status.engine_pods(cur, deployment, found.to_dict(), generation=obj["metadata"].get("generation", 1),
+                                  now=status.now_rfc3339())
+
+    kube.update_status(meta["namespace"], meta["name"], compute)
 
 
 async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:

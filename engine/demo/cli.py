@@ -268,5 +268,10 @@ def run_demo(recipe: Recipe, cache_dir: Path, *, max_tokens: int = 64, retrain: 
     say("  A model this small costs little per forward, so the draft's own work eats much of what accepted")
     say("  tokens save; with a real target on a GPU the target's forward dominates and verifying several")
     say("  tokens costs about as much as decoding one, which is where the acceptance length becomes speed.")
+    say()
+    say("  Serve this pair yourself (an EAGLE pair: the head is EAGLE-1/2, not EAGLE-3):")
+    say(f"    specdeploy engine serve --target {target_dir} --draft {draft_dir} --algorithm EAGLE \\")
+    say(f"      --served-model-name {MODEL_NAME} --dtype float32 --port 8000")
+    say(f"  and send clients model \"{MODEL_NAME}\" (without --served-model-name: the --target path as given).")
     say(f"done in {time.monotonic() - t_start:.0f} s")
     return 0

@@ -60,6 +60,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 # `code` of the errors Starlette raises before a route runs.
 _HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed", 408: "body_timeout",
                413: "body_too_large"}
+# Refusals the scheduler counts in the rejected-requests metric itself.
+_COUNTED_BY_SCHEDULER = {"queue_full", "draining"}
 
 
 class APIError(Exception):
@@ -321,15 +323,24 @@ def create_app(state: EngineState, loader: Loader | None = None,
     if guard is not None:
         app.add_middleware(AuthMiddleware, guard=guard)
 
+    def refused(request: Request, error: APIError) -> JSONResponse:
+        """Every refused request: one INFO line and the rejected-requests metric by its code (the
+        scheduler counts and logs its own 429 / 503 refusals, once per interval under overload)."""
+        if error.code not in _COUNTED_BY_SCHEDULER:
+            state.metrics.request_rejected(error.code or str(error.status_code))
+            log.info("%s %s -> %d %s: %s", request.method, request.url.path, error.status_code,
+                     error.code or "", error.message)
+        return error.response()
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return refused(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # Starlette's own refusals (no such route, wrong method, an unreadable body) in the same
         # error shape as ours, with their headers (a 405 says Allow).
-        response = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code)).response()
+        response = refused(request, APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code)))
         response.headers.update(exc.headers or {})
         return response
 
@@ -337,8 +348,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
     async def _validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                            code="invalid_json").response()
+            return refused(request, APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                                             code="invalid_json"))
         # loc is ("body", field, index | nested field | union member tag, ...): the top-level field
         # is the param; the path without pydantic's union tags ("str", "list[int]") goes in the message.
         loc = [str(x) for x in first.get("loc", ())[1:]
@@ -347,8 +358,8 @@ def create_app(state: EngineState, loader: Loader | None = None,
         message = first.get("msg", "invalid value")
         if len(loc) < len(first.get("loc", ())) - 1:  # a union: say what it got, not one member's complaint
             message = f"has the wrong type ({type(first.get('input')).__name__})"
-        return APIError(400, f"{'.'.join(loc) or 'body'}: {message}", param=param,
-                        code="invalid_value").response()
+        return refused(request, APIError(400, f"{'.'.join(loc) or 'body'}: {message}", param=param,
+                                         code="invalid_value"))
 
     @app.get("/health", responses={503: {"description": "The engine thread has died",
                                           "content": {"application/json": {}}}})

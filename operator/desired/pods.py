@@ -91,7 +91,8 @@ def pod_blocked(pod: dict[str, Any], log_lines: list[str] | None = None,
         return Blocked(api.REASON_UNSCHEDULABLE, f"pod {name}: {scheduled.get('message') or 'no node fits'}", name)
     running = state.get("running")
     if running is not None:
-        since = running.get("startedAt", "")
+        # RFC 3339 as kubectl prints it (the Kubernetes client hands datetimes over as +00:00)
+        since = str(running.get("startedAt") or "").replace("+00:00", "Z")
         if progress and progress.get("total_bytes"):
             done = f"{_gib(progress['loaded_bytes'])} of {_gib(progress['total_bytes'])} of weights loaded"
         elif weight_bytes:

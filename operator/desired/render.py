@@ -279,6 +279,8 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("draft"):
         settings["draft"] = spec["draft"]["model"]
         settings["draft_revision"] = spec["draft"].get("revision", "main")
+    if spec.get("servedModelName"):  # absent when unset: existing pods keep their config hash
+        settings["served_model_name"] = spec["servedModelName"]
     return settings
 
 
@@ -293,6 +295,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
         if settings.get("draft_revision", "main") != "main":
             args += ["--draft-revision", settings["draft_revision"]]
     args += ["--algorithm", settings["algorithm"]]
+    if settings.get("served_model_name"):
+        args += ["--served-model-name", settings["served_model_name"]]
     if settings["algorithm"] != "NONE":
         args += [
             "--num-steps", str(settings["num_steps"]),

@@ -381,6 +381,7 @@ def _check_served(cluster: KubeCluster, ns: str, path: Path, engine_image: str, 
     # status.plan is the summary for people; the byte-level plan is the engine ConfigMap's plan.json.
     config_map = cluster.kubectl_json("-n", ns, "get", "configmap", config_map_name(name))
     plan = json.loads(config_map["data"]["plan.json"])
+    assert summary["maxTotalTokens"] == plan["max_total_tokens"]
     for dotted, value in examples.commented_plan(path).items():
         got: Any = plan
         for part in dotted.split("."):

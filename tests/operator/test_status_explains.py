@@ -53,3 +53,23 @@ def test_a_crash_looping_engine_shows_its_exit_code_and_last_lines(kube_cluster,
     assert "exited with code 2" in cond["message"] and "3 restart(s)" in cond["message"]
     assert "out of memory while loading" in cond["message"]
     assert sdd.status()["blockedBy"]["reason"] == "CrashLoopBackOff"
+
+
+def test_an_engine_still_loading_says_so_with_the_plans_weights(kube_cluster, kube_namespace, operator_process,
+                                                                hub_secret, manifest, sdd_of):
+    operator_process(metrics_interval_s=1)
+    kube_cluster.apply(manifest("slow", replicas=1), namespace=kube_namespace)
+    sdd = sdd_of("slow")
+    sdd.wait_ready()
+    (pod,) = sdd.items("pods", "-l", "app.kubernetes.io/instance=slow")
+    # What a kubelet reports while the engine loads: running, /ready not yet 200.
+    status = {"status": {"conditions": [{"type": "Ready", "status": "False"}, {"type": "ContainersReady", "status": "False"}],
+                         "containerStatuses": [{
+                             "name": "engine", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
+                             "imageID": "", "started": True, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}}
+    kube_cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", kube_namespace, "--subresource=status",
+                         "--type=merge", "-p", json.dumps(status))
+    cond = wait_for(lambda: ready_condition(sdd).get("reason") == "EngineLoading" and ready_condition(sdd),
+                    timeout_s=60, what="Ready=False EngineLoading")
+    assert "GiB of weights" in cond["message"] and "running since 2026-01-01T00:00:00Z" in cond["message"]
+    assert sdd.condition("Progressing")["status"] == "True" and sdd.condition("Degraded")["status"] == "False"

@@ -15,6 +15,9 @@ def test_demo_trains_caches_serves_and_compares(tmp_path, capsys):
                      "chat", "streamed", "mean acceptance length", "target only:",
                      "greedy outputs identical to target-only"):
         assert expected in first, f"{expected!r} missing from:\n{first}"
+    # How to serve the pair without the demo, and the model id its clients send.
+    assert f"--target {tmp_path / 'target'} --draft {tmp_path / 'draft'} --algorithm EAGLE" in first
+    assert 'model "specdeploy-demo"' in first
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "target" / name).is_file()
     assert (tmp_path / "draft" / "model.safetensors").is_file()

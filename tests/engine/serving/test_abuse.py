@@ -167,10 +167,11 @@ def test_a_temperature_below_1e_5_is_greedy(server):
 
 # ---- 2. request fields bounded at the API ---------------------------------------------------------
 
+# What the engine does not implement (fields.NOT_IMPLEMENTED); logprobs, penalties, logit_bias,
+# response_format, tools and guided_json/regex/choice are served (tests/engine/serving/test_openai_fields.py).
 @pytest.mark.parametrize("field,value", [
-    ("logit_bias", {"5": 100}), ("repetition_penalty", 1.2), ("min_p", 0.1), ("top_logprobs", 3),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("best_of", 3), ("min_tokens", 5), ("guided_regex", "a+"), ("logprobs", True), ("presence_penalty", 0.5),
+    ("min_p", 0.1), ("prompt_logprobs", 2), ("bad_words", ["x"]), ("guided_grammar", "root ::= 'a'"),
+    ("function_call", "auto"), ("use_beam_search", True), ("suffix", "tail"),
 ])
 def test_fields_that_change_the_tokens_are_refused_by_name(server, field, value):
     body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}

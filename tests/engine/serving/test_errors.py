@@ -110,3 +110,23 @@ def test_unsupported_options_are_refused_not_ignored(server):
     body = {"model": server.model, "prompt": "hi", "max_tokens": 2, "suffix": "}"}
     err = assert_error(post(server, "/v1/completions", body), 400, param="suffix")
     assert "not supported" in err["message"]
+
+
+def test_each_refused_request_is_one_info_line_and_counted(server, caplog):
+    """A 4xx leaves one INFO line (method, path, status, code, message) and counts in
+    specdeploy_requests_rejected_total by its code."""
+    import logging
+
+    def rejected(code: str) -> float:
+        for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+            if line.startswith("specdeploy_requests_rejected_total{") and f'reason="{code}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = rejected("invalid_json")
+    with caplog.at_level(logging.INFO, logger="specdeploy.server"):
+        assert_error(post(server, "/v1/completions", '{"model": '), 400)
+    lines = [r for r in caplog.records if r.name == "specdeploy.server" and "-> 400" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "POST /v1/completions -> 400 invalid_json" in lines[0].getMessage()
+    assert rejected("invalid_json") == before + 1

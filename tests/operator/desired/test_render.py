@@ -408,3 +408,11 @@ def test_operator_modules_do_not_import_torch():
     result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_served_model_name_reaches_the_engine_and_only_when_set():
+    sdd = make_sdd(servedModelName="llama-70b")
+    args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
+    assert args[args.index("--served-model-name") + 1] == "llama-70b"
+    plain = make_sdd()
+    assert "--served-model-name" not in engine_container(render.render_children(plain, planned_for(plain), DEFAULTS))["args"]
