@@ -143,6 +143,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_SamplingFields, tools.ToolFields):
+    model_config = _SamplingFields.model_config  # ToolFields' would drop the unknown fields
     messages: list[ChatMessage] = Field(min_length=1)
     _message_count = field_validator("messages", mode="before")(
         lambda v: check_list_length(v, MAX_CHAT_MESSAGES, "messages"))
