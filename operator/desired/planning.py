@@ -186,7 +186,8 @@ def plan_summary(planned: PlannedEngine) -> str:
         ) + f"; spec_hidden_size {p['spec_hidden_size']}, metadata row {p['buffers']['metadata_hidden_states_shape']}"
     nodes = p.get("nodes", 1)
     return (
-        f"TP {p['tensor_parallel_size']} x {p['gpu']}" + (f" on {nodes} nodes" if nodes > 1 else "") + ", max_total_tokens {p['max_total_tokens']}"
+        f"TP {p['tensor_parallel_size']} x {p['gpu']}" + (f" on {nodes} nodes" if nodes > 1 else "")
+        + f", max_total_tokens {p['max_total_tokens']}"
         f" (needs {p['required_tokens']}), spec_hidden_size {p['spec_hidden_size']},"
         f" draft_input_hidden_size {p['draft_input_hidden_size']}"
     )

@@ -365,6 +365,7 @@ def test_cpu_mode_requests_no_gpu_and_pins_no_gpu_node():
     assert args[args.index("--plan") + 1] == "/etc/specdeploy/plan.json"
     assert json.loads(children.config_map["data"]["plan.json"])["tensor_parallel_size"] == 1
     assert "TP 1 x cpu" in plan_summary(planned)
+    assert f"max_total_tokens {planned.plan['max_total_tokens']} (needs" in plan_summary(planned)
 
 
 def test_cpu_mode_drops_a_user_gpu_request_and_lets_user_env_win():
