@@ -890,8 +890,11 @@ def serving_plot(d: dict, path: Path) -> bool:
         rates = [r["rate"] for r in rec["rows"]]
         for ax, key in zip(axes, ("output_tok_s", "ttft_ms_p99", "itl_ms_p99")):
             ax.plot(rates, [r[key] for r in rec["rows"]], marker="o", label=mode)
+    rates = sorted({r["rate"] for rec in d["modes"].values() for r in rec["rows"]})
     for ax, title in zip(axes, ("output tok/s", "TTFT p99 (ms)", "ITL p99 (ms)")):
         ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{x:g}" for x in rates])
+        ax.minorticks_off()
         ax.set_xlabel("offered requests/s (Poisson)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -910,14 +913,20 @@ def _serving_section(rec: dict | None) -> list[str]:
                         "docs/benchmarks/runs/ and regenerate this page.", ""]
     d = rec["data"]
     w, m = d["workload"], d["model"]
-    lines += [f"`{SERVING_COMMAND}` ({rec['_date']}, commit {rec['_commit']}, `{rec['_source']}`), {d['device']}, "
+    lines += [f"`{d.get('command', SERVING_COMMAND)}` ({rec['_date']}, commit {rec['_commit']}, `{rec['_source']}`), {d['device']}, "
               f"guidellm {d.get('tool_version')}. Pair: {m['pair']}, {m.get('num_layers', '?')} layers, hidden "
               f"{m.get('hidden_size', '?')}, vocabulary {m['vocab_size']}, {m['dtype']}. Workload: prompts "
               f"{w['prompt_tokens']} ± {w['prompt_tokens_stdev']} tokens ({w['prompt_tokens_min']}-"
               f"{w['prompt_tokens_max']}) after one of {w['prefix_count']} shared {w['prefix_tokens']}-token "
               f"prefixes, outputs {w['output_tokens']} ± {w['output_tokens_stdev']} ({w['output_tokens_min']}-"
               f"{w['output_tokens_max']}), each rate for up to {d['run']['max_seconds']} s or "
-              f"{d['run']['max_requests']} requests.", ""]
+              f"{d['run']['max_requests']} requests, up to {d['run']['max_running_requests']} running on the "
+              "server. Answered counts the requests completed inside the measured window against those sent; the "
+              "rest were still streaming when it closed, or errored (a refused or failed request, as guidellm "
+              "counts it).", ""]
+    lines += [f"{mode}: {rec_m['note']}." for mode, rec_m in d["modes"].items() if rec_m.get("note")]
+    if any(rec_m.get("note") for rec_m in d["modes"].values()):
+        lines.append("")
     png = rec["_folder"] / "serving_bench.png"
     if png.is_file():
         lines += [f"![serving curves]({png.relative_to(rec['_folder'].parents[2]).as_posix()})", ""]

@@ -150,13 +150,13 @@ def commit() -> str | None:
         return None
 
 
-def bench(out_dir: Path, smoke: bool, modes: list[str], workers: int) -> dict:
+def bench(out_dir: Path, smoke: bool, modes: list[str], workers: int, run_overrides: dict | None = None) -> dict:
     import disagg_serving
     import torch
 
     kind = "smoke" if smoke else "device"
     size = disagg_serving.SIZES[kind]
-    run, workload = RUNS[kind], WORKLOADS[kind]
+    run, workload = {**RUNS[kind], **(run_overrides or {})}, WORKLOADS[kind]
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     result = {"tool": "guidellm", "tool_version": guidellm_version(), "size": kind,
@@ -180,6 +180,8 @@ def bench(out_dir: Path, smoke: bool, modes: list[str], workers: int) -> dict:
                                       out_dir, mode, workers, timeout_s=len(run["rates"]) * (run["max_seconds"] + 300))
                 result["modes"][mode] = {"server": srv.proc.args[3:], "wall_s": time.monotonic() - t0,
                                          "rows": summarize(report)}
+            # Each mode's rows as soon as they exist: a sweep cut short keeps what it measured.
+            (out_dir / "serving_bench.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -189,6 +191,8 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--workers", type=int, default=None, help="guidellm worker processes (default: 1 smoke, 4 device)")
+    ap.add_argument("--rates", default=None, help="comma-separated offered request rates (default: the size's)")
+    ap.add_argument("--max-seconds", type=float, default=None, help="each rate's duration cap (default: the size's)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
@@ -196,8 +200,17 @@ def main() -> int:
         print(f"serving_bench: unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}",
               file=sys.stderr)
         return 2
+    overrides = {}
+    try:
+        if args.rates:
+            overrides["rates"] = [float(x) for x in args.rates.split(",") if x]
+    except ValueError:
+        print(f"serving_bench: --rates takes numbers separated by commas, not {args.rates!r}", file=sys.stderr)
+        return 2
+    if args.max_seconds:
+        overrides["max_seconds"] = args.max_seconds
     out_dir = Path(args.out)
-    result = bench(out_dir, args.smoke, modes, args.workers or (1 if args.smoke else 4))
+    result = bench(out_dir, args.smoke, modes, args.workers or (1 if args.smoke else 4), overrides)
     out = out_dir / "serving_bench.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"{'mode':<12} {'rate':>6} {'req/s':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>7}")
