@@ -923,7 +923,8 @@ def _serving_section(rec: dict | None) -> list[str]:
               f"{d['run']['max_requests']} requests, up to {d['run']['max_running_requests']} running on the "
               "server. Answered counts the requests completed inside the measured window against those sent; the "
               "rest were still streaming when it closed, or errored (a refused or failed request, as guidellm "
-              "counts it).", ""]
+              "counts it). Each mode's first rate also carries the server's first requests (the harness has no "
+              "warm-up phase yet), so read its TTFT as a cold figure.", ""]
     lines += [f"{mode}: {rec_m['note']}." for mode, rec_m in d["modes"].items() if rec_m.get("note")]
     if any(rec_m.get("note") for rec_m in d["modes"].values()):
         lines.append("")
