@@ -142,6 +142,10 @@ def guidellm_version() -> str | None:
 
 
 def commit() -> str | None:
+    """This checkout's commit; None where it has no .git of its own (a copied tree would otherwise
+    report the commit of whatever checkout encloses it)."""
+    if not (REPO_ROOT / ".git").exists():
+        return None
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
