@@ -690,7 +690,24 @@ def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
 
 RUNS_COMMAND = "python3 bench/report.py --runs docs/benchmarks/runs --out docs/benchmarks.md"
 HISTORY = "benchmarks/history.md"  # the earlier, hand-written reports, relative to docs/
-SCRIPT_JSON = ("fp8.json", "fp8_crossover.json")  # scripts outside bench/run.py whose JSON carries goals
+# scripts outside bench/run.py whose JSON the report reads (the first two carry goals)
+SCRIPT_JSON = ("fp8.json", "fp8_crossover.json", "serving_bench.json")
+SERVING_COMMAND = "python3 bench/serving_bench.py --out OUT"
+SERVING_NOTE = (
+    "The load generator is [guidellm](https://github.com/vllm-project/guidellm) 0.8.1 (the vLLM project's; "
+    "in pyproject.toml's dev extra, and its smoke form, `bench/serving_bench.py --smoke`, runs in "
+    "tests/bench/test_serving_bench.py against the tiny CPU pair). Of the three tools users of this field run, it "
+    "is the one that installs beside the engine: inference-perf 0.7.0 (the Kubernetes serving working group's) "
+    "requires Python 3.12 and pins transformers; aiperf 0.13.0 brings some 60 packages (dash, plotly, optuna, "
+    "kubernetes-asyncio, ...) and pins older rich, psutil and huggingface-hub than the engine's; guidellm needs "
+    "a dozen small ones, and has what the benchmark asks for built in: Poisson arrivals at given rates, a "
+    "synthetic text source with length spreads and shared prefixes generated locally from the served "
+    "tokenizer, and TTFT/ITL percentiles per rate. (Its metadata pins click~=8.4 and pulls sanic for its mock "
+    "server; neither is used here.) Each mode is one `specdeploy engine serve` (target-only: `--algorithm "
+    "NONE`; fixed: the EAGLE chain of depth 3; adaptive: the same with `--adaptive-speculation`), driven at "
+    "each rate until its duration or request cap; output tok/s is the output tokens over the measured "
+    "window, the achieved request rate below the offered one marks saturation.")
+
 SECTION_FILE = re.compile(r"\d_[a-z0-9_]+\.json")  # a section record (not superseded-/partial-/before-)
 
 
@@ -846,6 +863,77 @@ def _e2e_note(r: dict) -> list[str]:
     return out
 
 
+def serving_table(d: dict) -> str:
+    """bench/serving_bench.py's JSON -> one row per mode and offered rate."""
+    rows = []
+    for mode, rec in d["modes"].items():
+        for r in rec["rows"]:
+            q = r["requests"]
+            rows.append([mode, f"{r['rate']:.1f}", _f(r["achieved_requests_per_s"], 2), _f(r["output_tok_s"]),
+                         _f(r["ttft_ms_p50"]), _f(r["ttft_ms_p99"]), _f(r["itl_ms_p50"], 2), _f(r["itl_ms_p99"], 2),
+                         f"{q['successful']}/{q['total']}" + (f" ({q['errored']} errored)" if q["errored"] else "")])
+    return _table(["mode", "offered req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                   "ITL p50 ms", "ITL p99 ms", "answered"], rows)
+
+
+def serving_plot(d: dict, path: Path) -> bool:
+    """Output tok/s, TTFT p99 and ITL p99 against the offered rate, one line per mode; False
+    where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for mode, rec in d["modes"].items():
+        rates = [r["rate"] for r in rec["rows"]]
+        for ax, key in zip(axes, ("output_tok_s", "ttft_ms_p99", "itl_ms_p99")):
+            ax.plot(rates, [r[key] for r in rec["rows"]], marker="o", label=mode)
+    rates = sorted({r["rate"] for rec in d["modes"].values() for r in rec["rows"]})
+    for ax, title in zip(axes, ("output tok/s", "TTFT p99 (ms)", "ITL p99 (ms)")):
+        ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{x:g}" for x in rates])
+        ax.minorticks_off()
+        ax.set_xlabel("offered requests/s (Poisson)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _serving_section(rec: dict | None) -> list[str]:
+    lines = ["## Serving benchmark (issue 33)", "", SERVING_NOTE, ""]
+    if rec is None:
+        return lines + [f"Not yet run on the device: `{SERVING_COMMAND}` (about 6 minutes on one H200; "
+                        "`--modes` and `--smoke` narrow it), then copy OUT/serving_bench.json into a folder under "
+                        "docs/benchmarks/runs/ and regenerate this page.", ""]
+    d = rec["data"]
+    w, m = d["workload"], d["model"]
+    lines += [f"`{d.get('command', SERVING_COMMAND)}` ({rec['_date']}, commit {rec['_commit']}, `{rec['_source']}`), {d['device']}, "
+              f"guidellm {d.get('tool_version')}. Pair: {m['pair']}, {m.get('num_layers', '?')} layers, hidden "
+              f"{m.get('hidden_size', '?')}, vocabulary {m['vocab_size']}, {m['dtype']}. Workload: prompts "
+              f"{w['prompt_tokens']} ± {w['prompt_tokens_stdev']} tokens ({w['prompt_tokens_min']}-"
+              f"{w['prompt_tokens_max']}) after one of {w['prefix_count']} shared {w['prefix_tokens']}-token "
+              f"prefixes, outputs {w['output_tokens']} ± {w['output_tokens_stdev']} ({w['output_tokens_min']}-"
+              f"{w['output_tokens_max']}), each rate for up to {d['run']['max_seconds']} s or "
+              f"{d['run']['max_requests']} requests, up to {d['run']['max_running_requests']} running on the "
+              "server. Answered counts the requests completed inside the measured window against those sent; the "
+              "rest were still streaming when it closed, or errored (a refused or failed request, as guidellm "
+              "counts it). Each mode's first rate also carries the server's first requests (the harness has no "
+              "warm-up phase yet), so read its TTFT as a cold figure.", ""]
+    lines += [f"{mode}: {rec_m['note']}." for mode, rec_m in d["modes"].items() if rec_m.get("note")]
+    if any(rec_m.get("note") for rec_m in d["modes"].values()):
+        lines.append("")
+    png = rec["_folder"] / "serving_bench.png"
+    if png.is_file():
+        lines += [f"![serving curves]({png.relative_to(rec['_folder'].parents[2]).as_posix()})", ""]
+    return lines + [serving_table(d), ""]
+
+
 def render_repository(scan: dict, repo: Path) -> str:
     sections, scripts = scan["sections"], scan["scripts"]
     lines = ["# Benchmarks", "",
@@ -886,6 +974,7 @@ def render_repository(scan: dict, repo: Path) -> str:
             lines += ["Where the batch-1 FP8 step's time goes (the goal of 1.8× bf16 and 85% of the FP8 roofline "
                       "is missed): torch.profiler over replays of the graphed decode call.", "",
                       _kernel_profile(prof, row.get("median_ms")), ""]
+    lines += _serving_section(scripts.get("serving_bench.json"))
     e2e = sections.get("7")
     if e2e and e2e["status"] == "ok":
         lines += _e2e_note(e2e["results"])
@@ -919,7 +1008,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.runs is not None:
         repo = Path(__file__).resolve().parent.parent
-        args.out.write_text(render_repository(scan_runs(args.runs.resolve(), repo), repo))
+        scan = scan_runs(args.runs.resolve(), repo)
+        serving = scan["scripts"].get("serving_bench.json")
+        if serving and not args.no_figures:
+            serving_plot(serving["data"], serving["_folder"] / "serving_bench.png")
+        args.out.write_text(render_repository(scan, repo))
         print(f"wrote {args.out}")
         return 0
     if not args.dirs:
