@@ -380,9 +380,7 @@ class KubeCluster:
                     initial_advertise_peer_urls=peer,
                     initial_cluster=f"node0={peer}",
                 ),
-                # Aggregated APIs (a custom metrics server) are reached at their Service's endpoint
-                # addresses: there is no kube-proxy to route a ClusterIP.
-                patch("kube-apiserver", bind_address=LOOPBACK, enable_aggregator_routing="true"),
+                patch("kube-apiserver", bind_address=LOOPBACK),
                 patch("kube-controller-manager", bind_address=LOOPBACK),
                 patch("kube-scheduler", bind_address=LOOPBACK),
                 # kwokctl's binary runtime starts kwok with --manage-all-nodes=true (only its kind
