@@ -35,7 +35,6 @@ K8S_DIR="${TOOLS_DIR}/kubernetes-${K8S_VERSION}"
 ETCD_DIR="${TOOLS_DIR}/etcd-${ETCD_VERSION}"
 KWOK_DIR="${TOOLS_DIR}/kwok-${KWOK_VERSION}"
 HELM_DIR="${TOOLS_DIR}/helm-${HELM_VERSION}"
-ADAPTER_DIR="${TOOLS_DIR}/prometheus-adapter-${PROMETHEUS_ADAPTER_VERSION}"
 SRC_DIR="${TOOLS_DIR}/src"
 mkdir -p "${TOOLS_DIR}" "${SRC_DIR}"
 
@@ -190,29 +189,12 @@ build_helm() {
   log "helm ${HELM_VERSION}: built in $((SECONDS - t0))s"
 }
 
-build_prometheus_adapter() {
-  if have "${ADAPTER_DIR}" adapter; then log "prometheus-adapter ${PROMETHEUS_ADAPTER_VERSION}: cached"; return; fi
-  local t0=$SECONDS
-  log "prometheus-adapter ${PROMETHEUS_ADAPTER_VERSION}: building adapter"
-  # Built in its own module (a copy of the released source): `go install mod@version` stops at the
-  # proxy's deprecation lookup, which it refuses for this module.
-  local src
-  src="$(go mod download -json "sigs.k8s.io/prometheus-adapter@${PROMETHEUS_ADAPTER_VERSION}" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
-  local mod="${SRC_DIR}/prometheus-adapter-${PROMETHEUS_ADAPTER_VERSION}"
-  rm -rf "${mod}"; mkdir -p "${SRC_DIR}"; cp -r "${src}" "${mod}"; chmod -R u+w "${mod}"
-  local tmp="${ADAPTER_DIR}.tmp"; rm -rf "${tmp}"; mkdir -p "${tmp}"
-  (cd "${mod}" && gobuild -ldflags "-s -w" -o "${tmp}/adapter" ./cmd/adapter)
-  finish "${tmp}" "${ADAPTER_DIR}"
-  log "prometheus-adapter ${PROMETHEUS_ADAPTER_VERSION}: built in $((SECONDS - t0))s"
-}
-
 log "cache: ${TOOLS_DIR}  ($(go version))"
 # Smallest first, so a partial cold build already gives other test folders something to use.
 build_kwok
 build_etcd
 build_helm
 build_kubernetes
-build_prometheus_adapter
 
 log "done in $((SECONDS - t_start))s"
 echo "binaries:"
@@ -225,4 +207,3 @@ printf '  %-60s %s\n' "${ETCD_DIR}/etcdctl" "$("${ETCD_DIR}/etcdctl" version 2>&
 printf '  %-60s %s\n' "${KWOK_DIR}/kwok" "$("${KWOK_DIR}/kwok" --version 2>&1 | head -n1)"
 printf '  %-60s %s\n' "${KWOK_DIR}/kwokctl" "$("${KWOK_DIR}/kwokctl" --version 2>&1 | head -n1)"
 printf '  %-60s %s\n' "${HELM_DIR}/helm" "$("${HELM_DIR}/helm" version --short 2>&1 | head -n1)"
-printf '  %-60s %s\n' "${ADAPTER_DIR}/adapter" "prometheus-adapter ${PROMETHEUS_ADAPTER_VERSION}"

@@ -421,9 +421,7 @@ class KubeCluster:
                     initial_advertise_peer_urls=peer,
                     initial_cluster=f"node0={peer}",
                 ),
-                # Aggregated APIs (a custom metrics server) are reached at their Service's endpoint
-                # addresses: there is no kube-proxy to route a ClusterIP.
-                patch("kube-apiserver", bind_address=LOOPBACK, enable_aggregator_routing="true",
+                patch("kube-apiserver", bind_address=LOOPBACK,
                       # A local node's Hostname (local-0) resolves nowhere: its InternalIP first. kwok's
                       # fake nodes report only the Hostname `localhost`, where kwok serves their logs.
                       kubelet_preferred_address_types="InternalIP,Hostname",
