@@ -181,6 +181,8 @@ def _example_args(path: Path, tmp: Path) -> list[str]:
         gpu = spec["gpu"]
         args += ["--gpu-memory-gib", gpu["memoryGiB"]] if gpu.get("memoryGiB") else ["--gpu", gpu["product"]]
         args += ["--gpus-per-node", gpu.get("perNode", 8)]
+        if gpu.get("maxNodes", 1) > 1:
+            args += ["--max-nodes", gpu["maxNodes"]]
     return args
 
 
