@@ -17,7 +17,9 @@ LOCAL_NODE_LABEL = "specdeploy.dev/local-kubelet"
 BACKOFF_INITIAL_S = 10.0
 BACKOFF_MAX_S = 300.0
 # All a container sees of the node's environment (besides its own env and the Service variables).
-PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR")
+# PYTHONPATH: a container's `specdeploy` is the code under test, also where that is importable only
+# through PYTHONPATH (a checkout beside another one's editable install).
+PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "PYTHONPATH")
 # Where a container finds its ServiceAccount's token, CA and namespace (client libraries read
 # this path literally, so it is really mounted there: `sandbox.py`).
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"

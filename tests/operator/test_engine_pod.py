@@ -125,7 +125,7 @@ def test_the_rendered_engine_pod_runs_and_reports_into_status(
     for var in container["env"]:
         assert engine.env[var["name"]] == volumes.get(var.get("value"), var.get("value", ""))
     assert set(engine.env) - {v["name"] for v in container["env"]} <= {
-        "PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "HOSTNAME",
+        "PATH", "HOME", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR", "HOSTNAME", "PYTHONPATH",
         "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT", "KUBERNETES_SERVICE_PORT_HTTPS"}
     assert {k: p.spec for k, p in engine.probes.items()} == {
         k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
