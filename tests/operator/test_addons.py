@@ -139,7 +139,8 @@ def test_a_role_autoscaler_owns_its_deployments_replicas(kube_cluster, kube_name
     split = {"prefill": {"replicas": 1},
              "decode": {"replicas": 1, "autoscaling": {"metric": "QueuedRequests", "maxReplicas": 6}},
              "router": {"replicas": 1}}
-    kube_cluster.apply(manifest("split", target={"model": "meta-llama/Llama-3.1-8B-Instruct"}, replicas=1,
+    kube_cluster.apply(manifest("split", target={"model": "meta-llama/Llama-3.1-8B-Instruct"},
+                                draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}, replicas=1,
                                 disaggregation=split), namespace=kube_namespace)
     sdd = sdd_of("split")
     sdd.wait_ready(timeout_s=90)

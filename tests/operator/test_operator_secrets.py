@@ -41,7 +41,8 @@ def test_a_missing_api_key_secret_is_a_condition_until_it_exists(kube_cluster, k
 
 
 def test_the_roles_shared_secret_is_created_once(kube_cluster, kube_namespace, operator, hub_secret, manifest, sdd_of):
-    body = manifest("pair", target={"model": "meta-llama/Llama-3.1-8B-Instruct"}, replicas=1, disaggregation=SPLIT)
+    body = manifest("pair", target={"model": "meta-llama/Llama-3.1-8B-Instruct"},
+                    draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}, replicas=1, disaggregation=SPLIT)
     kube_cluster.apply(body, namespace=kube_namespace)
     sdd = sdd_of("pair")
     sdd.wait_ready(timeout_s=90)
