@@ -12,6 +12,8 @@ NAMESPACED_RULES = [
     {"apiGroups": ["specdeploy.dev"], "resources": ["specdecodedeployments"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["specdeploy.dev"], "resources": ["specdecodedeployments/status"], "verbs": ["update"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},

@@ -103,6 +103,13 @@ class Sandbox:
             lines += [f"mkdir -p {target}", f"mount --bind {shlex.quote(str(host))} {target}"]
             if path in self.read_only:
                 lines.append(f"mount -o remount,bind,ro {target}")
+        # This environment and checkout may live under a path a pod volume covers in the view
+        # (CI's venv and clone are under /tmp, the pod's emptyDir): bound back, read-only.
+        for host in (Path(sys.prefix).resolve(), Path(__file__).resolve().parents[2]):
+            if any(host.is_relative_to(path) for path in self.volumes):
+                target = shlex.quote(f"{self.root}{host}")
+                lines += [f"mkdir -p {target}", f"mount --bind {shlex.quote(str(host))} {target}",
+                          f"mount -o remount,bind,ro {target}"]
         # The interpreter here may live under a home only root may enter (pyenv in /root); the
         # image's is in /opt/venv, open to all. Let the user through that directory of the view
         # (a copy-up into the overlay's upper layer: this machine's /root is not changed).
