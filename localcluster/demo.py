@@ -148,8 +148,8 @@ def _run(args: argparse.Namespace) -> int:
     kube.run("helm", "upgrade", "--install", RELEASE, "charts/specdeploy", "--namespace", NAMESPACE, "--create-namespace",
              "--set-json", f'operator.extraArgs=["--metrics-interval-s={DEMO_METRICS_INTERVAL_S}"]', timeout_s=180)
     kube.run("kubectl", "rollout", "status", f"deployment/{RELEASE}", "-n", NAMESPACE, "--timeout=120s", timeout_s=130)
-    _wait(lambda: "watching" in _operator_log(kube) or "Initial authentication has finished" in _operator_log(kube),
-          60, "the operator to start")
+    # Its own first line (kopf's start-up bookkeeping is not logged at INFO).
+    _wait(lambda: "starting:" in _operator_log(kube), 60, "the operator to start")
     say(f"  operator running: {_first_line(_operator_log(kube))}")
 
     say()
