@@ -168,6 +168,12 @@ def teardown(tag: str) -> list[str]:
     if _ip("link", "show", bridge, check=False).returncode == 0:
         _ip("link", "del", bridge, check=False)
         removed.append(bridge)
+    # A namespace still held open by a process that outlived its pod keeps its veth pair after
+    # `netns del`: the host side goes too (deleting one end removes the pair).
+    for link in links_of(tag):
+        if link.startswith(f"sdv{tag}-"):
+            _ip("link", "del", link, check=False)
+            removed.append(link)
     return removed
 
 
