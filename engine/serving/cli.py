@@ -207,7 +207,24 @@ def run(args: argparse.Namespace) -> int:
         server.run()
     finally:
         ranks.stop()
+        _leave_tp_group()
     return server.exit_code
+
+
+def _leave_tp_group() -> None:
+    """Tear down this process's tensor-parallel group before the interpreter exits: a gloo
+    group still alive at exit aborts the process (std::terminate from its threads), which
+    would turn a clean shutdown into SIGABRT."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return
+    from specdeploy.engine.runtime import distributed
+
+    try:
+        distributed.destroy_tp()
+    except Exception as e:  # noqa: BLE001 - a peer already gone: exit anyway
+        log.debug("tensor-parallel group teardown: %s", e)
 
 
 def server_config(args: argparse.Namespace):
@@ -633,6 +650,7 @@ def tp_worker(rank: int, spec: RankSpec) -> None:
         logging.shutdown()
         os._exit(1)
     log.info("tensor-parallel rank %d: exiting", rank)
+    _leave_tp_group()
 
 
 def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
@@ -679,6 +697,7 @@ def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
         ranks.pods = None
     if ranks.workers is not None:
         ranks.workers.stop()
+    _leave_tp_group()
     return 0
 
 
