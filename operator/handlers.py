@@ -65,6 +65,9 @@ log = logging.getLogger("specdeploy.operator")
 DEPLOYMENT_HANDLER_ID = "engine-deployment"
 POD_HANDLER_ID = "engine-pods"
 GROUP_HANDLER_ID = "engine-leaderworkerset"
+GROUP_POLL_ID = "engine-leaderworkerset-poll"
+# How often a plan across nodes reads its LeaderWorkerSet besides the watch (group_poll).
+GROUP_POLL_S = 10.0
 
 # Retry delays for failures that can resolve without the resource changing.
 TRANSIENT_RETRY_DELAY_S = 30
@@ -433,6 +436,18 @@ def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any)
         log.info(f"[{namespace}/{name}] engine not ready: {new['blockedBy']['reason']}: {new['blockedBy']['message']}")
 
 
+def group_poll(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+    """A plan across nodes: read its LeaderWorkerSet every GROUP_POLL_S and fold it in as
+    group_event does. kopf watches LeaderWorkerSets only once discovery lists the API, and it
+    looks again only on the CRD's events: where discovery lags the CRD's last event (LWS
+    installed while the operator runs), the watch never starts and the status would stay as the
+    apply left it. Nothing is written when nothing changed."""
+    meta = body["metadata"]
+    group = LeaderWorkerSets(memo.kube).get(meta["namespace"], meta["name"])
+    if group is not None and controller_owner(group) is not None:
+        group_event({"type": "MODIFIED"}, group, logger, memo)
+
+
 def group_event(
     event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
 ) -> None:
@@ -641,4 +656,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         api.LWS_GROUP, api.LWS_VERSION, api.LWS_PLURAL, registry=registry, id=GROUP_HANDLER_ID,
         labels={LABEL_MANAGED_BY: MANAGED_BY},
     )(group_event)
+    kopf.timer(
+        GROUP, VERSION, PLURAL, registry=registry, id=GROUP_POLL_ID, interval=GROUP_POLL_S,
+        when=lambda status, **_: _spans_nodes(status or {}),
+    )(group_poll)
     return registry
