@@ -34,9 +34,10 @@ class FakeHub:
                             files = [{"rfilename": p.name} for p in sorted(root.iterdir())]
                             files.append({"rfilename": "pytorch_model.bin"})  # another format: never fetched
                             return self._send(200, json.dumps({"sha": commit, "siblings": files}).encode())
-                        prefix = f"/{repo}/resolve/{commit}/"
-                        if self.path.startswith(prefix) and (root / self.path[len(prefix):]).is_file():
-                            return self._send(200, (root / self.path[len(prefix):]).read_bytes())
+                        # As the hub does, files resolve by commit and by the revision's name.
+                        for prefix in {f"/{repo}/resolve/{commit}/", f"/{repo}/resolve/{revision}/"}:
+                            if self.path.startswith(prefix) and (root / self.path[len(prefix):]).is_file():
+                                return self._send(200, (root / self.path[len(prefix):]).read_bytes())
                 self._send(404, b"{}")
 
             def _send(self, status, body):
