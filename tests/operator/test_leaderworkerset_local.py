@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -109,7 +111,7 @@ def leader_and_worker(kube_cluster, namespace: str, name: str) -> tuple[dict, di
 
 
 def test_two_nodes_serve_as_one_and_recover_from_a_worker_kill(
-    kube_cluster, kube_namespace, lws_controller, two_nodes, operator, sdd_of, example, demo_pair, tmp_path,  # noqa: F811
+    kube_cluster, kube_namespace, lws_controller, two_nodes, operator, sdd_of, example, demo_pair, request,  # noqa: F811
 ):
     from specdeploy.engine.serving.cli import ServerThread, free_port
 
@@ -126,7 +128,11 @@ def test_two_nodes_serve_as_one_and_recover_from_a_worker_kill(
     finally:
         reference.stop()
 
-    hosts = ClusterHosts(kube_cluster, kube_namespace, tmp_path / "hosts.json")
+    # Not under /tmp: the engine pod has a /tmp volume of its own (a read-only root), and the local
+    # kubelet maps paths under a pod volume into it, so the pods would look for the file there.
+    hosts_dir = Path(tempfile.mkdtemp(prefix="sdd-hosts-", dir="/var/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(hosts_dir, ignore_errors=True))
+    hosts = ClusterHosts(kube_cluster, kube_namespace, hosts_dir / "hosts.json")
     sdd_manifest = copy.deepcopy(example)
     spec = sdd_manifest["spec"]
     spec["cpu"]["nodes"] = 2

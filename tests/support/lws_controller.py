@@ -105,6 +105,8 @@ class LwsController:
     def start(self, timeout_s: float = 120) -> LwsController:
         binary = controller_binary()
         lws_module.install_crd(self.cluster)
+        self.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
+                             str(lws_module.module_dir() / lws_module.DISAGGREGATED_SET_CRD_FILE))
         port, health = free_port(), free_port()
         ca = _certificates(self.workdir / "certs")
         config = {
@@ -149,6 +151,7 @@ class LwsController:
                 self.proc.wait()
             self.log.close()
         lws_module.uninstall_crd(self.cluster)
+        self.cluster.kubectl("delete", "crd", lws_module.DISAGGREGATED_SET_CRD_NAME, "--ignore-not-found", check=False)
 
 
 class ClusterHosts:

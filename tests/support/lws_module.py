@@ -14,6 +14,10 @@ VERSIONS = Path(__file__).resolve().parents[2] / "hack" / "tools-versions.env"
 LWS_VERSION = dict(line.split("=", 1) for line in VERSIONS.read_text().splitlines()
                    if line and not line.startswith("#"))["LWS_VERSION"]
 CRD_FILE = "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+# The controller also serves DisaggregatedSets: without their CRD its manager stops after two
+# minutes of waiting for that cache ("timed out waiting for cache to be synced").
+DISAGGREGATED_SET_CRD_FILE = "config/crd/bases/disaggregatedset.x-k8s.io_disaggregatedsets.yaml"
+DISAGGREGATED_SET_CRD_NAME = "disaggregatedsets.disaggregatedset.x-k8s.io"
 
 
 def module_dir() -> Path:
