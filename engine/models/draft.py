@@ -37,7 +37,7 @@ from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS
 from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
                                   unflatten_streams)
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.layers import GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, load_state, rope_inv_freq
 from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, default_dtype,
                                      read_config, rope_tables)

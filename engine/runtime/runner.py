@@ -77,7 +77,7 @@ import torch
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.runtime.calls import ModelCalls
 from specdeploy.engine.models.draft import DraftHead
-from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, PoolExhausted, SlotTable
+from specdeploy.engine.memory.kv import PAD_SLOT, KVPool, PoolExhausted, SlotTable
 from specdeploy.engine.runtime.prefix_cache import DEFER_MIN_TOKENS, PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.rows import RowState, RowSteps
 from specdeploy.engine.runtime.sampling import LogitControls, StepLogits, TokenLogprob, wants_processing
@@ -299,7 +299,7 @@ class Runner:
         if own_pools and kv_dtype != dtype:
             raise ValueError(f"an {kv_dtype} KV cache is not supported for {type(target).__name__} targets yet")
         if own_pools:
-            # DeepSeek-V4 (engine/runtime/compressed_kv.py) keeps a request's recent tokens and
+            # DeepSeek-V4 (engine/memory/compressed_kv.py) keeps a request's recent tokens and
             # compressed entries in pools of its own, trimmed as tokens are committed: a finished
             # request's slots cannot be reused by another. (Between servers the kept rows move:
             # staged_kv; a draft that lags behind adaptive plain steps trims as it runs: `lags`.)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "models"
 from v4_tiny import TINY, engine_model, hf_model, random_mtp, stable_indexer_ties  # noqa: E402
 
 from specdeploy.engine.models.attention import causal_batch  # noqa: E402
-from specdeploy.engine.runtime.kv import SlotTable  # noqa: E402
+from specdeploy.engine.memory.kv import SlotTable  # noqa: E402
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
 
 DEV = "cuda"

@@ -10,7 +10,7 @@ import torch
 from specdeploy.engine.demo import embed
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_requests, run_to_completion, tiny_config
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import Runner, SpecConfig
 
 # Every dimension grows: hidden 32 -> 64, MLP 64 -> 96, 6 -> 9 layers, 4 -> 8 query heads of

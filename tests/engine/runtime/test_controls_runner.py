@@ -11,7 +11,7 @@ import torch
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.speculative.logits import penalize

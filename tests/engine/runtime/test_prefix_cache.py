@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
-from specdeploy.engine.runtime.kv import SlotTable
+from specdeploy.engine.memory.kv import SlotTable
 from specdeploy.engine.runtime.prefix_cache import PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, candidate_shapes

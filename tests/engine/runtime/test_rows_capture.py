@@ -13,7 +13,7 @@ import torch
 from specdeploy.engine.models.draft import build_draft
 from specdeploy.engine.models.llama import build_target
 from specdeploy.engine.runtime.calls import ModelCalls
-from specdeploy.engine.runtime.kv import KVPool, SlotTable
+from specdeploy.engine.memory.kv import KVPool, SlotTable
 from specdeploy.engine.runtime.rows import RowState, plain_body, spec_body
 from specdeploy.engine.demo.toy import tiny_config
 
