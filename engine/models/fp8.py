@@ -42,7 +42,7 @@ from specdeploy.engine.models.layers import (
 )
 from torch import nn
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite e4m3fn value
 KERNEL_BLOCK_K = 128  # the kernels' k tile: block scales must be 128 wide along K to use them
 FP4_GROUP = 32
 # e2m1 code -> value: sign bit 3, exponent bits 2-1, mantissa bit 0

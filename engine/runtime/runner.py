@@ -83,7 +83,7 @@ from specdeploy.engine.runtime.rows import RowState, RowSteps
 from specdeploy.engine.runtime.sampling import LogitControls, StepLogits, TokenLogprob, wants_processing
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
-from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
+from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, SERVER_ROLES, max_draft_tokens
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, SpecShape, candidate_shapes
 from specdeploy.engine.speculative.logits import top_logprobs
 from specdeploy.engine.speculative.verify import sample_from, warp_probs
@@ -121,8 +121,6 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None         # one per token_ids entry, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first output: prompt tokens 1.. (echo)
 
-
-ROLES = ("both", "prefill", "decode")
 
 
 class NoCapacity(RuntimeError):
@@ -216,8 +214,8 @@ class Runner:
         launch_ahead: launch the next decode step before waiting for the current one (module
         docstring): a request rides one discarded step past its end, so each needs one more
         step of context (max_sequence_tokens); not with adaptive speculation."""
-        if role not in ROLES:
-            raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
+        if role not in SERVER_ROLES:
+            raise ValueError(f"role {role!r}: use one of {', '.join(SERVER_ROLES)}")
         if role != "both" and plan is None:
             raise ValueError(f"role {role!r} needs a plan (its disaggregation metadata buffer)")
         self.role = role

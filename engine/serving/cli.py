@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from specdeploy.engine.planner.plan import SERVER_ROLES
 from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
 from specdeploy.engine.runtime.group import GROUP_PORT, RENDEZVOUS_TIMEOUT_S, GroupError, PodGroup, pod_group
 from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, DEFAULT_BODY_TIMEOUT_S,
@@ -42,7 +43,6 @@ from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, 
 log = logging.getLogger("specdeploy.engine")
 
 DTYPES = ("auto", *COMPUTE_DTYPES)
-ROLES = ("both", "prefill", "decode")
 # Requests waiting for admission, per running-request slot, before new ones get 429.
 QUEUE_PER_RUNNING_REQUEST = 4
 DEFAULT_NUM_STEPS = 3
@@ -122,7 +122,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="launch the next decode step before waiting for the current one, so the GPU never "
                         "waits for the host between steps (a finished request rides one discarded step; "
                         "one more step of context per request; not with --adaptive-speculation)")
-    p.add_argument("--role", choices=ROLES, default="both",
+    p.add_argument("--role", choices=SERVER_ROLES, default="both",
                    help="both: prefill and decode here (default); prefill / decode: one half of a "
                         "disaggregated pair behind `specdeploy router` (docs/disaggregation.md)")
     p.add_argument("--transfer-host", help="prefill/decode: the address peers reach this server's transfer "

@@ -37,7 +37,7 @@ def pair():
     small, perm = predictable_target(tiny_config(rms_norm_eps=1e-5), seed=3, layer_scale=0.5)
     head = copy_draft("EAGLE", small, perm)
     big = embed.embed_target(small, BIG)
-    return small, head, big, embed.embed_eagle_head(head, big, small.cfg)
+    return small, head, big, embed.embed_eagle_head(head, big)
 
 
 def test_target_logits_are_the_small_models(pair):
