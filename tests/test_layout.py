@@ -233,6 +233,76 @@ def test_contracts_can_fail():
     assert src.exists()
 
 
+# Tests share code through these folders only (pyproject.toml puts them on pytest's pythonpath):
+# a helper is imported by its own name, never through `tests.` or a test folder put on sys.path.
+TESTS = ROOT / "tests"
+TEST_SUPPORT = [TESTS / "support", TESTS / "cluster" / "testcluster"]
+PATH_CALLS = {"insert", "append", "extend"}
+
+
+def modules_of_test_folders() -> dict[Path, str]:
+    """Every module under tests/ but the shared ones -> its source."""
+    return {path: path.read_text() for path in sorted(TESTS.rglob("*.py"))
+            if not any(path.is_relative_to(folder) for folder in TEST_SUPPORT)}
+
+
+def shared_code_breaks(sources: dict[Path, str], test_modules: set[str]) -> list[str]:
+    """Where a module under tests/ imports a test module (by `tests.`, by a test folder's module
+    name, or loaded from its file) or changes sys.path."""
+    broken = []
+    for path, source in sources.items():
+        where = path.relative_to(TESTS)
+        module = ".".join(["tests", *where.with_suffix("").parts])
+        tree = ast.parse(source, str(path))
+        for imp in imports_in(module, source, path.name == "__init__.py", str(path)):
+            top = imp.name.split(".")[0]
+            if top == "tests" or top in test_modules:
+                broken.append(f"{where}:{imp.line} imports {imp.name}")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            func = node.func
+            if (func.attr in PATH_CALLS and isinstance(func.value, ast.Attribute) and func.value.attr == "path"
+                    and isinstance(func.value.value, ast.Name) and func.value.value.id == "sys"):
+                broken.append(f"{where}:{node.lineno} calls sys.path.{func.attr}")
+            elif func.attr == "spec_from_file_location":
+                named = [c.value for arg in node.args for c in ast.walk(arg)
+                         if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.endswith(".py")]
+                broken.extend(f"{where}:{node.lineno} loads {n}" for n in named if Path(n).stem in test_modules)
+    return sorted(broken)
+
+
+def test_tests_share_code_only_through_support():
+    """No test imports another test module or puts a folder on sys.path: what tests share lives
+    in tests/support (or the testcluster package) and is imported by its own name."""
+    sources = modules_of_test_folders()
+    broken = shared_code_breaks(sources | {p: p.read_text() for folder in TEST_SUPPORT for p in folder.rglob("*.py")},
+                                {p.stem for p in sources})
+    assert not broken, "move what is shared to tests/support:\n  " + "\n  ".join(broken)
+
+
+def test_test_module_check_can_fail():
+    planted = TESTS / "engine" / "planted.py"
+    source = (
+        "import sys\n"
+        "from tests.engine.serving.conftest import serve_argv\n"
+        "import importlib.util\n"
+        "def f():\n"
+        "    sys.path.insert(0, 'tests/engine/models')\n"
+        "    from test_prefix_cache import check_accounting\n"
+        "    importlib.util.spec_from_file_location('m', 'tests/operator/test_engine_pod.py')\n"
+        "    from v4_tiny import TINY\n"                                   # a support module: fine
+    )
+    assert shared_code_breaks({planted: source}, {"conftest", "test_prefix_cache", "test_engine_pod"}) == [
+        "engine/planted.py:2 imports tests.engine.serving.conftest",
+        "engine/planted.py:2 imports tests.engine.serving.conftest.serve_argv",
+        "engine/planted.py:5 calls sys.path.insert",
+        "engine/planted.py:6 imports test_prefix_cache",
+        "engine/planted.py:6 imports test_prefix_cache.check_accounting",
+        "engine/planted.py:7 loads tests/operator/test_engine_pod.py",
+    ]
+
+
 def test_pyproject_lists_every_package():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])

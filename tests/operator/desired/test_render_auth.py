@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import copy
 
+from split_resource import DEFAULTS, by_name, make_sdd, planned
+
 from specdeploy.operator import api
 from specdeploy.operator.desired import render, roles
-from tests.operator.desired.test_roles import DEFAULTS, by_name, make_sdd, planned
 
 
 def aggregated(sdd: dict) -> dict:
