@@ -9,8 +9,10 @@ functions:
 - contracts: a pair of module prefixes (importers, forbidden imports), for what the order does not
   say (third-party libraries, the operator, the local cluster).
 
-Also: the packages pyproject.toml lists are exactly the folders of the tree, and nothing at the
-repository root can shadow the standard library's `operator` module.
+Also: tests share code only through tests/support (and the testcluster package): no module under
+tests/ imports a test module or changes sys.path; the packages pyproject.toml lists are exactly the
+folders of the tree; nothing at the repository root can shadow the standard library's `operator`
+module.
 """
 
 from __future__ import annotations
@@ -282,6 +284,7 @@ def test_tests_share_code_only_through_support():
 
 
 def test_test_module_check_can_fail():
+    """A planted test module that reaches into other test modules three ways is reported each time."""
     planted = TESTS / "engine" / "planted.py"
     source = (
         "import sys\n"
