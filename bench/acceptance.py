@@ -279,7 +279,7 @@ def _prefill(model, shape_ids: torch.Tensor, *args):
     """One forward of the target (args: ids) or a head (args: ids, features) over [B, T] rows,
     causal, on a fresh KV pool."""
     from specdeploy.engine.models.attention import causal_batch
-    from specdeploy.engine.runtime.kv import KVPool
+    from specdeploy.engine.memory.kv import KVPool
 
     c = model.cfg
     b, t = shape_ids.shape

@@ -224,7 +224,7 @@ def run(ctx) -> dict:
     t0 = time.perf_counter()
     with default_dtype(dtype):
         big = embed.embed_target(small, z["shape"], dtype=dtype, device=dev)
-        big_head = embed.embed_eagle_head(small_head, big, small.cfg)
+        big_head = embed.embed_eagle_head(small_head, big)
     sync(dev)
     count = sum(p.numel() for p in big.parameters())
     result["embedding"] = {

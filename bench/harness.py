@@ -18,7 +18,7 @@ from specdeploy.engine.models import attention as attention_mod
 from specdeploy.engine.runtime import calls as calls_mod
 from specdeploy.engine.models.attention import AttnBatch
 from specdeploy.engine.models.draft import build_draft
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.llama import ModelConfig, build_target, default_dtype
 
 # ---- models ---------------------------------------------------------------------------------

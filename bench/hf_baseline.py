@@ -60,7 +60,7 @@ def build_hf_llama(config: dict, device, dtype=torch.bfloat16, engine_target=Non
 def engine_logits(target, input_ids: torch.Tensor) -> torch.Tensor:
     """input_ids [B, T] -> the engine's float32 logits [B, T, V] (a prefill over a fresh pool)."""
     from specdeploy.engine.models.attention import causal_batch
-    from specdeploy.engine.runtime.kv import KVPool
+    from specdeploy.engine.memory.kv import KVPool
 
     cfg = target.cfg
     b, t = input_ids.shape

@@ -152,13 +152,13 @@ def _all_reduce_ms(tp_group, rows, hidden, device, reps):
 
 def bench_rank(rank: int, args, init_method: str) -> dict | None:
     from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
-    from specdeploy.engine.runtime import distributed
+    from specdeploy.engine import parallel
     from specdeploy.engine.runtime.runner import SpecConfig
 
     cuda = not args.smoke
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    tp = distributed.init_tp(rank, args.tp, init_method, device)
+    tp = parallel.init_tp(rank, args.tp, init_method, device)
 
     def log(msg: str) -> None:  # every rank measures the same; rank 0 speaks for them
         if rank == 0:
@@ -239,7 +239,7 @@ def bench_rank(rank: int, args, init_method: str) -> dict | None:
     for key in ("weights_target", "weights_draft", "kv_per_token_target"):
         m = result["memory"][key]
         log(f"{key}: held {m['held'] / 2**20:.1f} MiB, plan {m['plan'] / 2**20:.1f} MiB")
-    distributed.destroy_tp()
+    parallel.destroy_tp()
     return result if rank == 0 else None
 
 

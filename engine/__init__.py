@@ -1,1 +1,2 @@
-"""The engine: planner/ (pure Python, the operator imports it), models/, kernels/, speculative/, runtime/, serving/, demo/."""
+"""The engine, in layers (tests/test_layout.py): planner/ (pure Python, the operator imports it)
+< kernels/ | memory/ | parallel.py < models/ < speculative/ < runtime/ < serving/ < demo/."""

@@ -26,6 +26,8 @@ ROUTER_APP_NAME = "specdeploy-router"
 # Which half of a disaggregated deployment (spec.disaggregation) an engine pod is: prefill | decode.
 ROLE_LABEL = f"{GROUP}/role"
 ENGINE_ROLES = ("prefill", "decode")
+# The Deployments of a disaggregated deployment: both engine roles and the router in front of them.
+SPLIT_ROLES = (*ENGINE_ROLES, "router")
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"

@@ -296,7 +296,7 @@ def _converge_roles(
 
         kube.update_status(namespace, name, blocked)
         raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
-    counts = ", ".join(f"{role} {roles.role_spec(sdd['spec'], role).get('replicas', 1)}" for role in roles.ROLES)
+    counts = ", ".join(f"{role} {roles.role_spec(sdd['spec'], role).get('replicas', 1)}" for role in api.SPLIT_ROLES)
     logger.info(f"applied the disaggregated children ({counts}; config hash {children.config_hash})")
     _event(sdd, warning=False, reason=api.EVENT_APPLIED,
            message=f"disaggregated: {counts} replicas, config hash {children.config_hash}")
@@ -328,7 +328,7 @@ def _converge_addons(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logg
 
 
 def role_deployments(kube: KubeClient, namespace: str, name: str) -> dict[str, dict[str, Any] | None]:
-    return {role: kube.get_deployment(namespace, roles.role_deployment_name(name, role)) for role in roles.ROLES}
+    return {role: kube.get_deployment(namespace, roles.role_deployment_name(name, role)) for role in api.SPLIT_ROLES}
 
 
 def _refuse(
@@ -509,7 +509,7 @@ def _restore_deleted_engine(
     if _spans_nodes(sdd.get("status") or {}):
         return  # the single-node Deployment, removed by converge
     if roles.is_disaggregated(sdd["spec"]):
-        wanted = [roles.role_deployment_name(owner["name"], role) for role in roles.ROLES]
+        wanted = [roles.role_deployment_name(owner["name"], role) for role in api.SPLIT_ROLES]
     else:
         wanted = [deployment_name(owner["name"])]
     if deleted not in wanted:

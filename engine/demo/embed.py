@@ -168,8 +168,7 @@ def embed_target(small: LlamaModel, shape: dict | None = None, *, dtype=None, de
 
 
 @torch.no_grad()
-def embed_eagle_head(small_head: EagleHead, big_target: LlamaModel, small_target_cfg: ModelConfig,
-                     seed: int = 1) -> EagleHead:
+def embed_eagle_head(small_head: EagleHead, big_target: LlamaModel, seed: int = 1) -> EagleHead:
     """An EAGLE-1/2 head for `big_target` computing `small_head`'s function (on big_target's
     embedding and LM head, as the small head used the small target's)."""
     if small_head.algorithm != "EAGLE" or small_head.hc_mult != 1:

@@ -228,7 +228,7 @@ def train_target(config: dict, stream, *, max_steps: int, budget_s: float, batch
     import torch
     import torch.nn.functional as F
 
-    from specdeploy.engine.runtime.kv import KVPool
+    from specdeploy.engine.memory.kv import KVPool
     from specdeploy.engine.models.llama import ModelConfig, build_target
 
     torch.manual_seed(seed)
@@ -309,7 +309,7 @@ def train_eagle(target, draft_config: dict, stream, *, max_steps: int, budget_s:
     import torch.nn.functional as F
 
     from specdeploy.engine.models.draft import build_draft
-    from specdeploy.engine.runtime.kv import KVPool
+    from specdeploy.engine.memory.kv import KVPool
     from specdeploy.engine.models.llama import ModelConfig
 
     torch.manual_seed(seed)

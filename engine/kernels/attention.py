@@ -23,7 +23,7 @@ captured graph replays for any lengths. Nothing is read back to the host.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -31,8 +31,15 @@ import triton.language as tl
 
 from specdeploy.engine.kernels.launch import gdc, pdl_args
 
-if TYPE_CHECKING:
-    from specdeploy.engine.models.attention import AttnBatch
+
+class SlotBatch(Protocol):
+    """What the kernel reads of a forward's slot addressing; models/attention.py's AttnBatch is
+    one (the kernels sit below the models and name no type of theirs)."""
+
+    prefix_slots: torch.Tensor  # [B, Kp] int64
+    prefix_lens: torch.Tensor   # [B] int64
+    new_slots: torch.Tensor     # [B, Kn] int64
+    new_mask: torch.Tensor      # [B, Q, Kn] bool
 
 
 BLOCK_K = 32                # keys per inner step
@@ -180,7 +187,7 @@ def num_kv_splits(programs: int, prefix_width: int, sm_count: int) -> int:
     return 1 << (max(want, 1).bit_length() - 1)
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SlotBatch,
            scale: float, num_splits: int | None = None,
            kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].

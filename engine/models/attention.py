@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specdeploy.engine import kernels
+from specdeploy.engine.models.fp8 import FP8_MAX
 
 
 @dataclass
@@ -46,7 +47,6 @@ class AttnBatch:
 
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def store_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

@@ -36,12 +36,13 @@ from pathlib import Path
 
 import torch
 
+from specdeploy.engine.planner.torch_files import PYTORCH_FILES, PYTORCH_INDEX
+from specdeploy.engine.planner.weights import SAFETENSORS_INDEX
+
 log = logging.getLogger("specdeploy.engine.load")
 
 SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_FILE = "pytorch_model.bin"
-PYTORCH_INDEX = "pytorch_model.bin.index.json"
 # Stored float dtypes that are cast to the planned dtype on the way in; anything else (fp8,
 # integer maps, masks) is data whose meaning the caller knows.
 CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,7 +69,7 @@ def find_layout(path: str | Path) -> Layout:
         raise CheckpointError(f"{path}: not a model directory")
     for fmt, index_name, single, pattern in (
         ("safetensors", SAFETENSORS_INDEX, SAFETENSORS_FILE, "*.safetensors"),
-        ("pytorch", PYTORCH_INDEX, PYTORCH_FILE, "pytorch_model*.bin"),
+        ("pytorch", PYTORCH_INDEX, PYTORCH_FILE, PYTORCH_FILES),
     ):
         index_path = path / index_name
         if index_path.is_file():
@@ -318,11 +319,3 @@ def _check_listed(file: Path, keys: list[str], listed: set[str] | None) -> None:
     absent = sorted(listed - set(keys))
     if absent:
         raise CheckpointError(f"{file}: lacks tensor(s) its index lists: {absent[:8]}")
-
-
-def has_weights(path: str | Path) -> bool:
-    try:
-        find_layout(path)
-    except CheckpointError:
-        return False
-    return True

@@ -31,7 +31,7 @@ tensor parallel: everything replicated (one shared K=V head leaves nothing to sp
     attention) but the routed experts, split across the ranks (expert parallelism inside the TP
     group): each rank adds its experts' share and one all-reduce per MoE layer sums them.
 
-Memory (engine/runtime/compressed_kv.py): every forward first writes its tokens' window K,
+Memory (engine/memory/compressed_kv.py): every forward first writes its tokens' window K,
 compressor projections and closed-window entries into the pools through the slot maps, then
 reads back what each query needs as fixed-shape gathers: `path [B, Q, S]`, the slots of the
 positions P, P - 1, .., P - S + 1 along the query's own ancestry (committed prefix, then the
@@ -62,8 +62,8 @@ from specdeploy.engine.models.layers import (ColumnParallelLinear, ParallelLMHea
 # keys] logits; the plan's workspace counts one block)
 from specdeploy.engine.planner.deepseek_v4 import (CSA, EXPERT_DEQUANT_CHUNK, HASH_MOE, HCA, QUERY_BLOCK,
                                                    SLIDING, RopeSpec, V4Config, read_v4_config)
-from specdeploy.engine.runtime.compressed_kv import V4KV
-from specdeploy.engine.runtime.kv import PAD_SLOT
+from specdeploy.engine.memory.compressed_kv import V4KV
+from specdeploy.engine.memory.kv import PAD_SLOT
 
 # In-flight key sets larger than this are prefill / extend chunks (causal, contiguous positions):
 # their paths are indexed by position instead of matched key by key.
@@ -842,9 +842,9 @@ class V4MoE(nn.Module):
         idx, w = self.gate(flat, ids.reshape(-1))
         routed = self.experts(flat, idx, w)
         if self.tp_size > 1:
-            from specdeploy.engine.runtime import distributed
+            from specdeploy.engine import parallel
 
-            routed = distributed.all_reduce(routed)
+            routed = parallel.all_reduce(routed)
         return (routed + self.shared_experts(flat)).view_as(x)
 
 

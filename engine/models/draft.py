@@ -34,15 +34,14 @@ from torch import nn
 
 from specdeploy.engine.models.attention import AttnBatch
 from specdeploy.engine.models.checkpoint import Checkpoint
+from specdeploy.engine.planner.shapes import DRAFT_ALGORITHMS
 from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS
 from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_embeddings, flatten_streams,
                                   unflatten_streams)
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.layers import GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, load_state, rope_inv_freq
 from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, default_dtype,
                                      read_config, rope_tables)
-
-ALGORITHMS = ("EAGLE", "EAGLE3", "MTP")
 
 log = logging.getLogger("specdeploy.engine.load")
 
@@ -222,8 +221,8 @@ def _with(cfg: ModelConfig, **changes) -> ModelConfig:
 
 def build_draft(algorithm: str, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
                 device, **kwargs) -> DraftHead:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown draft algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    if algorithm not in DRAFT_ALGORITHMS:
+        raise ValueError(f"unknown draft algorithm {algorithm!r}; expected one of {DRAFT_ALGORITHMS}")
     cls = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head, "MTP": MTPHead}[algorithm]
     with torch.device(device), default_dtype(dtype):
         head = cls(cfg, target, **kwargs)

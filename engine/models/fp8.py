@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from specdeploy.engine import kernels
-from specdeploy.engine.runtime import distributed
+from specdeploy.engine import parallel
 from specdeploy.engine.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -42,7 +42,7 @@ from specdeploy.engine.models.layers import (
 )
 from torch import nn
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite e4m3fn value
 KERNEL_BLOCK_K = 128  # the kernels' k tile: block scales must be 128 wide along K to use them
 FP4_GROUP = 32
 # e2m1 code -> value: sign bit 3, exponent bits 2-1, mantissa bit 0
@@ -374,7 +374,7 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
         y = self._matmul(x, None)
         if self.bias is not None and self.tp_rank == 0:  # once in the sum over ranks
             y = y + self.bias
-        return distributed.all_reduce(y) if self.tp_size > 1 else y
+        return parallel.all_reduce(y) if self.tp_size > 1 else y
 
     def load_param(self, name: str, full: torch.Tensor) -> None:
         if name == self.fmt.scale_name:

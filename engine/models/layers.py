@@ -15,7 +15,7 @@ ever holds a whole matrix).
 Vocabularies that tp does not divide are padded to tp * ceil(V / tp) rows (zero rows past V).
 KV heads fewer than tp are replicated: rank r holds kv head r // (tp / num_kv_heads), the one
 its query heads read (`kv_head_range`, the same count the planner's kv_heads_per_gpu makes).
-Collectives come from engine/runtime/distributed.py and are CUDA-graph capturable.
+Collectives come from engine/parallel.py and are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 from specdeploy.engine import kernels
 from specdeploy.engine.models.checkpoint import TensorSource
 from specdeploy.engine.planner.shapes import kv_heads_per_gpu
-from specdeploy.engine.runtime import distributed
+from specdeploy.engine import parallel
 
 
 def materialize(src) -> torch.Tensor:
@@ -183,7 +183,7 @@ class RowParallelLinear(nn.Module):
             x = x[..., self.cols[0]:self.cols[1]]
         # The bias joins on rank 0 only, so that the sum over ranks adds it once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return distributed.all_reduce(y) if self.tp_size > 1 else y
+        return parallel.all_reduce(y) if self.tp_size > 1 else y
 
     def load_param(self, name: str, full) -> None:
         if name == "weight":
@@ -210,7 +210,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.rows[0]
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return distributed.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
+        return parallel.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def load_param(self, name: str, full) -> None:
         _copy(self.weight, _rows(full, *self.rows, self.vocab_size), "embedding")
@@ -231,7 +231,7 @@ class ParallelLMHead(nn.Module):
         y = linear(x, self.weight)
         if self.tp_size == 1:
             return y
-        return distributed.all_gather(y)[..., :self.vocab_size]
+        return parallel.all_gather(y)[..., :self.vocab_size]
 
     def load_param(self, name: str, full) -> None:
         _copy(self.weight, _rows(full, *self.rows, self.vocab_size), "lm_head")

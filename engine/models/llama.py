@@ -26,7 +26,7 @@ from specdeploy.engine.models.checkpoint import Checkpoint
 from specdeploy.engine.models.hc import (HCConfig, HyperHead, PlainResidual, canonical_hc_key,
                                   expand_embeddings, flatten_streams, make_residual,
                                   unflatten_streams)
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                                       apply_rope, fused_kernels, kv_head_range,

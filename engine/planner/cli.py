@@ -13,7 +13,7 @@ from specdeploy.engine.planner.plan import (
     GPUS,
     Limits,
     Plan,
-    ROLES,
+    SERVER_ROLES,
     PlanError,
     SpecSettings,
     TRANSFER_STAGING_REQUESTS,
@@ -77,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="plan a --context-length beyond the target's max_position_embeddings")
     parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes, per-layer scales)")
-    parser.add_argument("--role", choices=ROLES, default="both",
+    parser.add_argument("--role", choices=SERVER_ROLES, default="both",
                         help="both: one server (default); prefill / decode: one half of a disaggregated pair "
                              "(no graphs / a small prefill workspace, and a host staging arena for the transfers)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the operator's plan.json)")

@@ -34,7 +34,7 @@ sliding_window; every layer kind has the sliding-window branch of its single sha
     entry pool (a tree node may close a window; which one is known only on the device). A step
     holds at most max(prefill chunk, running requests x slots per request per step) of them.
 
-The engine (engine/runtime/compressed_kv.py) allocates exactly `v4_pool_rows` of these widths,
+The engine (engine/memory/compressed_kv.py) allocates exactly `v4_pool_rows` of these widths,
 so the planner's bytes and the engine's bytes are one formula.
 """
 
@@ -65,7 +65,7 @@ HASH_MOE, MOE = "hash_moe", "moe"
 MLP_KINDS = (HASH_MOE, MOE)
 
 # Bytes of the per-slot maps the engine keeps for each V4 model: the slot's position (int64) and,
-# per recent pool and per entry pool, the row it owns (int64): see engine/runtime/kv.py.
+# per recent pool and per entry pool, the row it owns (int64): see engine/memory/kv.py.
 SLOT_INDEX_BYTES = 8
 
 # Quantized routed experts (FP4 / FP8 codes) are dequantized into model-dtype weights inside the

@@ -269,7 +269,8 @@ def custom_gpu(memory_gib: float) -> GPU:
 # The smallest prefill chunk worth serving with: below it, prompts crawl in through many steps.
 MIN_PREFILL_CHUNK_TOKENS = 256
 
-ROLES = ("both", "prefill", "decode")
+# What one engine server does: everything, or one side of prefill/decode disaggregation.
+SERVER_ROLES = ("both", "prefill", "decode")
 
 
 def role_prefill_chunk_tokens(role: str) -> int:
@@ -851,8 +852,8 @@ def plan(
         draft = None
     if gpus_per_node < 1:
         raise PlanError("InvalidGPU", f"gpus_per_node must be >= 1, got {gpus_per_node}")
-    if role not in ROLES:
-        raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(ROLES)}")
+    if role not in SERVER_ROLES:
+        raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(SERVER_ROLES)}")
     check_servable(target.v4 is not None, spec.algorithm)
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests

@@ -52,9 +52,10 @@ DTYPE_ALIASES = {
 # checkpoint's k_scale / v_scale where it has them, else 1); the scales are not per token.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": 1}
 
-ROLES = ("target", "EAGLE", "EAGLE3", "MTP")
 ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
 DRAFT_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "NONE")
+# What a config.json is used as: the target, or a draft of one of the algorithms.
+MODEL_ROLES = ("target", *DRAFT_ALGORITHMS)
 # Dtypes the engine computes in (weights stored otherwise are cast while loading).
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -74,7 +75,7 @@ class ModelShapes:
 
     model_type: str
     architecture: str
-    role: str  # one of ROLES: what this config is used as; decides which parameters it owns
+    role: str  # one of MODEL_ROLES: what this config is used as; decides which parameters it owns
     dtype: str
     dtype_bytes: int
     kv_cache_dtype: str  # "auto" (K/V in the compute dtype) or "fp8_e4m3"
@@ -318,8 +319,8 @@ def derive_shapes(config: dict[str, Any], *, role: str | None = None, dtype: str
     arch = _architecture(c)
     if role is None:
         role = "EAGLE3" if "eagle3" in arch.lower() else "target"
-    if role not in ROLES:
-        raise ConfigError(f"role: unknown {role!r}; expected one of {', '.join(ROLES)}")
+    if role not in MODEL_ROLES:
+        raise ConfigError(f"role: unknown {role!r}; expected one of {', '.join(MODEL_ROLES)}")
     model_type = str(c.get("model_type") or "")
     dtype_name = _dtype(c, dtype)
     b = DTYPE_BYTES[dtype_name]

@@ -1,1 +1,1 @@
-"""One process's device state: KV slots, the model calls of the decode loop, CUDA graphs, the step loop."""
+"""One process's step loop: the model calls of the decode loop, CUDA graphs, the runner, KV transfer, the ranks' lockstep."""

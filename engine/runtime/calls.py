@@ -24,9 +24,9 @@ import torch
 
 from specdeploy.engine.models.attention import AttnBatch, causal_batch
 from specdeploy.engine.models.draft import DraftHead
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.llama import LlamaModel
-from specdeploy.engine.runtime.kv import PAD_SLOT
+from specdeploy.engine.memory.kv import PAD_SLOT
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.speculative.tree import build_tree, expand_step
 from specdeploy.engine.speculative.verify import sample_from, verify_greedy, verify_sampling, warp_probs

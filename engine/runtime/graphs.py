@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdeploy.engine.runtime.calls import ModelCalls, speculate
-from specdeploy.engine.runtime.kv import PAD_SLOT
+from specdeploy.engine.memory.kv import PAD_SLOT
 
 log = logging.getLogger("specdeploy.engine.runtime.graphs")
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from specdeploy.engine.runtime.kv import SlotTable
+from specdeploy.engine.memory.kv import SlotTable
 
 # Bigram key = (token_i << _BIGRAM_SHIFT) + token_{i+1}; vocabularies are far below 2**31.
 _BIGRAM_SHIFT = 31

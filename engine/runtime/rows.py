@@ -38,7 +38,7 @@ import torch
 
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.runtime.calls import speculate
-from specdeploy.engine.runtime.kv import PAD_SLOT, SlotTable
+from specdeploy.engine.memory.kv import PAD_SLOT, SlotTable
 
 
 class RowState:

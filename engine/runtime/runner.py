@@ -77,13 +77,13 @@ import torch
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.runtime.calls import ModelCalls
 from specdeploy.engine.models.draft import DraftHead
-from specdeploy.engine.runtime.kv import PAD_SLOT, KVPool, PoolExhausted, SlotTable
+from specdeploy.engine.memory.kv import PAD_SLOT, KVPool, PoolExhausted, SlotTable
 from specdeploy.engine.runtime.prefix_cache import DEFER_MIN_TOKENS, PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.rows import RowState, RowSteps
 from specdeploy.engine.runtime.sampling import LogitControls, StepLogits, TokenLogprob, wants_processing
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.models.llama import LlamaModel
-from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, max_draft_tokens
+from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS, SERVER_ROLES, max_draft_tokens
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, SpecShape, candidate_shapes
 from specdeploy.engine.speculative.logits import top_logprobs
 from specdeploy.engine.speculative.verify import sample_from, warp_probs
@@ -121,8 +121,6 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None         # one per token_ids entry, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first output: prompt tokens 1.. (echo)
 
-
-ROLES = ("both", "prefill", "decode")
 
 
 class NoCapacity(RuntimeError):
@@ -216,8 +214,8 @@ class Runner:
         launch_ahead: launch the next decode step before waiting for the current one (module
         docstring): a request rides one discarded step past its end, so each needs one more
         step of context (max_sequence_tokens); not with adaptive speculation."""
-        if role not in ROLES:
-            raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
+        if role not in SERVER_ROLES:
+            raise ValueError(f"role {role!r}: use one of {', '.join(SERVER_ROLES)}")
         if role != "both" and plan is None:
             raise ValueError(f"role {role!r} needs a plan (its disaggregation metadata buffer)")
         self.role = role
@@ -299,7 +297,7 @@ class Runner:
         if own_pools and kv_dtype != dtype:
             raise ValueError(f"an {kv_dtype} KV cache is not supported for {type(target).__name__} targets yet")
         if own_pools:
-            # DeepSeek-V4 (engine/runtime/compressed_kv.py) keeps a request's recent tokens and
+            # DeepSeek-V4 (engine/memory/compressed_kv.py) keeps a request's recent tokens and
             # compressed entries in pools of its own, trimmed as tokens are committed: a finished
             # request's slots cannot be reused by another. (Between servers the kept rows move:
             # staged_kv; a draft that lags behind adaptive plain steps trims as it runs: `lags`.)

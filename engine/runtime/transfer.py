@@ -37,7 +37,7 @@ description as plain numbers (it travels in the prefill request); `kv_copies` is
 A staged region of n tokens is, pool after pool, K [L, n + 1, slot_bytes] then V [L, n + 1,
 slot_bytes], row j + 1 holding prompt position j (row 0 stands for the pad slot): each half is a
 pool of n + 1 slots, the whole region one byte range (StagedKV). DeepSeek-V4's pools (rows
-addressed through per-pool maps, engine/runtime/compressed_kv.py) stage, pool after pool,
+addressed through per-pool maps, engine/memory/compressed_kv.py) stage, pool after pool,
 [L_pool, kept + 1, row_bytes]: only the rows the request still holds (a recent pool's last
 `keep` positions, an entries pool's window closers: deepseek_v4.v4_kept_positions), and move
 only as whole regions.

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from specdeploy.engine.planner.plan import SERVER_ROLES
 from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
 from specdeploy.engine.runtime.group import GROUP_PORT, RENDEZVOUS_TIMEOUT_S, GroupError, PodGroup, pod_group
 from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, DEFAULT_BODY_TIMEOUT_S,
@@ -42,7 +43,6 @@ from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, 
 log = logging.getLogger("specdeploy.engine")
 
 DTYPES = ("auto", *COMPUTE_DTYPES)
-ROLES = ("both", "prefill", "decode")
 # Requests waiting for admission, per running-request slot, before new ones get 429.
 QUEUE_PER_RUNNING_REQUEST = 4
 DEFAULT_NUM_STEPS = 3
@@ -122,7 +122,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="launch the next decode step before waiting for the current one, so the GPU never "
                         "waits for the host between steps (a finished request rides one discarded step; "
                         "one more step of context per request; not with --adaptive-speculation)")
-    p.add_argument("--role", choices=ROLES, default="both",
+    p.add_argument("--role", choices=SERVER_ROLES, default="both",
                    help="both: prefill and decode here (default); prefill / decode: one half of a "
                         "disaggregated pair behind `specdeploy router` (docs/disaggregation.md)")
     p.add_argument("--transfer-host", help="prefill/decode: the address peers reach this server's transfer "
@@ -512,6 +512,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
 
     from specdeploy.engine.models.draft import load_draft
     from specdeploy.engine.planner.plan import Plan, role_prefill_chunk_tokens
+    from specdeploy.engine import parallel
     from specdeploy.engine.runtime import distributed
     from specdeploy.engine.runtime.runner import Runner
 
@@ -550,7 +551,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
     planned_weights = plan.target.weight_bytes_per_gpu + (plan.draft.weight_bytes_per_gpu if plan.draft else 0)
     _compare("weights" + (" (this rank)" if spec.tp_size > 1 else ""), weight_bytes, planned_weights)
     if spec.tp_size > 1:
-        distributed.group().barrier()  # loading takes each rank its own time
+        parallel.group().barrier()  # loading takes each rank its own time
     t2 = time.monotonic()
     if device.startswith("cuda"):
         calls = "target decode" if plan.algorithm == "NONE" else "the speculative step, greedy and sampling"
@@ -592,7 +593,7 @@ def build_runner(spec: RankSpec, rank: int = 0):
         log.info("CUDA graphs: none on CPU; the same calls run eagerly")
     _compare("KV cache", kv_bytes, plan.max_total_tokens * plan.memory_per_gpu.kv_cache_bytes_per_token)
     if spec.tp_size > 1:
-        distributed.agree_on_shapes(runner, distributed.group())
+        distributed.agree_on_shapes(runner, parallel.group())
     return runner, weight_bytes
 
 
@@ -632,6 +633,7 @@ def tp_worker(rank: int, spec: RankSpec) -> None:
     """Rank 1..N-1 of a tensor-parallel engine (a child process of rank 0): load this rank's
     shards, build the same Runner, then run the steps rank 0 sends until it says exit. Any
     failure exits non-zero, which rank 0's watchdog turns into the server's exit."""
+    from specdeploy.engine import parallel
     from specdeploy.engine.runtime import distributed
 
     configure_logging(rank, spec.node)
@@ -640,7 +642,7 @@ def tp_worker(rank: int, spec: RankSpec) -> None:
         import torch
 
         torch.manual_seed(spec.seed)
-        tp = distributed.init_tp(rank, spec.tp_size, spec.init_method, spec.rank_device(rank), spec.all_reduce)
+        tp = parallel.init_tp(rank, spec.tp_size, spec.init_method, spec.rank_device(rank), spec.all_reduce)
         runner, _ = build_runner(spec, rank)
         if spec.device == "cuda":
             tp.min_over_ranks(_available_gpu_bytes())
@@ -660,6 +662,7 @@ def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
     a group that cannot form exits 1 with one line."""
     import torch
 
+    from specdeploy.engine import parallel
     from specdeploy.engine.runtime import distributed
     from specdeploy.engine.runtime import group as pod_rendezvous
 
@@ -680,7 +683,7 @@ def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
         member.join(args.rendezvous_timeout_s)
         spec = dataclasses.replace(spec, init_method=group.init_method(member.leader_ip))
         ranks.start(spec, range(mine.start + 1, mine.stop))
-        tp = distributed.init_tp(first, spec.tp_size, spec.init_method, spec.rank_device(first), spec.all_reduce)
+        tp = parallel.init_tp(first, spec.tp_size, spec.init_method, spec.rank_device(first), spec.all_reduce)
         runner, _ = build_runner(spec, first)
         if device == "cuda":
             tp.min_over_ranks(_available_gpu_bytes())
@@ -754,6 +757,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
     With a tensor-parallel plan, starts the other ranks through `ranks` first."""
     import torch
 
+    from specdeploy.engine import parallel
     from specdeploy.engine.runtime import distributed
     from specdeploy.engine.runtime import group as pod_rendezvous
     from specdeploy.engine.runtime.runner import Request
@@ -779,7 +783,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
                 ranks.fatal(str(e))
             log.info("group: all %d pods joined (leader on node %s; %s)", group.size, group.node,
                      ", ".join(f"worker {i} on {n}" for i, n in sorted(nodes.items())))
-        tp = distributed.init_tp(0, tp_size, spec.init_method, spec.rank_device(0), args.all_reduce)
+        tp = parallel.init_tp(0, tp_size, spec.init_method, spec.rank_device(0), args.all_reduce)
         log.info("tensor parallel %d over %s", tp_size,
                  f"NCCL, all-reduce {tp.all_reduce_backend}" if device == "cuda" else "gloo")
     runner, _ = build_runner(spec, 0)

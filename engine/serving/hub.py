@@ -36,14 +36,12 @@ from specdeploy.engine.planner.remote import (
     is_commit,
     revision_problem,
 )
+from specdeploy.engine.planner.torch_files import PYTORCH_FILES, PYTORCH_INDEX
 
 log = logging.getLogger("specdeploy.hub")
 
 WANTED_FILES = ("*.json", "tokenizer.model", "*.jinja", "*.txt")
 SAFETENSORS_FILES = "*.safetensors"
-# training_args.bin, optimizer.bin and the like are no weights: only these names are.
-PYTORCH_FILES = "pytorch_model*.bin"
-PYTORCH_INDEX = "pytorch_model.bin.index.json"
 # Checkpoint copies in other formats, and the subfolders some repos add (original/ for Meta's own
 # format): never needed, often as large as the model.
 SKIPPED_FILES = ("*/*", "*.pt", "*.pth", "*.gguf", "*.msgpack", "*.h5", "*.onnx")

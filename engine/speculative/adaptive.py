@@ -98,7 +98,6 @@ class _Counts:
     deep, hits[d - 1] those of them that accepted depth d too."""
     trials: list[float] = field(default_factory=list)
     hits: list[float] = field(default_factory=list)
-    steps_since: int = 0
 
     def grow(self, depth: int) -> None:
         while len(self.trials) < depth:
@@ -181,13 +180,11 @@ class AdaptivePolicy:
         for c in self._counts.values():
             c.trials = [t * self.decay for t in c.trials]
             c.hits = [h * self.decay for h in c.hits]
-            c.steps_since += 1
         self.steps_by_shape[shape] = self.steps_by_shape.get(shape, 0) + 1
         if shape.is_none:
             return
         c = self._counts.setdefault(self._key(shape), _Counts())
         c.grow(shape.num_steps)
-        c.steps_since = 0
         for a in accepted:
             for d in range(min(a + 1, shape.num_steps)):  # reached depth d, so tried depth d + 1
                 c.trials[d] += 1.0

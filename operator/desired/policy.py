@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from specdeploy.operator.api import ENGINE_ROLES, LABEL_COMPONENT, LABEL_PART_OF
+from specdeploy.operator.api import LABEL_COMPONENT, LABEL_PART_OF, SPLIT_ROLES
 from specdeploy.operator.desired.render import ENGINE_PORT, common_labels, deployment_name, selector_labels
 from specdeploy.operator.desired.roles import is_disaggregated, role_deployment_name, role_labels, role_selector, role_spec
 
@@ -89,7 +89,7 @@ def disruption_budgets(sdd: dict[str, Any]) -> list[dict[str, Any]]:
             return []
         return [_budget(deployment_name(name), common_labels(name), selector_labels(name), settings)]
     budgets = []
-    for role in (*ENGINE_ROLES, "router"):
+    for role in SPLIT_ROLES:
         own = role_spec(spec, role)
         if _may_run_several(own.get("replicas", 1), own.get("autoscaling")):
             budgets.append(_budget(role_deployment_name(name, role), role_labels(name, role),

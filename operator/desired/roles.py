@@ -35,6 +35,7 @@ from specdeploy.operator.api import (
     MANAGED_BY,
     ROLE_LABEL,
     ROUTER_APP_NAME,
+    SPLIT_ROLES,
 )
 from specdeploy.operator.desired import scheduling
 from specdeploy.operator.desired.render import (
@@ -63,7 +64,6 @@ from specdeploy.operator.desired.render import (
 )
 
 ROUTER_CONTAINER = "router"
-ROLES = (*ENGINE_ROLES, "router")
 DEFAULT_TRANSFER_PROTOCOL = "tcp"
 DISAGG_SECRET_KEY = "secret"
 DISAGG_SECRET_VOLUME = "disagg-secret"
@@ -150,7 +150,7 @@ def child_names(name: str) -> dict[str, list[str]]:
     """Every child a disaggregated resource may own, by kind (what switching back to an
     aggregated engine removes)."""
     return {
-        "Deployment": [role_deployment_name(name, r) for r in ROLES],
+        "Deployment": [role_deployment_name(name, r) for r in SPLIT_ROLES],
         "ConfigMap": [role_config_map_name(name, r) for r in ENGINE_ROLES],
         "Service": [role_service_name(name, r) for r in ENGINE_ROLES],
     }
@@ -262,10 +262,10 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
     services["router"] = service_object(service_name(name), role_labels(name, "router"), role_selector(name, "router"))
 
     objects = []
-    for role in ROLES:
+    for role in SPLIT_ROLES:
         group = [o for o in (config_maps.get(role), deployments[role], services[role]) if o is not None]
         finish_children(sdd, group, role_labels(name, role))
         objects += group
     order = {"ConfigMap": 0, "Deployment": 1, "Service": 2}
     objects.sort(key=lambda o: order[o["kind"]])
-    return RoleChildren(objects, {r: deployments[r]["metadata"]["name"] for r in ROLES}, hash_value)
+    return RoleChildren(objects, {r: deployments[r]["metadata"]["name"] for r in SPLIT_ROLES}, hash_value)

@@ -144,9 +144,7 @@ def test_gemv_sweep_smoke(tmp_path):
     table = scope["GEMV_TABLE"]
     assert set(table) == {("fp8", 64, 512, 1), ("fp8", 64, 512, 4), ("plain", 64, 512, 1), ("plain", 64, 512, 4)}
     assert all(cfg[0] in ("fma", "dot", "cublas") and len(cfg) == 6 for cfg in table.values())
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import gemv_sweep
-        assert gemv_sweep.load_table(tmp_path / "gemv_table.py") == table  # what --gemv-table installs
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("gemv_sweep", ROOT / "bench" / "gemv_sweep.py")
+    gemv_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gemv_sweep)
+    assert gemv_sweep.load_table(tmp_path / "gemv_table.py") == table  # what --gemv-table installs

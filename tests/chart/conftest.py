@@ -1,16 +1,9 @@
-"""Fixtures for the chart tests. Helpers live in chartkit.py, importable from the test modules."""
+"""Fixtures for the chart tests. Helpers live in tests/support/chartkit.py."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-# pytest's importlib mode puts no test folder on sys.path; this one holds only test helpers.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from chartkit import Helm  # noqa: E402
+from chartkit import Helm
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,6 @@
 greedy MTP speculation with captured CUDA graphs (chain and tree, every bucket, padded batches)
 emits the target-only tokens and gives every slot and pool row back; bf16 runs under graphs."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,12 +9,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("transformers.models.deepseek_v4")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "models"))  # the tiny V4 helpers
-
 from v4_tiny import TINY, engine_model, hf_model, random_mtp, stable_indexer_ties  # noqa: E402
 
 from specdeploy.engine.models.attention import causal_batch  # noqa: E402
-from specdeploy.engine.runtime.kv import SlotTable  # noqa: E402
+from specdeploy.engine.memory.kv import SlotTable  # noqa: E402
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
 
 DEV = "cuda"

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import kubernetes.config  # noqa: F401
 import pytest
 import yaml
+from demo_pair import TINY_CPU_DEMO, build_demo_pair
 from testcluster import KubeCluster, wait_for
 
 from specdeploy.operator import cli as operator_cli
@@ -118,6 +119,19 @@ def hub_url() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def example() -> dict:
+    """manifests/examples/tiny-cpu-demo.yaml."""
+    return yaml.safe_load(TINY_CPU_DEMO.read_text())
+
+
+@pytest.fixture(scope="module")
+def demo_pair(tmp_path_factory, example) -> Path:
+    """What the engine image holds at /opt/specdeploy/demo: target/ (with its tokenizer) and draft/,
+    whose config.json files are the example's inline configs, byte for byte the same fields."""
+    return build_demo_pair(tmp_path_factory.mktemp("image") / "demo", example)
 
 
 @pytest.fixture(scope="session")

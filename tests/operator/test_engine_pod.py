@@ -21,25 +21,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from demo_pair import IMAGE_DEMO_DIR, build_demo_pair
+from demo_pair import IMAGE_DEMO_DIR, TINY_CPU_DEMO
 from testcluster import wait_for
 from specdeploy.localcluster.kubelet import LocalKubelet
-
-REPO = Path(__file__).resolve().parents[2]
-TINY_CPU_DEMO = REPO / "manifests" / "examples" / "tiny-cpu-demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def example() -> dict:
-    return yaml.safe_load(TINY_CPU_DEMO.read_text())
-
-
-@pytest.fixture(scope="module")
-def demo_pair(tmp_path_factory, example) -> Path:
-    """What the engine image holds at /opt/specdeploy/demo: target/ (with its tokenizer) and draft/,
-    whose config.json files are the example's inline configs, byte for byte the same fields."""
-    return build_demo_pair(tmp_path_factory.mktemp("image") / "demo", example)
 
 
 @pytest.fixture

@@ -26,19 +26,6 @@ from lws_controller import ClusterHosts, LwsController
 from testcluster import wait_for
 from specdeploy.localcluster.kubelet import LocalKubelet
 
-def _engine_pod_module():
-    """tests/operator/test_engine_pod.py, for its fixtures: the image's demo pair as it builds it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("engine_pod_fixtures", Path(__file__).with_name("test_engine_pod.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_fixtures = _engine_pod_module()
-demo_pair, example = _fixtures.demo_pair, _fixtures.example
-
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "tests" / "support"
 IMAGE_DEMO_DIR = "/opt/specdeploy/demo"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 IMAGE_DEMO_DIR = "/opt/specdeploy/demo"
+TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 # Small enough that the toy target's next token follows its input often, so drafts get accepted.
 TOY_LAYER_SCALE = 0.2
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specdeploy.engine import parallel
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_requests, run_to_completion, tiny_config
 from specdeploy.engine.planner.plan import Limits, SpecSettings, custom_gpu, plan_from_configs
 from specdeploy.engine.planner.weights import load_model_path
@@ -128,13 +129,13 @@ def rank_main(rank: int, specs: list[RankSpec], results) -> None:
     """Ranks 1..N-1: every case in turn, reporting what each holds, following rank 0's steps."""
     torch.set_num_threads(1)
     first = specs[0]
-    tp = distributed.init_tp(rank, first.tp_size, first.init_method, first.rank_device(rank), first.all_reduce,
+    tp = parallel.init_tp(rank, first.tp_size, first.init_method, first.rank_device(rank), first.all_reduce,
                              timeout_s=120)
     for spec in specs:
         runner, _ = build_runner(spec, rank)
         results.put((rank, held_bytes(runner)))
         distributed.follow(runner, tp)
-    distributed.destroy_tp()
+    parallel.destroy_tp()
 
 
 def run_tp(specs: list[RankSpec]) -> list[tuple[dict, dict]]:
@@ -148,7 +149,7 @@ def run_tp(specs: list[RankSpec]) -> list[tuple[dict, dict]]:
     workers = distributed.Workers(rank_main, first.tp_size, lambda rank: (specs, results), on_death=deaths.append)
     out = []
     try:
-        group = distributed.init_tp(0, first.tp_size, first.init_method, first.rank_device(0), first.all_reduce,
+        group = parallel.init_tp(0, first.tp_size, first.init_method, first.rank_device(0), first.all_reduce,
                                     timeout_s=120)
         for spec in specs:
             runner, _ = build_runner(spec, 0)
@@ -163,7 +164,7 @@ def run_tp(specs: list[RankSpec]) -> list[tuple[dict, dict]]:
         assert not deaths, deaths
         return out
     finally:
-        distributed.destroy_tp()
+        parallel.destroy_tp()
         workers.stop(timeout_s=30)
 
 

@@ -70,10 +70,6 @@ class DecodeService:
         if task is not None:
             task.cancel()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._tasks)
-
     async def close(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()

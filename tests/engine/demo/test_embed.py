@@ -10,7 +10,7 @@ import torch
 from specdeploy.engine.demo import embed
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_requests, run_to_completion, tiny_config
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import Runner, SpecConfig
 
 # Every dimension grows: hidden 32 -> 64, MLP 64 -> 96, 6 -> 9 layers, 4 -> 8 query heads of
@@ -37,7 +37,7 @@ def pair():
     small, perm = predictable_target(tiny_config(rms_norm_eps=1e-5), seed=3, layer_scale=0.5)
     head = copy_draft("EAGLE", small, perm)
     big = embed.embed_target(small, BIG)
-    return small, head, big, embed.embed_eagle_head(head, big, small.cfg)
+    return small, head, big, embed.embed_eagle_head(head, big)
 
 
 def test_target_logits_are_the_small_models(pair):

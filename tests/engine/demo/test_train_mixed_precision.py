@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specdeploy.engine.demo import train
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 
 VOCAB, SEQ = 64, 32
 

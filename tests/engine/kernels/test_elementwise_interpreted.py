@@ -111,7 +111,7 @@ from specdeploy.engine.kernels import elementwise as elementwise_triton
 from specdeploy.engine.models import layers
 from specdeploy.engine.models import llama as model_module
 from specdeploy.engine.models.attention import AttnBatch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.demo.toy import predictable_target, tiny_config
 
 from specdeploy.engine import kernels

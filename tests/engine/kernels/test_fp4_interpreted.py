@@ -4,6 +4,7 @@ interpreter (tests/engine/conftest.py): bit for bit, in bf16 and float32, every 
 scale, rows and columns past a block."""
 
 import pytest
+from v4_tiny import TINY
 
 pytest.importorskip("triton")
 
@@ -12,9 +13,6 @@ import torch
 from specdeploy.engine.kernels import fp4 as fp4_triton
 from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, _Experts
 from specdeploy.engine.models.fp8 import dequantize_fp4
-import sys
-sys.path.insert(0, "tests/engine/models")
-from v4_tiny import TINY
 
 experts = _Experts(V4ModelConfig.from_hf(TINY))
 experts.quantize("fp4")
@@ -35,4 +33,4 @@ print("ok")
 
 
 def test_fp4_dequant_kernel_is_the_torch_code_interpreted(run_interpreted):
-    run_interpreted(SCRIPT)
+    run_interpreted(f"TINY = {TINY!r}\n" + SCRIPT)  # the tiny config, as the subprocess cannot import it

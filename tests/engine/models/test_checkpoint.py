@@ -11,13 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdeploy.engine.models.checkpoint import (
-    PYTORCH_INDEX,
-    SAFETENSORS_INDEX,
-    Checkpoint,
-    CheckpointError,
-    find_layout,
-)
+from specdeploy.engine.models.checkpoint import Checkpoint, CheckpointError, find_layout
+from specdeploy.engine.planner.torch_files import PYTORCH_INDEX
+from specdeploy.engine.planner.weights import SAFETENSORS_INDEX
 
 
 def _tensors():

@@ -14,7 +14,7 @@ import torch
 
 from specdeploy.engine.models import deepseek_v4 as v4mod
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import SlotTable
+from specdeploy.engine.memory.kv import SlotTable
 
 from v4_tiny import TINY, engine_model, hf_model, original_scheme, stable_indexer_ties
 

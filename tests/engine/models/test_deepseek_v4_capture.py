@@ -15,64 +15,20 @@ On CPU with numbers, every expert path equals a per-token reference."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from host_sync import HostSync, NoHostSync
+from v4_tiny import TINY
 
 import specdeploy.engine.models.deepseek_v4 as v4mod
 from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, build_mtp, build_target, expert_path
 from specdeploy.engine.runtime.calls import ModelCalls
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v4_tiny import TINY  # noqa: E402
-
-aten = torch.ops.aten
 # one layer of each attention kind (hash-routed first), few Sinkhorn steps: the meta device
 # dispatches in Python, so every op counts
 CONFIG = {**TINY, "vocab_size": 12, "moe_intermediate_size": 32, "num_hidden_layers": 3, "hc_sinkhorn_iters": 2,
           "layer_types": TINY["layer_types"][:3], "mlp_layer_types": TINY["mlp_layer_types"][:3]}
-
-# ops whose CUDA kernels read device data on the host (their output's shape depends on it)
-SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.bincount, aten._unique,
-           aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.histc}
-INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-
-
-class HostSync(RuntimeError):
-    pass
-
-
-class NoHostSync(TorchDispatchMode):
-    """Refuses, during the forward it wraps, what a CUDA graph capture refuses."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet in SYNCING:
-            raise HostSync(f"{func}: a host sync")
-        if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor and "output_size" not in kwargs:
-            raise HostSync(f"{func} without output_size: a host sync")
-        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
-            raise HostSync(f"{func} to the host")
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if packet in INDEXING and any(t.dtype == torch.bool for t in tree_leaves(args[1])
-                                      if isinstance(t, torch.Tensor)):
-            raise HostSync(f"{func} with a boolean mask: a host sync")
-        if packet is aten._grouped_mm and any(t.dtype != torch.bfloat16 for t in leaves[:2]):
-            raise HostSync("grouped_mm off its bf16 fast path copies its offsets to the host")
-        for t in leaves:
-            if t.device.type == "cpu" and t.dim() > 0:
-                raise HostSync(f"{func} reads a CPU tensor {tuple(t.shape)} (a host-to-device copy)")
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                raise HostSync(f"{func} made a CPU tensor {tuple(t.shape)}")
-        return out
 
 
 def _h200_fast_path(device, dtype):

@@ -15,7 +15,7 @@ from specdeploy.engine.models import deepseek_v4 as v4mod
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.models.deepseek_v4_checkpoint import engine_name, load_v4_mtp, load_v4_target, mtp_engine_name
 from specdeploy.engine.models.fp8 import E2M1_VALUES, dequantize_fp4, dequantize_fp8, quantize_fp8_block
-from specdeploy.engine.runtime.kv import SlotTable
+from specdeploy.engine.memory.kv import SlotTable
 
 from v4_tiny import TINY, engine_model, hf_model, published, random_mtp
 

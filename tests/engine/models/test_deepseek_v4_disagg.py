@@ -16,7 +16,7 @@ from one_runner import reference, staged_transfer  # tests/support/one_runner.py
 
 from specdeploy.engine.planner.deepseek_v4 import read_v4_config, v4_kept_positions, v4_pools, v4_staged_bytes
 from specdeploy.engine.planner.plan import Limits, SpecSettings, custom_gpu, plan_from_configs, staging_aligned
-from specdeploy.engine.runtime.kv import PoolExhausted
+from specdeploy.engine.memory.kv import PoolExhausted
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner
 from specdeploy.engine.runtime.transfer import StagingArena
 

@@ -19,7 +19,7 @@ from specdeploy.engine.demo.toy import (
 from specdeploy.engine.models import fp8
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.models.llama import load_target
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import Runner, SpecConfig
 
 BLOCK = fp8.FP8Format("block", "weight_scale_inv", (128, 128))

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.models.draft import load_draft
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.llama import load_target
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool, SlotTable
+from specdeploy.engine.memory.kv import KVPool, SlotTable
 from specdeploy.engine.models.llama import load_target
 
 TOL = 1e-4

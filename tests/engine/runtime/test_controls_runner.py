@@ -11,7 +11,7 @@ import torch
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.speculative.logits import penalize
@@ -168,7 +168,7 @@ def test_controls_under_overlap_launch_ahead_and_adaptive_shapes(pair, mode):
     """The pipelined decode loops wait for a step with controls before launching the next (its
     tokens feed the next step's penalties); adaptive plain steps process their logits too."""
     from specdeploy.engine.speculative.adaptive import candidate_shapes
-    from tests.support.scripted_policy import ScriptedPolicy
+    from scripted_policy import ScriptedPolicy
 
     target, perm = pair
     want, want_lps, _ = run(Runner(target, max_total_tokens=512, max_running_requests=4), requests())

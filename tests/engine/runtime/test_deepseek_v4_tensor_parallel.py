@@ -7,17 +7,13 @@ speculation; each rank holds half the routed experts and the same KV pools."""
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
 from tp_ranks import held_bytes, rank_spec, run_one, run_tp
+from v4_tiny import TINY, engine_model, hf_model, random_mtp, save_published
 
 from specdeploy.engine.runtime import distributed
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the tiny V4 helpers
-
-from v4_tiny import TINY, engine_model, hf_model, random_mtp, save_published  # noqa: E402
 
 pytest.importorskip("transformers.models.deepseek_v4")
 

@@ -5,11 +5,9 @@ adaptive shapes; with requests that finish at different steps, a stop token mid-
 request aborted between steps, requests joining while others decode and seeded sampling. Free
 slots and rows come back to where they started, and the staged steps were really used."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from slot_accounting import check_accounting
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
@@ -205,10 +203,7 @@ def test_launch_ahead_seeded_sampling_and_the_extra_context_it_needs():
 def test_overlap_with_the_prefix_cache(launch_ahead):
     """Requests sharing a system prompt, some finishing while the next step is staged or in
     flight (whose positions go into the cache then): the same tokens as without overlap, and
-    every slot free, cached or owned at every step (test_prefix_cache.check_accounting)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_prefix_cache import check_accounting
-
+    every slot free, cached or owned at every step (slot_accounting.check_accounting)."""
     system = prompts(1)[0] * 3
     def reqs():
         return [Request(f"q{i}", system + p, m) for i, (p, m) in enumerate(zip(prompts(5), (6, 11, 3, 9, 14)))]

@@ -15,8 +15,9 @@ import random
 
 import pytest
 import torch
+from slot_accounting import check_accounting
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
-from specdeploy.engine.runtime.kv import SlotTable
+from specdeploy.engine.memory.kv import SlotTable
 from specdeploy.engine.runtime.prefix_cache import PrefixCache, shared_prefix_len
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, candidate_shapes
@@ -60,25 +61,6 @@ def run(runner: Runner, reqs) -> dict[str, dict]:
             rec["tokens"] += o.token_ids
         check_accounting(runner)
     return out
-
-
-def check_accounting(runner: Runner) -> None:
-    """Every usable slot is exactly one of: free, cached, owned by a request (not cached), or
-    taken by the next decode step, staged while this one ran (overlap) or launched ahead."""
-    table, cache = runner.table, runner.prefix_cache
-    owned = [runner.table.req_to_slot[s.row, s.cached:s.length] for s in runner._all_seqs() if s.row >= 0]
-    free = table._stack[:table.num_free]
-    parts = [free, *owned] + [step.slots.reshape(-1) for step in (runner._ahead, runner._in_flight) if step is not None]
-    if cache is not None:
-        cache.check()
-        stack = [cache.root]
-        while stack:
-            node = stack.pop()
-            parts.append(node.slots)
-            stack.extend(node.children.values())
-    everything = torch.cat(parts)
-    assert everything.numel() == table.capacity, f"{everything.numel()} slots accounted, {table.capacity} exist"
-    assert everything.unique().numel() == table.capacity, "a slot is held twice"
 
 
 SYSTEM = tokens(40, 100)

@@ -1,24 +1,20 @@
 """The decode steps by row (rows.py) can be captured: their bodies (plain decode, decode with
 the feature, the speculative step greedy and sampling, chain and tree, EAGLE and MTP, hc_mult 1
 and 4) run on the "meta" device, where no tensor has data, under the dispatch mode of
-test_deepseek_v4_capture.py that refuses host syncs, boolean-mask indexing and CPU tensors: the
+tests/support/host_sync.py that refuses host syncs, boolean-mask indexing and CPU tensors: the
 gathers from the row state and the in-graph commit included."""
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from host_sync import NoHostSync
 
 from specdeploy.engine.models.draft import build_draft
 from specdeploy.engine.models.llama import build_target
 from specdeploy.engine.runtime.calls import ModelCalls
-from specdeploy.engine.runtime.kv import KVPool, SlotTable
+from specdeploy.engine.memory.kv import KVPool, SlotTable
 from specdeploy.engine.runtime.rows import RowState, plain_body, spec_body
 from specdeploy.engine.demo.toy import tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from test_deepseek_v4_capture import NoHostSync  # noqa: E402
 
 META = "meta"
 ROWS, CTX, SLOTS = 6, 40, 512

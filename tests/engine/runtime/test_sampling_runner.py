@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, run_to_completion, tiny_config
 from specdeploy.engine.speculative.verify import warp_probs

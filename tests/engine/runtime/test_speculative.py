@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdeploy.engine.models.attention import causal_batch
-from specdeploy.engine.runtime.kv import KVPool
+from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_target, tiny_config
 

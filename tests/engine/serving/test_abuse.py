@@ -349,7 +349,7 @@ TIGHT = ("--header-timeout-s", "1", "--body-timeout-s", "1", "--max-concurrent-r
 def tight(model_dirs):
     from specdeploy.engine.serving.cli import ServerThread
 
-    from .conftest import MAX_QUEUED_REQUESTS, MAX_RUNNING_REQUESTS, MODEL_NAME, Server, free_port, serve_argv
+    from engine_server import MAX_QUEUED_REQUESTS, MAX_RUNNING_REQUESTS, MODEL_NAME, Server, free_port, serve_argv
 
     running = ServerThread(serve_argv(*model_dirs, free_port(), *TIGHT)).start(timeout_s=120)
     yield Server(url=running.base_url, model=MODEL_NAME, vocab_size=0, context_length=256,

@@ -139,7 +139,7 @@ def test_rotated_keys_apply_without_a_restart(keyed_server):
 
 
 def test_serve_refuses_a_missing_key_file_in_one_line(model_dirs, tmp_path):
-    from tests.engine.serving.conftest import serve_argv
+    from engine_server import serve_argv
 
     argv = [sys.executable, "-P", "-m", "specdeploy.cli",
             *serve_argv(*model_dirs, 1, "--api-key-file", str(tmp_path / "nope"))]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
+from chartkit import EXAMPLES, example_files, load_sdd, model_configs
 from checkpoint_hub import CheckpointHub, Repo, deepseek_v4_flash_tensors, sharded_checkpoint
 
 from specdeploy.cli import build_parser
@@ -24,9 +24,6 @@ from specdeploy.operator.cluster import config_source as cs
 from specdeploy.operator.desired import render
 from specdeploy.operator.desired.planning import ModelWeights, plan_engine
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "tests" / "chart"))
-from chartkit import EXAMPLES, example_files, load_sdd, model_configs  # noqa: E402
 
 V4_EXAMPLE = EXAMPLES / "deepseek-v4-mtp.yaml"
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.serving.test_errors import assert_error, assert_still_serving, post
+from api_errors import assert_error, assert_still_serving, post
 
 LONG = {"ignore_eos": True}
 

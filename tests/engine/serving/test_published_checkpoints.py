@@ -115,7 +115,7 @@ def _transformers(directory: Path):
 def test_engine_logits_equal_transformers_on_the_replica(replicas, name):
     from specdeploy.engine.models.attention import causal_batch
     from specdeploy.engine.models.llama import load_target
-    from specdeploy.engine.runtime.kv import KVPool
+    from specdeploy.engine.memory.kv import KVPool
 
     model = load_target(str(replicas[name]), torch.float32)
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])

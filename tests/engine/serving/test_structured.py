@@ -16,8 +16,8 @@ from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.serving.structured import GrammarSpec, compile_spec
 from specdeploy.engine.serving.tokenizer import Tokenizer
-from tests.engine.serving.conftest import CONTEXT_LENGTH
-from tests.engine.serving.test_errors import assert_error, assert_still_serving, post
+from api_errors import assert_error, assert_still_serving, post
+from engine_server import CONTEXT_LENGTH
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "count", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 6},

@@ -17,8 +17,8 @@ from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.serving import tools
 from specdeploy.engine.serving.tokenizer import Tokenizer
-from tests.engine.serving.conftest import CONTEXT_LENGTH, MODEL_NAME, free_port, serve_argv
-from tests.engine.serving.test_errors import assert_error, assert_still_serving, post
+from api_errors import assert_error, assert_still_serving, post
+from engine_server import CONTEXT_LENGTH, MODEL_NAME, free_port, serve_argv
 
 # Qwen3's tool branches (its template, shortened: no thinking, no multi-part content).
 HERMES_TEMPLATE = (

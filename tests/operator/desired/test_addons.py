@@ -13,12 +13,9 @@ def sdd(**spec):
             "metadata": {"name": "llm", "namespace": "serving", "uid": "u-1", "generation": 3}, "spec": {**base, **spec}}
 
 
-ROLES = ("prefill", "decode", "router")
-
-
 def split(**fields):
     """A disaggregated resource: role names in `fields` are role blocks, the rest spec fields."""
-    roles = {r: fields.pop(r, {"replicas": 1}) for r in ROLES}
+    roles = {r: fields.pop(r, {"replicas": 1}) for r in api.SPLIT_ROLES}
     return sdd(disaggregation=roles, **fields)
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 
+from split_resource import DEFAULTS, by_name, make_sdd, planned
+
+from specdeploy.operator import api
 from specdeploy.operator.desired import render, roles
-from tests.operator.desired.test_roles import DEFAULTS, by_name, make_sdd, planned
 
 
 def aggregated(sdd: dict) -> dict:
@@ -62,7 +64,7 @@ def test_split_roles_share_a_secret_and_the_router_checks_the_keys():
     sdd = with_keys(make_sdd())
     children = roles.render_roles(sdd, planned(sdd), DEFAULTS)
     deployments = by_name(children, "Deployment")
-    for role in roles.ROLES:
+    for role in api.SPLIT_ROLES:
         pod = deployments[roles.role_deployment_name("llama8b", role)]["spec"]["template"]["spec"]
         container = pod["containers"][0]
         assert pod["automountServiceAccountToken"] is False

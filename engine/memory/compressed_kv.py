@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from specdeploy.engine.planner.deepseek_v4 import PoolSpec, V4Config, v4_kept_positions, v4_pool_rows, v4_pools
-from specdeploy.engine.runtime.kv import PoolExhausted
+from specdeploy.engine.memory.kv import PoolExhausted
 
 PAD_ROW = 0
 
