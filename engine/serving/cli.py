@@ -219,10 +219,10 @@ def _leave_tp_group() -> None:
 
     if "torch" not in sys.modules:
         return
-    from specdeploy.engine.runtime import distributed
+    from specdeploy.engine import parallel
 
     try:
-        distributed.destroy_tp()
+        parallel.destroy_tp()
     except Exception as e:  # noqa: BLE001 - a peer already gone: exit anyway
         log.debug("tensor-parallel group teardown: %s", e)
 
