@@ -38,7 +38,8 @@ from common import free_device_memory, log, sync
 from harness import use_fast_attention
 from specdeploy.engine.models import attention as attention_mod
 from specdeploy.engine.demo import train
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 
 # Device sizes fit the whole section in about 2.5 minutes of an H200: corpus and tokenizer
 # ~10 s, target ~55 s, the target's generations a few seconds, head ~25 s, assisted-generation
@@ -198,7 +199,7 @@ def _batch1_runner(target, draft, shape: str | None, context_length: int, device
     if draft is None:
         return Runner(target, **kw)
     steps, topk, ndt = SPEC_SHAPES[shape]
-    return Runner(target, draft, SpecConfig("EAGLE", steps, topk, ndt), **kw)
+    return Runner(target, draft, SpecSettings("EAGLE", steps, topk, ndt), **kw)
 
 
 def engine_generate(runner: Runner, prompts, new_tokens: int, device, tag: str,

@@ -51,7 +51,7 @@ from specdeploy.engine.models.deepseek_v4 import V4ModelConfig, build_mtp, build
 from specdeploy.engine.models import deepseek_v4 as v4mod  # noqa: E402
 from specdeploy.engine.planner.plan import (GPUS, PREFILL_ALLOCATOR_SLACK, Limits, SpecSettings,  # noqa: E402
                                             custom_gpu, plan_from_configs)
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Request, Runner  # noqa: E402
 
 FLASH = REPO_ROOT / "manifests" / "models" / "deepseek-v4-flash" / "config.json"
 # 5 decoder layers (0: sliding window, 4: CSA, 128: HCA) and the MTP layer's entry (sliding).
@@ -92,7 +92,7 @@ def random_v4(config: dict, device, dtype, seed: int):
     return target, head
 
 
-def _runner(target, head, spec: SpecConfig, batch: int, context: int, max_new: int, device, graph_mode: str):
+def _runner(target, head, spec: SpecSettings, batch: int, context: int, max_new: int, device, graph_mode: str):
     scratch = (spec.num_steps - 1) * spec.topk + spec.num_draft_tokens if head is not None else 1
     runner = Runner(target, head, spec, max_total_tokens=batch * (context + max_new + scratch + 2) + 8,
                     max_running_requests=batch, context_length=context + max_new + spec.num_steps + 8,
@@ -121,7 +121,7 @@ def step_ms(target, head, spec, batch, context, steps, warmup, device, graph_mod
 def run_decode_and_mtp(target, head, args, device, graph_mode, parts) -> list[dict]:
     rows = []
     for batch in args.batches:
-        base = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup, device, graph_mode)
+        base = step_ms(target, None, SpecSettings("NONE"), batch, args.context, args.steps, args.warmup, device, graph_mode)
         log(f"decode bs={batch:<3} step {base['step_ms']:.2f} ms = {batch / base['step_ms'] * 1e3:.1f} tok/s")
         rows.append({"kind": "decode", "batch": batch, "context": args.context, **base,
                      "tok_s": batch / base["step_ms"] * 1e3})
@@ -129,7 +129,7 @@ def run_decode_and_mtp(target, head, args, device, graph_mode, parts) -> list[di
             continue
         for name, (s, k, n) in SHAPES.items():
             try:
-                r = step_ms(target, head, SpecConfig("MTP", s, k, n), batch, args.context, args.steps,
+                r = step_ms(target, head, SpecSettings("MTP", s, k, n), batch, args.context, args.steps,
                             args.warmup, device, graph_mode)
             except Exception as e:  # one shape failing leaves the others standing
                 rows.append({"kind": "mtp", "shape": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -275,14 +275,14 @@ def run_fp4(target, head, args, device, graph_mode, bf16_rows) -> list[dict]:
     bf16 = {r["batch"]: r["step_ms"] for r in bf16_rows if r.get("kind") == "decode" and "error" not in r}
     for batch in args.batches:  # the bf16 steps, unless the decode part measured them
         if batch not in bf16:
-            bf16[batch] = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup,
+            bf16[batch] = step_ms(target, None, SpecSettings("NONE"), batch, args.context, args.steps, args.warmup,
                                   device, graph_mode)["step_ms"]
     quantize_experts_fp4([target, head], seed=11)
     free_device_memory()
     experts = [m for m in target.modules() if isinstance(m, v4mod._Experts)]
     out = []
     for batch in args.batches:
-        fp4 = step_ms(target, None, SpecConfig(), batch, args.context, args.steps, args.warmup, device, graph_mode)
+        fp4 = step_ms(target, None, SpecSettings("NONE"), batch, args.context, args.steps, args.warmup, device, graph_mode)
         alone = dequant_ms(experts, batch, target.cfg.num_experts_per_tok, device)
         torch_alone = torch_dequant_ms(experts, batch, target.cfg.num_experts_per_tok, device)
         row = {"kind": "fp4", "batch": batch, "moe_layers": len(experts), "bf16_step_ms": bf16[batch],

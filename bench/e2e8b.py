@@ -36,7 +36,8 @@ from harness import use_fast_attention
 from specdeploy.engine.demo import embed
 from specdeploy.engine.models import attention as attention_mod
 from specdeploy.engine.models.llama import default_dtype
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.speculative.adaptive import SpecShape
 
 SIZES = {
@@ -110,7 +111,7 @@ def _runner(target, draft, shape, *, batches, context_length: int, device, adapt
         return Runner(target, **kw)
     if adaptive:
         kw["adaptive_shapes"] = ADAPTIVE_SHAPES
-    return Runner(target, draft, SpecConfig("EAGLE", *shape), adaptive=adaptive, **kw)
+    return Runner(target, draft, SpecSettings("EAGLE", *shape), adaptive=adaptive, **kw)
 
 
 def batch_tok_s(runner: Runner, prompts, new_tokens: int, device, tag: str) -> dict:

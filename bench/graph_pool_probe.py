@@ -22,7 +22,8 @@ from common import (LLAMA_31_8B, bootstrap_specdeploy, cuda_probe_args, free_dev
 bootstrap_specdeploy()
 
 from harness import mtp_head_config, eagle_head_config, random_head, random_target  # noqa: E402
-from specdeploy.engine.runtime.runner import Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16)
 # A small hc_mult 4 target (Llama-shaped, 2048 wide, 8 layers): what the pool holds beyond the
@@ -48,7 +49,7 @@ def probe(name: str, config: dict, algorithm: str, fused: bool) -> dict:
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=400_000)
     before = torch.cuda.memory_reserved()
-    runner = Runner(target, head, SpecConfig(algorithm, 3, 1, 4), max_total_tokens=200_000,
+    runner = Runner(target, head, SpecSettings(algorithm, 3, 1, 4), max_total_tokens=200_000,
                     max_running_requests=max(BUCKETS), context_length=2048, device="cuda",
                     cuda_graph_batch_sizes=BUCKETS, fused_spec_step=fused)
     torch.cuda.synchronize()

@@ -341,14 +341,15 @@ def decode_runner(target, batch: int, context: int, max_new: int, device, graph_
     step() is one decode step for all B (plain; speculative with `head` and shape (steps, topk,
     draft tokens), whose steps may emit up to steps + 1 tokens each), for max_new - 1 steps at least."""
     from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS
-    from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+    from specdeploy.engine.runtime.runner import Request, Runner
+    from specdeploy.engine.planner.plan import SpecSettings
 
     # the requests prefilled first decode during the later chunks' steps: room for those too
     max_new += -(-batch * context // PREFILL_CHUNK_TOKENS)
     spec, scratch, ahead = None, 1, 2
     if head is not None:
         steps, topk, n = shape
-        spec = SpecConfig(head.algorithm, steps, topk, n)
+        spec = SpecSettings(head.algorithm, steps, topk, n)
         scratch, ahead = (steps - 1) * topk + n, 2 * (steps + 1)
         max_new *= steps + 1
     runner = Runner(target, head, spec, max_total_tokens=batch * (context + max_new + 2 * scratch + 2) + 8,

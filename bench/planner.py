@@ -34,7 +34,7 @@ from harness import (eagle3_head_config, eagle_head_config, mtp_head_config, ran
                      random_target)
 from specdeploy.engine.planner import plan as plan_mod
 from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
 
 
 # Second attempt when the plan's KV pool leaves the engine too little room (see measure()).
@@ -95,8 +95,8 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
     if cuda:
         out["terms"]["weights"]["allocated_delta_bytes"] = m1["allocated"] - m0["allocated"]
 
-    runner_spec = SpecConfig(spec.algorithm, spec.num_steps, spec.topk, spec.num_draft_tokens) \
-        if head is not None else SpecConfig()
+    runner_spec = SpecSettings(spec.algorithm, spec.num_steps, spec.topk, spec.num_draft_tokens) \
+        if head is not None else SpecSettings("NONE")
     kv = static = runner = None
     t0 = time.perf_counter()
     # The plan's own KV pool first; should the engine not fit beside it, once more with the pool

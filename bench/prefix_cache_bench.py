@@ -42,7 +42,8 @@ bootstrap_specdeploy()
 import torch  # noqa: E402
 
 from harness import eagle3_head_config, random_head, random_target, use_fast_attention  # noqa: E402
-from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 PROFILES = {
     "device": {"config": LLAMA_31_8B, "system_tokens": 4096, "question_tokens": (16, 96), "max_tokens": 64,
@@ -57,7 +58,7 @@ def make_runner(target, head, p: dict, cache: bool, device) -> Runner:
     longest = p["system_tokens"] + p["question_tokens"][1] + p["max_tokens"]
     # Room for every running request plus about as much again for the cache to keep.
     slots = 2 * p["running"] * (longest + 16) + 2 * longest
-    return Runner(target, head, SpecConfig("EAGLE3", *SHAPE), max_total_tokens=slots,
+    return Runner(target, head, SpecSettings("EAGLE3", *SHAPE), max_total_tokens=slots,
                   max_running_requests=p["running"], context_length=longest + 16, device=device,
                   cuda_graph_batch_sizes=p["graph_batches"],
                   graph_mode="capture" if device.type == "cuda" else "padded", prefix_cache=cache)

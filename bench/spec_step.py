@@ -35,7 +35,8 @@ from common import free_device_memory, log, time_ms
 from harness import (EngineDecode, eagle3_head_config, eagle_head_config, mtp_head_config, profile_top,
                      random_head, random_target, runner_decode_ms, timed_steps, use_fast_attention)
 from specdeploy.engine.planner.plan import PREFILL_CHUNK_TOKENS
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 4, 8), "tree-deep": (5, 4, 16)}
 GOALS = {"chain": 1.35, "tree": 1.6}
@@ -58,7 +59,7 @@ def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: 
     # ones prefill (a chunk of PREFILL_CHUNK_TOKENS per step)
     max_new = (steps + warmup + 6 + -(-batch * context // PREFILL_CHUNK_TOKENS)) * (num_draft + 1)
     scratch = (num_steps - 1) * topk + num_draft
-    runner = Runner(target, head, SpecConfig(head.algorithm, num_steps, topk, num_draft),
+    runner = Runner(target, head, SpecSettings(head.algorithm, num_steps, topk, num_draft),
                     max_total_tokens=batch * (context + max_new + scratch + 2) + 8,
                     max_running_requests=batch, context_length=context + max_new + num_steps + 8,
                     device=device, cuda_graph_batch_sizes=(batch,), graph_mode=graph_mode,

@@ -153,7 +153,6 @@ def _all_reduce_ms(tp_group, rows, hidden, device, reps):
 def bench_rank(rank: int, args, init_method: str) -> dict | None:
     from specdeploy.engine.planner.plan import GPUS, Limits, SpecSettings, custom_gpu, plan_from_configs
     from specdeploy.engine import parallel
-    from specdeploy.engine.runtime.runner import SpecConfig
 
     cuda = not args.smoke
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
@@ -195,7 +194,7 @@ def bench_rank(rank: int, args, init_method: str) -> dict | None:
 
     spec_results = {}
     for label, (steps, topk, n) in SHAPES.items():
-        runner = _runner(target, draft, SpecConfig("EAGLE3", steps, topk, n), batches, context, device)
+        runner = _runner(target, draft, SpecSettings("EAGLE3", steps, topk, n), batches, context, device)
         rows = {}
         for b in batches:
             inputs = _spec_inputs(b, context, steps, topk, n, draft.carried_size, device, dtype)

@@ -56,6 +56,7 @@ from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.models.hc import (HCConfig, HyperHead, _Float32Params, canonical_hc_key,
                                          expand_embeddings, flatten_streams, make_residual,
                                          unflatten_streams)
+from specdeploy.engine.models.protocol import OWN_POOLS
 from specdeploy.engine.models.layers import (ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding,
                                              fused_kernels)
 # QUERY_BLOCK: queries per block when a long chunk runs the attention (bounds the [block, heads,
@@ -877,6 +878,8 @@ class TargetOutput:
 class DeepseekV4Model(nn.Module):
     """The target: same calling convention as LlamaModel (forward(ids, positions, batch, kv))."""
 
+    kv_layout = OWN_POOLS   # models/protocol.py: make_kv
+
     def __init__(self, cfg: V4ModelConfig, feature_kind: str | None = None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         if cfg.hc_mult < 2:
@@ -954,6 +957,7 @@ class DeepseekV4MTP(DraftHead):
     feeds the layer its own streams); further MTP layers of a config are not used."""
 
     algorithm = "MTP"
+    kv_layout = OWN_POOLS   # models/protocol.py: make_kv
 
     def __init__(self, target: DeepseekV4Model):
         super().__init__()

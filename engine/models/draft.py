@@ -40,6 +40,7 @@ from specdeploy.engine.models.hc import (HyperHead, canonical_hc_key, expand_emb
                                   unflatten_streams)
 from specdeploy.engine.memory.kv import KVPool
 from specdeploy.engine.models.layers import GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, load_state, rope_inv_freq
+from specdeploy.engine.models.protocol import SLOT_ROWS
 from specdeploy.engine.models.llama import (Attention, DecoderLayer, LlamaModel, ModelConfig, default_dtype,
                                      read_config, rope_tables)
 
@@ -51,6 +52,7 @@ class DraftHead(nn.Module):
     input_size: int
     carried_size: int
     draft_vocab_size: int
+    kv_layout = SLOT_ROWS   # models/protocol.py: the runner allocates its KVPool
 
     def bind_target(self, target: LlamaModel) -> None:
         # Shared modules are held outside the module tree so that they are neither saved,

@@ -27,6 +27,7 @@ from specdeploy.engine.models.hc import (HCConfig, HyperHead, PlainResidual, can
                                   expand_embeddings, flatten_streams, make_residual,
                                   unflatten_streams)
 from specdeploy.engine.memory.kv import KVPool
+from specdeploy.engine.models.protocol import SLOT_ROWS
 from specdeploy.engine.models.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                                       apply_rope, fused_kernels, kv_head_range,
@@ -252,6 +253,8 @@ class TargetOutput:
 
 
 class LlamaModel(nn.Module):
+    kv_layout = SLOT_ROWS   # models/protocol.py: the runner allocates its KVPool
+
     def __init__(self, cfg: ModelConfig, feature_kind: str | None = None,
                  aux_layers: tuple[int, ...] | None = None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()

@@ -89,6 +89,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "SpecSettings",
+    "SpecShape",
     "cuda_graph_batch_sizes",
     "gemv_width_bytes",
     "group_sizes",
@@ -304,21 +305,21 @@ def max_draft_tokens(num_steps: int, topk: int) -> int:
     return topk + (num_steps - 1) * topk * topk + 1
 
 
-@dataclass(frozen=True)
-class SpecSettings:
-    """Speculative decoding settings: draft `num_steps` deep, `topk` branches per step, verifying
-    `num_draft_tokens` tokens per request (topk 1: a chain, so num_steps + 1)."""
-
-    algorithm: str = "EAGLE3"
-    num_steps: int = 3
+@dataclass(frozen=True, order=True)
+class SpecShape:
+    """A speculative shape: draft `num_steps` deep, `topk` branches per step, verifying
+    `num_draft_tokens` tokens per request (topk 1: a chain, so num_steps + 1); num_steps 0 is
+    NONE, a plain decode step. The plan's settings, the runner's configured shape and every
+    shape adaptive speculation may choose are this type, checked by its one `validate()`."""
+    num_steps: int
     topk: int = 1
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 1
 
-    def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise PlanError("InvalidSpeculativeSettings", f"algorithm: unknown {self.algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-        if self.algorithm == "NONE":
-            return
+    def validate(self) -> None:
+        """PlanError unless this is a shape a draft can run: num_steps and topk >= 1, a chain's
+        num_draft_tokens num_steps + 1, a tree's within [2, max_draft_tokens]. The CRD's CEL
+        rules on spec.speculative state the same bounds (tests/engine/planner/test_spec_shape.py).
+        NONE is not one: a caller that allows it tests `is_none` first."""
         if self.num_steps < 1 or self.topk < 1:
             raise PlanError("InvalidSpeculativeSettings", f"num_steps and topk must be >= 1, got {self.num_steps} and {self.topk}")
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
@@ -333,6 +334,62 @@ class SpecSettings:
                 f"num_draft_tokens must be in [2, topk + (num_steps - 1) * topk^2 + 1 = {most}], "
                 f"got {self.num_draft_tokens}",
             )
+
+    @property
+    def is_none(self) -> bool:
+        return self.num_steps == 0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1 and not self.is_none
+
+    @property
+    def label(self) -> str:
+        """'none' or 'S,K,N' (a Prometheus label value, and what logs and status show)."""
+        return "none" if self.is_none else f"{self.num_steps},{self.topk},{self.num_draft_tokens}"
+
+    @classmethod
+    def parse(cls, text: str) -> SpecShape:
+        """'none' | 'S,K,N' | 'S' (a chain of S steps) -> SpecShape."""
+        text = text.strip().lower()
+        if text in ("none", "0"):
+            return NONE
+        parts = [int(p) for p in text.split(",")]
+        if len(parts) == 1:
+            return cls(parts[0], 1, parts[0] + 1)
+        if len(parts) != 3:
+            raise ValueError(f"speculative shape {text!r}: use 'none', 'S' or 'S,K,N'")
+        return cls(*parts)
+
+
+NONE = SpecShape(0, 1, 1)
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Speculative decoding settings: the algorithm and the shape it runs (SpecShape's fields)."""
+
+    algorithm: str = "EAGLE3"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """PlanError for an unknown algorithm, or (unless NONE) a shape SpecShape.validate refuses."""
+        if self.algorithm not in ALGORITHMS:
+            raise PlanError("InvalidSpeculativeSettings", f"algorithm: unknown {self.algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+        if self.algorithm != "NONE":
+            SpecShape(self.num_steps, self.topk, self.num_draft_tokens).validate()
+
+    @property
+    def shape(self) -> SpecShape:
+        """The shape a draft runs; NONE for algorithm NONE."""
+        if self.algorithm == "NONE":
+            return NONE
+        return SpecShape(self.num_steps, self.topk, self.num_draft_tokens)
 
     @property
     def tokens_per_request_step(self) -> int:

@@ -10,6 +10,10 @@ pass, where every tree node is processed with the drafted tokens on its path
 (speculative/logits.py). Log-probabilities come from the raw logits (before controls and
 temperature: vLLM's default), taken where the emitted token was chosen: the verify pass's
 logits at the accepted path's nodes, which equal target-only decoding's.
+
+`Sampling` is the Runner's sampling glue (a part of `Runner`, over its device, generator and
+shapes): a batch's temperature / top-k / top-p as tensors, its uniform draws (each seeded
+request from its own generator), the first-token pick, and greedy batches' constants.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
+from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.speculative.logits import path_counts, penalize, top_logprobs
+from specdeploy.engine.speculative.verify import sample_from, warp_probs
 
 
 class TokenGrammar(Protocol):
@@ -178,3 +184,49 @@ class StepLogits:
 def wants_processing(seqs) -> bool:
     """Whether a batch needs a StepLogits (some request has controls)."""
     return any(s.req.controls is not None for s in seqs)
+
+
+class Sampling:
+    def _init_sampling(self, seed: int) -> None:
+        """The runner's generator (requests without a seed draw from it), and greedy requests'
+        sampling parameters and (unused) uniform draws as device constants."""
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        m = self.max_running_requests
+        self._greedy = (torch.zeros(m, device=self.device),
+                        torch.zeros(m, dtype=torch.int64, device=self.device),
+                        torch.ones(m, device=self.device))
+        self._greedy_views: dict[tuple[int, int], tuple] = {}
+        self._greedy_uniforms = torch.full(
+            (m, max(sh.num_draft_tokens + 1 + sh.num_steps for sh in self.shapes)), 0.5, device=self.device)
+
+    def _greedy_params(self, b: int):
+        """Sampling parameters of B greedy requests (device constants made once)."""
+        return tuple(x[:b] for x in self._greedy)
+
+    def _greedy_args(self, b: int, draws: int):
+        """(sampling parameters, uniform draws [B, draws]) of B greedy requests, the views
+        made once per (B, draws)."""
+        key = (b, draws)
+        if key not in self._greedy_views:
+            self._greedy_views[key] = (self._greedy_params(b), self._greedy_uniforms[:b, :draws])
+        return self._greedy_views[key]
+
+    def _sampling_params(self, seqs):
+        dev = self.device
+        return (torch.tensor([s.req.temperature for s in seqs], device=dev),
+                torch.tensor([s.req.top_k for s in seqs], device=dev),
+                torch.tensor([s.req.top_p for s in seqs], device=dev))
+
+    def _uniforms(self, seqs, n: int) -> torch.Tensor:
+        """[B, n] uniform draws, from each request's own generator when it has a seed."""
+        return torch.stack([torch.rand(n, generator=s.generator or self._generator, device=self.device)
+                            for s in seqs])
+
+    def _sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
+        if all(s.req.temperature == 0 for s in seqs):
+            return argmax(logits)
+        probs = warp_probs(logits, *self._sampling_params(seqs))
+        return sample_from(probs, self._uniforms(seqs, 1)[:, 0])
+
+    def _step_logits(self, seqs) -> StepLogits | None:
+        return StepLogits(seqs, self.target.cfg.vocab_size, self.device) if wants_processing(seqs) else None

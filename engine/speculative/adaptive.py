@@ -39,42 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The shape type is the planner's (its one validate() is the plan's, the runner's and the CRD's bounds).
+from specdeploy.engine.planner.plan import NONE, SpecShape
 
-@dataclass(frozen=True, order=True)
-class SpecShape:
-    """A speculative shape; num_steps 0 is NONE (a plain decode step)."""
-    num_steps: int
-    topk: int = 1
-    num_draft_tokens: int = 1
-
-    @property
-    def is_none(self) -> bool:
-        return self.num_steps == 0
-
-    @property
-    def is_chain(self) -> bool:
-        return self.topk == 1 and not self.is_none
-
-    @property
-    def label(self) -> str:
-        """'none' or 'S,K,N' (a Prometheus label value, and what logs and status show)."""
-        return "none" if self.is_none else f"{self.num_steps},{self.topk},{self.num_draft_tokens}"
-
-    @classmethod
-    def parse(cls, text: str) -> SpecShape:
-        """'none' | 'S,K,N' | 'S' (a chain of S steps) -> SpecShape."""
-        text = text.strip().lower()
-        if text in ("none", "0"):
-            return NONE
-        parts = [int(p) for p in text.split(",")]
-        if len(parts) == 1:
-            return cls(parts[0], 1, parts[0] + 1)
-        if len(parts) != 3:
-            raise ValueError(f"speculative shape {text!r}: use 'none', 'S' or 'S,K,N'")
-        return cls(*parts)
-
-
-NONE = SpecShape(0, 1, 1)
+__all__ = ["NONE", "AdaptivePolicy", "SpecShape", "bucket_for", "candidate_shapes"]
 
 
 def candidate_shapes(num_steps: int, topk: int, num_draft_tokens: int) -> list[SpecShape]:

@@ -13,7 +13,8 @@ from v4_tiny import TINY, engine_model, hf_model, random_mtp, stable_indexer_tie
 
 from specdeploy.engine.models.attention import causal_batch  # noqa: E402
 from specdeploy.engine.memory.kv import SlotTable  # noqa: E402
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Request, Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 DEV = "cuda"
 BUCKETS = (1, 2, 4)
@@ -75,12 +76,12 @@ def serve(target, draft, spec, graph_mode):
     return out, runner
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4), SpecConfig("MTP", 2, 3, 7)],
+@pytest.mark.parametrize("spec", [SpecSettings("MTP", 3, 1, 4), SpecSettings("MTP", 2, 2, 4), SpecSettings("MTP", 2, 3, 7)],
                          ids=["chain3", "tree2x2", "tree2x3"])
 def test_graphed_mtp_speculation_is_lossless(models, spec):
     _, target, mtp = models
-    reference, _ = serve(target, None, SpecConfig(), "off")
-    graphed_plain, _ = serve(target, None, SpecConfig(), "capture")
+    reference, _ = serve(target, None, SpecSettings("NONE"), "off")
+    graphed_plain, _ = serve(target, None, SpecSettings("NONE"), "capture")
     out, runner = serve(target, mtp, spec, "capture")
     assert graphed_plain == reference
     assert out == reference
@@ -93,7 +94,7 @@ def test_bf16_runs_under_graphs(models):
     bf16 = engine_model(CONFIG, hf, dtype=torch.bfloat16).to(DEV)
     mtp = random_mtp(bf16).to(DEV, torch.bfloat16)
     assert bf16.layers[0].self_attn.sinks.dtype == torch.float32  # kept float32 like the checkpoint
-    out, runner = serve(bf16, mtp, SpecConfig("MTP", 2, 1, 3), "capture")
+    out, runner = serve(bf16, mtp, SpecSettings("MTP", 2, 1, 3), "capture")
     assert all(len(tokens) == 20 for tokens in out.values())
 
 
@@ -140,7 +141,7 @@ def _fp4_experts(model, seed: int):
     return model
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4)], ids=["chain3", "tree2x2"])
+@pytest.mark.parametrize("spec", [SpecSettings("MTP", 3, 1, 4), SpecSettings("MTP", 2, 2, 4)], ids=["chain3", "tree2x2"])
 def test_graphed_mtp_over_fp4_experts_is_lossless(spec):
     """FP4 routed experts (dequantized per step inside the captured graphs: the rows' experts
     when a step has fewer rows than experts, every expert a chunk at a time otherwise) in float32:
@@ -148,7 +149,7 @@ def test_graphed_mtp_over_fp4_experts_is_lossless(spec):
     hf = hf_model(CONFIG)
     target = _fp4_experts(engine_model(CONFIG, hf).to(DEV), seed=7)
     mtp = _fp4_experts(random_mtp(target).to(DEV), seed=8)
-    reference, _ = serve(target, None, SpecConfig(), "off")
+    reference, _ = serve(target, None, SpecSettings("NONE"), "off")
     out, runner = serve(target, mtp, spec, "capture")
     assert out == reference
     assert runner.num_draft_tokens_accepted > 0

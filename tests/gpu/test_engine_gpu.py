@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 from specdeploy.engine.models import attention  # noqa: E402
 from specdeploy.engine.models.attention import AttnBatch, reference  # noqa: E402
-from specdeploy.engine.runtime.runner import Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 from specdeploy.engine.demo.toy import (copy_draft, predictable_target, random_requests,  # noqa: E402
                                    run_to_completion, tiny_config)
 
@@ -199,7 +200,7 @@ def graphed_and_eager(algorithm, hc_mult, topk, n, fused):
     calls' K/V pools)."""
     target, perm = predictable_target(gpu_config(hc_mult), seed=0, layer_scale=0.25, device=DEV)
     draft = copy_draft(algorithm, target, perm)
-    spec = SpecConfig(algorithm, 3, topk, n)
+    spec = SpecSettings(algorithm, 3, topk, n)
     graphed = _graphed(Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
                               context_length=256, device=DEV, graph_mode="off"), fused)
     eager_calls = Runner(target, draft, spec, max_total_tokens=4000, max_running_requests=8,
@@ -325,7 +326,7 @@ def test_graphed_speculative_decoding_is_lossless(algorithm, hc_mult, topk, n, b
     reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
     plain = Runner(target, max_total_tokens=4000, max_running_requests=8, context_length=256,
                    device=DEV, cuda_graph_batch_sizes=BUCKETS)
-    spec = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=4000,
+    spec = Runner(target, draft, SpecSettings(algorithm, 3, topk, n), max_total_tokens=4000,
                   max_running_requests=8, context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
                   fused_spec_step=fused)
     free = spec.num_free_slots
@@ -350,7 +351,7 @@ def test_adaptive_shapes_under_graphs_are_lossless(algorithm, hc_mult, topk, n, 
     reqs = lambda: random_requests((5, 30, 2, 17, 9), 24, 64)  # noqa: E731
     plain = run_to_completion(Runner(target, max_total_tokens=4000, max_running_requests=8,
                                      context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS), reqs())
-    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=4000,
+    runner = Runner(target, draft, SpecSettings(algorithm, 3, topk, n), max_total_tokens=4000,
                     max_running_requests=8, context_length=256, device=DEV, cuda_graph_batch_sizes=BUCKETS,
                     fused_spec_step=fused, adaptive=True, catch_up_tokens=3)
     assert set(runner.policy.base_costs_s) == {(s, b) for s in runner.shapes for b in BUCKETS}
@@ -414,7 +415,7 @@ def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mu
         assert launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
         assert plain(graph_mode="off") == want
         assert plain(cuda_graph_batch_sizes=BUCKETS) == want
-        spec = Runner(target, copy_draft(algorithm, target, perm), SpecConfig(algorithm, 3, topk, n),
+        spec = Runner(target, copy_draft(algorithm, target, perm), SpecSettings(algorithm, 3, topk, n),
                       max_total_tokens=4000, max_running_requests=8, context_length=256, device=DEV,
                       cuda_graph_batch_sizes=BUCKETS)
         assert run_to_completion(spec, reqs()) == want

@@ -30,7 +30,8 @@ import torch.nn.functional as F  # noqa: E402
 from specdeploy.engine.demo.toy import copy_draft, random_requests, run_to_completion  # noqa: E402
 from specdeploy.engine.kernels import fp8 as fp8_kernels  # noqa: E402
 from specdeploy.engine.models import fp8  # noqa: E402
-from specdeploy.engine.runtime.runner import Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 DEV = "cuda"
 # (N, K) of Llama-3.1-8B's fused qkv, o, fused gate/up and down projections
@@ -229,7 +230,7 @@ def test_fp8_target_graphs_and_speculation_are_lossless(tmp_path):
                                        cuda_graph_batch_sizes=(1, 2, 4), kv_cache_dtype=fp8_kv), reqs())
     assert graphed == eager
     draft = copy_draft("EAGLE", target, perm, layer_scale=0.2)
-    spec = Runner(target, draft, SpecConfig("EAGLE", 3, 1, 4), max_total_tokens=512, max_running_requests=4,
+    spec = Runner(target, draft, SpecSettings("EAGLE", 3, 1, 4), max_total_tokens=512, max_running_requests=4,
                   device=DEV, cuda_graph_batch_sizes=(1, 2, 4), kv_cache_dtype=fp8_kv)
     assert run_to_completion(spec, reqs()) == eager
     rate = spec.num_draft_tokens_accepted / spec.num_draft_tokens_proposed

@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config  # noqa: E402
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Request, Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 DEV = "cuda"
 BUCKETS = (1, 2, 4)
@@ -67,7 +68,7 @@ def models(algorithm, hc_mult):
 
 def build(algorithm, hc_mult, topk, n, overlap, **kw):
     target, draft = models(algorithm, hc_mult)
-    spec = None if draft is None else SpecConfig(algorithm, 3, topk, n)
+    spec = None if draft is None else SpecSettings(algorithm, 3, topk, n)
     return Runner(target, draft, spec, max_total_tokens=1200, max_running_requests=6, context_length=96,
                   device=DEV, cuda_graph_batch_sizes=BUCKETS, overlap=overlap, **kw)
 

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config  # noqa: E402
 from specdeploy.engine.models import attention  # noqa: E402
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig  # noqa: E402
+from specdeploy.engine.runtime.runner import Request, Runner  # noqa: E402
+from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 DEV = "cuda"
 
@@ -53,7 +54,7 @@ def test_cache_on_equals_cache_off_under_graphs(algorithm, hc_mult, topk, n, bac
     target, perm = predictable_target(tiny_config(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                                                   intermediate_size=128, hc_mult=hc_mult), seed=0, device=DEV)
     draft = None if algorithm == "NONE" else copy_draft(algorithm, target, perm)
-    spec = SpecConfig(algorithm, 3 if draft else 0, topk, n)
+    spec = SpecSettings(algorithm, 3 if draft else 0, topk, n)
     system = tokens(300, 100)
     a = Request("a", system + tokens(6, 1), 16)
     second = lambda out_a: [  # noqa: E731

@@ -11,7 +11,8 @@ from specdeploy.engine.demo import embed
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_requests, run_to_completion, tiny_config
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.memory.kv import KVPool
-from specdeploy.engine.runtime.runner import Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Runner
+from specdeploy.engine.planner.plan import SpecSettings
 
 # Every dimension grows: hidden 32 -> 64, MLP 64 -> 96, 6 -> 9 layers, 4 -> 8 query heads of
 # 8 -> 16 dims, query groups 2 -> 4, vocabulary 64 -> 80.
@@ -72,7 +73,7 @@ def test_eagle_head_logits_are_the_small_heads(pair):
 
 def test_the_engine_runs_the_embedded_pair_as_the_small_one(pair):
     small, head, big, big_head = pair
-    spec = SpecConfig("EAGLE", 3, 1, 4)
+    spec = SpecSettings("EAGLE", 3, 1, 4)
     outs, rates = [], []
     for target, draft in ((small, head), (big, big_head)):
         runner = Runner(target, draft, spec, max_total_tokens=400, max_running_requests=3)

@@ -12,7 +12,7 @@ import torch
 from specdeploy.engine.planner.deepseek_v4 import (SLOT_INDEX_BYTES, read_v4_config, v4_in_flight_rows,
                                                    v4_pool_rows, v4_pools)
 from specdeploy.engine.planner.plan import GIB, Limits, SpecSettings, custom_gpu, plan_from_configs
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
 
 from v4_tiny import SMALL_VOCAB, TINY, target_and_mtp
 
@@ -29,7 +29,7 @@ def models():
 @pytest.fixture(scope="module")
 def reference(models):
     """Target-only greedy outputs (plain decode, eager)."""
-    return serve(models[0], None, SpecConfig())[0]
+    return serve(models[0], None, SpecSettings("NONE"))[0]
 
 
 def prompts():
@@ -55,8 +55,8 @@ def serve(target, draft, spec, prefill_chunk_tokens=8192, temperature=0.0, polic
     return out, runner
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 1, 3),
-                                  SpecConfig("MTP", 3, 2, 6), SpecConfig("MTP", 2, 3, 7)],
+@pytest.mark.parametrize("spec", [SpecSettings("MTP", 3, 1, 4), SpecSettings("MTP", 2, 1, 3),
+                                  SpecSettings("MTP", 3, 2, 6), SpecSettings("MTP", 2, 3, 7)],
                          ids=["chain3", "chain2", "tree3x2", "tree2x3"])
 def test_greedy_mtp_equals_target_only(models, reference, spec):
     target, mtp = models
@@ -77,7 +77,7 @@ def test_adaptive_speculation_equals_target_only(models, reference, seed):
 
     target, mtp = models
     shapes = candidate_shapes(3, 2, 6)
-    out, runner = serve(target, mtp, SpecConfig("MTP", 3, 2, 6), adaptive=True, adaptive_shapes=shapes,
+    out, runner = serve(target, mtp, SpecSettings("MTP", 3, 2, 6), adaptive=True, adaptive_shapes=shapes,
                         step_costs_s={(sh, 1): 1.0 for sh in shapes}, catch_up_tokens=4,
                         policy=lambda shapes: ScriptedPolicy(shapes, seed, [3] + [1] * (len(shapes) - 1)))
     assert out == reference
@@ -95,7 +95,7 @@ def test_catch_up_leaves_the_mtp_state_a_full_extend_gives(models):
     from specdeploy.engine.speculative.adaptive import NONE
 
     target, mtp = models
-    spec = SpecConfig("MTP", 2, 1, 3)
+    spec = SpecSettings("MTP", 2, 1, 3)
     runner = Runner(target, mtp, spec, max_total_tokens=300, max_running_requests=4, context_length=96,
                     adaptive=True, step_costs_s={(sh, 1): 1.0 for sh in (NONE,)}, adaptive_shapes=[NONE],
                     catch_up_tokens=6)
@@ -131,10 +131,10 @@ def test_graph_buffers_and_padded_batches_change_nothing(models, reference):
     """graph_mode "padded": the CUDA graphs' static buffers, batch-size buckets and padded rows,
     replayed eagerly (any device): the fixed-shape path the graphs capture on the GPU."""
     target, mtp = models
-    for spec in (SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4)):
+    for spec in (SpecSettings("MTP", 3, 1, 4), SpecSettings("MTP", 2, 2, 4)):
         out, _ = serve(target, mtp, spec, graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
         assert out == reference
-    out, _ = serve(target, None, SpecConfig(), graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
+    out, _ = serve(target, None, SpecSettings("NONE"), graph_mode="padded", cuda_graph_batch_sizes=(1, 2, 4))
     assert out == reference
 
 
@@ -142,7 +142,7 @@ def test_rejection_sampling_gives_every_row_back(models):
     """Sampled speculation (chain sampling and a sampled tree) rejects at random depths: slots
     and pool rows still all come back (serve() checks), and seeded requests repeat exactly."""
     target, mtp = models
-    for spec in (SpecConfig("MTP", 3, 1, 4), SpecConfig("MTP", 2, 2, 4)):
+    for spec in (SpecSettings("MTP", 3, 1, 4), SpecSettings("MTP", 2, 2, 4)):
         first, runner = serve(target, mtp, spec, temperature=0.8)
         again, _ = serve(target, mtp, spec, temperature=0.8)
         assert first == again and all(len(t) == 20 for t in first.values())
@@ -150,7 +150,7 @@ def test_rejection_sampling_gives_every_row_back(models):
 
 
 def test_chunked_prefill_changes_nothing(models, reference):
-    chunked, _ = serve(models[0], None, SpecConfig(), prefill_chunk_tokens=5)
+    chunked, _ = serve(models[0], None, SpecSettings("NONE"), prefill_chunk_tokens=5)
     assert chunked == reference
 
 
@@ -160,9 +160,9 @@ def test_attention_blocks_over_prompts_and_queries_change_nothing(models, refere
     import specdeploy.engine.models.deepseek_v4 as v4mod
 
     monkeypatch.setattr(v4mod, "QUERY_BLOCK", 4)
-    out, _ = serve(models[0], None, SpecConfig())
+    out, _ = serve(models[0], None, SpecSettings("NONE"))
     assert out == reference
-    out, _ = serve(*models, SpecConfig("MTP", 2, 2, 4))
+    out, _ = serve(*models, SpecSettings("MTP", 2, 2, 4))
     assert out == reference
 
 

@@ -20,7 +20,8 @@ from specdeploy.engine.models import fp8
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.models.llama import load_target
 from specdeploy.engine.memory.kv import KVPool
-from specdeploy.engine.runtime.runner import Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Runner
+from specdeploy.engine.planner.plan import SpecSettings
 
 BLOCK = fp8.FP8Format("block", "weight_scale_inv", (128, 128))
 SMALL_BLOCK = fp8.FP8Format("block", "weight_scale_inv", (16, 16))
@@ -177,7 +178,7 @@ def test_speculative_on_an_fp8_target_is_lossless(tmp_path, algorithm, topk, n):
 
     plain = run_to_completion(Runner(target, max_total_tokens=400, max_running_requests=4), reqs())
     draft = copy_draft(algorithm, target, perm)
-    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=400, max_running_requests=4)
+    runner = Runner(target, draft, SpecSettings(algorithm, 3, topk, n), max_total_tokens=400, max_running_requests=4)
     assert run_to_completion(runner, reqs()) == plain
     rate = runner.num_draft_tokens_accepted / runner.num_draft_tokens_proposed
     assert 0.1 < rate < 0.95, f"acceptance rate {rate:.2f}: the test would not see both outcomes"
@@ -230,7 +231,7 @@ def test_speculative_over_an_fp8_kv_cache_is_lossless(tmp_path, algorithm, topk,
     assert plain_runner.target_kv.k.dtype == fp8_kv and plain_runner.target_kv.k.element_size() == 1
     plain = run_to_completion(plain_runner, reqs())
     draft = copy_draft(algorithm, target, perm)
-    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=400, max_running_requests=4,
+    runner = Runner(target, draft, SpecSettings(algorithm, 3, topk, n), max_total_tokens=400, max_running_requests=4,
                     kv_cache_dtype=fp8_kv)
     assert runner.draft_kv.k.dtype == fp8_kv
     assert run_to_completion(runner, reqs()) == plain

@@ -7,7 +7,8 @@ import pytest
 import torch
 from scripted_policy import ScriptedPolicy  # tests/support/scripted_policy.py
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.speculative.adaptive import (
     NONE,
     SpecShape,
@@ -66,7 +67,7 @@ def test_every_mix_of_shapes_equals_target_only(algorithm, hc_mult, shape):
     target, perm = target_for(hc_mult)
     plain = generate(Runner(target, max_total_tokens=500, max_running_requests=4), requests())
     draft = copy_draft(algorithm, target, perm)
-    spec = SpecConfig(algorithm, *shape)
+    spec = SpecSettings(algorithm, *shape)
     for seed in (0, 1):
         runner = adaptive_runner(target, draft, spec, seed=seed, catch_up_tokens=3)
         assert generate(runner, requests(), stagger=seed == 1) == plain
@@ -79,7 +80,7 @@ def test_long_runs_of_plain_steps_fill_the_catch_up_buffer():
     """Mostly NONE (the buffer fills and is drained many times), then speculation again."""
     target, perm = target_for(1)
     draft = copy_draft("EAGLE", target, perm)
-    spec = SpecConfig("EAGLE", 3, 1, 4)
+    spec = SpecSettings("EAGLE", 3, 1, 4)
     plain = generate(Runner(target, max_total_tokens=500, max_running_requests=4), requests(max_tokens=40))
     runner = adaptive_runner(target, draft, spec, weights=[8, 1, 1, 1], catch_up_tokens=2)
     assert generate(runner, requests(max_tokens=40), stagger=True) == plain
@@ -98,7 +99,7 @@ def test_catch_up_leaves_the_draft_state_a_full_extend_gives(algorithm):
     state that prefilling its whole committed sequence gives (one draft extend over it all)."""
     target, perm = target_for(1)
     draft = copy_draft(algorithm, target, perm)
-    spec = SpecConfig(algorithm, 3, 1, 4)
+    spec = SpecSettings(algorithm, 3, 1, 4)
     runner = adaptive_runner(target, draft, spec, catch_up_tokens=5)
     runner.policy.choose = lambda b: NONE
     req = requests(lens=(9,), max_tokens=30)[0]
@@ -130,7 +131,7 @@ def test_padded_graph_buffers_and_sampling_rows(fused):
     seeded sampling is reproducible."""
     target, perm = target_for(1)
     draft = copy_draft("EAGLE", target, perm)
-    spec = SpecConfig("EAGLE", 3, 2, 5)
+    spec = SpecSettings("EAGLE", 3, 2, 5)
     plain = generate(Runner(target, max_total_tokens=500, max_running_requests=4), requests())
 
     def batch():
@@ -153,7 +154,7 @@ def test_measured_costs_and_the_real_policy():
     snapshot names the shape and the acceptance."""
     target, perm = target_for(1)
     draft = copy_draft("EAGLE", target, perm)
-    runner = Runner(target, draft, SpecConfig("EAGLE", 2, 1, 3), max_total_tokens=500,
+    runner = Runner(target, draft, SpecSettings("EAGLE", 2, 1, 3), max_total_tokens=500,
                     max_running_requests=2, adaptive=True)
     assert set(runner.policy.base_costs_s) == {(s, b) for s in runner.shapes for b in (1, 2)}
     assert all(c > 0 for c in runner.policy.base_costs_s.values())
@@ -170,10 +171,10 @@ def test_adaptive_settings_are_checked():
     with pytest.raises(ValueError, match="needs a draft"):
         Runner(target, max_total_tokens=100, max_running_requests=2, adaptive=True)
     with pytest.raises(ValueError, match="not a valid"):
-        Runner(target, draft, SpecConfig("EAGLE", 2, 1, 3), max_total_tokens=100, max_running_requests=2,
+        Runner(target, draft, SpecSettings("EAGLE", 2, 1, 3), max_total_tokens=100, max_running_requests=2,
                adaptive=True, adaptive_shapes=[NONE, SpecShape(2, 1, 5)], step_costs_s={})
     # Admission reserves for the deepest shape any step may run.
-    runner = Runner(target, draft, SpecConfig("EAGLE", 2, 1, 3), max_total_tokens=100,
+    runner = Runner(target, draft, SpecSettings("EAGLE", 2, 1, 3), max_total_tokens=100,
                     max_running_requests=2, adaptive=True,
                     adaptive_shapes=[NONE, SpecShape(2, 1, 3), SpecShape(4, 2, 6)],
                     step_costs_s={(s, 1): 1.0 for s in (NONE, SpecShape(2, 1, 3), SpecShape(4, 2, 6))})
@@ -187,7 +188,7 @@ def test_prefix_cache_keeps_only_positions_whose_draft_kv_is_written():
     runs past the first one's prompt into its output then holds the draft state of a full prefill."""
     target, perm = target_for(1)
     draft = copy_draft("EAGLE", target, perm)
-    spec = SpecConfig("EAGLE", 3, 1, 4)
+    spec = SpecSettings("EAGLE", 3, 1, 4)
     runner = adaptive_runner(target, draft, spec, catch_up_tokens=8, prefix_cache=True)
     runner.policy.choose = lambda b: NONE
     first = requests(lens=(9,), max_tokens=12)[0]

@@ -12,7 +12,8 @@ import torch
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.memory.kv import KVPool
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.speculative.logits import penalize
 from specdeploy.engine.speculative.verify import warp_probs
@@ -109,7 +110,7 @@ def test_speculative_equals_target_only_under_controls(pair, algorithm, topk, n)
     target, perm = pair
     ref = Runner(target, max_total_tokens=512, max_running_requests=4)
     want, want_lps, _ = run(ref, requests())
-    spec = Runner(target, copy_draft(algorithm, target, perm), SpecConfig(algorithm, 3, topk, n),
+    spec = Runner(target, copy_draft(algorithm, target, perm), SpecSettings(algorithm, 3, topk, n),
                   max_total_tokens=512, max_running_requests=4)
     got, got_lps, _ = run(spec, requests())
     assert spec.num_draft_tokens_accepted > 0  # drafts were accepted under the controls
@@ -122,7 +123,7 @@ def test_top_logprobs_and_prompt_logprobs(pair):
     target, perm = pair
     prompt = PROMPTS[2]
     c = LogitControls(logprobs=4, prompt_logprobs=2)
-    spec = Runner(target, copy_draft("EAGLE", target, perm), SpecConfig("EAGLE", 3, 1, 4),
+    spec = Runner(target, copy_draft("EAGLE", target, perm), SpecSettings("EAGLE", 3, 1, 4),
                   max_total_tokens=512, max_running_requests=4, prefix_cache=True)
     toks, _, prompt_lps = run(spec, [Request("a", prompt, 5, controls=c)])
     full = torch.log_softmax(full_logits(target, prompt + toks["a"]), -1)
@@ -151,7 +152,7 @@ def test_sampled_second_token_follows_the_penalized_target():
 
     p1 = probs([])
     expected = sum(p1[t] * probs([t]) for t in torch.nonzero(p1).flatten().tolist())
-    runner = Runner(target, draft, SpecConfig("EAGLE", 3, 1, 4), max_total_tokens=draws * 20,
+    runner = Runner(target, draft, SpecSettings("EAGLE", 3, 1, 4), max_total_tokens=draws * 20,
                     max_running_requests=draws, seed=5)
     toks, _, _ = run(runner, [Request(f"r{i}", prompt, 2, temperature=temperature, controls=c)
                               for i in range(draws)])
@@ -172,7 +173,7 @@ def test_controls_under_overlap_launch_ahead_and_adaptive_shapes(pair, mode):
 
     target, perm = pair
     want, want_lps, _ = run(Runner(target, max_total_tokens=512, max_running_requests=4), requests())
-    spec = SpecConfig("EAGLE", 3, 1, 4)
+    spec = SpecSettings("EAGLE", 3, 1, 4)
     kw = dict(max_total_tokens=512, max_running_requests=4)
     if mode == "adaptive":
         shapes = candidate_shapes(3, 1, 4)

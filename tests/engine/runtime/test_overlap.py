@@ -10,7 +10,8 @@ import torch
 from slot_accounting import check_accounting
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 
 _TARGETS = {}
 
@@ -74,7 +75,7 @@ def workload(stop_token: int | None = None, **sampling):
 def build(algorithm, hc_mult, topk, n, overlap, **kw):
     target, perm = target_for(hc_mult)
     draft = None if algorithm == "NONE" else copy_draft(algorithm, target, perm)
-    spec = None if draft is None else SpecConfig(algorithm, 3, topk, n)
+    spec = None if draft is None else SpecSettings(algorithm, 3, topk, n)
     return Runner(target, draft, spec, max_total_tokens=600, max_running_requests=6, context_length=96,
                   overlap=overlap, **kw)
 
@@ -151,7 +152,7 @@ def test_overlap_stages_from_free_slots_only():
     step cannot be staged from free slots while the running step holds its scratch, so it is
     staged when it runs instead; the output is the same and no slot is lost."""
     target, perm = target_for(1)
-    spec = SpecConfig("EAGLE", 3, 2, 6)
+    spec = SpecSettings("EAGLE", 3, 2, 6)
     reqs = lambda: [Request(f"r{i}", p, 16) for i, p in enumerate(prompts(2))]  # noqa: E731
     outs, runners = [], []
     for overlap in (False, True):

@@ -19,7 +19,8 @@ from slot_accounting import check_accounting
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.memory.kv import SlotTable
 from specdeploy.engine.runtime.prefix_cache import PrefixCache, shared_prefix_len
-from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.speculative.adaptive import NONE, AdaptivePolicy, candidate_shapes
 
 VOCAB = 64
@@ -39,7 +40,7 @@ def make_runner(algorithm: str, hc_mult: int, cache: bool, topk: int = 1, n: int
         return Runner(target, prefix_cache=cache, **kw)
     extra = {"draft_vocab": torch.arange(VOCAB)[torch.arange(VOCAB) % 4 != 3]} if algorithm == "EAGLE3" else {}
     draft = copy_draft(algorithm, target, perm, **extra)
-    return Runner(target, draft, SpecConfig(algorithm, 3, topk, n), prefix_cache=cache, **kw)
+    return Runner(target, draft, SpecSettings(algorithm, 3, topk, n), prefix_cache=cache, **kw)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -8,7 +8,8 @@ import torch
 
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.memory.kv import KVPool
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, run_to_completion, tiny_config
 from specdeploy.engine.speculative.verify import warp_probs
 
@@ -35,7 +36,7 @@ def test_second_token_follows_the_target(algorithm, topk, n, top_p):
     p1 = next_token_probs(target, PROMPT, temperature, top_p)
     expected = sum(p1[t] * next_token_probs(target, PROMPT + [t], temperature, top_p)
                    for t in torch.nonzero(p1).flatten().tolist())
-    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=DRAWS * 20,
+    runner = Runner(target, draft, SpecSettings(algorithm, 3, topk, n), max_total_tokens=DRAWS * 20,
                     max_running_requests=DRAWS, seed=5)
     reqs = [Request(f"r{i}", PROMPT, 2, temperature=temperature, top_p=top_p) for i in range(DRAWS)]
     out = run_to_completion(runner, reqs)

@@ -9,7 +9,8 @@ import torch
 
 from specdeploy.engine.models.attention import causal_batch
 from specdeploy.engine.memory.kv import KVPool
-from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_target, tiny_config
 
 PROMPT_LENS = (5, 12, 1, 9)
@@ -90,7 +91,7 @@ def test_greedy_speculative_equals_target(algorithm, hc_mult, topk, num_draft_to
     if algorithm == "EAGLE3":  # a reduced draft vocabulary: a quarter of the tokens is missing
         kwargs["draft_vocab"] = torch.arange(0, 64)[torch.arange(64) % 4 != 3]
     draft = copy_draft(algorithm, target, perm, **kwargs)
-    spec = SpecConfig(algorithm, 3, topk, num_draft_tokens)
+    spec = SpecSettings(algorithm, 3, topk, num_draft_tokens)
     runner = Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4)
     assert generate(runner, requests()) == plain
     rate = runner.num_draft_tokens_accepted / runner.num_draft_tokens_proposed
@@ -110,7 +111,7 @@ def test_random_draft_is_still_lossless():
     draft = build_draft("EAGLE", target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1}),
                         target, torch.float32, "cpu")
     init_random_(draft, torch.Generator().manual_seed(9))
-    runner = Runner(target, draft, SpecConfig("EAGLE", 2, 2, 4), max_total_tokens=400, max_running_requests=4)
+    runner = Runner(target, draft, SpecSettings("EAGLE", 2, 2, 4), max_total_tokens=400, max_running_requests=4)
     plain = generate(Runner(target, max_total_tokens=400, max_running_requests=4), requests())
     assert generate(runner, requests()) == plain
 
@@ -118,7 +119,7 @@ def test_random_draft_is_still_lossless():
 def test_stop_tokens_length_and_abort():
     target, perm = target_for(1)
     draft = copy_draft("EAGLE", target, perm)
-    runner = Runner(target, draft, SpecConfig("EAGLE", 3, 1, 4), max_total_tokens=300,
+    runner = Runner(target, draft, SpecSettings("EAGLE", 3, 1, 4), max_total_tokens=300,
                     max_running_requests=4)
     free = runner.num_free_slots
     plain = generate(Runner(target, max_total_tokens=300, max_running_requests=4), requests(lens=(6,)))
@@ -140,7 +141,7 @@ def test_stop_tokens_length_and_abort():
 
 def test_admission_errors():
     target, perm = target_for(1)
-    runner = Runner(target, copy_draft("EAGLE", target, perm), SpecConfig("EAGLE", 3, 1, 4),
+    runner = Runner(target, copy_draft("EAGLE", target, perm), SpecSettings("EAGLE", 3, 1, 4),
                     max_total_tokens=64, max_running_requests=2, context_length=128)
     with pytest.raises(ValueError, match="needs .* KV slots"):
         runner.add(Request("big", [1] * 40, 40))
@@ -164,7 +165,7 @@ def test_sampling_requests_run_and_greedy_rows_stay_exact(topk, num_draft_tokens
     are reproducible, slots come back."""
     target, perm = target_for(1)
     draft = copy_draft("EAGLE", target, perm)
-    spec = SpecConfig("EAGLE", 3, topk, num_draft_tokens)
+    spec = SpecSettings("EAGLE", 3, topk, num_draft_tokens)
 
     def batch():
         reqs = requests(lens=(5, 8, 3))
@@ -188,7 +189,7 @@ def test_chunked_prefill_gives_the_same_tokens(algorithm):
     through its prefill returns its slots."""
     target, perm = target_for(1)
     draft = copy_draft(algorithm, target, perm) if algorithm else None
-    spec = SpecConfig(algorithm, 3, 1, 4) if algorithm else None
+    spec = SpecSettings(algorithm, 3, 1, 4) if algorithm else None
     whole = generate(Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4), requests())
     chunked = Runner(target, draft, spec, max_total_tokens=400, max_running_requests=4,
                      prefill_chunk_tokens=5)
@@ -207,7 +208,7 @@ def test_bfloat16_models_run_greedy_and_sampled(hc_mult, algorithm, topk, n):
     target, perm = predictable_target(tiny_config(hc_mult=hc_mult), seed=0, layer_scale=0.5,
                                       dtype=torch.bfloat16)
     draft = copy_draft(algorithm, target, perm)
-    runner = Runner(target, draft, SpecConfig(algorithm, 3, topk, n), max_total_tokens=400,
+    runner = Runner(target, draft, SpecSettings(algorithm, 3, topk, n), max_total_tokens=400,
                     max_running_requests=4)
     assert runner.target_kv.k.dtype == runner.draft_kv.k.dtype == runner.draft_hidden.dtype == torch.bfloat16
     if hc_mult > 1:
@@ -230,7 +231,7 @@ def test_engine_models_are_frozen(algorithm, hc_mult):
     draft = build_draft(algorithm, cfg, target, torch.float32, "cpu")
     trainable = [n for n, p in [*target.named_parameters(), *draft.named_parameters()] if p.requires_grad]
     assert trainable == []
-    runner = Runner(target, draft, SpecConfig(algorithm, 2, 1, 3), max_total_tokens=200, max_running_requests=2,
+    runner = Runner(target, draft, SpecSettings(algorithm, 2, 1, 3), max_total_tokens=200, max_running_requests=2,
                     cuda_graph_batch_sizes=(2,), graph_mode="padded")
     for r in requests(lens=(4, 6), max_tokens=4):
         runner.add(r)

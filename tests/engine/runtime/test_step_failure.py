@@ -6,7 +6,8 @@ are the runner's own."""
 import pytest
 import torch
 
-from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import NoCapacity, Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, run_to_completion, tiny_config
 
 _TARGET = {}
@@ -22,7 +23,7 @@ def make_runner(algorithm: str, **kw) -> Runner:
     target, perm = target_and_perm()
     if algorithm == "NONE":
         return Runner(target, max_total_tokens=200, max_running_requests=4, **kw)
-    return Runner(target, copy_draft(algorithm, target, perm), SpecConfig(algorithm, 3, 2, 5),
+    return Runner(target, copy_draft(algorithm, target, perm), SpecSettings(algorithm, 3, 2, 5),
                   max_total_tokens=200, max_running_requests=4, **kw)
 
 

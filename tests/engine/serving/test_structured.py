@@ -12,7 +12,8 @@ import jsonschema_rs
 import pytest
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.serving.structured import GrammarSpec, compile_spec
 from specdeploy.engine.serving.tokenizer import Tokenizer
@@ -70,7 +71,7 @@ def test_speculative_output_equals_target_only_under_a_grammar(tiny, spec, topk,
     compiled = compile_spec(spec, tok)
     ref = Runner(target, max_total_tokens=1024, max_running_requests=4, context_length=CONTEXT_LENGTH)
     want, raw = generate(ref, tok, spec, compiled, PROMPTS)
-    spec_runner = Runner(target, draft, SpecConfig("EAGLE", 3, topk, n), max_total_tokens=1024,
+    spec_runner = Runner(target, draft, SpecSettings("EAGLE", 3, topk, n), max_total_tokens=1024,
                          max_running_requests=4, context_length=CONTEXT_LENGTH)
     got, _ = generate(spec_runner, tok, spec, compiled, PROMPTS)
     assert got == want
@@ -87,7 +88,7 @@ def test_sampled_outputs_parse(tiny):
     tok, target, draft = tiny
     spec = SPECS[0]
     compiled = compile_spec(spec, tok)
-    runner = Runner(target, draft, SpecConfig("EAGLE", 3, 2, 5), max_total_tokens=2048, max_running_requests=8,
+    runner = Runner(target, draft, SpecSettings("EAGLE", 3, 2, 5), max_total_tokens=2048, max_running_requests=8,
                     context_length=CONTEXT_LENGTH)
     outs, raw = generate(runner, tok, spec, compiled, PROMPTS * 2, temperature=1.0, seed=11)
     for ids, whole in zip(outs, raw):

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
-from specdeploy.engine.runtime.runner import Request, Runner, SpecConfig
+from specdeploy.engine.runtime.runner import Request, Runner
+from specdeploy.engine.planner.plan import SpecSettings
 from specdeploy.engine.runtime.sampling import LogitControls
 from specdeploy.engine.serving import tools
 from specdeploy.engine.serving.tokenizer import Tokenizer
@@ -235,7 +236,7 @@ def test_speculative_equals_target_only_under_a_required_tool_choice(model_dirs)
         compiled = tools.call_grammar(req, tok)
         outs = []
         for runner in (Runner(target, max_total_tokens=1024, max_running_requests=4, context_length=CONTEXT_LENGTH),
-                       Runner(target, draft, SpecConfig("EAGLE", 3, 1, 4), max_total_tokens=1024,
+                       Runner(target, draft, SpecSettings("EAGLE", 3, 1, 4), max_total_tokens=1024,
                               max_running_requests=4, context_length=CONTEXT_LENGTH)):
             reqs = [Request(f"r{i}", tok.encode(p), 200, stop_token_ids=set(tok.eos_token_ids),
                             controls=LogitControls(grammar=compiled.matcher()))
