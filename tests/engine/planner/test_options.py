@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,13 @@ def test_the_resources_defaults_are_the_options():
         section, key = where.split(".")
         schema = spec[section]["properties"][key]
         assert schema.get("default") == getattr(DEFAULTS, name), where
+
+
+def test_the_operator_docs_table_is_the_options():
+    script = Path(__file__).resolve().parents[3] / "hack" / "options-table.py"
+    spec = importlib.util.spec_from_file_location("options_table", script)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    doc = table.DOC.read_text()
+    assert table.rendered(doc) == doc, "docs/operator.md: run hack/options-table.py"
+    assert "`engine.contextLength` | `--context-length`" in doc
