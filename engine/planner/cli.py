@@ -22,11 +22,12 @@ from specdeploy.engine.planner.plan import (
 )
 from specdeploy.engine.planner.remote import is_hub_id, load_hub_model
 from specdeploy.engine.planner.errors import PLANNER_FAILED
-from specdeploy.engine.planner.shapes import ALGORITHMS, KV_CACHE_DTYPES, ConfigError
+from specdeploy.engine.planner.options import add_arguments, default_context_length, model_max_context
+from specdeploy.engine.planner.shapes import ALGORITHMS, ConfigError
 from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, CheckpointWeights, load_model
 
-DEFAULTS = SpecSettings()
-DEFAULT_LIMITS = Limits()
+# The EngineOptions a plan depends on (the others are the engine's own).
+PLAN_OPTIONS = ("num_steps", "topk", "num_draft_tokens", "max_running_requests", "context_length", "kv_cache_dtype")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -61,22 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-nodes", type=int, default=1, metavar="N",
                         help="the most nodes one replica may span, tensor parallel across all their GPUs; "
                              "the plan takes the fewest that fit (default 1)")
-    parser.add_argument("--steps", type=int, default=DEFAULTS.num_steps, metavar="S", help=f"draft steps (default {DEFAULTS.num_steps})")
-    parser.add_argument("--topk", type=int, default=DEFAULTS.topk, metavar="K", help=f"branches per draft step (default {DEFAULTS.topk})")
-    parser.add_argument("--draft-tokens", type=int, metavar="N", help="tokens verified per request (default steps + 1)")
-    parser.add_argument(
-        "--max-running-requests", type=int, default=DEFAULT_LIMITS.max_running_requests, metavar="R",
-        help=f"concurrent requests, also the largest CUDA-graph batch (default {DEFAULT_LIMITS.max_running_requests})",
-    )
-    parser.add_argument(
-        "--context-length", type=int, metavar="L",
-        help=f"tokens per request the KV pool must hold for all R at once (default {DEFAULT_LIMITS.context_length}, "
-             "or the target's max_position_embeddings when smaller)",
-    )
+    add_arguments(parser, PLAN_OPTIONS, defaults=True)
     parser.add_argument("--allow-long-context", action="store_true",
                         help="plan a --context-length beyond the target's max_position_embeddings")
-    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
-                        help="KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes, per-layer scales)")
     parser.add_argument("--role", choices=SERVER_ROLES, default="both",
                         help="both: one server (default); prefill / decode: one half of a disaggregated pair "
                              "(no graphs / a small prefill workspace, and a host staging arena for the transfers)")
@@ -143,8 +131,8 @@ def _plan(args: argparse.Namespace) -> Plan:
     if args.algorithm == "NONE":
         spec = SpecSettings("NONE", 0, 0, 0)
     else:
-        draft_tokens = args.draft_tokens if args.draft_tokens is not None else args.steps + 1
-        spec = SpecSettings(args.algorithm, args.steps, args.topk, draft_tokens)
+        draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None else args.num_steps + 1
+        spec = SpecSettings(args.algorithm, args.num_steps, args.topk, draft_tokens)
     limits = Limits(args.max_running_requests, _context_length(args, target_config), args.max_running_requests)
     return plan_from_configs(
         target_config, draft_config, spec, gpu, limits,
@@ -160,12 +148,9 @@ def _plan(args: argparse.Namespace) -> Plan:
 def _context_length(args: argparse.Namespace, target_config: dict) -> int:
     """--context-length, refused beyond the target's max_position_embeddings unless asked for;
     by default the smaller of the two."""
-    c = target_config if isinstance(target_config, dict) else {}
-    c = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
-    limit = c.get("max_position_embeddings")
-    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
     if args.context_length is None:
-        return min(DEFAULT_LIMITS.context_length, limit or DEFAULT_LIMITS.context_length)
+        return default_context_length(target_config)
+    limit = model_max_context(target_config)
     if limit is not None and args.context_length > limit and not args.allow_long_context:
         raise ConfigError(f"--context-length {args.context_length}: longer than the target's "
                           f"max_position_embeddings {limit}; pass --allow-long-context to plan it anyway")

@@ -66,6 +66,7 @@ from specdeploy.engine.planner.deepseek_v4 import (
     v4_staged_bytes,
 )
 from specdeploy.engine.planner.compat import DRAFT_INCOMPATIBLE, pair_incompatibility
+from specdeploy.engine.planner.options import DEFAULTS
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
     ConfigError,
@@ -370,9 +371,9 @@ class SpecSettings:
     """Speculative decoding settings: the algorithm and the shape it runs (SpecShape's fields)."""
 
     algorithm: str = "EAGLE3"
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
+    num_steps: int = DEFAULTS.num_steps
+    topk: int = DEFAULTS.topk
+    num_draft_tokens: int = DEFAULTS.num_steps + 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -399,9 +400,9 @@ class SpecSettings:
 
 @dataclass(frozen=True)
 class Limits:
-    max_running_requests: int = 32
-    context_length: int = 8192
-    cuda_graph_max_bs: int = 32
+    max_running_requests: int = DEFAULTS.max_running_requests
+    context_length: int = DEFAULTS.context_length
+    cuda_graph_max_bs: int = DEFAULTS.max_running_requests
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "context_length", "cuda_graph_max_bs"):

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specdeploy.engine.planner.options import DEFAULTS
 from specdeploy.engine.planner.plan import GIB
 from specdeploy.operator.desired import scheduling
 from specdeploy.operator.api import (
@@ -250,18 +251,18 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
     engine = spec.get("engine") or {}
     speculative = spec["speculative"]
     algorithm = speculative["algorithm"]
-    num_steps = speculative.get("numSteps", 3)
-    topk = speculative.get("topk", 1)
+    num_steps = speculative.get("numSteps", DEFAULTS.num_steps)
+    topk = speculative.get("topk", DEFAULTS.topk)
     settings: dict[str, Any] = {
         "target": spec["target"]["model"],
         "target_revision": spec["target"].get("revision", "main"),
         "algorithm": algorithm,
-        "max_running_requests": engine.get("maxRunningRequests", 32),
+        "max_running_requests": engine.get("maxRunningRequests", DEFAULTS.max_running_requests),
         "cuda_graph_max_batch_size": engine.get(
-            "cudaGraphMaxBatchSize", engine.get("maxRunningRequests", 32)
+            "cudaGraphMaxBatchSize", engine.get("maxRunningRequests", DEFAULTS.max_running_requests)
         ),
-        "context_length": engine.get("contextLength", 8192),
-        "prefix_cache": engine.get("prefixCache", True),
+        "context_length": engine.get("contextLength", DEFAULTS.context_length),
+        "prefix_cache": engine.get("prefixCache", DEFAULTS.prefix_cache),
         "drain_timeout_s": drain_timeout_s(engine.get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S)),
     }
     if algorithm != "NONE":
@@ -274,7 +275,7 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
             settings["adaptive"] = True
     if engine.get("dtype"):
         settings["dtype"] = engine["dtype"]
-    if engine.get("kvCacheDtype", "auto") != "auto":
+    if engine.get("kvCacheDtype", DEFAULTS.kv_cache_dtype) != "auto":
         settings["kv_cache_dtype"] = engine["kvCacheDtype"]
     if spec.get("draft"):
         settings["draft"] = spec["draft"]["model"]

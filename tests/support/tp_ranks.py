@@ -19,7 +19,7 @@ from specdeploy.engine.demo.toy import copy_draft, predictable_target, random_re
 from specdeploy.engine.planner.plan import Limits, SpecSettings, custom_gpu, plan_from_configs
 from specdeploy.engine.planner.weights import load_model_path
 from specdeploy.engine.runtime import distributed
-from specdeploy.engine.serving.cli import RankSpec, build_runner
+from specdeploy.engine.serving.boot import RankSpec, build_runner
 
 MAX_TOTAL_TOKENS = 400
 PROMPT_LENS = (5, 12, 1, 9)
@@ -86,8 +86,8 @@ def rank_spec(target_dir: Path, draft_dir: Path | None, algorithm: str, topk: in
                              target_weight_bytes=target_bytes, draft_weight_bytes=draft_bytes,
                              gpus_per_node=tp, tensor_parallel_size=tp)
     plan = dataclasses.replace(plan, max_total_tokens=MAX_TOTAL_TOKENS)
-    return RankSpec(str(target_dir), str(draft_dir) if draft_dir else None, plan.to_dict(), "float32", device,
-                    seed=0, tp_size=tp, init_method=init_method, all_reduce=all_reduce, adaptive=adaptive)
+    return RankSpec(target_dir=str(target_dir), draft_dir=str(draft_dir) if draft_dir else None,
+                    plan=plan.to_dict(), dtype="float32", device=device, seed=0, tp_size=tp, init_method=init_method, all_reduce=all_reduce, adaptive=adaptive)
 
 
 def requests():

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specdeploy.engine.serving.auth import guard_from_files
-    from specdeploy.engine.serving.cli import configure_logging
+    from specdeploy.engine.serving.boot import configure_logging
     from specdeploy.engine.serving.disagg.router import create_app
 
     configure_logging()
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     app = create_app(args.prefill, args.decode, refresh_s=args.refresh_s, timeout_s=args.timeout_s, guard=guard)
     log.info("router: prefill %s, decode %s", " ".join(args.prefill), " ".join(args.decode))
-    from specdeploy.engine.serving.cli import KEEP_ALIVE_TIMEOUT_S
+    from specdeploy.engine.serving.boot import KEEP_ALIVE_TIMEOUT_S
     from specdeploy.engine.serving.limits import DEFAULT_HEADER_TIMEOUT_S, bounded_h11_protocol
 
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,

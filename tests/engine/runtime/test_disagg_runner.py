@@ -395,7 +395,7 @@ def test_server_arena_is_the_plans_or_grown_to_one_context(caplog):
     bytes per token (or none: written before the term) gets two context-length regions."""
     import logging
 
-    from specdeploy.engine.serving.cli import _staging_arena
+    from specdeploy.engine.serving.boot import _staging_arena
 
     target, perm = target_for(1)
     draft = copy_draft("EAGLE3", target, perm)

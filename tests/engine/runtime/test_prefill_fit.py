@@ -8,7 +8,7 @@ import pytest
 
 from specdeploy.engine.planner.plan import MIB, PREFILL_FIT_MARGIN_BYTES
 from specdeploy.engine.runtime.runner import Runner
-from specdeploy.engine.serving.cli import _fit_prefill_chunk
+from specdeploy.engine.serving.boot import _fit_prefill_chunk
 from specdeploy.engine.demo.toy import predictable_target, tiny_config
 
 

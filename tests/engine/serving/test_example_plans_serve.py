@@ -19,6 +19,7 @@ from chartkit import EXAMPLES, example_files, load_sdd, model_configs
 from checkpoint_hub import CheckpointHub, Repo, deepseek_v4_flash_tensors, sharded_checkpoint
 
 from specdeploy.cli import build_parser
+from specdeploy.engine.serving import boot
 from specdeploy.engine.serving import cli as serve_cli
 from specdeploy.operator.cluster import config_source as cs
 from specdeploy.operator.desired import render
@@ -60,11 +61,11 @@ def accepts(command: list[str], target_config: dict, caplog):
     assert args.func is serve_cli.run
     serve_cli.check_args(args)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=serve_cli.log.name):
-        plan = serve_cli.make_plan(args, Path(args.target), None, "cuda")
+    with caplog.at_level(logging.WARNING, logger=boot.log.name):
+        plan = boot.make_plan(args, Path(args.target), None, "cuda")
     disagreements = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not disagreements, disagreements
-    serve_cli.check_plan_for_target(plan, target_config)
+    boot.check_plan_for_target(plan, target_config)
     return args, plan
 
 
@@ -78,7 +79,7 @@ def test_deepseek_v4_example_from_the_hubs_headers(hub, tmp_path, caplog):
     children = render.render_children(sdd, planned, render.EngineDefaults("specdeploy-engine:test", hub.url))
     args, plan = accepts(engine_command(children, tmp_path), v4, caplog)
     assert plan.to_dict() == planned.plan
-    assert serve_cli.check_plan_for_target(plan, v4)  # served as DeepSeek-V4
+    assert boot.check_plan_for_target(plan, v4)  # served as DeepSeek-V4
     # MTP from the target's own checkpoint (no --draft), expert-parallel at the plan's TP 2
     assert args.draft is None and (plan.algorithm, plan.tensor_parallel_size) == ("MTP", 2)
     assert plan.spec_hidden_size == plan.draft_input_hidden_size == 4 * plan.target.hidden_size
@@ -104,5 +105,5 @@ def test_a_plan_the_engine_refuses_is_refused_before_loading(hub, tmp_path, capl
     args, plan = accepts(engine_command(children, tmp_path), v4, caplog)
     eagle = type(plan).from_dict({**plan.to_dict(), "algorithm": "EAGLE"})
     with pytest.raises(ValueError, match="its own MTP layer"):
-        serve_cli.check_plan_for_target(eagle, v4)
+        boot.check_plan_for_target(eagle, v4)
 

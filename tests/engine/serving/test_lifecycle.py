@@ -167,6 +167,7 @@ def test_health_answers_while_loading_and_ready_waits_for_the_engine(model_dirs)
 
     import uvicorn
 
+    from specdeploy.engine.serving import boot
     from specdeploy.engine.serving import cli as serve_cli
     from specdeploy.engine.serving.metrics import EngineMetrics
     from specdeploy.engine.serving.server import DrainingServer, EngineState, create_app
@@ -179,7 +180,7 @@ def test_health_answers_while_loading_and_ready_waits_for_the_engine(model_dirs)
 
     def slow_loader(metrics):  # weights that take a while to arrive
         release.wait(60)
-        return serve_cli.load_engine(args, metrics)
+        return boot.load_engine(args, metrics)
 
     state = EngineState(model_name="slow", metrics=EngineMetrics("slow"))
     port = serve_cli.free_port()
