@@ -151,7 +151,10 @@ class _HTTPSConnection(_HTTPConnection, http.client.HTTPSConnection):
     pass
 
 
-class _HTTPHandler(urllib.request.HTTPHandler):
+class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """urllib's HTTP and HTTPS handlers in one (the opener keeps neither default), their
+    connections watched by one deadline."""
+
     def __init__(self, deadline: Deadline):
         super().__init__()
         self._deadline = deadline
@@ -159,19 +162,13 @@ class _HTTPHandler(urllib.request.HTTPHandler):
     def http_open(self, req):
         return self.do_open(functools.partial(_HTTPConnection, deadline=self._deadline), req)
 
-
-class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: Deadline):
-        super().__init__()
-        self._deadline = deadline
-
     def https_open(self, req):
         return self.do_open(functools.partial(_HTTPSConnection, deadline=self._deadline), req)
 
 
 def urllib_opener(deadline: Deadline) -> urllib.request.OpenerDirector:
     """An opener whose every connection ends by `deadline` (open it with timeout=deadline.clip(HUB_TIMEOUT_S))."""
-    return urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
+    return urllib.request.build_opener(_DeadlineHandler(deadline))
 
 
 # ---- the httpx face (the operator, the engine) -------------------------------------------------
