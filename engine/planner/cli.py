@@ -160,8 +160,9 @@ def _plan(args: argparse.Namespace) -> Plan:
 def _context_length(args: argparse.Namespace, target_config: dict) -> int:
     """--context-length, refused beyond the target's max_position_embeddings unless asked for;
     by default the smaller of the two."""
-    c = target_config if isinstance(target_config, dict) else {}
-    c = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+    c: dict = target_config if isinstance(target_config, dict) else {}
+    text = c.get("text_config")
+    c = text if isinstance(text, dict) else c
     limit = c.get("max_position_embeddings")
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
     if args.context_length is None:

@@ -566,6 +566,7 @@ def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int,
     """The largest phase of a DeepSeek-V4 forward, plus the e4m3 copies its FP8 linears make of
     their widest input (the grouped output projection's, o_groups x o_lora_rank)."""
     v4 = shapes.v4
+    assert v4 is not None, "a DeepSeek-V4 model's shapes carry its schedule"
     dims = V4ForwardDims(hc_mult=shapes.hc_mult, num_experts=shapes.num_routed_experts,
                          local_experts=max(1, shapes.num_routed_experts // tp),
                          experts_per_tok=shapes.num_experts_per_tok,
@@ -959,9 +960,10 @@ def plan_from_configs(
         err.model = "target"
         raise
     if require_compute_dtype and target.dtype not in COMPUTE_DTYPES:
-        err = UncomputedDtypeError(f"torch_dtype {target.dtype} is not a dtype the engine computes in ({', '.join(COMPUTE_DTYPES)})")
-        err.model = "target"
-        raise err
+        refused = UncomputedDtypeError(f"torch_dtype {target.dtype} is not a dtype the engine computes in"
+                                       f" ({', '.join(COMPUTE_DTYPES)})")
+        refused.model = "target"
+        raise refused
     try:
         draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype,
                                     kv_cache_dtype=kv_cache_dtype)
