@@ -146,6 +146,21 @@ def time_ms(fn, device, *, warmup: int = 3, reps: int = 20) -> dict:
             "reps": reps}
 
 
+def graph_replay_ms(calls, device, *, warmup: int = 3, reps: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph holding `calls` (in order). They run once eagerly
+    first: compiles, probes and workspaces happen outside the capture."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    ms = time_ms(graph.replay, device, warmup=warmup, reps=reps)["median_ms"]
+    del graph
+    return ms
+
+
 def cuda_time_ms(fn, *, warmup: int = 3, reps: int = 20) -> float:
     """Median wall time of `fn()` on the current stream in milliseconds, timed with CUDA events."""
     return time_ms(fn, "cuda", warmup=warmup, reps=reps)["median_ms"]

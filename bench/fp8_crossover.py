@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bootstrap_specdeploy, environment, log, time_ms  # noqa: E402
+from common import bootstrap_specdeploy, environment, graph_replay_ms, log  # noqa: E402
 
 bootstrap_specdeploy()
 
@@ -82,20 +82,6 @@ def _calls(option: str, m: int, x, weights, ys):
     raise ValueError(option)
 
 
-def _time_graph(calls, reps: int) -> float:
-    """Median ms of one replay of a CUDA graph holding `calls`."""
-    for c in calls:  # eager first: compiles, probes and makes workspaces outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    ms = time_ms(graph.replay, "cuda", warmup=3, reps=reps)["median_ms"]
-    del graph
-    return ms
-
-
 def measure(shapes: dict, rows: tuple, reps: int, dev) -> dict:
     per_layer: dict = {}
     for name, (n, k) in shapes.items():
@@ -117,7 +103,7 @@ def measure(shapes: dict, rows: tuple, reps: int, dev) -> dict:
                 try:
                     calls = _calls(option, m, x, weights, ys)
                     if calls is not None:
-                        row[option] = 1e3 * _time_graph(calls, reps) / len(calls)
+                        row[option] = 1e3 * graph_replay_ms(calls, "cuda", reps=reps) / len(calls)
                 except Exception as e:  # an option that fails at a shape is recorded, not fatal
                     row[option + "_error"] = f"{type(e).__name__}: {e}"[:200]
             per_layer[name]["rows"][str(m)] = row

@@ -40,7 +40,7 @@ bootstrap_specdeploy()
 
 import torch  # noqa: E402
 
-from common import copy_bandwidth_bytes_per_s, environment, free_device_memory, log, time_ms, write_json  # noqa: E402
+from common import copy_bandwidth_bytes_per_s, environment, free_device_memory, graph_replay_ms, log, time_ms, write_json  # noqa: E402
 
 # (name, N, K, weight kinds): Llama-3.1-8B's fused qkv, o, fused gate/up, down; lm_head (bf16 only)
 SHAPES = {
@@ -172,16 +172,7 @@ def _time_graph(calls, device) -> float:
     """Median ms of one replay of a CUDA graph holding `calls` (CPU: the calls, timed directly)."""
     if device.type != "cuda":
         return time_ms(lambda: [c() for c in calls], device, warmup=1, reps=3)["median_ms"]
-    for c in calls:  # eager first: compiles (cache) and makes the split-K workspace outside capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    ms = time_ms(graph.replay, device, warmup=WARMUP, reps=REPS)["median_ms"]
-    del graph
-    return ms
+    return graph_replay_ms(calls, device, warmup=WARMUP, reps=REPS)
 
 
 def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int | None = None,

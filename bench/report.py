@@ -648,6 +648,28 @@ def figures(sections: dict, fig_dir: Path) -> list[str]:
     return made
 
 
+def _section_tables(key: str, rec: dict, sections: dict) -> list[str]:
+    """A section's tables, or a line saying why its record could not be rendered (a malformed
+    record, or one of an older layout: the rest of the page stands)."""
+    if rec["status"] not in ("ok", "partial") or key not in RENDER:
+        return []
+    try:
+        if key == "5":  # its projection reads section 3's step costs
+            spec = sections.get("3", {}).get("results") or {}
+            return [s5(rec["results"], spec.get("rows"))]
+        return [RENDER[key](rec["results"])]
+    except Exception as e:
+        return [f"(could not render: {type(e).__name__}: {e})"]
+
+
+def _with_profiles(lines: list[str], sections: dict) -> str:
+    """The page: `lines`, then where the time goes, when any section profiled it."""
+    prof = profiles(sections)
+    if prof:
+        lines += ["## Profiles", "", "Where the time goes (torch.profiler).", "", prof]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
     smoke = any(rec.get("smoke") for rec in sections.values())
     lines = ["# Benchmarks", ""]
@@ -670,20 +692,9 @@ def render(sections: dict, envs: list[dict], fig_dir: Path | None) -> str:
     for key in sorted(sections):
         rec = sections[key]
         lines.append(_header(rec))
-        if rec["status"] in ("ok", "partial") and key in RENDER:
-            try:
-                if key == "5":  # its projection reads section 3's step costs
-                    spec = sections.get("3", {}).get("results") or {}
-                    lines.append(s5(rec["results"], spec.get("rows")))
-                else:
-                    lines.append(RENDER[key](rec["results"]))
-            except Exception as e:  # a malformed record shows as such; the rest of the page stands
-                lines.append(f"(could not render: {type(e).__name__}: {e})")
+        lines += _section_tables(key, rec, sections)
         lines.append("")
-    prof = profiles(sections)
-    if prof:
-        lines += ["## Profiles", "", "Where the time goes (torch.profiler).", "", prof]
-    return "\n".join(lines).rstrip() + "\n"
+    return _with_profiles(lines, sections)
 
 
 # ---- the repository's report: every committed run, each goal once from its latest run ---------
@@ -982,20 +993,9 @@ def render_repository(scan: dict, repo: Path) -> str:
         rec = sections[key]
         lines.append(_header(rec).rstrip())
         lines += ["", f"Source: `{rec['_source']}` ({rec['_date'] or 'undated'}, commit {rec['_commit'] or '—'}).", ""]
-        if rec["status"] in ("ok", "partial") and key in RENDER:
-            try:
-                if key == "5":
-                    spec = sections.get("3", {}).get("results") or {}
-                    lines.append(s5(rec["results"], spec.get("rows")))
-                else:
-                    lines.append(RENDER[key](rec["results"]))
-            except Exception as e:  # a record of an older layout shows as such; the page stands
-                lines.append(f"(could not render: {type(e).__name__}: {e})")
+        lines += _section_tables(key, rec, sections)
         lines.append("")
-    prof = profiles(sections)
-    if prof:
-        lines += ["## Profiles", "", "Where the time goes (torch.profiler).", "", prof]
-    return "\n".join(lines).rstrip() + "\n"
+    return _with_profiles(lines, sections)
 
 
 def main(argv=None) -> int:

@@ -21,6 +21,8 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,46 +154,19 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         _converge_group(sdd, kube, options, logger, planned, summary)
         return
     children = render_children(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
-    try:
+    plan_ready = _plan_ready(sdd, planned, summary, children.config_hash, children.model_cache)
+    with _applying(sdd, kube, logger, plan_ready):
         deployment = kube.apply_children(children)
-    except ChildInvalid as err:
-        # As a spec that does not plan: what served the previous spec goes, the status says why.
-        _refuse(kube, sdd, err.reason, str(err), transient=False, logger=logger)
-        raise kopf.PermanentError(f"{err.reason}: {err}") from None
-    except ChildConflict as err:
-        logger.warning(f"not applied (will retry): {err}")
-        conflict, reason = str(err), err.reason
-        _event(sdd, warning=True, reason=reason, message=conflict)
-
-        def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
-            new = status.plan_ready(
-                current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
-                message=summary, now=now(), model_cache=children.model_cache,
-            )
-            return status.apply_blocked(new, generation=generation, reason=reason, message=conflict, now=now())
-
-        kube.update_status(namespace, name, blocked)
-        raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
     # CPU mode (spec.cpu) requests no GPU: the plan's one "device" is the pod's memory.
     per_replica = "CPU" if planned.cpu else f"{planned.tensor_parallel_size} GPU"
-    logger.info(
-        f"applied ConfigMap, {'PersistentVolumeClaim, ' if children.model_cache_claim else ''}Deployment"
-        f" ({sdd['spec'].get('replicas', 1)} x {per_replica}, config hash {children.config_hash}) and Service {name}"
-    )
-    _event(sdd, warning=False, reason=api.EVENT_APPLIED,
-           message=f"engine Deployment {name}: {per_replica} per replica, config hash {children.config_hash}")
-
-    def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
-        new = status.plan_ready(
-            current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
-            message=summary, now=now(), model_cache=children.model_cache,
-        )
-        # Read the Deployment again on every attempt: the watcher ignores Deployment events until
-        # this write lands, so this write must not carry an older view than the last such event.
-        latest = kube.get_deployment(namespace, name) or deployment
-        return status.serving(new, latest, generation=generation, now=now())
-
-    result = kube.update_status(namespace, name, planned_status)
+    _applied(sdd, logger,
+             f"applied ConfigMap, {'PersistentVolumeClaim, ' if children.model_cache_claim else ''}Deployment"
+             f" ({sdd['spec'].get('replicas', 1)} x {per_replica}, config hash {children.config_hash}) and Service {name}",
+             f"engine Deployment {name}: {per_replica} per replica, config hash {children.config_hash}")
+    # Read the Deployment again on every attempt: the watcher ignores Deployment events until
+    # this write lands, so this write must not carry an older view than the last such event.
+    result = _planned_status(kube, sdd, plan_ready, lambda new: status.serving(
+        new, kube.get_deployment(namespace, name) or deployment, generation=generation, now=now()))
     if result is not None:
         _phase_changed(kube, namespace, name, *result, logger)
     # A resource that was disaggregated before: its role children go.
@@ -202,6 +177,61 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
         logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
     _converge_addons(sdd, kube, logger)
+
+
+# ---- the apply / blocked / status sequence every converge path shares ---------------------------
+
+StatusStep = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _plan_ready(sdd: dict[str, Any], planned: PlannedEngine, summary: str, config_hash: str,
+                model_cache: dict[str, Any] | None = None) -> StatusStep:
+    """The status of this plan, ready to apply: PlanReady with the plan, its hash and summary."""
+    generation = sdd["metadata"].get("generation", 1)
+    return lambda current: status.plan_ready(current, generation=generation, plan=planned.plan, config_hash=config_hash,
+                                             message=summary, now=status.now_rfc3339(), model_cache=model_cache)
+
+
+def _apply_blocked(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger, plan_ready: StatusStep,
+                   reason: str, message: str) -> None:
+    """The plan is ready, its children not applied (retried): a warning, an event and the status."""
+    meta = sdd["metadata"]
+    generation = meta.get("generation", 1)
+    logger.warning(f"not applied (will retry): {message}")
+    _event(sdd, warning=True, reason=reason, message=message)
+    kube.update_status(meta["namespace"], meta["name"], lambda current, _obj: status.apply_blocked(
+        plan_ready(current), generation=generation, reason=reason, message=message, now=status.now_rfc3339()))
+
+
+@contextmanager
+def _applying(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger, plan_ready: StatusStep, *,
+              conflict_reason: str | None = None, refuse_invalid: bool = True) -> Iterator[None]:
+    """Around applying the children: a child the API server refuses is refused as a spec that
+    does not plan (what served the previous spec goes, the status says why; PermanentError); a
+    conflict is ApplyBlocked and retried (TemporaryError)."""
+    try:
+        yield
+    except ChildInvalid as err:
+        if not refuse_invalid:
+            raise
+        _refuse(kube, sdd, err.reason, str(err), transient=False, logger=logger)
+        raise kopf.PermanentError(f"{err.reason}: {err}") from None
+    except ChildConflict as err:
+        _apply_blocked(sdd, kube, logger, plan_ready, conflict_reason or err.reason, str(err))
+        raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S) from None
+
+
+def _applied(sdd: dict[str, Any], logger: logging.Logger, log_line: str, event_message: str) -> None:
+    logger.info(log_line)
+    _event(sdd, warning=False, reason=api.EVENT_APPLIED, message=event_message)
+
+
+def _planned_status(kube: KubeClient, sdd: dict[str, Any], plan_ready: StatusStep, serving: StatusStep,
+                    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Write the plan's status and what now serves (`serving`, computed on every attempt from the
+    children as they are then); -> (old, new) status, or None."""
+    meta = sdd["metadata"]
+    return kube.update_status(meta["namespace"], meta["name"], lambda current, _obj: serving(plan_ready(current)))
 
 
 def _converge_group(
@@ -215,48 +245,25 @@ def _converge_group(
     now = status.now_rfc3339
     groups = LeaderWorkerSets(kube)
     children = leaderworkerset.render_group(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
-
-    def blocked(reason: str, message: str) -> None:
-        def compute(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
-            new = status.plan_ready(current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
-                                    message=summary, now=now(), model_cache=children.model_cache)
-            return status.apply_blocked(new, generation=generation, reason=reason, message=message, now=now())
-
-        logger.warning(f"not applied (will retry): {message}")
-        _event(sdd, warning=True, reason=reason, message=message)
-        kube.update_status(namespace, name, compute)
-
+    plan_ready = _plan_ready(sdd, planned, summary, children.config_hash, children.model_cache)
     if not groups.served():
         message = (f"the plan spans {planned.nodes} nodes, which run as one {api.LWS_KIND} group per replica, and "
                    f"this cluster does not serve {api.LWS_API_VERSION}: install LeaderWorkerSet ({api.LWS_INSTALL})")
-        blocked(api.REASON_LWS_MISSING, message)
+        _apply_blocked(sdd, kube, logger, plan_ready, api.REASON_LWS_MISSING, message)
         raise kopf.TemporaryError(message, delay=options.transient_retry_delay_s)
-    try:
+    with _applying(sdd, kube, logger, plan_ready):
         for child in (children.config_map, children.service):
             kube.check_not_foreign(child)
         groups.check_not_foreign(children.deployment)
         kube._apply_unchecked(children.config_map)
         group = groups.apply(children.deployment)
         kube._apply_unchecked(children.service)
-    except ChildInvalid as err:
-        _refuse(kube, sdd, err.reason, str(err), transient=False, logger=logger)
-        raise kopf.PermanentError(f"{err.reason}: {err}") from None
-    except ChildConflict as err:
-        blocked(err.reason, str(err))
-        raise kopf.TemporaryError(str(err), delay=CONFLICT_RETRY_DELAY_S) from None
     per_pod = "CPU" if planned.cpu else f"{planned.tensor_parallel_size // planned.nodes} GPU"
     applied = (f"{api.LWS_KIND} {name}: {sdd['spec'].get('replicas', 1)} group(s) of {planned.nodes} pods x {per_pod},"
                f" config hash {children.config_hash}")
-    logger.info(f"applied ConfigMap, {applied} and Service {name}")
-    _event(sdd, warning=False, reason=api.EVENT_APPLIED, message=f"engine {applied}")
-
-    def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
-        new = status.plan_ready(current, generation=generation, plan=planned.plan, config_hash=children.config_hash,
-                                message=summary, now=now(), model_cache=children.model_cache)
-        latest = groups.get(namespace, name) or group
-        return status.serving(new, leaderworkerset.deployment_view(latest), generation=generation, now=now())
-
-    kube.update_status(namespace, name, planned_status)
+    _applied(sdd, logger, f"applied ConfigMap, {applied} and Service {name}", f"engine {applied}")
+    _planned_status(kube, sdd, plan_ready, lambda new: status.serving(
+        new, leaderworkerset.deployment_view(groups.get(namespace, name) or group), generation=generation, now=now()))
     # What served the single-node plan, or the disaggregated one, goes.
     gone = kube.delete_owned(namespace, {"Deployment": [deployment_name(name)]}, meta["uid"])
     gone += kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
@@ -278,28 +285,15 @@ def _converge_roles(
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     now = status.now_rfc3339
     children = roles.render_roles(sdd, planned, EngineDefaults(options.engine_image, options.hub_endpoint))
-    try:
+    plan_ready = _plan_ready(sdd, planned, summary, children.config_hash)
+    with _applying(sdd, kube, logger, plan_ready, conflict_reason=api.REASON_CHILD_CONFLICT, refuse_invalid=False):
         # Made once, random; an existing one is left as it is (pods holding it keep pairing).
         if kube.ensure_secret(roles.disagg_secret_object(sdd, secrets.token_urlsafe(32))):
             logger.info(f"created Secret {roles.disagg_secret_name(name)}: the roles' shared secret")
         applied = kube.apply_objects(children.all())
-    except ChildConflict as err:
-        conflict = str(err)
-        logger.warning(f"not applied (will retry): {conflict}")
-        _event(sdd, warning=True, reason=api.EVENT_CHILD_CONFLICT, message=conflict)
-
-        def blocked(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
-            new = status.plan_ready(current, generation=generation, plan=planned.plan,
-                                    config_hash=children.config_hash, message=summary, now=now())
-            return status.apply_blocked(new, generation=generation, reason=api.REASON_CHILD_CONFLICT,
-                                        message=conflict, now=now())
-
-        kube.update_status(namespace, name, blocked)
-        raise kopf.TemporaryError(conflict, delay=CONFLICT_RETRY_DELAY_S) from None
     counts = ", ".join(f"{role} {roles.role_spec(sdd['spec'], role).get('replicas', 1)}" for role in api.SPLIT_ROLES)
-    logger.info(f"applied the disaggregated children ({counts}; config hash {children.config_hash})")
-    _event(sdd, warning=False, reason=api.EVENT_APPLIED,
-           message=f"disaggregated: {counts} replicas, config hash {children.config_hash}")
+    _applied(sdd, logger, f"applied the disaggregated children ({counts}; config hash {children.config_hash})",
+             f"disaggregated: {counts} replicas, config hash {children.config_hash}")
     # A resource that was aggregated before: its engine Deployment and ConfigMap go (the Service
     # stays: it now selects the router).
     gone = kube.delete_owned(namespace, {"Deployment": [deployment_name(name)], "ConfigMap": [config_map_name(name)]},
@@ -307,14 +301,9 @@ def _converge_roles(
     if gone:
         logger.info(f"removed the aggregated engine: {', '.join(gone)}")
 
-    def planned_status(current: dict[str, Any], _obj: dict[str, Any]) -> dict[str, Any]:
-        new = status.plan_ready(current, generation=generation, plan=planned.plan,
-                                config_hash=children.config_hash, message=summary, now=now())
-        latest = {role: kube.get_deployment(namespace, dep) or applied.get(dep)
-                  for role, dep in children.deployments.items()}
-        return status.serving_roles(new, latest, generation=generation, now=now(), role_plans=planned.role_plans)
-
-    kube.update_status(namespace, name, planned_status)
+    _planned_status(kube, sdd, plan_ready, lambda new: status.serving_roles(
+        new, {role: kube.get_deployment(namespace, dep) or applied.get(dep) for role, dep in children.deployments.items()},
+        generation=generation, now=now(), role_plans=planned.role_plans))
     _converge_addons(sdd, kube, logger)
 
 
@@ -358,41 +347,56 @@ def _refuse(
     )
 
 
-def deployment_event(
-    event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
-) -> None:
-    """An engine Deployment changed: fold its replica counts into the owner's status."""
+def _child_event(event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo,
+                 fold: Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], dict[str, Any]],
+                 ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """An engine child (Deployment, LeaderWorkerSet) changed: `fold(current, sdd, child)` it into
+    its owner's status (child None: deleted) and say a phase change; -> (owner, child), or None
+    for a child no resource controls."""
     owner = controller_owner(body)
     if owner is None:
-        return
+        return None
     kube: KubeClient = memo.kube
     namespace = body["metadata"]["namespace"]
-    deployment = None if event.get("type") == "DELETED" else plain(body)
+    child = None if event.get("type") == "DELETED" else plain(body)
 
     def compute(current: dict[str, Any], sdd: dict[str, Any]) -> dict[str, Any]:
         if sdd["metadata"].get("uid") != owner.get("uid"):
             return current  # a new resource with the old name; its own reconcile decides
-        generation = sdd["metadata"].get("generation", 1)
+        return fold(current, sdd, child)
+
+    result = kube.update_status(namespace, owner["name"], compute)
+    if result is not None:
+        # The child carries the resource's name, so kopf's "[namespace/name]" prefix fits.
+        _phase_changed(kube, namespace, owner["name"], *result, logger)
+    return owner, child
+
+
+def deployment_event(
+    event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    """An engine Deployment changed: fold its replica counts into the owner's status."""
+    kube: KubeClient = memo.kube
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+
+    def fold(current: dict[str, Any], sdd: dict[str, Any], deployment: dict[str, Any] | None) -> dict[str, Any]:
+        owner_name, generation = sdd["metadata"]["name"], sdd["metadata"].get("generation", 1)
         if roles.is_disaggregated(sdd["spec"]):
-            return status.serving_roles(current, role_deployments(kube, namespace, owner["name"]),
+            return status.serving_roles(current, role_deployments(kube, namespace, owner_name),
                                         generation=generation, now=status.now_rfc3339())
-        if body["metadata"]["name"] != deployment_name(owner["name"]) or _spans_nodes(current):
+        if name != deployment_name(owner_name) or _spans_nodes(current):
             return current  # a leftover of the other mode, about to be deleted
         new = status.serving(current, deployment, generation=generation, now=status.now_rfc3339())
         if deployment is not None and new.get("phase") != current.get("phase"):
             # Events trail the reconciler's own read of the Deployment: a phase change is decided on
             # the Deployment as it is now, never on an older view (a Ready -> Deploying flicker).
-            latest = kube.get_deployment(namespace, body["metadata"]["name"])
+            latest = kube.get_deployment(namespace, name)
             new = status.serving(current, latest, generation=generation, now=status.now_rfc3339())
         return new
 
-    result = kube.update_status(namespace, owner["name"], compute)
-    if result is None:
-        return
-    # The Deployment carries the resource's name, so kopf's "[namespace/name]" prefix fits.
-    _phase_changed(kube, namespace, owner["name"], *result, logger)
-    if deployment is None:
-        _restore_deleted_engine(namespace, owner, kube, memo.options, logger, body["metadata"]["name"])
+    seen = _child_event(event, body, logger, memo, fold)
+    if seen is not None and seen[1] is None:
+        _restore_deleted_engine(namespace, seen[0], kube, memo.options, logger, name)
 
 
 def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -452,35 +456,17 @@ def group_event(
     event: dict[str, Any], body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any
 ) -> None:
     """An engine LeaderWorkerSet changed: fold its group counts into the owner's status."""
-    owner = controller_owner(body)
-    if owner is None:
-        return
-    kube: KubeClient = memo.kube
-    namespace = body["metadata"]["namespace"]
-    group = None if event.get("type") == "DELETED" else plain(body)
 
-    def compute(current: dict[str, Any], sdd: dict[str, Any]) -> dict[str, Any]:
-        if sdd["metadata"].get("uid") != owner.get("uid") or not _spans_nodes(current):
-            return current  # a new resource with the old name, or a leftover about to be deleted
+    def fold(current: dict[str, Any], sdd: dict[str, Any], group: dict[str, Any] | None) -> dict[str, Any]:
+        if not _spans_nodes(current):
+            return current  # a leftover about to be deleted
         return status.serving(current, leaderworkerset.deployment_view(group),
                               generation=sdd["metadata"].get("generation", 1), now=status.now_rfc3339())
 
-    result = kube.update_status(namespace, owner["name"], compute)
-    if result is not None:
-        _phase_changed(kube, namespace, owner["name"], *result, logger)
-    if group is None:
-        sdd = kube.get_sdd(namespace, owner["name"])
-        current = (sdd or {}).get("status") or {}
-        plan_ready = status.get_condition(current, api.PLAN_READY) or {}
-        if (sdd is not None and sdd["metadata"].get("uid") == owner.get("uid") and _spans_nodes(current)
-                and not sdd["metadata"].get("deletionTimestamp") and not is_paused(sdd["metadata"])
-                and plan_ready.get("status") == "True"
-                and current.get("observedGeneration") == sdd["metadata"].get("generation")):
-            logger.warning("engine LeaderWorkerSet deleted from outside; applying it again")
-            try:
-                converge(sdd, kube, memo.options, logger)
-            except (kopf.TemporaryError, kopf.PermanentError):
-                pass
+    seen = _child_event(event, body, logger, memo, fold)
+    if seen is not None and seen[1] is None:
+        _restore_deleted_engine(body["metadata"]["namespace"], seen[0], memo.kube, memo.options, logger,
+                                body["metadata"]["name"], group=True)
 
 
 def _phase_changed(kube: KubeClient, namespace: str, name: str, old: dict[str, Any], new: dict[str, Any],
@@ -499,22 +485,24 @@ def _phase_changed(kube: KubeClient, namespace: str, name: str, old: dict[str, A
 
 def _restore_deleted_engine(
     namespace: str, owner: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
-    deleted: str,
+    deleted: str, *, group: bool = False,
 ) -> None:
-    """Someone deleted the engine Deployment of a resource that should be serving: apply it again.
-    (Deletions the operator made itself, or by garbage collection, leave no planned, live owner.)"""
+    """Someone deleted the engine Deployment (`group`: LeaderWorkerSet) of a resource that should
+    be serving: apply it again. (Deletions the operator made itself, or by garbage collection,
+    leave no planned, live owner.)"""
     sdd = kube.get_sdd(namespace, owner["name"])
     if sdd is None or sdd["metadata"].get("uid") != owner.get("uid") or sdd["metadata"].get("deletionTimestamp"):
         return
-    if _spans_nodes(sdd.get("status") or {}):
-        return  # the single-node Deployment, removed by converge
-    if roles.is_disaggregated(sdd["spec"]):
-        wanted = [roles.role_deployment_name(owner["name"], role) for role in api.SPLIT_ROLES]
-    else:
-        wanted = [deployment_name(owner["name"])]
-    if deleted not in wanted:
-        return  # the other mode's leftover, deleted by converge
     current = sdd.get("status") or {}
+    if _spans_nodes(current) != group:
+        return  # the other mode's child, removed by converge
+    if not group:
+        if roles.is_disaggregated(sdd["spec"]):
+            wanted = [roles.role_deployment_name(owner["name"], role) for role in api.SPLIT_ROLES]
+        else:
+            wanted = [deployment_name(owner["name"])]
+        if deleted not in wanted:
+            return  # the other mode's leftover, deleted by converge
     plan_ready = status.get_condition(current, api.PLAN_READY) or {}
     if (
         is_paused(sdd["metadata"])
@@ -522,8 +510,10 @@ def _restore_deleted_engine(
         or current.get("observedGeneration") != sdd["metadata"].get("generation")
     ):
         return
-    logger.warning("engine Deployment deleted from outside; applying it again")
-    _event(sdd, warning=True, reason=api.EVENT_DEPLOYMENT_DELETED, message="engine Deployment deleted from outside; applying it again")
+    message = f"engine {api.LWS_KIND if group else 'Deployment'} deleted from outside; applying it again"
+    logger.warning(message)
+    if not group:
+        _event(sdd, warning=True, reason=api.EVENT_DEPLOYMENT_DELETED, message=message)
     try:
         converge(sdd, kube, options, logger)
     except (kopf.TemporaryError, kopf.PermanentError):

@@ -177,13 +177,14 @@ def _schedule(c: dict[str, Any], n: int, nextn: int) -> tuple[tuple[str, ...], t
         if c.get(key) is not None:
             name = "compressed_sparse_attention" if key.endswith("csa") else "heavily_compressed_attention"
             rates[name] = c[key]
-    kinds, out = [], []
+    kinds: list[str] = []
+    out: list[int] = []
     for t in list(types[:n]) + ["sliding_attention"] * nextn:
         if t not in LAYER_TYPE_KIND:
             raise ConfigError(f"layer_types: unknown layer type {t!r}; expected one of {', '.join(LAYER_TYPE_KIND)}")
         kind = LAYER_TYPE_KIND[t]
         ratio = 0 if kind == SLIDING else rates.get(t)
-        if kind != SLIDING and (isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1):
+        if isinstance(ratio, bool) or not isinstance(ratio, int) or (kind != SLIDING and ratio < 1):
             raise ConfigError(f"compress_rates: {t} needs a positive integer ratio, got {ratio!r}")
         kinds.append(kind)
         out.append(ratio)

@@ -1,8 +1,15 @@
-"""The planner's one input error, shared by its modules (shapes.py re-exports it)."""
+"""The planner's input errors, shared by its modules (shapes.py re-exports it)."""
 
 
 class ConfigError(ValueError):
-    """A config.json (or model directory) that cannot be planned; the message names the field."""
+    """A config.json (or model directory) that cannot be planned; the message names the field.
+    `model`: whose config.json it is ("target" or "draft"), where plan_from_configs knows it."""
+
+    model: str | None = None
+
+
+class UncomputedDtypeError(ConfigError):
+    """The target's dtype is not one the engine computes in (shapes.COMPUTE_DTYPES)."""
 
 
 # No published model comes near these; a larger value in a config.json is a broken config,

@@ -123,8 +123,9 @@ def _shown(value: Any) -> str:
 def model_max_context(config: Any) -> int | None:
     """A target config's max_position_embeddings (under text_config for a multimodal one), or
     None where it has none that reads as a positive int."""
-    c = config if isinstance(config, dict) else {}
-    c = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+    c: dict = config if isinstance(config, dict) else {}
+    text = c.get("text_config")
+    c = text if isinstance(text, dict) else c
     limit = c.get("max_position_embeddings")
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 

@@ -67,8 +67,10 @@ from specdeploy.engine.planner.deepseek_v4 import (
 )
 from specdeploy.engine.planner.compat import DRAFT_INCOMPATIBLE, pair_incompatibility
 from specdeploy.engine.planner.options import DEFAULTS
+from specdeploy.engine.planner.errors import UncomputedDtypeError
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
+    COMPUTE_DTYPES,
     ConfigError,
     ModelShapes,
     derive_draft_shapes,
@@ -623,6 +625,7 @@ def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int,
     """The largest phase of a DeepSeek-V4 forward, plus the e4m3 copies its FP8 linears make of
     their widest input (the grouped output projection's, o_groups x o_lora_rank)."""
     v4 = shapes.v4
+    assert v4 is not None, "a DeepSeek-V4 model's shapes carry its schedule"
     dims = V4ForwardDims(hc_mult=shapes.hc_mult, num_experts=shapes.num_routed_experts,
                          local_experts=max(1, shapes.num_routed_experts // tp),
                          experts_per_tok=shapes.num_experts_per_tok,
@@ -1001,14 +1004,31 @@ def plan_from_configs(
     tensor_parallel_size: int | None = None,
     dtype: str | None = None,
     max_nodes: int = 1,
+    require_compute_dtype: bool = False,
 ) -> Plan:
     """derive_shapes for both models (the draft in the target's dtype and KV dtype), then plan().
     dtype: the compute dtype, when it is not the config's torch_dtype (`engine serve --dtype`).
-    A pair that cannot speculate together is PlanError "DraftIncompatible" (compat.py), first."""
+    require_compute_dtype: a target dtype outside COMPUTE_DTYPES is UncomputedDtypeError (the
+    operator starts the engine in the planned dtype, which it must be able to compute in).
+    A pair that cannot speculate together is PlanError "DraftIncompatible" (compat.py), first.
+    A ConfigError from a config.json names it in `model` ("target" or "draft")."""
     check_pair(spec.algorithm, target_config, draft_config)
-    target = derive_shapes(target_config, role="target", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype,
-                                kv_cache_dtype=kv_cache_dtype)
+    try:
+        target = derive_shapes(target_config, role="target", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    except ConfigError as err:
+        err.model = "target"
+        raise
+    if require_compute_dtype and target.dtype not in COMPUTE_DTYPES:
+        refused = UncomputedDtypeError(f"torch_dtype {target.dtype} is not a dtype the engine computes in"
+                                       f" ({', '.join(COMPUTE_DTYPES)})")
+        refused.model = "target"
+        raise refused
+    try:
+        draft = derive_draft_shapes(spec.algorithm, target_config, draft_config, dtype=target.dtype,
+                                    kv_cache_dtype=kv_cache_dtype)
+    except ConfigError as err:
+        err.model = "draft"
+        raise
     if spec.algorithm == "MTP" and draft_config is None:
         # The MTP layers ship inside the target checkpoint: with its headers read they are already
         # in target_weight_bytes; without them they are counted from the shapes.
@@ -1020,4 +1040,3 @@ def plan_from_configs(
         gpus_per_node=gpus_per_node, role=role, tensor_parallel_size=tensor_parallel_size,
         max_nodes=max_nodes,
     )
-

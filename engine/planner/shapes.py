@@ -635,6 +635,7 @@ def _attention_params(d: _Dims, layer: int, attn_input: int) -> int:
         kv = h * (d.kv_lora + d.rope_dim) + d.kv_lora + d.kv_lora * nh * (d.nope_dim + d.v_dim)
         return q + kv + nh * d.v_dim * h
     # compressed (DeepSeek-V4): low-rank q, one shared K=V head, grouped low-rank output, sinks
+    assert d.v4 is not None, "compressed attention is read with its DeepSeek-V4 schedule"
     hd = d.head_dim
     o_groups = _int(d.c, "o_groups", 1, minimum=1)
     o_lora = _int(d.c, "o_lora_rank", 1, minimum=1)
@@ -686,6 +687,7 @@ def _kv_cache_bytes(d: _Dims, layer_ids: range, dtype_bytes: int, role: str) -> 
         return 2 * n * d.kv_heads * d.head_dim * dtype_bytes, 0, 0
     if d.attention == "mla":
         return n * (d.kv_lora + d.rope_dim) * dtype_bytes, 0, 0
+    assert d.v4 is not None, "compressed attention is read with its DeepSeek-V4 schedule"
     kv = v4_kv_bytes(d.v4, "MTP" if role == "MTP" else "target", dtype_bytes)
     return kv.per_token, kv.per_request, kv.per_in_flight_token
 

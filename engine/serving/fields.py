@@ -10,7 +10,8 @@ step's text, so their count and length are bounded).
 Fields that change which tokens come out but that this engine does not implement are refused by
 name (400) rather than ignored: a client asking for a logit bias or a JSON schema would
 otherwise get a silently different answer. `NOT_IMPLEMENTED` is that list; a field leaves it
-when the engine implements it.
+when the engine implements it, and is then declared with its default (the value that means off)
+in openai_fields.ControlFields, the one description of the fields the engine does implement.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Only what the engine reads is fetched: JSON configs, tokenizer files, chat templ
 of the weights: the safetensors, or, in a repository that has none (the published EAGLE and EAGLE-3
 heads), the `pytorch_model*.bin` files (engine/models/checkpoint.py reads both).
 
-The hub's answers are untrusted input (planner/remote.py keeps the limits): the revision listing
+The hub's answers are untrusted input (read through the one hub client, planner/hub_client.py,
+which keeps the URLs, timeouts and limits): the revision listing
 and every file but the weights are read under one total deadline (HUB_DEADLINE_S) and a byte cap
 (MAX_HUB_JSON_BYTES for the listing, MAX_SMALL_FILE_BYTES per file); the commit the hub names
 must be 40 hex digits and each file name a plain name, since both become paths in the cache; a
@@ -24,15 +25,18 @@ import json
 import logging
 import os
 import time
-import urllib.parse
 from pathlib import Path
 
-from specdeploy.engine.planner.remote import (
+from specdeploy.engine.planner.hub_client import (
     DEFAULT_HUB_ENDPOINT,
     HUB_DEADLINE_S,
+    HUB_TIMEOUT_S,
     MAX_HUB_JSON_BYTES,
     Deadline,
-    bound_httpx_client,
+    auth_headers,
+    hub_file_url,
+    hub_revision_url,
+    httpx_client,
     is_commit,
     revision_problem,
 )
@@ -47,6 +51,8 @@ SAFETENSORS_FILES = "*.safetensors"
 SKIPPED_FILES = ("*/*", "*.pt", "*.pth", "*.gguf", "*.msgpack", "*.h5", "*.onnx")
 _PROGRESS_EVERY_S = 10.0
 _CHUNK_BYTES = 8 << 20
+# A weight file's reads: a CDN may pause a large transfer longer than a small answer's timeout.
+WEIGHTS_READ_TIMEOUT_S = 300.0
 # A configuration, tokenizer or template file: the largest published tokenizer.json files are
 # tens of megabytes.
 MAX_SMALL_FILE_BYTES = 256 << 20
@@ -103,18 +109,12 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT).rstrip("/")
     token = token or os.environ.get("HF_TOKEN")
     cache = cache or hub_cache_dir()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    quoted_rev = urllib.parse.quote(revision, safe="")
     deadline = Deadline(deadline_s)  # the listing and the small files; weights have no total bound
-
-    def client(bounded: bool) -> httpx.Client:
-        c = httpx.Client(base_url=endpoint, headers=headers, follow_redirects=True,
-                         timeout=httpx.Timeout(30.0, read=300.0))
-        return bound_httpx_client(c, deadline) if bounded else c
-
-    with client(True) as small, client(False) as large:
+    timeout = httpx.Timeout(HUB_TIMEOUT_S, read=WEIGHTS_READ_TIMEOUT_S)
+    with httpx_client(httpx.Client, deadline, timeout=timeout, headers=auth_headers(token)) as small, \
+            httpx_client(httpx.Client, None, timeout=timeout, headers=auth_headers(token)) as large:
         try:
-            info = _listing(small, f"/api/models/{repo_id}/revision/{quoted_rev}", repo_id, revision, endpoint)
+            info = _listing(small, hub_revision_url(endpoint, repo_id, revision), repo_id, revision, endpoint)
         except httpx.TimeoutException:
             if deadline.expired:
                 raise HubError(f"{repo_id}: {endpoint} did not answer within the {deadline_s:.0f} s deadline") from None
@@ -137,8 +137,7 @@ def fetch_model(repo_id: str, revision: str = "main", *, endpoint: str | None = 
         for name in files:
             weights = name.endswith((".safetensors", ".bin"))
             try:
-                total_bytes += _download(large if weights else small,
-                                         f"/{repo_id}/resolve/{commit}/{urllib.parse.quote(name)}",
+                total_bytes += _download(large if weights else small, hub_file_url(endpoint, repo_id, commit, name),
                                          snapshot / name, name, None if weights else MAX_SMALL_FILE_BYTES)
             except httpx.TimeoutException:
                 if not weights and deadline.expired:

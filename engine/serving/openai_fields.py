@@ -107,13 +107,16 @@ def controls(body: ControlFields, vocab_size: int, max_tokens: int, *, logprobs:
 
 
 def controls_param(body) -> str:
-    """The first field of a body that asks for LogitControls (for a refusal naming it)."""
-    defaults = {"logprobs": None, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "response_format": None,
-                "guided_json": None, "guided_regex": None, "guided_choice": None, "tool_choice": None}
-    for name, default in defaults.items():
-        value = getattr(body, name, default)
-        if value not in (default, False, {}) and not (name == "response_format" and value.type == "text"):
+    """The first field of a body that asks for LogitControls (for a refusal naming it): its
+    log-probabilities, a ControlFields field (but `n`) or a tool choice away from its declared
+    default."""
+    declared = type(body).model_fields
+    names = ("logprobs", "top_logprobs", *(n for n in ControlFields.model_fields if n != "n"), "tool_choice")
+    for name in names:
+        if name not in declared:
+            continue
+        value = getattr(body, name)
+        if value not in (declared[name].default, False, {}) and not (name == "response_format" and value.type == "text"):
             return name
     return "tools"
 

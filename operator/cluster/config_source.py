@@ -17,9 +17,10 @@ URL, and whether retrying can help without the user editing the resource (`trans
 
 A hub is untrusted input (the endpoint may be the resource's choice): each read has a total
 deadline as well as a per-read timeout (a drip of one byte every few seconds would never trip the
-latter), HUB_CONFIG_DEADLINE_S for config.json and planner/remote.HUB_DEADLINE_S for all of a
-model's weight headers; a JSON answer is capped at remote.MAX_HUB_JSON_BYTES, a header and the
-shard count by the planner's weights limits. A token goes only to an endpoint the operator trusts
+latter), HUB_CONFIG_DEADLINE_S for config.json and HUB_DEADLINE_S for all of a model's weight
+headers; a JSON answer is capped at MAX_HUB_JSON_BYTES, a header and the shard count by the
+planner's weights limits. URLs, timeouts and deadlines are the hub client's
+(engine/planner/hub_client.py), the one the planner and the engine read through. A token goes only to an endpoint the operator trusts
 (`check_token_endpoint`; docs/operator.md).
 """
 
@@ -35,12 +36,15 @@ from typing import Any, Protocol
 import httpx
 
 from specdeploy.engine.planner.errors import ConfigError
-from specdeploy.engine.planner.remote import (
+from specdeploy.engine.planner.hub_client import (
     DEFAULT_HUB_ENDPOINT,
+    HUB_CONFIG_DEADLINE_S,
     HUB_DEADLINE_S,
     MAX_HUB_JSON_BYTES,
     Deadline,
-    bound_httpx_client,
+    auth_headers,
+    hub_file_url,
+    httpx_client,
     read_capped,
     revision_problem,
 )
@@ -51,9 +55,6 @@ from specdeploy.operator.desired.render import api_key_secret
 DEFAULT_REVISION = "main"
 DEFAULT_CONFIG_KEY = "config.json"
 DEFAULT_TOKEN_KEY = "token"
-HUB_TIMEOUT_S = 10.0
-# config.json is one small file: the whole GET (redirects included) ends by then.
-HUB_CONFIG_DEADLINE_S = 2 * HUB_TIMEOUT_S
 
 
 
@@ -83,15 +84,6 @@ class ResolvedConfig:
 
     config: dict[str, Any]
     origin: str
-
-
-def hub_config_url(endpoint: str, model: str, revision: str) -> str:
-    # The hub quotes the whole revision ("refs/pr/1" -> "refs%2Fpr%2F1"), but not the model id,
-    # whose single slash separates organisation and name.
-    return (
-        f"{endpoint.rstrip('/')}/{urllib.parse.quote(model, safe='/')}"
-        f"/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
-    )
 
 
 def _origin(url: str) -> tuple[str, str, int | None, str]:
@@ -127,10 +119,6 @@ def _revision(model_spec: dict[str, Any], field: str) -> str:
     if problem is not None:
         raise ConfigSourceError(api.REASON_CONFIG_INVALID, f"{field}.{problem}", transient=False)
     return revision
-
-
-def _hub_client(deadline: Deadline) -> httpx.Client:
-    return bound_httpx_client(httpx.Client(timeout=HUB_TIMEOUT_S, follow_redirects=True), deadline)
 
 
 def _hub_failure(url: str, exc: httpx.HTTPError, deadline: Deadline | None) -> ConfigSourceError:
@@ -259,12 +247,11 @@ def _from_hub(
     http: httpx.Client | None,
     deadline_s: float = HUB_CONFIG_DEADLINE_S,
 ) -> ResolvedConfig:
-    url = hub_config_url(endpoint, model, revision)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = hub_file_url(endpoint, model, revision, "config.json")
     deadline = Deadline(deadline_s)
-    client = http or _hub_client(deadline)
+    client = http or httpx_client(httpx.Client, deadline)
     try:
-        with client.stream("GET", url, headers=headers) as response:
+        with client.stream("GET", url, headers=auth_headers(token)) as response:
             body = _read_json_body(response, url) if response.status_code == 200 else b""
     except httpx.HTTPError as exc:
         raise _hub_failure(url, exc, deadline) from exc
@@ -317,10 +304,6 @@ def _parse_json_object(text: str, origin: str, *, transient: bool) -> dict[str, 
 # checkpoint weights from the hub
 
 
-def hub_file_url(endpoint: str, model: str, revision: str, name: str) -> str:
-    return hub_config_url(endpoint, model, revision).removesuffix("/config.json") + "/" + urllib.parse.quote(name)
-
-
 class HubCheckpointFiles:
     """The planner's CheckpointFiles over a hub repository, with httpx: JSON files whole, shard
     headers by Range (a server that ignores Range is read only as far as needed)."""
@@ -329,7 +312,7 @@ class HubCheckpointFiles:
                  deadline: Deadline | None = None):
         self.model, self.revision, self.endpoint, self.http = model, revision, endpoint, http
         self.deadline = deadline
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = auth_headers(token)
         self.token_given = bool(token)
         self.origin = f"{endpoint.rstrip('/')}/{model}/resolve/{revision}"
 
@@ -414,7 +397,7 @@ def resolve_model_weights(
     if cached is not None and now() - cached[0] < WEIGHTS_CACHE_TTL_S:
         return cached[1]
     deadline = Deadline(deadline_s)
-    client = http or _hub_client(deadline)
+    client = http or httpx_client(httpx.Client, deadline)
     try:
         weights = read_checkpoint_weights(HubCheckpointFiles(model_spec["model"], revision, hub_endpoint, hub_token,
                                                              client, deadline))

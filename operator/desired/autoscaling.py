@@ -107,23 +107,34 @@ def target_value(settings: dict[str, Any]) -> str:
     return str(settings.get("targetValue") or TARGETS[settings["metric"]].default_value)
 
 
-def horizontal_pod_autoscaler(scaler: Scaler) -> dict[str, Any]:
+def _scaler_object(api_kind: tuple[str, str], scaler: Scaler, replica_keys: tuple[str, str],
+                   spec: dict[str, Any]) -> dict[str, Any]:
+    """What both providers' objects hold: name, labels, the Deployment they scale and its replica
+    bounds under the provider's `replica_keys` (min, max); `spec` is the provider's own."""
     settings = scaler.settings
-    target = TARGETS[settings["metric"]]
+    min_key, max_key = replica_keys
     return {
-        "apiVersion": HPA_API[0], "kind": HPA_API[1],
+        "apiVersion": api_kind[0], "kind": api_kind[1],
         "metadata": {"name": scaler.name, "labels": dict(scaler.labels)},
         "spec": {
             "scaleTargetRef": dict(scaler.target_ref),
-            "minReplicas": settings.get("minReplicas", 1),
-            "maxReplicas": settings["maxReplicas"],
-            "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": target.metric},
-                "target": {"type": "AverageValue", "averageValue": target_value(settings)},
-            }}],
-            "behavior": _behavior(settings),
+            min_key: settings.get("minReplicas", 1),
+            max_key: settings["maxReplicas"],
+            **spec,
         },
     }
+
+
+def horizontal_pod_autoscaler(scaler: Scaler) -> dict[str, Any]:
+    settings = scaler.settings
+    target = TARGETS[settings["metric"]]
+    return _scaler_object(HPA_API, scaler, ("minReplicas", "maxReplicas"), {
+        "metrics": [{"type": "Pods", "pods": {
+            "metric": {"name": target.metric},
+            "target": {"type": "AverageValue", "averageValue": target_value(settings)},
+        }}],
+        "behavior": _behavior(settings),
+    })
 
 
 def pods_selector(namespace: str, deployment: str) -> str:
@@ -136,25 +147,18 @@ def scaled_object(scaler: Scaler, namespace: str) -> dict[str, Any]:
     settings = scaler.settings
     target = TARGETS[settings["metric"]]
     keda = settings.get("keda") or {}
-    return {
-        "apiVersion": KEDA_API[0], "kind": KEDA_API[1],
-        "metadata": {"name": scaler.name, "labels": dict(scaler.labels)},
-        "spec": {
-            "scaleTargetRef": dict(scaler.target_ref),
-            "minReplicaCount": settings.get("minReplicas", 1),
-            "maxReplicaCount": settings["maxReplicas"],
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(settings)}},
-            "triggers": [{
-                "type": "prometheus",
-                "metricType": "AverageValue" if target.per_replica_sum else "Value",
-                "metadata": {
-                    "serverAddress": keda["serverAddress"],
-                    "query": target.promql.format(selector=pods_selector(namespace, scaler.deployment)),
-                    "threshold": target_value(settings),
-                },
-            }],
-        },
-    }
+    return _scaler_object(KEDA_API, scaler, ("minReplicaCount", "maxReplicaCount"), {
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(settings)}},
+        "triggers": [{
+            "type": "prometheus",
+            "metricType": "AverageValue" if target.per_replica_sum else "Value",
+            "metadata": {
+                "serverAddress": keda["serverAddress"],
+                "query": target.promql.format(selector=pods_selector(namespace, scaler.deployment)),
+                "threshold": target_value(settings),
+            },
+        }],
+    })
 
 
 def render(sdd: dict[str, Any], scaler: Scaler) -> dict[str, Any]:

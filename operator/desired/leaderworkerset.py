@@ -83,8 +83,8 @@ def render_group(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
         # One claim per pod instead of one claim for all: the claim template takes the volume's name.
         claim = single.model_cache_claim
         claim_templates.append({"metadata": {"name": "model-cache"}, "spec": copy.deepcopy(claim["spec"])})
-        for template in (leader, worker):
-            template["spec"]["volumes"] = [v for v in template["spec"]["volumes"] if v["name"] != "model-cache"]
+        for pod_template in (leader, worker):
+            pod_template["spec"]["volumes"] = [v for v in pod_template["spec"]["volumes"] if v["name"] != "model-cache"]
         cache_status["claimName"] = "model-cache"  # model-cache-<pod name>, one per pod
         cache_status["perPod"] = True
 

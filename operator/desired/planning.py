@@ -3,19 +3,12 @@ the memory plan (pure; the same `plan()` that `specdeploy plan` and the engine c
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine.planner import plan as planner
-from specdeploy.engine.planner.errors import PLANNER_FAILED
-from specdeploy.engine.planner.shapes import (
-    COMPUTE_DTYPES,
-    ConfigError,
-    derive_draft_shapes,
-    derive_shapes,
-)
+from specdeploy.engine.planner.errors import PLANNER_FAILED, ConfigError, UncomputedDtypeError
 from specdeploy.engine.planner.weights import CheckpointWeights
 from specdeploy.operator import api
 from specdeploy.operator.api import REASON_CONFIG_INVALID
@@ -74,6 +67,11 @@ def plan_engine(
         w = weights or ModelWeights()
         if not spec.get("disaggregation"):
             return _plan_engine(spec, target_config, draft_config, w)
+        try:
+            # A pair that cannot speculate together is the deployment's refusal, not a role's.
+            planner.check_pair(engine_settings(spec)["algorithm"], target_config, draft_config)
+        except planner.PlanError as err:
+            raise PlanningError(err.reason, str(err)) from err
         # Each engine role planned on its own (planner.plan's role); status.plan is decode's,
         # the role that serves tokens.
         plans = {role: _plan_engine(spec, target_config, draft_config, w, role) for role in api.ENGINE_ROLES}
@@ -95,38 +93,6 @@ def _plan_engine(
     role: str = "both",
 ) -> PlannedEngine:
     settings = engine_settings(spec)
-    algorithm = settings["algorithm"]
-    try:
-        # A pair that cannot speculate together is refused before anything is sized or created.
-        planner.check_pair(algorithm, target_config, draft_config)
-    except planner.PlanError as err:
-        raise PlanningError(err.reason, str(err)) from err
-    try:
-        # derive_shapes normalises fields in the dict it reads: give it copies.
-        target = derive_shapes(copy.deepcopy(target_config), role="target", dtype=settings.get("dtype"),
-                               kv_cache_dtype=settings.get("kv_cache_dtype", "auto"))
-    except ConfigError as err:
-        raise PlanningError(REASON_CONFIG_INVALID, f"spec.target config.json: {err}") from err
-    if target.dtype not in COMPUTE_DTYPES:
-        # The engine is started with the planned dtype (render.engine_args); one it cannot compute
-        # in would be sized here and then crash at start-up.
-        raise PlanningError(
-            REASON_CONFIG_INVALID,
-            f"spec.target config.json: torch_dtype {target.dtype} is not a dtype the engine computes in"
-            f" ({', '.join(COMPUTE_DTYPES)}); set spec.engine.dtype",
-        )
-    try:
-        draft = derive_draft_shapes(
-            algorithm,
-            copy.deepcopy(target_config),
-            copy.deepcopy(draft_config) if draft_config is not None else None,
-            dtype=target.dtype,
-            kv_cache_dtype=target.kv_cache_dtype,
-        )
-    except ConfigError as err:
-        field = "spec.draft" if draft_config is not None else "spec.target (MTP layers)"
-        raise PlanningError(REASON_CONFIG_INVALID, f"{field} config.json: {err}") from err
-
     cpu_spec = spec.get("cpu")
     if cpu_spec:
         # One device per pod: tensor parallel over spec.cpu.nodes pods, exactly (one each).
@@ -138,7 +104,7 @@ def _plan_engine(
         max_nodes, requested_tp = gpu_spec.get("maxNodes", 1), None
     try:
         speculative = planner.SpecSettings(
-            algorithm=algorithm,
+            algorithm=settings["algorithm"],
             num_steps=settings.get("num_steps", 0),
             topk=settings.get("topk", 0),
             num_draft_tokens=settings.get("num_draft_tokens", 0),
@@ -148,23 +114,24 @@ def _plan_engine(
             context_length=settings["context_length"],
             cuda_graph_max_bs=settings["cuda_graph_max_batch_size"],
         )
-        target_weights, draft_weights = weights.target, weights.draft
-        if algorithm == "MTP" and draft_config is None and target_weights is not None:
-            # the MTP layers ship inside the target checkpoint, whose headers counted them
-            draft_weights = CheckpointWeights(0, "headers", 0)
-        plan = planner.plan(
-            target, draft, speculative, gpu, limits, gpus_per_node=per_node,
-            target_weight_bytes=target_weights.total_bytes if target_weights else None,
-            target_weight_source=target_weights.source if target_weights else None,
-            draft_weight_bytes=draft_weights.total_bytes if draft_weights else None,
-            draft_weight_source=draft_weights.source if draft_weights else None,
+        plan = planner.plan_from_configs(
+            target_config, draft_config, speculative, gpu, limits, gpus_per_node=per_node,
+            target_weight_bytes=weights.target.total_bytes if weights.target else None,
+            target_weight_source=weights.target.source if weights.target else None,
+            draft_weight_bytes=weights.draft.total_bytes if weights.draft else None,
+            draft_weight_source=weights.draft.source if weights.draft else None,
             role=role, max_nodes=max_nodes, tensor_parallel_size=requested_tp,
+            dtype=settings.get("dtype"), kv_cache_dtype=settings.get("kv_cache_dtype", "auto"),
+            # The engine is started with the planned dtype (render.engine_args); one it cannot
+            # compute in would be sized here and then crash at start-up.
+            require_compute_dtype=True,
         )
     except planner.PlanError as err:
         where = "" if role == "both" else f"{role} role: "
         raise PlanningError(err.reason, where + str(err)) from err
     except ConfigError as err:
-        raise PlanningError(REASON_CONFIG_INVALID, str(err)) from err
+        hint = "; set spec.engine.dtype" if isinstance(err, UncomputedDtypeError) else ""
+        raise PlanningError(REASON_CONFIG_INVALID, _config_field(err, draft_config) + str(err) + hint) from err
     return PlannedEngine(
         plan=plan.to_dict(),
         tensor_parallel_size=plan.tensor_parallel_size,
@@ -174,6 +141,15 @@ def _plan_engine(
         target_config=target_config,
         draft_config=draft_config,
     )
+
+
+def _config_field(err: ConfigError, draft_config: dict[str, Any] | None) -> str:
+    """The spec field whose config.json a ConfigError is about, as a message prefix."""
+    if err.model == "target":
+        return "spec.target config.json: "
+    if err.model == "draft":
+        return ("spec.draft" if draft_config is not None else "spec.target (MTP layers)") + " config.json: "
+    return ""
 
 
 def plan_summary(planned: PlannedEngine) -> str:

@@ -86,7 +86,7 @@ def pod_blocked(pod: dict[str, Any], log_lines: list[str] | None = None,
     if waiting.get("reason") in IMAGE_REASONS:
         image = container.get("image", "")
         return Blocked(waiting["reason"], f"pod {name}: image {image}: {waiting.get('message') or waiting['reason']}", name)
-    scheduled = next((c for c in st.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+    scheduled: dict[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
     if scheduled.get("status") == "False" and scheduled.get("reason") == api.REASON_UNSCHEDULABLE:
         return Blocked(api.REASON_UNSCHEDULABLE, f"pod {name}: {scheduled.get('message') or 'no node fits'}", name)
     running = state.get("running")

@@ -357,7 +357,7 @@ def _canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def config_hash(config_map_data: dict[str, str], pod_inputs: dict[str, Any]) -> str:
+def config_hash(config_map_data: dict[str, Any], pod_inputs: dict[str, Any]) -> str:
     """Hash of everything the engine reads at start-up. Stamped on the pod template so that a
     changed plan or config rolls the pods even when the container spec itself is unchanged."""
     digest = hashlib.sha256(_canonical_json([config_map_data, pod_inputs]).encode())
@@ -537,7 +537,7 @@ def progress_deadline_s(plan: dict[str, Any]) -> int:
 
 def deployment_object(name: str, labels: dict[str, str], selector: dict[str, str], replicas: int,
                       hash_value: str, pod_spec: dict[str, Any], progress_deadline: int | None = None) -> dict[str, Any]:
-    deployment = {
+    deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {

@@ -184,7 +184,8 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
     if missing:
         raise ValueError(f"no plan for role(s) {', '.join(missing)}")
 
-    config_maps, containers = {}, {}
+    config_maps: dict[str, dict[str, Any]] = {}
+    containers: dict[str, dict[str, Any]] = {}
     for role in ENGINE_ROLES:
         plan = plans[role]
         settings = {**engine_settings(spec), "dtype": plan["target"]["dtype"]}
@@ -243,7 +244,8 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
          "router": router_container["args"]},
     )
 
-    deployments, services = {}, {}
+    deployments: dict[str, dict[str, Any]] = {}
+    services: dict[str, dict[str, Any]] = {}
     for role in ENGINE_ROLES:
         deployments[role] = deployment_object(
             role_deployment_name(name, role), role_labels(name, role), role_selector(name, role),
@@ -261,7 +263,7 @@ def render_roles(sdd: dict[str, Any], planned: PlannedEngine, defaults: EngineDe
             deployment["spec"].pop("replicas")
     services["router"] = service_object(service_name(name), role_labels(name, "router"), role_selector(name, "router"))
 
-    objects = []
+    objects: list[dict[str, Any]] = []
     for role in SPLIT_ROLES:
         group = [o for o in (config_maps.get(role), deployments[role], services[role]) if o is not None]
         finish_children(sdd, group, role_labels(name, role))

@@ -439,7 +439,8 @@ def serving_roles(
     decode = rollouts.get("decode")
     status["serving"] = {
         **kept,
-        **({"deployment": deployments["decode"]["metadata"]["name"], "selector": decode["selector"]} if decode else {}),
+        # decode's entry names its Deployment whenever it has a rollout.
+        **({"deployment": roles["decode"]["deployment"], "selector": decode["selector"]} if decode else {}),
         "replicas": sum(r["replicas"] for r in rollouts.values()),
         "readyReplicas": sum(r["readyReplicas"] for r in rollouts.values()),
         "updatedReplicas": sum(r["updatedReplicas"] for r in rollouts.values()),
