@@ -557,10 +557,15 @@ def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, 
     current = sdd.get("status") or {}
     if current.get("phase") != api.PHASE_DEPLOYING or roles.is_disaggregated(sdd["spec"]):
         return
-    found = engine_pods.blocked(pods, weight_bytes=int((current.get("plan") or {}).get("weightBytes") or 0))
+    weights = int((current.get("plan") or {}).get("weightBytes") or 0)
+    found = engine_pods.blocked(pods, weight_bytes=weights)
     was = current.get("blockedBy")
     if found is None or found.reason != api.REASON_ENGINE_LOADING or (was and was["reason"] != found.reason):
         return
+    # How far the loading pods are, from their /health (the engine's bytes loaded of the plan's).
+    progress = serving_metrics.loading_progress(serving_metrics.loading_pod_health_urls(pods))
+    if progress:
+        found = engine_pods.blocked(pods, progress=progress, weight_bytes=weights) or found
     if was == found.to_dict():
         return
     meta = sdd["metadata"]
