@@ -89,7 +89,9 @@ class OperatorOptions:
 
 
 def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
-    (kopf.warn if warning else kopf.info)(body, reason=reason, message=message[:1024])
+    # kopf.event, not kopf.info: posted whatever settings.posting.level says (it keeps the
+    # handlers' INFO log lines from becoming events: configure()).
+    kopf.event(body, type="Warning" if warning else "Normal", reason=reason, message=message[:1024])
 
 
 def resolve_configs(
@@ -105,12 +107,19 @@ def resolve_configs(
     return target.config, draft.config if draft else None, origins, weights
 
 
-def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, reason: Any = None, retry: int = 0,
+              **_: Any) -> None:
     """create / update / resume: bring the children in line with the spec, or say why not."""
-    converge(plain(body), memo.kube, memo.options, logger)
+    # The first attempt at a new resource: no object is controlled by its uid yet, so there are
+    # no children of another mode, nor addons no longer asked for, to look up and remove.
+    fresh = reason == kopf.Reason.CREATE and not retry
+    converge(plain(body), memo.kube, memo.options, logger, fresh=fresh)
 
 
-def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger) -> None:
+def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
+             *, fresh: bool = False) -> None:
+    """`fresh`: nothing is controlled by this resource yet (its first create attempt): the
+    lookups of leftovers to delete are skipped (a dozen GETs of a create that answer 404)."""
     meta = sdd["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     now = status.now_rfc3339
@@ -191,14 +200,15 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
     result = kube.update_status(namespace, name, planned_status)
     if result is not None:
         _phase_changed(kube, namespace, name, *result, logger)
-    # A resource that was disaggregated before: its role children go.
-    gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
-    if gone:
-        logger.info(f"removed the disaggregated children: {', '.join(gone)}")
-    # A resource whose replicas spanned nodes before: its LeaderWorkerSet goes.
-    if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
-        logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
-    _converge_addons(sdd, kube, logger)
+    if not fresh:
+        # A resource that was disaggregated before: its role children go.
+        gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
+        if gone:
+            logger.info(f"removed the disaggregated children: {', '.join(gone)}")
+        # A resource whose replicas spanned nodes before: its LeaderWorkerSet goes.
+        if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
+            logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
+    _converge_addons(sdd, kube, logger, fresh=fresh)
 
 
 def _converge_group(
@@ -315,11 +325,14 @@ def _converge_roles(
     _converge_addons(sdd, kube, logger)
 
 
-def _converge_addons(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger) -> None:
+def _converge_addons(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger, *, fresh: bool = False) -> None:
     """Budgets, policies, autoscalers, InferencePool (operator/desired/addons.py): their failures
-    are conditions; an API error here leaves the engine as applied and is retried next time."""
+    are conditions; an API error here leaves the engine as applied and is retried next time.
+    `fresh`: nothing of this resource exists to remove, and no addon condition to clear."""
     try:
-        addons.report(kube, sdd, addons.converge_addons(kube, sdd, logger))
+        conditions = addons.converge_addons(kube, sdd, logger, remove_unwanted=not fresh)
+        if conditions or not fresh:
+            addons.report(kube, sdd, conditions)
     except ApiException as err:
         logger.warning(f"addons not converged (retried at the next reconcile): {err.status} {err.reason}")
 
@@ -589,8 +602,11 @@ async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: OperatorOptions, **_: Any) -> None:
-    # Events for every decision, info level included, signed by this operator (not "kopf").
-    settings.posting.level = logging.INFO
+    # Events for every decision (handlers.py's _event, posted whatever the level) and for every
+    # warning logged, signed by this operator (not "kopf"). The INFO log lines are not posted:
+    # they repeat the decision events (and kopf's bookkeeping would be posted too, four or five
+    # POSTs per create competing with the creates under a burst: docs/reliability.md).
+    settings.posting.level = logging.WARNING
     settings.posting.reporting_component = MANAGED_BY
     settings.posting.reporting_instance = socket.gethostname()
     settings.posting.event_name_prefix = "specdeploy-"
@@ -604,7 +620,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: Operato
     # p99 41 s for 200 resources on 2 cores; tests/operator/test_scale.py).
     settings.execution.max_workers = HANDLER_THREADS
     memo.options = options
-    memo.kube = KubeClient(new_api_client())
+    # A kept-alive connection per thread that calls the API (the handlers', the metrics loop's):
+    # the client's default pool, 5 per CPU, is 10 on two cores, and every thread beyond it
+    # opened and closed a TLS connection per request.
+    memo.kube = KubeClient(new_api_client(pool_connections=HANDLER_THREADS + 2))
     memo.blocked_engines = {}  # (namespace, name) -> whether its status names a blocked engine
 
 

@@ -71,15 +71,19 @@ def _api_message(err: ApiException) -> str:
         return str(err.reason)
 
 
-def new_api_client() -> kubernetes.client.ApiClient:
-    """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+def new_api_client(pool_connections: int | None = None) -> kubernetes.client.ApiClient:
+    """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config; up to
+    `pool_connections` kept-alive connections (None: the client's default, 5 per CPU)."""
+    configuration = kubernetes.client.Configuration()
     try:
-        configuration = kubernetes.client.Configuration()
         kubernetes.config.load_incluster_config(client_configuration=configuration)
-        return kubernetes.client.ApiClient(configuration)
     except kubernetes.config.ConfigException:
         # Read KUBECONFIG now: the client's own default was frozen when it was first imported.
-        return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                           client_configuration=configuration)
+    if pool_connections is not None:
+        configuration.connection_pool_maxsize = pool_connections
+    return kubernetes.client.ApiClient(configuration)
 
 
 class KubeClient:
