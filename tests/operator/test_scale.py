@@ -65,8 +65,12 @@ def api_requests(api_client) -> dict[str, float]:
     """The API server's apiserver_request_total summed by "VERB resource"."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    response = api_client.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
-    text = response[0].data.decode()
+    method, url, headers, body, post = api_client.param_serialize(
+        method="GET", resource_path="/metrics", header_params={"Accept": "text/plain"}, auth_settings=["BearerToken"])
+    response = api_client.call_api(method, url, header_params=headers, body=body, post_params=post)
+    response.read()
+    assert response.status == 200, response.status
+    text = response.data.decode()
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name != "apiserver_request":
