@@ -534,38 +534,45 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
     (the Accept length column). An operator-wide loop rather than a kopf timer: timers need a
     finalizer on each resource, and deleting a resource must never wait for the operator."""
     scraped: list[str] = []
-    for sdd in kube.list_sdds(namespaces):
-        meta = sdd["metadata"]
-        if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
-            continue
-        # A LeaderWorkerSet's worker pods serve no HTTP: only its leaders have /metrics.
-        labels = (leaderworkerset.leader_selector(meta["name"]) if _spans_nodes(sdd.get("status") or {})
-                  else selector_labels(meta["name"]))
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        pods = kube.list_pods(meta["namespace"], selector)
-        _report_loading(kube, sdd, pods)
-        urls = serving_metrics.ready_pod_metrics_urls(pods)
-        answered: list[str] = []
-        samples, errors = serving_metrics.scrape(urls, answered=answered)
-        for error in errors:
-            log.debug(f"[{meta['namespace']}/{meta['name']}] metrics not scraped: {error}")
-        now_s = time.monotonic()
-        per_pod = [rates.rate(url, now_s, sample) for url, sample in zip(answered, samples)] if rates else None
-        scraped += answered
-        figures = serving_metrics.summarize(samples, per_pod)
-        if figures:
-            kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
-        verdict = desired_addons.exported_metric_check(sdd, [set(s.names) for s in samples])
-        if verdict is not None:
-            log.warning(f"[{meta['namespace']}/{meta['name']}] {verdict.reason}: {verdict.message}")
-            generation = meta.get("generation", 1)
-            kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, v=verdict, g=generation:
-                               desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
+    with serving_metrics.http_client() as http:
+        for sdd in kube.list_sdds(namespaces):
+            scraped += _collect_one(kube, sdd, rates, http)
     if rates is not None:
         rates.forget_except(scraped)
 
 
-def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+def _collect_one(kube: KubeClient, sdd: dict[str, Any], rates: serving_metrics.TokenRate | None,
+                 http: Any) -> list[str]:
+    """One resource's round of collect_engine_metrics; -> the URLs that answered."""
+    meta = sdd["metadata"]
+    if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
+        return []
+    # A LeaderWorkerSet's worker pods serve no HTTP: only its leaders have /metrics.
+    labels = (leaderworkerset.leader_selector(meta["name"]) if _spans_nodes(sdd.get("status") or {})
+              else selector_labels(meta["name"]))
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    pods = kube.list_pods(meta["namespace"], selector)
+    _report_loading(kube, sdd, pods, http)
+    urls = serving_metrics.ready_pod_metrics_urls(pods)
+    answered: list[str] = []
+    samples, errors = serving_metrics.scrape(urls, answered=answered, client=http)
+    for error in errors:
+        log.debug(f"[{meta['namespace']}/{meta['name']}] metrics not scraped: {error}")
+    now_s = time.monotonic()
+    per_pod = [rates.rate(url, now_s, sample) for url, sample in zip(answered, samples)] if rates else None
+    figures = serving_metrics.summarize(samples, per_pod)
+    if figures:
+        kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
+    verdict = desired_addons.exported_metric_check(sdd, [set(s.names) for s in samples])
+    if verdict is not None:
+        log.warning(f"[{meta['namespace']}/{meta['name']}] {verdict.reason}: {verdict.message}")
+        generation = meta.get("generation", 1)
+        kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, v=verdict, g=generation:
+                           desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
+    return answered
+
+
+def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, Any]], http: Any = None) -> None:
     """A resource still Deploying whose pods only load: say so (the pod watch reports the rest)."""
     current = sdd.get("status") or {}
     if current.get("phase") != api.PHASE_DEPLOYING or roles.is_disaggregated(sdd["spec"]):
@@ -576,7 +583,7 @@ def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, 
     if found is None or found.reason != api.REASON_ENGINE_LOADING or (was and was["reason"] != found.reason):
         return
     # How far the loading pods are, from their /health (the engine's bytes loaded of the plan's).
-    progress = serving_metrics.loading_progress(serving_metrics.loading_pod_health_urls(pods))
+    progress = serving_metrics.loading_progress(serving_metrics.loading_pod_health_urls(pods), client=http)
     if progress:
         found = engine_pods.blocked(pods, progress=progress, weight_bytes=weights) or found
     if was == found.to_dict():

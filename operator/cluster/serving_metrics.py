@@ -21,6 +21,7 @@ the Ready condition's "X GiB of Y GiB of weights loaded" (desired/pods.py).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -196,11 +197,27 @@ def parse_loading(body: Any) -> dict[str, int] | None:
     return {"loaded_bytes": loaded, "total_bytes": total} if 0 <= loaded and total > 0 else None
 
 
-def loading_progress(urls: dict[str, str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, dict[str, int]]:
+def http_client(timeout_s: float = SCRAPE_TIMEOUT_S) -> httpx.Client:
+    """One client for a whole round of scrapes: making one builds a TLS context (the CA bundle
+    read and parsed, 10-20 ms of CPU), even for the pods' plain-HTTP ports."""
+    return httpx.Client(timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def _client(client: httpx.Client | None, timeout_s: float):
+    if client is not None:
+        yield client
+        return
+    with http_client(timeout_s) as own:
+        yield own
+
+
+def loading_progress(urls: dict[str, str], *, timeout_s: float = SCRAPE_TIMEOUT_S,
+                     client: httpx.Client | None = None) -> dict[str, dict[str, int]]:
     """Pod name -> its loading figures, of the pods that answered with them (a pod that does not
     answer is reported as loading without figures)."""
     found = {}
-    with httpx.Client(timeout=timeout_s) as client:
+    with _client(client, timeout_s) as client:
         for name, url in urls.items():
             try:
                 figures = parse_loading(client.get(url).json())
@@ -212,11 +229,12 @@ def loading_progress(urls: dict[str, str], *, timeout_s: float = SCRAPE_TIMEOUT_
 
 
 def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S,
-           answered: list[str] | None = None) -> tuple[list[EngineSample], list[str]]:
+           answered: list[str] | None = None,
+           client: httpx.Client | None = None) -> tuple[list[EngineSample], list[str]]:
     """(samples of the pods that answered, one error line per pod that did not); `answered`
-    collects the URLs of the samples, in their order."""
+    collects the URLs of the samples, in their order; `client`: a round's http_client()."""
     samples, errors = [], []
-    with httpx.Client(timeout=timeout_s) as client:
+    with _client(client, timeout_s) as client:
         for url in urls:
             try:
                 response = client.get(url)
