@@ -94,7 +94,9 @@ class OperatorOptions:
 
 
 def _event(body: Any, *, warning: bool, reason: str, message: str) -> None:
-    (kopf.warn if warning else kopf.info)(body, reason=reason, message=message[:1024])
+    # kopf.event, not kopf.info: posted whatever settings.posting.level says (it keeps the
+    # handlers' INFO log lines from becoming events: configure()).
+    kopf.event(body, type="Warning" if warning else "Normal", reason=reason, message=message[:1024])
 
 
 def resolve_configs(
@@ -110,12 +112,19 @@ def resolve_configs(
     return target.config, draft.config if draft else None, origins, weights
 
 
-def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+def reconcile(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, reason: Any = None, retry: int = 0,
+              **_: Any) -> None:
     """create / update / resume: bring the children in line with the spec, or say why not."""
-    converge(plain(body), memo.kube, memo.options, logger)
+    # The first attempt at a new resource: no object is controlled by its uid yet, so there are
+    # no children of another mode, nor addons no longer asked for, to look up and remove.
+    fresh = reason == kopf.Reason.CREATE and not retry
+    converge(plain(body), memo.kube, memo.options, logger, fresh=fresh)
 
 
-def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger) -> None:
+def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, logger: logging.Logger,
+             *, fresh: bool = False) -> None:
+    """`fresh`: nothing is controlled by this resource yet (its first create attempt): the
+    lookups of leftovers to delete are skipped (a dozen GETs of a create that answer 404)."""
     meta = sdd["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     now = status.now_rfc3339
@@ -169,14 +178,15 @@ def converge(sdd: dict[str, Any], kube: KubeClient, options: OperatorOptions, lo
         new, kube.get_deployment(namespace, name) or deployment, generation=generation, now=now()))
     if result is not None:
         _phase_changed(kube, namespace, name, *result, logger)
-    # A resource that was disaggregated before: its role children go.
-    gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
-    if gone:
-        logger.info(f"removed the disaggregated children: {', '.join(gone)}")
-    # A resource whose replicas spanned nodes before: its LeaderWorkerSet goes.
-    if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
-        logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
-    _converge_addons(sdd, kube, logger)
+    if not fresh:
+        # A resource that was disaggregated before: its role children go.
+        gone = kube.delete_owned(namespace, roles.child_names(name), meta["uid"])
+        if gone:
+            logger.info(f"removed the disaggregated children: {', '.join(gone)}")
+        # A resource whose replicas spanned nodes before: its LeaderWorkerSet goes.
+        if LeaderWorkerSets(kube).delete_if_owned(namespace, leaderworkerset.leaderworkerset_name(name), meta["uid"]):
+            logger.info(f"removed the LeaderWorkerSet {name}: the plan fits one node")
+    _converge_addons(sdd, kube, logger, fresh=fresh)
 
 
 # ---- the apply / blocked / status sequence every converge path shares ---------------------------
@@ -307,11 +317,14 @@ def _converge_roles(
     _converge_addons(sdd, kube, logger)
 
 
-def _converge_addons(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger) -> None:
+def _converge_addons(sdd: dict[str, Any], kube: KubeClient, logger: logging.Logger, *, fresh: bool = False) -> None:
     """Budgets, policies, autoscalers, InferencePool (operator/desired/addons.py): their failures
-    are conditions; an API error here leaves the engine as applied and is retried next time."""
+    are conditions; an API error here leaves the engine as applied and is retried next time.
+    `fresh`: nothing of this resource exists to remove, and no addon condition to clear."""
     try:
-        addons.report(kube, sdd, addons.converge_addons(kube, sdd, logger))
+        conditions = addons.converge_addons(kube, sdd, logger, remove_unwanted=not fresh)
+        if conditions or not fresh:
+            addons.report(kube, sdd, conditions)
     except ApiException as err:
         logger.warning(f"addons not converged (retried at the next reconcile): {err.status} {err.reason}")
 
@@ -526,46 +539,58 @@ def collect_engine_metrics(kube: KubeClient, namespaces: list[str] | None,
     (the Accept length column). An operator-wide loop rather than a kopf timer: timers need a
     finalizer on each resource, and deleting a resource must never wait for the operator."""
     scraped: list[str] = []
-    for sdd in kube.list_sdds(namespaces):
-        meta = sdd["metadata"]
-        if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
-            continue
-        # A LeaderWorkerSet's worker pods serve no HTTP: only its leaders have /metrics.
-        labels = (leaderworkerset.leader_selector(meta["name"]) if _spans_nodes(sdd.get("status") or {})
-                  else selector_labels(meta["name"]))
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        pods = kube.list_pods(meta["namespace"], selector)
-        _report_loading(kube, sdd, pods)
-        urls = serving_metrics.ready_pod_metrics_urls(pods)
-        answered: list[str] = []
-        samples, errors = serving_metrics.scrape(urls, answered=answered)
-        for error in errors:
-            log.debug(f"[{meta['namespace']}/{meta['name']}] metrics not scraped: {error}")
-        now_s = time.monotonic()
-        per_pod = [rates.rate(url, now_s, sample) for url, sample in zip(answered, samples)] if rates else None
-        scraped += answered
-        figures = serving_metrics.summarize(samples, per_pod)
-        if figures:
-            kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
-        verdict = desired_addons.exported_metric_check(sdd, [set(s.names) for s in samples])
-        if verdict is not None:
-            log.warning(f"[{meta['namespace']}/{meta['name']}] {verdict.reason}: {verdict.message}")
-            generation = meta.get("generation", 1)
-            kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, v=verdict, g=generation:
-                               desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
+    with serving_metrics.http_client() as http:
+        for sdd in kube.list_sdds(namespaces):
+            scraped += _collect_one(kube, sdd, rates, http)
     if rates is not None:
         rates.forget_except(scraped)
 
 
-def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+def _collect_one(kube: KubeClient, sdd: dict[str, Any], rates: serving_metrics.TokenRate | None,
+                 http: Any) -> list[str]:
+    """One resource's round of collect_engine_metrics; -> the URLs that answered."""
+    meta = sdd["metadata"]
+    if is_paused(meta) or (sdd.get("status") or {}).get("phase") not in (api.PHASE_READY, api.PHASE_DEPLOYING):
+        return []
+    # A LeaderWorkerSet's worker pods serve no HTTP: only its leaders have /metrics.
+    labels = (leaderworkerset.leader_selector(meta["name"]) if _spans_nodes(sdd.get("status") or {})
+              else selector_labels(meta["name"]))
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    pods = kube.list_pods(meta["namespace"], selector)
+    _report_loading(kube, sdd, pods, http)
+    urls = serving_metrics.ready_pod_metrics_urls(pods)
+    answered: list[str] = []
+    samples, errors = serving_metrics.scrape(urls, answered=answered, client=http)
+    for error in errors:
+        log.debug(f"[{meta['namespace']}/{meta['name']}] metrics not scraped: {error}")
+    now_s = time.monotonic()
+    per_pod = [rates.rate(url, now_s, sample) for url, sample in zip(answered, samples)] if rates else None
+    figures = serving_metrics.summarize(samples, per_pod)
+    if figures:
+        kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, f=figures: status.engine_metrics(cur, f))
+    verdict = desired_addons.exported_metric_check(sdd, [set(s.names) for s in samples])
+    if verdict is not None:
+        log.warning(f"[{meta['namespace']}/{meta['name']}] {verdict.reason}: {verdict.message}")
+        generation = meta.get("generation", 1)
+        kube.update_status(meta["namespace"], meta["name"], lambda cur, _o, v=verdict, g=generation:
+                           desired_addons.set_addon_condition(cur, v, generation=g, now=status.now_rfc3339()))
+    return answered
+
+
+def _report_loading(kube: KubeClient, sdd: dict[str, Any], pods: list[dict[str, Any]], http: Any = None) -> None:
     """A resource still Deploying whose pods only load: say so (the pod watch reports the rest)."""
     current = sdd.get("status") or {}
     if current.get("phase") != api.PHASE_DEPLOYING or roles.is_disaggregated(sdd["spec"]):
         return
-    found = engine_pods.blocked(pods, weight_bytes=int((current.get("plan") or {}).get("weightBytes") or 0))
+    weights = int((current.get("plan") or {}).get("weightBytes") or 0)
+    found = engine_pods.blocked(pods, weight_bytes=weights)
     was = current.get("blockedBy")
     if found is None or found.reason != api.REASON_ENGINE_LOADING or (was and was["reason"] != found.reason):
         return
+    # How far the loading pods are, from their /health (the engine's bytes loaded of the plan's).
+    progress = serving_metrics.loading_progress(serving_metrics.loading_pod_health_urls(pods), client=http)
+    if progress:
+        found = engine_pods.blocked(pods, progress=progress, weight_bytes=weights) or found
     if was == found.to_dict():
         return
     meta = sdd["metadata"]
@@ -589,8 +614,11 @@ async def _metrics_loop(kube: KubeClient, options: OperatorOptions) -> None:
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: OperatorOptions, **_: Any) -> None:
-    # Events for every decision, info level included, signed by this operator (not "kopf").
-    settings.posting.level = logging.INFO
+    # Events for every decision (handlers.py's _event, posted whatever the level) and for every
+    # warning logged, signed by this operator (not "kopf"). The INFO log lines are not posted:
+    # they repeat the decision events (and kopf's bookkeeping would be posted too, four or five
+    # POSTs per create competing with the creates under a burst: docs/reliability.md).
+    settings.posting.level = logging.WARNING
     settings.posting.reporting_component = MANAGED_BY
     settings.posting.reporting_instance = socket.gethostname()
     settings.posting.event_name_prefix = "specdeploy-"
@@ -604,7 +632,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, options: Operato
     # p99 41 s for 200 resources on 2 cores; tests/operator/test_scale.py).
     settings.execution.max_workers = HANDLER_THREADS
     memo.options = options
-    memo.kube = KubeClient(new_api_client())
+    # A kept-alive connection per thread that calls the API (the handlers', the metrics loop's):
+    # the client's default pool, 5 per CPU, is 10 on two cores, and every thread beyond it
+    # opened and closed a TLS connection per request.
+    memo.kube = KubeClient(new_api_client(pool_connections=HANDLER_THREADS + 2))
     memo.blocked_engines = {}  # (namespace, name) -> whether its status names a blocked engine
 
 

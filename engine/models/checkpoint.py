@@ -21,6 +21,11 @@ Tensor parallelism reads a rank's part with `get_slice(name, dim, start, stop)`:
 read only those bytes (`safe_open(...).get_slice`), an mmap'd PyTorch tensor is narrowed before
 it is copied. `sources()` hands the loader every tensor as a `TensorSource` (shape known, nothing
 read) so that each layer asks for its own rows or columns and a rank never reads a whole matrix.
+
+Loading reports its progress (`LoadProgress`): `load_state` (engine/models/layers.py) adds the
+bytes of every parameter it fills to the progress of the loading in hand (`reporting(progress)`,
+a context variable, so no loader passes it along), which logs a line every few seconds for
+`kubectl logs` and gives /health its figures (the operator's "X GiB of Y GiB of weights loaded").
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import os
 import time
 import zipfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +53,66 @@ PYTORCH_FILE = "pytorch_model.bin"
 # Stored float dtypes that are cast to the planned dtype on the way in; anything else (fp8,
 # integer maps, masks) is data whose meaning the caller knows.
 CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# How often a loading engine logs how far it is.
+LOAD_LOG_EVERY_S = 5.0
+
+
+class LoadProgress:
+    """Weight bytes loaded of `total_bytes` (the plan's weights for this GPU, target + draft).
+    Written by the loading thread, read by the server's event loop (two ints: no lock needed)."""
+
+    def __init__(self, log_every_s: float = LOAD_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic):
+        self.log_every_s, self.clock = log_every_s, clock
+        self.total_bytes = self.loaded_bytes = 0
+        self.loading = False
+        self.started_s = self._logged_s = 0.0
+
+    def start(self, total_bytes: int) -> None:
+        self.total_bytes, self.loaded_bytes, self.loading = int(total_bytes), 0, True
+        self.started_s = self._logged_s = self.clock()
+
+    def add(self, nbytes: int) -> None:
+        self.loaded_bytes += int(nbytes)
+        now = self.clock()
+        if now - self._logged_s >= self.log_every_s:
+            self._logged_s = now
+            log.info("%s", self.line(now))
+
+    def line(self, now: float | None = None) -> str:
+        elapsed_s = (self.clock() if now is None else now) - self.started_s
+        share = f" ({100 * self.loaded_bytes / self.total_bytes:.0f}%)" if self.total_bytes else ""
+        rate = f", {self.loaded_bytes / 2**20 / elapsed_s:.0f} MiB/s" if elapsed_s > 0 else ""
+        return (f"loading weights: {self.loaded_bytes / 2**30:.2f} of {self.total_bytes / 2**30:.2f} GiB"
+                f"{share}{rate}")
+
+    def finish(self) -> None:
+        self.loading = False
+
+    def figures(self) -> dict[str, int] | None:
+        """{"loaded_bytes", "total_bytes"} while loading (what /health reports), else None."""
+        if not self.loading:
+            return None
+        return {"loaded_bytes": self.loaded_bytes, "total_bytes": self.total_bytes}
+
+
+_REPORTING: ContextVar[LoadProgress | None] = ContextVar("specdeploy_load_progress", default=None)
+
+
+@contextmanager
+def reporting(progress: LoadProgress | None):
+    """Within this block, the weights `load_state` fills count towards `progress` (None: nowhere)."""
+    token = _REPORTING.set(progress)
+    try:
+        yield progress
+    finally:
+        _REPORTING.reset(token)
+
+
+def count_loaded(nbytes: int) -> None:
+    """`nbytes` of parameters were filled: count them towards the loading in hand, if any."""
+    progress = _REPORTING.get()
+    if progress is not None:
+        progress.add(nbytes)
 
 
 class CheckpointError(ValueError):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.engine import kernels
-from specdeploy.engine.models.checkpoint import TensorSource
+from specdeploy.engine.models.checkpoint import TensorSource, count_loaded
 from specdeploy.engine.planner.shapes import kv_heads_per_gpu
 from specdeploy.engine import parallel
 
@@ -351,7 +351,9 @@ def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None
         fused = _fused_target(module, name)
         if fused is not None and fused[0] in params:
             fused_name, layer, part = fused
-            layer.load_part(part, fused_name.rpartition(".")[2], tensor)
+            pname = fused_name.rpartition(".")[2]
+            layer.load_part(part, pname, tensor)
+            count_loaded(_part_bytes(layer, part, pname))
             fused_loaded.setdefault(fused_name, set()).add(name)
             continue
         if name not in params:
@@ -364,6 +366,7 @@ def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None
             owner.load_param(pname, tensor)
         else:
             _copy(params[name], materialize(tensor), name)
+        count_loaded(params[name].nbytes)  # this rank's share of it
         loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint has tensors the model does not know: {sorted(unexpected)[:8]}")
@@ -382,6 +385,14 @@ def load_state(module: nn.Module, tensors, ignore: tuple[str, ...] = ()) -> None
     missing += [n for n, _ in module.named_buffers() if n not in loaded and n in persistent]
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+
+def _part_bytes(layer: nn.Module, part: int, pname: str) -> int:
+    """This rank's bytes of one part of a fused parameter (its share of the rows: an FP8 scale's
+    rows are blocks, so its share is the same fraction)."""
+    param = getattr(layer, pname)
+    sizes = getattr(layer, "local_sizes", None)
+    return param.nbytes * sizes[part] // sum(sizes) if sizes else param.nbytes
 
 
 def _fused_target(module: nn.Module, name: str):

@@ -102,7 +102,7 @@ def boot(args: argparse.Namespace, guard=None) -> Booted:
     config, limits = server_config(args)
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout_s)
     ranks = TensorParallelRanks()
-    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks, guard),
+    config.app = create_app(state, loader=lambda metrics: load_engine(args, metrics, ranks, guard, state.load_progress),
                             on_load_failure=lambda e: load_failed(server, e), limits=limits, guard=guard)
     return Booted(state, server, ranks)
 
@@ -307,14 +307,15 @@ def check_plan_for_target(plan, target_config: dict) -> bool:
     return deepseek_v4
 
 
-def build_runner(spec: RankSpec, rank: int = 0):
+def build_runner(spec: RankSpec, rank: int = 0, progress=None):
     """Load this rank's shards of target and draft and build its Runner (pools, graphs) from the
     plan; -> (runner, weight bytes held). Under TP every rank calls this with the same spec, and
-    the ranks meet at a barrier before the first collective (graph capture, or the first step)."""
+    the ranks meet at a barrier before the first collective (graph capture, or the first step).
+    `progress` (a checkpoint.LoadProgress) counts the weights loaded of the plan's, as they load."""
     import torch
 
-    from specdeploy.engine.models.draft import load_draft
     from specdeploy.engine import parallel
+    from specdeploy.engine.models import checkpoint
     from specdeploy.engine.planner.plan import Plan, role_prefill_chunk_tokens
     from specdeploy.engine.runtime import distributed
     from specdeploy.engine.runtime.runner import Runner
@@ -327,31 +328,19 @@ def build_runner(spec: RankSpec, rank: int = 0):
     shard = f", rank {rank} of {spec.tp_size}" if spec.tp_size > 1 else ""
     log.info("loading target from %s: %s (%s, %s%s)", target_dir,
              "random weights" if spec.random_weights else _checkpoint_size(target_dir), spec.dtype, device, shard)
-    from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
     from specdeploy.engine.models.llama import read_config
 
     deepseek_v4 = check_plan_for_target(plan, read_config(str(target_dir)))
-    if deepseek_v4:
-        target = v4ckpt.load_v4_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
-    else:
-        target = _load_or_random_target(spec, target_dir, dtype, device, rank)
-    weight_bytes = _param_bytes(target)
-    log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
-             time.monotonic() - t0)
-    draft = None
-    if plan.algorithm != "NONE":
-        t1 = time.monotonic()
-        log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir,
-                 "random weights" if spec.random_weights else _checkpoint_size(draft_dir))
-        if deepseek_v4:
-            draft = v4ckpt.load_v4_mtp(str(draft_dir), target, dtype, device)
-        else:
-            draft = (_random_draft(spec, draft_dir, plan, target, dtype, device, rank) if spec.random_weights
-                     else load_draft(str(draft_dir), plan.algorithm, target, dtype, device))
-        weight_bytes += _param_bytes(draft)
-        log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
-                 human_bytes(_param_bytes(draft)), time.monotonic() - t1)
     planned_weights = plan.target.weight_bytes_per_gpu + (plan.draft.weight_bytes_per_gpu if plan.draft else 0)
+    if progress is not None:
+        progress.start(planned_weights)
+    try:
+        with checkpoint.reporting(progress):
+            target, draft, weight_bytes = _load_pair(spec, plan, target_dir, draft_dir, deepseek_v4, dtype, device,
+                                                     rank, t0)
+    finally:
+        if progress is not None:
+            progress.finish()
     _compare("weights" + (" (this rank)" if spec.tp_size > 1 else ""), weight_bytes, planned_weights)
     if spec.tp_size > 1:
         parallel.group().barrier()  # loading takes each rank its own time
@@ -398,6 +387,35 @@ def build_runner(spec: RankSpec, rank: int = 0):
     if spec.tp_size > 1:
         distributed.agree_on_shapes(runner, parallel.group())
     return runner, weight_bytes
+
+
+def _load_pair(spec: RankSpec, plan, target_dir: Path, draft_dir: Path | None, deepseek_v4: bool, dtype,
+               device: str, rank: int, t0: float):
+    """-> (target, draft or None, weight bytes held), each logged with its size and time."""
+    from specdeploy.engine.models import deepseek_v4_checkpoint as v4ckpt
+    from specdeploy.engine.models.draft import load_draft
+
+    if deepseek_v4:
+        target = v4ckpt.load_v4_target(str(target_dir), dtype, device, tp_rank=rank, tp_size=spec.tp_size)
+    else:
+        target = _load_or_random_target(spec, target_dir, dtype, device, rank)
+    weight_bytes = _param_bytes(target)
+    log.info("target loaded: %d layers, %s in %.1f s", target.cfg.num_layers, human_bytes(weight_bytes),
+             time.monotonic() - t0)
+    draft = None
+    if plan.algorithm != "NONE":
+        t1 = time.monotonic()
+        log.info("loading %s draft from %s: %s", plan.algorithm, draft_dir,
+                 "random weights" if spec.random_weights else _checkpoint_size(draft_dir))
+        if deepseek_v4:
+            draft = v4ckpt.load_v4_mtp(str(draft_dir), target, dtype, device)
+        else:
+            draft = (_random_draft(spec, draft_dir, plan, target, dtype, device, rank) if spec.random_weights
+                     else load_draft(str(draft_dir), plan.algorithm, target, dtype, device))
+        weight_bytes += _param_bytes(draft)
+        log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
+                 human_bytes(_param_bytes(draft)), time.monotonic() - t1)
+    return target, draft, weight_bytes
 
 
 def _load_or_random_target(spec: RankSpec, target_dir: Path, dtype, device: str, rank: int):
@@ -571,9 +589,11 @@ class TensorParallelRanks:
         self.workers = None
 
 
-def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | None = None, guard=None):
+def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | None = None, guard=None,
+                progress=None):
     """Load models, allocate the plan, warm up; -> (Scheduler, Tokenizer). Runs in a worker thread.
-    With a tensor-parallel plan, starts the other ranks through `ranks` first."""
+    With a tensor-parallel plan, starts the other ranks through `ranks` first. `progress`: rank 0's
+    weights loaded so far (checkpoint.LoadProgress; /health reports it)."""
     import torch
 
     from specdeploy.engine import parallel
@@ -605,7 +625,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
         tp = parallel.init_tp(0, tp_size, spec.init_method, spec.rank_device(0), args.all_reduce)
         log.info("tensor parallel %d over %s", tp_size,
                  f"NCCL, all-reduce {tp.all_reduce_backend}" if device == "cuda" else "gloo")
-    runner, _ = build_runner(spec, 0)
+    runner, _ = build_runner(spec, 0, progress)
     if tp_size > 1:
         runner = ranks.leader = distributed.LeaderRunner(runner, tp, ranks.fatal)
     if device == "cuda":

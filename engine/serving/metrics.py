@@ -153,6 +153,11 @@ class EngineMetrics:
     def request_rejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason, **self._labels).inc()
 
+    def rejected_total(self) -> int:
+        """Refused requests since start, every reason (each 4xx / 5xx answer is one)."""
+        return int(sum(sample.value for family in self._rejected.collect() for sample in family.samples
+                       if sample.name.endswith("_total")))
+
     def decode_shape(self, shape) -> None:
         """After a decode step of `shape` (a SpecShape)."""
         label = shape.label

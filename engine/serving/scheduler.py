@@ -197,6 +197,9 @@ class Scheduler:
         self._log_tokens = 0
         self._log_steps = 0
         self._log_accepted = 0
+        self._log_finished = 0
+        self._log_ttfts_s: list[float] = []
+        self._log_rejected_before = metrics.rejected_total()
         self._adaptive_steps = 0
         self._log_prompt_tokens = 0
         self._log_cached_tokens = 0
@@ -500,6 +503,7 @@ class Scheduler:
         if state.first_token_s is None and out.token_ids:
             state.first_token_s = now
             self.metrics.time_to_first_token_s.observe(now - state.arrival_s)
+            self._log_ttfts_s.append(now - state.arrival_s)
         self._consume(state, out)
 
     def _count_cached(self, state: _RequestState, cached: int) -> None:
@@ -574,6 +578,7 @@ class Scheduler:
         state.emitted_chars = len(state.text)
         self.metrics.request_finished(state.endpoint, finish_reason)
         self.metrics.request_latency_s.observe(time.monotonic() - state.arrival_s)
+        self._log_finished += 1
         with self._cv:  # last: a drain may end once this reaches zero
             self._num_unfinished -= 1
 
@@ -639,7 +644,9 @@ class Scheduler:
         elapsed_s = now - self._log_last_s
         if elapsed_s < self.log_interval_s:
             return
-        if self._log_tokens or self._running or self._waiting:
+        rejected = self.metrics.rejected_total()
+        errors = rejected - self._log_rejected_before
+        if self._log_tokens or self._running or self._waiting or errors or self._log_finished:
             tok_per_s = self._log_tokens / elapsed_s
             kv_usage = 1.0 - self.runner.num_free_slots / self.capacity_slots if self.capacity_slots else 0.0
             self.metrics.generation_throughput.set(tok_per_s)
@@ -656,12 +663,18 @@ class Scheduler:
                 hit_rate = self._log_cached_tokens / self._log_prompt_tokens
                 self.metrics.prefix_cache_hit_rate.set(hit_rate)
                 prefix = f" prefix_hit={100 * hit_rate:.1f}%"
-            log.info("decode: running=%d queued=%d gen_tok/s=%.1f%s%s%s kv_usage=%.1f%%",
-                     len(self._running), len(self._waiting), tok_per_s, accept, adaptive, prefix, 100 * kv_usage)
+            # Over the interval: finished requests per second, refused ones (4xx / 5xx, the
+            # rejected-requests metric) and the median time to first token of those that began.
+            ttfts = sorted(self._log_ttfts_s)
+            ttft = f"{ttfts[(len(ttfts) - 1) // 2]:.3f}s" if ttfts else "-"
+            log.info("decode: running=%d queued=%d req/s=%.2f errors=%d ttft_p50=%s gen_tok/s=%.1f%s%s%s "
+                     "kv_usage=%.1f%%", len(self._running), len(self._waiting), self._log_finished / elapsed_s,
+                     errors, ttft, tok_per_s, accept, adaptive, prefix, 100 * kv_usage)
         else:
             self.metrics.generation_throughput.set(0.0)
         self._log_last_s, self._log_tokens, self._log_steps, self._log_accepted = now, 0, 0, 0
         self._log_prompt_tokens = self._log_cached_tokens = 0
+        self._log_finished, self._log_ttfts_s, self._log_rejected_before = 0, [], rejected
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specdeploy.engine.models.checkpoint import LoadProgress
 from specdeploy.engine.serving.auth import AuthMiddleware, Guard
 from specdeploy.engine.serving.disagg.protocol import PREFILL_URL_HEADER, AbortBody, PrefillBody, RegisterBody
 from specdeploy.engine.serving.fields import (INT64_MAX, INT64_MIN, MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS,
@@ -242,6 +243,7 @@ class EngineState:
     started_s: int = field(default_factory=lambda: int(time.time()))
     role: str = "both"
     disagg: Any = None  # PrefillService | DecodeService once loaded, for the split roles
+    load_progress: LoadProgress = field(default_factory=LoadProgress)  # the loader's weights so far
 
     @property
     def ready(self) -> bool:
@@ -367,10 +369,13 @@ def create_app(state: EngineState, loader: Loader | None = None,
     async def health():
         # Answered on the event loop alone (no lock, no engine call): it says whether this
         # process can still serve, while loading too; the engine thread ends only at shutdown.
+        # While weights load it also says how far (the operator's "X GiB of Y GiB" while a pod
+        # starts); the probes read only the status code.
         s = state.scheduler
         if s is not None and s.started and not s.alive and not s.stopping:
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
-        return {"status": "ok"}
+        loading = state.load_progress.figures()
+        return {"status": "ok", "loading": loading} if loading else {"status": "ok"}
 
     @app.get("/ready", responses={503: {"description": "Loading weights, draining, or admission stalled",
                                          "content": {"application/json": {}}}})

@@ -49,8 +49,10 @@ def serves(kube: KubeClient, kind: tuple[str, str]) -> bool:
     return any(r.get("kind") == name for r in (found or {}).get("resources") or [])
 
 
-def converge_addons(kube: KubeClient, sdd: dict[str, Any], logger: logging.Logger) -> dict[str, desired.Condition]:
-    """Apply the resource's addons, delete the unwanted ones it owns; -> the conditions to report."""
+def converge_addons(kube: KubeClient, sdd: dict[str, Any], logger: logging.Logger,
+                    *, remove_unwanted: bool = True) -> dict[str, desired.Condition]:
+    """Apply the resource's addons, delete the unwanted ones it owns (unless `remove_unwanted` is
+    False: a resource that owns nothing yet); -> the conditions to report."""
     meta = sdd["metadata"]
     namespace, uid = meta["namespace"], meta["uid"]
     cache: dict[tuple[str, str], bool] = {}
@@ -84,7 +86,7 @@ def converge_addons(kube: KubeClient, sdd: dict[str, Any], logger: logging.Logge
                 continue  # a budget or policy: logged; the engine serves without it
             reason = api.REASON_CHILD_CONFLICT if isinstance(err, _Conflict) else api.REASON_ENGINE_SPEC_INVALID
             conditions[feature] = desired.Condition(feature, False, reason, message)
-    for kind, plural in desired.MANAGED.items():
+    for kind, plural in desired.MANAGED.items() if remove_unwanted else ():
         if kind in plan.untouched or not available(kind):
             continue
         for item in _owned(kube, kind[0], plural, namespace, meta["name"], uid):

@@ -71,15 +71,19 @@ def _api_message(err: ApiException) -> str:
         return str(err.reason)
 
 
-def new_api_client() -> kubernetes.client.ApiClient:
-    """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+def new_api_client(pool_connections: int | None = None) -> kubernetes.client.ApiClient:
+    """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config; up to
+    `pool_connections` kept-alive connections (None: the client's default, 5 per CPU)."""
+    configuration = kubernetes.client.Configuration()
     try:
-        configuration = kubernetes.client.Configuration()
         kubernetes.config.load_incluster_config(client_configuration=configuration)
-        return kubernetes.client.ApiClient(configuration)
     except kubernetes.config.ConfigException:
         # Read KUBECONFIG now: the client's own default was frozen when it was first imported.
-        return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                           client_configuration=configuration)
+    if pool_connections is not None:
+        configuration.connection_pool_maxsize = pool_connections
+    return kubernetes.client.ApiClient(configuration)
 
 
 class KubeClient:
@@ -91,6 +95,17 @@ class KubeClient:
 
     def _dict(self, model: Any) -> dict[str, Any]:
         return self.api_client.sanitize_for_serialization(model)
+
+    @staticmethod
+    def _json(call: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`call`'s answer as the plain JSON the API server sent. The client's models cost a
+        Deployment's or a pod list's round trip through them 5 ms or more of CPU (and of the GIL
+        every handler thread shares), against 0.02 ms for json.loads."""
+        response = call(*args, _preload_content=False, **kwargs)
+        try:
+            return json.loads(response.data)
+        finally:
+            response.release_conn()
 
     # -- reads (config_source.ClusterReader) -------------------------------------------------
 
@@ -115,14 +130,14 @@ class KubeClient:
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._dict(self.apps.read_namespaced_deployment(name, namespace))
+            return self._json(self.apps.read_namespaced_deployment, name, namespace)
         except ApiException as err:
             if err.status == 404:
                 return None
             raise
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        return self._dict(self.core.list_namespaced_pod(namespace, label_selector=label_selector))["items"]
+        return self._json(self.core.list_namespaced_pod, namespace, label_selector=label_selector)["items"]
 
     def pod_log_tail(self, namespace: str, pod: str, container: str, lines: int) -> list[str]:
         """The last `lines` lines of the container's previous run (a crashed engine's last words),
@@ -164,7 +179,7 @@ class KubeClient:
             "Deployment": self.apps.read_namespaced_deployment,
         }[obj["kind"]]
         try:
-            return self._dict(read(meta["name"], meta["namespace"]))
+            return self._json(read, meta["name"], meta["namespace"])
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -201,8 +216,8 @@ class KubeClient:
         if obj["kind"] == "PersistentVolumeClaim":
             obj = self._never_shrink(obj)
         try:
-            result = patch(
-                meta["name"], meta["namespace"], obj,
+            result = self._json(
+                patch, meta["name"], meta["namespace"], obj,
                 field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH,
             )
         except ApiException as err:
@@ -219,7 +234,7 @@ class KubeClient:
                     reason=api.REASON_MODEL_CACHE_IMMUTABLE,
                 ) from None
             raise
-        return self._dict(result)
+        return result
 
     def _never_shrink(self, claim: dict[str, Any]) -> dict[str, Any]:
         """A claim's storage request can grow but never shrink (the API refuses): keep an existing
@@ -323,7 +338,7 @@ class KubeClient:
         """Delete one child if the resource `owner_uid` controls it; True when it went. Absent
         (404) or changed underneath (409) is not an error."""
         try:
-            child = self._dict(read(child_name, namespace))
+            child = self._json(read, child_name, namespace)
             owner = controller_owner(child)
             if owner is None or owner.get("uid") != owner_uid:
                 return False  # not ours: never delete what the resource does not control

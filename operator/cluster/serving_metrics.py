@@ -13,10 +13,15 @@ distinct ones joined with '/') and the acceptance per depth averaged over the po
 smallest crossover batch of the pods (where speculation stops paying); saturation (the
 speculation-aware scaling signal) is the mean over the pods. Each sample keeps the metric names
 the pod serves, so the operator can tell an autoscaler's target that no pod exports.
+
+While an engine pod runs but is not ready, its /health says how much of the plan's weights it
+has loaded (`{"loading": {"loaded_bytes", "total_bytes"}}`): `loading_progress` reads that for
+the Ready condition's "X GiB of Y GiB of weights loaded" (desired/pods.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -168,12 +173,68 @@ def ready_pod_metrics_urls(pods: Iterable[dict[str, Any]]) -> list[str]:
     return urls
 
 
+def loading_pod_health_urls(pods: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """Pod name -> /health URL of each pod whose containers run but that is not ready (loading)."""
+    urls = {}
+    for pod in pods:
+        st = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        running = any("running" in (c.get("state") or {}) for c in st.get("containerStatuses") or [])
+        if running and not ready and st.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
+            urls[pod["metadata"]["name"]] = f"http://{_url_host(st['podIP'])}:{ENGINE_PORT}/health"
+    return urls
+
+
+def parse_loading(body: Any) -> dict[str, int] | None:
+    """/health's loading figures, or None (loaded, or an answer of another shape)."""
+    loading = body.get("loading") if isinstance(body, dict) else None
+    if not isinstance(loading, dict):
+        return None
+    try:
+        loaded, total = int(loading["loaded_bytes"]), int(loading["total_bytes"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {"loaded_bytes": loaded, "total_bytes": total} if 0 <= loaded and total > 0 else None
+
+
+def http_client(timeout_s: float = SCRAPE_TIMEOUT_S) -> httpx.Client:
+    """One client for a whole round of scrapes: making one builds a TLS context (the CA bundle
+    read and parsed, 10-20 ms of CPU), even for the pods' plain-HTTP ports."""
+    return httpx.Client(timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def _client(client: httpx.Client | None, timeout_s: float):
+    if client is not None:
+        yield client
+        return
+    with http_client(timeout_s) as own:
+        yield own
+
+
+def loading_progress(urls: dict[str, str], *, timeout_s: float = SCRAPE_TIMEOUT_S,
+                     client: httpx.Client | None = None) -> dict[str, dict[str, int]]:
+    """Pod name -> its loading figures, of the pods that answered with them (a pod that does not
+    answer is reported as loading without figures)."""
+    found = {}
+    with _client(client, timeout_s) as client:
+        for name, url in urls.items():
+            try:
+                figures = parse_loading(client.get(url).json())
+            except Exception:  # noqa: BLE001 - unreachable, or not JSON: no figures for this pod
+                continue
+            if figures is not None:
+                found[name] = figures
+    return found
+
+
 def scrape(urls: Iterable[str], *, timeout_s: float = SCRAPE_TIMEOUT_S,
-           answered: list[str] | None = None) -> tuple[list[EngineSample], list[str]]:
+           answered: list[str] | None = None,
+           client: httpx.Client | None = None) -> tuple[list[EngineSample], list[str]]:
     """(samples of the pods that answered, one error line per pod that did not); `answered`
-    collects the URLs of the samples, in their order."""
+    collects the URLs of the samples, in their order; `client`: a round's http_client()."""
     samples, errors = [], []
-    with httpx.Client(timeout=timeout_s) as client:
+    with _client(client, timeout_s) as client:
         for url in urls:
             try:
                 response = client.get(url)

@@ -108,3 +108,56 @@ def test_each_refused_request_is_one_info_line_and_counted(server, caplog):
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert "POST /v1/completions -> 400 invalid_json" in lines[0].getMessage()
     assert rejected("invalid_json") == before + 1
+
+
+def test_failed_requests_are_logged_counted_and_summed_in_the_interval_line(model_dirs, caplog, monkeypatch):
+    """A 4xx and a 5xx leave one INFO line each and count in specdeploy_requests_rejected_total;
+    the periodic line gives the interval's finished-request rate, those errors and TTFT p50."""
+    import logging
+    import re
+    import time
+
+    from specdeploy.engine.serving.cli import ServerThread
+
+    from engine_server import MODEL_NAME, free_port, metric_samples, serve_argv
+
+    caplog.set_level(logging.INFO, logger="specdeploy")
+    running = ServerThread(serve_argv(*model_dirs, free_port())).start(timeout_s=120)  # --log-interval-s 1
+    runner = running.state.scheduler.runner
+    add = runner.add
+
+    def failing_add(req):
+        if req.max_tokens == 7:  # the marked request
+            raise RuntimeError("injected admission failure")
+        return add(req)
+
+    monkeypatch.setattr(runner, "add", failing_add)
+    server = type("S", (), {"url": running.base_url})
+
+    engine_thread = running.state.scheduler._thread.ident  # not another server's of this process
+
+    def interval_lines() -> str:
+        return "\n".join(r.getMessage() for r in caplog.records
+                         if r.getMessage().startswith("decode: ") and r.thread == engine_thread)
+
+    try:
+        for _ in range(3):
+            ok = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "ok", "max_tokens": 4})
+            assert ok.status_code == 200, ok.text
+        assert_error(post(server, "/v1/completions", '{"model": '), 400)
+        assert_error(post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 7}), 500)
+        deadline = time.monotonic() + 20
+        while sum(map(int, re.findall(r" errors=(\d+) ", interval_lines()))) < 2:  # over one interval or two
+            assert time.monotonic() < deadline, "no interval line with the two errors"
+            time.sleep(0.1)
+        samples = metric_samples(running.base_url)
+    finally:
+        running.stop()
+    refused = [r for r in caplog.records if r.name == "specdeploy.server" and "POST /v1/completions -> " in r.getMessage()]
+    assert [r.levelno for r in refused] == [logging.INFO, logging.INFO]
+    assert "-> 400 invalid_json" in refused[0].getMessage() and "-> 500 engine_error" in refused[1].getMessage()
+    rejected = {k: v for k, v in samples.items() if k.startswith("specdeploy_requests_rejected_total{")}
+    assert sorted(rejected.values()) == [1.0, 1.0] and any("engine_error" in k for k in rejected), rejected
+    figures = re.findall(r"req/s=([0-9.]+) errors=(\d+) ttft_p50=([0-9.]+s|-) gen_tok/s=", interval_lines())
+    assert sum(int(errors) for _, errors, _ in figures) == 2, figures
+    assert any(float(rate) > 0 and ttft != "-" and 0 < float(ttft[:-1]) < 20 for rate, _, ttft in figures), figures

@@ -3,15 +3,18 @@ engine's own Prometheus registry."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from specdeploy.engine.models.checkpoint import LoadProgress
 from specdeploy.engine.serving.metrics import EngineMetrics
 from specdeploy.operator.cluster import serving_metrics as sm
 from specdeploy.operator.desired import status
+from specdeploy.operator.desired.pods import blocked as pods_blocked
 
 
 def serve(metrics: EngineMetrics):
@@ -155,3 +158,51 @@ def test_tokens_per_second_is_a_rate_over_the_window():
     assert rates.rate("pod", 85.0, sample(60)) == (60 - 10) / 5
     rates.forget_except([])
     assert rates.rate("pod", 90.0, sample(100, gauge=3.0)) == 3.0
+
+
+def serve_health(body: dict):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            data = json.dumps(body).encode()
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_loading_pods_say_how_far_they_are_from_their_health():
+    def pod(name, ip, running, ready):
+        state = {"running": {"startedAt": "2026-01-01T00:00:00Z"}} if running else {"waiting": {"reason": "x"}}
+        return {"metadata": {"name": name},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                           "containerStatuses": [{"name": "engine", "ready": ready, "state": state}]}}
+
+    pods = [pod("loading", "10.0.0.1", True, False), pod("serving", "10.0.0.2", True, True),
+            pod("creating", "10.0.0.3", False, False), pod("no-ip", None, True, False)]
+    assert sm.loading_pod_health_urls(pods) == {"loading": "http://10.0.0.1:8000/health"}
+    # What the engine's /health says while it loads (engine/serving/server.py), and once loaded.
+    progress = LoadProgress()
+    progress.start(4 * 2**30)
+    progress.add(3 * 2**29)
+    loading, loaded = serve_health({"status": "ok", "loading": progress.figures()}), serve_health({"status": "ok"})
+    try:
+        urls = {name: f"http://127.0.0.1:{s.server_address[1]}/health"
+                for name, s in (("loading", loading), ("loaded", loaded))}
+        found = sm.loading_progress({**urls, "gone": closed_port_url()}, timeout_s=1)
+    finally:
+        for s in (loading, loaded):
+            s.shutdown()
+            s.server_close()
+    assert found == {"loading": {"loaded_bytes": 3 * 2**29, "total_bytes": 4 * 2**30}}
+    blocked = pods_blocked([pods[0]], progress=found, weight_bytes=5 * 2**30)
+    assert blocked.reason == "EngineLoading" and "1.5 GiB of 4.0 GiB of weights loaded" in blocked.message
+    assert sm.parse_loading({"loading": {"loaded_bytes": "x", "total_bytes": 1}}) is None
+    assert sm.parse_loading({"loading": {"loaded_bytes": 0, "total_bytes": 0}}) is None
+    assert sm.parse_loading([]) is None
