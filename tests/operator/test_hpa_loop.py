@@ -160,8 +160,9 @@ def test_the_hpa_scales_on_saturation_from_prometheus_and_back_losing_nothing(
                     raise AssertionError(f"{err}\n{diagnostics()}") from None
                 up_s = time.monotonic() - t0
                 wait_for(lambda: sdd.status()["serving"].get("readyReplicas") == 2, timeout_s=180, what="2 replicas Ready")
+                ready_s = time.monotonic() - t0 - up_s
                 first = {r.name: r for r in local_kubelet.running(kube_namespace)}
-                both = len(steady.results) + len(burst.results)
+                before_second = len(steady.results) + len(burst.results)
                 wait_for(lambda: len({ip for ip, _ in steady.results + burst.results}) == 2, timeout_s=60,
                          what="both replicas serving")
             burst_requests, t1 = len(burst.results), time.monotonic()
@@ -179,9 +180,10 @@ def test_the_hpa_scales_on_saturation_from_prometheus_and_back_losing_nothing(
     failures = [r for r in results if r[1] != 200]
     with capsys.disabled():
         print(f"\nHPA on {METRIC} (target 0.3, 1..2 replicas): scaled 1 -> 2 {up_s:.1f}s after the burst began"
-              f" (peak {peak} per replica), 2 -> 1 {down_s:.1f}s after it ended; {len(results)} requests"
-              f" ({burst_requests} of the burst, {len(steady.results)} of the steady client), {len(failures)} not"
-              f" answered; {len(results) - both} after the second replica was Ready")
+              f" (peak {peak} per replica), the second replica Ready {ready_s:.1f}s later; 2 -> 1 {down_s:.1f}s after"
+              f" the burst ended; {len(results)} requests ({burst_requests} of the burst, {len(steady.results)} of the"
+              f" steady client), {len(failures)} not answered; {len(results) - before_second} after the second"
+              f" replica was Ready")
     assert not failures, f"{len(failures)} of {len(results)} requests not answered: {failures[:10]}"
     # The removed pod's engine drained: SIGTERM, its requests finished, exit 0.
     (kept,) = local_kubelet.running(kube_namespace)
