@@ -8,10 +8,12 @@ install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
 
 # Kubernetes control-plane binaries for tests/cluster, tests/operator, tests/chart (cached, see hack/build-tools.sh),
-# and the LeaderWorkerSet controller for tests/operator/test_leaderworkerset_local.py (hack/build-lws.sh).
+# the LeaderWorkerSet controller for tests/operator/test_leaderworkerset_local.py (hack/build-lws.sh),
+# and prometheus-adapter for tests/operator/test_hpa_loop.py (hack/build-prometheus-adapter.sh).
 tools:
 	bash hack/build-tools.sh
 	bash hack/build-lws.sh
+	bash hack/build-prometheus-adapter.sh
 
 test: install tools
 	$(PYTHON) -P -m pytest

@@ -11,6 +11,10 @@ The apiserver reaches kubelets as a real one does: at the node's InternalIP and 
 daemonEndpoints port, over TLS, verifying the kubelet's serving certificate against the cluster CA
 (`--kubelet-certificate-authority`) and presenting its kubelet client certificate
 (`--kubelet-client-certificate`), which the local kubelet checks.
+
+The aggregation layer is on: the apiserver proxies an APIService's requests (prometheus-adapter's
+custom.metrics.k8s.io) with a front-proxy client certificate of its own CA (`pki.write_front_proxy`)
+straight to the Service's endpoint (`--enable-aggregator-routing`: there is no kube-proxy).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import yaml
 
+from .pki import FRONT_PROXY_CLIENT, front_proxy_paths, write_front_proxy
 from .tools import Tools
 
 log = logging.getLogger("specdeploy.localcluster")
@@ -293,6 +298,9 @@ class KubeCluster:
     node_grace_s: int | None = None
     # Extra names in the apiserver's certificate (the local node's address, which pods dial).
     apiserver_sans: tuple[str, ...] = ()
+    # Seconds between the HPA controller's passes (kube-controller-manager's
+    # --horizontal-pod-autoscaler-sync-period); None: its default (15 s).
+    hpa_sync_period_s: int | None = None
     kubeconfig: Path = field(init=False)
     server: str = field(init=False, default="")
     ports: list[int] = field(init=False, default_factory=list)
@@ -316,6 +324,7 @@ class KubeCluster:
         apiserver_port: int | None = None,
         node_grace_s: int | None = None,
         apiserver_sans: tuple[str, ...] = (),
+        hpa_sync_period_s: int | None = None,
     ) -> "KubeCluster":
         """Start a cluster. Tests: a fresh temporary directory owned by this process (reaped when
         the process is gone). `cluster up`: `workdir` and `name` given, owned by the caller."""
@@ -329,7 +338,7 @@ class KubeCluster:
         name = name or f"sd-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         cluster = cls(name=name, tools=tools, workdir=workdir, nodes=tuple(nodes),
                       apiserver_port=apiserver_port, node_grace_s=node_grace_s,
-                      apiserver_sans=tuple(apiserver_sans))
+                      apiserver_sans=tuple(apiserver_sans), hpa_sync_period_s=hpa_sync_period_s)
         try:
             cluster._create(timeout_s)
             log.info("cluster %s: control plane up after %.1fs", name, time.monotonic() - t0)
@@ -354,6 +363,11 @@ class KubeCluster:
         """kwokctl's PKI: ca.crt/ca.key (the cluster CA) and admin.crt/admin.key, the one
         certificate kwokctl gives every component, which the apiserver also presents to kubelets."""
         return self.cluster_dir / "pki"
+
+    @property
+    def front_proxy_dir(self) -> Path:
+        """The aggregation layer's front-proxy CA and the apiserver's client certificate from it."""
+        return self.workdir / "front-proxy"
 
     def _kwokctl_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -393,6 +407,7 @@ class KubeCluster:
         if self.apiserver_port:
             port["kube-apiserver"] = self.apiserver_port
         self.ports = sorted(port.values())
+        front_proxy_ca, front_proxy_cert, front_proxy_key = front_proxy_paths(self.front_proxy_dir)
         etcd = f"http://{LOOPBACK}:{port['etcd']}"
         peer = f"http://{LOOPBACK}:{port['etcd-peer']}"
 
@@ -427,10 +442,22 @@ class KubeCluster:
                       kubelet_preferred_address_types="InternalIP,Hostname",
                       kubelet_certificate_authority=str(self.pki_dir / "ca.crt"),
                       kubelet_client_certificate=str(self.pki_dir / "admin.crt"),
-                      kubelet_client_key=str(self.pki_dir / "admin.key")),
+                      kubelet_client_key=str(self.pki_dir / "admin.key"),
+                      # The aggregation layer (kwokctl passes admin.crt as the proxy's certificate
+                      # and no request-header CA; the later flags win).
+                      requestheader_client_ca_file=str(front_proxy_ca),
+                      requestheader_allowed_names=FRONT_PROXY_CLIENT,
+                      requestheader_username_headers="X-Remote-User",
+                      requestheader_group_headers="X-Remote-Group",
+                      requestheader_extra_headers_prefix="X-Remote-Extra-",
+                      proxy_client_cert_file=str(front_proxy_cert),
+                      proxy_client_key_file=str(front_proxy_key),
+                      enable_aggregator_routing="true"),
                 patch("kube-controller-manager", bind_address=LOOPBACK,
                       **({"node_monitor_grace_period": f"{self.node_grace_s}s", "node_monitor_period": "2s"}
-                         if self.node_grace_s else {})),
+                         if self.node_grace_s else {}),
+                      **({"horizontal_pod_autoscaler_sync_period": f"{self.hpa_sync_period_s}s"}
+                         if self.hpa_sync_period_s else {})),
                 patch("kube-scheduler", bind_address=LOOPBACK),
                 # kwokctl's binary runtime starts kwok with --manage-all-nodes=true (only its kind
                 # runtime passes the annotation selector), so kwok would also take the local
@@ -442,6 +469,7 @@ class KubeCluster:
 
     def _create(self, timeout_s: float, attempts: int = 3) -> None:
         config_file = self.workdir / "kwokctl-config.yaml"
+        write_front_proxy(self.front_proxy_dir)
         for attempt in range(1, attempts + 1):
             config_file.write_text(yaml.safe_dump(self._config(), sort_keys=False))
             result = self._kwokctl(

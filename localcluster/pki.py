@@ -1,10 +1,18 @@
-"""Certificates for a local node's kubelet API, issued by the cluster's own CA.
+"""Certificates for a local node's kubelet API, issued by the cluster's own CA, and the
+apiserver's front proxy (the aggregation layer's client certificate and its CA).
 
 The apiserver dials a kubelet over TLS and, with `--kubelet-certificate-authority`, verifies the
 serving certificate against that CA with the node's InternalIP as the name: so the node gets a
 certificate from kwokctl's CA (pki/ca.crt, ca.key) whose subjectAltName is its address. The other
 direction, the apiserver's client certificate (`--kubelet-client-certificate`), is checked by the
 kubelet API against the same CA and by fingerprint (`fingerprint_of`).
+
+The aggregation layer (`write_front_proxy`): the apiserver proxies a request for an APIService
+(custom.metrics.k8s.io, served by prometheus-adapter) with a client certificate of its own and
+the user in `X-Remote-*` headers; the extension server believes those headers only from a
+certificate signed by the CA of `--requestheader-client-ca-file` whose name is one of
+`--requestheader-allowed-names`. A CA of its own, as kubeadm's front-proxy-ca, so no other
+certificate of the cluster can assert a user that way.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import warnings
 from pathlib import Path
 
 CERT_VALIDITY_DAYS = 365
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 def issue_serving_cert(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, ips: list[str],
@@ -51,6 +60,62 @@ def issue_serving_cert(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, 
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def _new_cert(subject: str, issuer: str, public_key, signing_key, *, ca: bool, usage=None) -> bytes:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+            key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+            critical=True)
+    if usage:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+    return builder.sign(signing_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def front_proxy_paths(out_dir: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, client certificate, client key) of the front proxy under `out_dir`."""
+    return out_dir / "front-proxy-ca.crt", out_dir / "front-proxy-client.crt", out_dir / "front-proxy-client.key"
+
+
+def write_front_proxy(out_dir: Path) -> tuple[Path, Path, Path]:
+    """A front-proxy CA and the apiserver's client certificate from it (CN FRONT_PROXY_CLIENT),
+    written once into `out_dir`; -> their `front_proxy_paths`."""
+    paths = front_proxy_paths(out_dir)
+    if all(p.exists() for p in paths):
+        return paths
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = "front-proxy-ca"
+    ca_cert = _new_cert(ca_name, ca_name, ca_key.public_key(), ca_key, ca=True)
+    cert = _new_cert(FRONT_PROXY_CLIENT, ca_name, key.public_key(), ca_key, ca=False,
+                     usage=[ExtendedKeyUsageOID.CLIENT_AUTH])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ca_path, cert_path, key_path = paths
+    key_path.touch(mode=0o600)
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_path.write_bytes(cert)
+    ca_path.write_bytes(ca_cert)
+    return paths
 
 
 def fingerprint_of(cert: bytes) -> str:

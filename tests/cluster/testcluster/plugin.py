@@ -16,6 +16,9 @@ from specdeploy.localcluster.controlplane import KubeCluster
 from specdeploy.localcluster.tools import Tools, ToolsMissing
 
 log = logging.getLogger("specdeploy.tests.cluster")
+# The HPA controller's pass every 2 s instead of 15 s, so tests/operator/test_hpa_loop.py sees it
+# scale within seconds of the metric changing.
+HPA_SYNC_PERIOD_S = 2
 
 
 def _report(config: pytest.Config, message: str) -> None:
@@ -54,7 +57,7 @@ def kube_cluster(request: pytest.FixtureRequest, kube_tools: Tools) -> Iterator[
     _report(request.config, f"starting a kwok cluster from {kube_tools.kube_apiserver.parent.parent}")
     restore_sigterm = _sigterm_as_interrupt()
     t0 = time.monotonic()
-    cluster = KubeCluster.start(kube_tools)
+    cluster = KubeCluster.start(kube_tools, hpa_sync_period_s=HPA_SYNC_PERIOD_S)
     # Belt and braces: if the session dies before fixture teardown runs, stop at interpreter exit.
     # (A SIGKILLed session leaves its cluster running; the next KubeCluster.start reaps it.)
     atexit.register(cluster.stop)
