@@ -25,7 +25,7 @@ import torch
 from specdeploy.engine.models.attention import AttnBatch, causal_batch
 from specdeploy.engine.models.draft import DraftHead
 from specdeploy.engine.memory.kv import KVPool
-from specdeploy.engine.models.llama import LlamaModel
+from specdeploy.engine.models.protocol import TargetModel
 from specdeploy.engine.memory.kv import PAD_SLOT
 from specdeploy.engine.models.layers import argmax
 from specdeploy.engine.speculative.tree import build_tree, expand_step
@@ -33,7 +33,7 @@ from specdeploy.engine.speculative.verify import sample_from, verify_greedy, ver
 
 
 class ModelCalls:
-    def __init__(self, target: LlamaModel, draft: DraftHead | None, target_kv: KVPool,
+    def __init__(self, target: TargetModel, draft: DraftHead | None, target_kv: KVPool,
                  draft_kv: KVPool | None, num_steps: int, topk: int, num_draft_tokens: int):
         self.target, self.draft = target, draft
         self.target_kv, self.draft_kv = target_kv, draft_kv
