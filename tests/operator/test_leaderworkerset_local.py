@@ -116,16 +116,18 @@ def test_two_nodes_serve_as_one_and_recover_from_a_worker_kill(
         reference.stop()
 
     # Not under /tmp: the engine pod has a /tmp volume of its own (a read-only root), and the local
-    # kubelet maps paths under a pod volume into it, so the pods would look for the file there.
+    # kubelet maps paths under a pod volume into it, so the pods would look there for the hosts
+    # file and for the DNS shim (a checkout under /tmp, as CI's is, included).
     hosts_dir = Path(tempfile.mkdtemp(prefix="sdd-hosts-", dir="/var/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(hosts_dir, ignore_errors=True))
+    dns_shim = shutil.copytree(SUPPORT / "cluster_dns", hosts_dir / "cluster_dns")
     hosts = ClusterHosts(kube_cluster, kube_namespace, hosts_dir / "hosts.json")
     sdd_manifest = copy.deepcopy(example)
     spec = sdd_manifest["spec"]
     spec["cpu"]["nodes"] = 2
     spec["engine"]["resources"] = {"requests": {"cpu": "1", "memory": "2Gi"}}
     spec["engine"]["env"] = [
-        {"name": "PYTHONPATH", "value": os.pathsep.join([str(SUPPORT / "cluster_dns"), os.environ.get("PYTHONPATH", "")])},
+        {"name": "PYTHONPATH", "value": os.pathsep.join([str(dns_shim), os.environ.get("PYTHONPATH", "")])},
         {"name": "SPECDEPLOY_TEST_HOSTS", "value": str(hosts.path)},
         {"name": "OMP_NUM_THREADS", "value": "1"},
     ]
