@@ -21,8 +21,10 @@ import kubernetes.config  # noqa: F401
 import pytest
 import yaml
 from demo_pair import TINY_CPU_DEMO, build_demo_pair
+from local_node import local_node
 from testcluster import KubeCluster, wait_for
 
+from specdeploy.localcluster.kubelet import LocalKubelet
 from specdeploy.operator import cli as operator_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,6 +134,12 @@ def demo_pair(tmp_path_factory, example) -> Path:
     """What the engine image holds at /opt/specdeploy/demo: target/ (with its tokenizer) and draft/,
     whose config.json files are the example's inline configs, byte for byte the same fields."""
     return build_demo_pair(tmp_path_factory.mktemp("image") / "demo", example)
+
+
+@pytest.fixture
+def local_kubelet(kube_cluster, demo_pair, tmp_path) -> Iterator[LocalKubelet]:
+    with local_node(kube_cluster, tmp_path / "kubelet", demo_pair) as kubelet:
+        yield kubelet
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,6 @@ Degraded, and the kubelet's restart makes it Ready again.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,23 +21,6 @@ import httpx
 import pytest
 from demo_pair import IMAGE_DEMO_DIR, TINY_CPU_DEMO
 from testcluster import wait_for
-from specdeploy.localcluster.kubelet import LocalKubelet
-
-
-@pytest.fixture
-def local_kubelet(kube_cluster, kube_namespace, demo_pair, tmp_path):
-    """A node that runs pods for real; the fake GPU nodes are cordoned meanwhile, so the CPU-mode
-    engine (no node affinity) lands here."""
-    # `specdeploy` as the image's PATH has it: this interpreter's environment.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    kubelet = LocalKubelet(kube_cluster, tmp_path / "kubelet", image_paths={IMAGE_DEMO_DIR: demo_pair}, path=path)
-    kubelet.start()
-    cordoned = kubelet.cordon_others()
-    try:
-        yield kubelet
-    finally:
-        kubelet.uncordon(cordoned)
-        kubelet.stop()
 
 
 class Traffic:

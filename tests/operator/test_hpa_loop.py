@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,15 +24,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from demo_pair import IMAGE_DEMO_DIR, build_demo_pair
+from local_node import local_node
+from demo_pair import TINY_CPU_DEMO
 from load import Load
 from metrics_pipeline import MetricsAdapter, PodTargets, Prometheus, adapter_binary, prometheus_binary
 from testcluster import wait_for
 
 from specdeploy.localcluster import netns
-from specdeploy.localcluster.kubelet import LocalKubelet
 
-TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
 METRIC = "specdeploy_saturation"
 AUTOSCALING = {"metric": "Saturation", "minReplicas": 1, "maxReplicas": 2, "targetValue": "0.3",
                "scaleDownStabilizationSeconds": 5}
@@ -53,11 +51,6 @@ def pipeline_binaries() -> tuple[Path, Path]:
     return prometheus, adapter
 
 
-@pytest.fixture(scope="module")
-def demo_pair(tmp_path_factory) -> Path:
-    return build_demo_pair(tmp_path_factory.mktemp("image") / "demo", yaml.safe_load(TINY_CPU_DEMO.read_text()))
-
-
 @pytest.fixture
 def pod_network(pipeline_binaries):
     network = netns.NamespaceNetwork(f"h{uuid.uuid4().hex[:4]}").setup()
@@ -69,16 +62,9 @@ def pod_network(pipeline_binaries):
 
 @pytest.fixture
 def local_kubelet(kube_cluster, demo_pair, pod_network, tmp_path):
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    kubelet = LocalKubelet(kube_cluster, tmp_path / "kubelet", image_paths={IMAGE_DEMO_DIR: demo_pair}, path=path,
-                           network=pod_network)
-    kubelet.start()
-    cordoned = kubelet.cordon_others()
-    try:
+    """conftest's local node, its pods each in a network namespace of their own."""
+    with local_node(kube_cluster, tmp_path / "kubelet", demo_pair, network=pod_network) as kubelet:
         yield kubelet
-    finally:
-        kubelet.uncordon(cordoned)
-        kubelet.stop()
 
 
 @pytest.fixture

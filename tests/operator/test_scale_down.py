@@ -9,37 +9,11 @@ after its SIGTERM drain, having finished what it had."""
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 
-import pytest
 import yaml
-from demo_pair import IMAGE_DEMO_DIR, build_demo_pair
+from demo_pair import TINY_CPU_DEMO
 from load import Load
 from testcluster import wait_for
-from specdeploy.localcluster.kubelet import LocalKubelet
-
-TINY_CPU_DEMO = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu-demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def demo_pair(tmp_path_factory) -> Path:
-    return build_demo_pair(tmp_path_factory.mktemp("image") / "demo", yaml.safe_load(TINY_CPU_DEMO.read_text()))
-
-
-@pytest.fixture
-def local_kubelet(kube_cluster, demo_pair, tmp_path):
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    kubelet = LocalKubelet(kube_cluster, tmp_path / "kubelet", image_paths={IMAGE_DEMO_DIR: demo_pair}, path=path)
-    kubelet.start()
-    cordoned = kubelet.cordon_others()
-    try:
-        yield kubelet
-    finally:
-        kubelet.uncordon(cordoned)
-        kubelet.stop()
-
 
 def test_scale_up_and_down_through_the_scale_subresource_loses_nothing(
     kube_cluster, kube_namespace, local_kubelet, operator_process, sdd_of, demo_pair, capsys,
