@@ -795,12 +795,15 @@ def script_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
     if fp8:
         names = {"batch1_fp8_over_bf16": ("FP8 / bf16 decode call at batch 1 (Llama-3.1-8B shape)", "x"),
                  "batch1_fraction_of_fp8_roofline": ("FP8 decode call at batch 1, share of the FP8 roofline", "%"),
-                 "fp8_over_bf16_every_batch_min": ("FP8 / bf16 decode call, worst batch of 1-256", "x")}
+                 "fp8_over_bf16_every_batch_min": ("FP8 / bf16 decode call, worst batch of 1-256", "x"),
+                 "eagle3_multiple_fp8_over_bf16": ("EAGLE-3 chain step multiple, FP8 target / bf16 target", "x")}
         for key, g in (fp8["data"].get("goals") or {}).items():
             figure, unit = names.get(key, (key, "x"))
-            goal = f"≥ {g['goal']:.0%}" if unit == "%" else f"≥ {g['goal']}×"
+            lower = g.get("better") == "lower"
+            goal = f"{'≤' if lower else '≥'} " + (f"{g['goal']:.0%}" if unit == "%" else f"{g['goal']}×")
             measured = _pct(g["measured"]) if unit == "%" else f"{g['measured']:.2f}×"
-            rows.append(([figure, goal, measured, _met(g["measured"] >= g["goal"])], fp8))
+            met = g["measured"] <= g["goal"] if lower else g["measured"] >= g["goal"]
+            rows.append(([figure, goal, measured, _met(met)], fp8))
     cross = scripts.get("fp8_crossover.json")
     if cross and cross["data"].get("goal"):
         d = cross["data"]
