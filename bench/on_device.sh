@@ -12,8 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 source bench/device_env.sh
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-dirty=$(git status --porcelain 2>/dev/null | grep -qv '^??' && echo "+changes" || true)
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # COMMIT=: where the copy has no .git
+dirty=${DIRTY-$(git status --porcelain 2>/dev/null | grep -qv "^??" && echo "+changes")}
 summary=()
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 for arg in "$@"; do
