@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call, several steps: `bash bench/on_device.sh STEP[:SECONDS] ...` from the repository
+# One device call, several steps: `bash bench/on_device.sh STEP[@SECONDS] ...` from the repository
 # root on a GPU machine. Each step runs under its own time cap (default 120 s) with its log and
-# results in $OUT/<step>/ (a step's cap after a colon: fp8_bench:200); at the end everything is packed into $OUT/results.tgz (a lent machine
+# results in $OUT/<step>/ (a step's cap after an @: fp8_bench@200); at the end everything is packed into $OUT/results.tgz (a lent machine
 # returns at most 8 files) and one line per step says how it ended. Steps:
 #   gpu-tests       python3 -P -m pytest -q -n 8 tests/gpu (log named by the commit)
 #   gpu:PATH        python3 -P -m pytest -q PATH (one file or folder of tests/gpu)
@@ -17,8 +17,8 @@ dirty=${DIRTY-$(git status --porcelain 2>/dev/null | grep -qv "^??" && echo "+ch
 summary=()
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 for arg in "$@"; do
-  step=${arg%%:*}; cap=120
-  [[ $arg == *:* ]] && cap=${arg##*:}
+  step=${arg%@*}; cap=120
+  [[ $arg == *@* ]] && cap=${arg##*@}
   dir="$OUT/${step//[^A-Za-z0-9_.-]/_}"; mkdir -p "$dir"
   t0=$(date +%s)
   case $step in
