@@ -1,0 +1,142 @@
+"""A persistent, block-scaled FP8 GEMM on tensor descriptors (TMA loads and stores on SM90; CUDA
+only, checked on CPU through Triton's interpreter).
+
+out [M, N] = (a * a_s) @ (w * w_s)^T (+ bias), DeepSeek-V3's W8A8 numerics as the Triton
+W8A8 kernel of engine/kernels/fp8.py computes them: `a` e4m3 [M, K] with one float32 scale per
+row and 128-wide K group (`act_quant`), `w` e4m3 [N, K] with one float32 scale per
+(SCALE_N x 128) tile. The pattern is Triton's persistent matmul: one program per SM walks the
+output tiles (GROUP_M row tiles at a time, so neighbours share weight tiles in L2), A and W
+tiles arrive through tensor descriptors made on the device (`tl.make_tensor_descriptor`), and,
+as DeepGEMM does, each 128-wide K block's product is scaled by its activation and weight scales
+in the main loop and added to a float32 accumulator. The output goes out through a descriptor
+too. Out-of-range rows and columns are the descriptors' (zero-filled loads, clipped stores).
+
+Device descriptors live in a scratch buffer Triton asks its allocator for at launch;
+`ensure_allocator` installs a torch one (graph-capture safe: torch's allocator serves captures
+from the graph's pool) unless the process already set one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP_K = 128  # the K width of one scale group / tile, as in engine/kernels/fp8.py
+
+
+@triton.jit
+def _fp8_tma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+                    stride_asm, stride_ask, stride_sn, stride_sk,
+                    NUM_PROGRAMS, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr):
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        as_ptrs = as_ptr + offs_m * stride_asm
+        ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_sn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in tl.range(0, k_blocks, num_stages=NUM_STAGES):
+            a = a_desc.load([off_m, kb * BLOCK_K])
+            w = w_desc.load([off_n, kb * BLOCK_K])
+            a_s = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w.T) * (a_s[:, None] * w_s[None, :])
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        o_desc.store([off_m, off_n], acc.to(out_ptr.dtype.element_ty))
+
+
+# Launch configurations, (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) by name. bench/
+# gemm_choice.py times each at the Llama-3.1-8B shapes; TMA_CONFIG_BY_M is where its choice goes.
+TMA_CONFIGS = {
+    "m64n128": (64, 128, 8, 4, 4),
+    "m128n128": (128, 128, 8, 8, 4),
+    "m128n256": (128, 256, 8, 8, 3),
+}
+# (largest M, config name): the first row whose limit is >= M, None for the rest.
+TMA_CONFIG_BY_M = ((256, "m64n128"), (None, "m128n128"))
+
+_allocator_installed = False
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton a global-memory allocator for on-device tensor descriptors (once per process)."""
+    global _allocator_installed
+    if not _allocator_installed:
+        triton.set_allocator(_torch_scratch)
+        _allocator_installed = True
+
+
+def config_for(m: int) -> tuple[int, int, int, int, int]:
+    """The launch configuration TMA_CONFIG_BY_M names for M rows."""
+    name = next(c for limit, c in TMA_CONFIG_BY_M if limit is None or m <= limit)
+    return TMA_CONFIGS[name]
+
+
+def shape_ok(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the descriptors can address these operands: contiguous rows, 16-byte row strides
+    (TMA's rule) for the codes (K bytes) and the output (N elements)."""
+    k = a.shape[1]
+    n = weight.shape[0]
+    return (a.is_contiguous() and weight.is_contiguous() and out.is_contiguous()
+            and k % 16 == 0 and (n * out.element_size()) % 16 == 0)
+
+
+def program_count(device: torch.device | int | None = None) -> int:
+    """One persistent program per SM ("cuda" on CPU interpreter runs: a handful)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device if device is not None else 0).multi_processor_count
+    return 4
+
+
+def fp8_tma_gemm(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 scale_n: int, bias: torch.Tensor | None, out: torch.Tensor,
+                 config: tuple[int, int, int, int, int] | None = None,
+                 programs: int | None = None) -> torch.Tensor:
+    """a e4m3 [M, K] with scales a_s [M, ceil(K / 128)] (any strides), weight e4m3 [N, K] with a
+    float32 scale grid [ceil(N / scale_n), ceil(K / 128)] (scale_n 128 or 1) -> out [M, N]."""
+    m, k = a.shape
+    n, k_w = weight.shape
+    if k_w != k or out.shape != (m, n):
+        raise ValueError(f"fp8_tma_gemm: a {tuple(a.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+    if scale.dim() != 2 or scale.shape != (triton.cdiv(n, scale_n), triton.cdiv(k, GROUP_K)):
+        raise ValueError(f"fp8_tma_gemm: scale grid {tuple(scale.shape)} for [{n}, {k}] in {scale_n} x 128 tiles")
+    if not shape_ok(a, weight, out):
+        raise ValueError(f"fp8_tma_gemm: TMA needs contiguous operands with K % 16 == 0 and 16-byte output rows "
+                         f"(K {k}, N {n}, {out.dtype})")
+    if m == 0:
+        return out
+    block_m, block_n, group_m, warps, stages = config or config_for(m)
+    if programs is None:
+        programs = program_count(a.device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    programs = max(1, min(programs, tiles))
+    ensure_allocator()
+    _fp8_tma_kernel[(programs,)](
+        a, a_s, weight, scale, bias if bias is not None else out, out, m, n, k,
+        a_s.stride(0), a_s.stride(1), scale.stride(0), scale.stride(1),
+        programs, SCALE_N=scale_n, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, GROUP_M=group_m, NUM_STAGES=stages,
+        num_warps=warps)
+    return out
