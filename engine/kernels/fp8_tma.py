@@ -11,9 +11,9 @@ as DeepGEMM does, each 128-wide K block's product is scaled by its activation an
 in the main loop and added to a float32 accumulator. The output goes out through a descriptor
 too. Out-of-range rows and columns are the descriptors' (zero-filled loads, clipped stores).
 
-Device descriptors live in a scratch buffer Triton asks its allocator for at launch;
-`ensure_allocator` installs a torch one (graph-capture safe: torch's allocator serves captures
-from the graph's pool) unless the process already set one.
+Device descriptors live in a scratch buffer Triton asks its allocator for at launch (Triton 3.6
+has no default); `ensure_allocator` installs a torch one in the calling thread unless one is set
+there (graph-capture safe: torch's allocator serves a capture from the graph's pool, stream-ordered).
 """
 
 from __future__ import annotations
@@ -65,27 +65,32 @@ def _fp8_tma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
 
 # Launch configurations, (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) by name. bench/
 # gemm_choice.py times each at the Llama-3.1-8B shapes; TMA_CONFIG_BY_M is where its choice goes.
+# Wider tiles than 128 x 128 per 8 warps would hold two float32 tiles of 128+ registers per
+# thread (the accumulator and each K block's product before its scales), past the 255 limit.
 TMA_CONFIGS = {
     "m64n128": (64, 128, 8, 4, 4),
     "m128n128": (128, 128, 8, 8, 4),
-    "m128n256": (128, 256, 8, 8, 3),
+    "m128n128s5": (128, 128, 16, 8, 5),  # 5 x 32 KiB of A and W stages + the 32 KiB output tile
 }
 # (largest M, config name): the first row whose limit is >= M, None for the rest.
 TMA_CONFIG_BY_M = ((256, "m64n128"), (None, "m128n128"))
 
-_allocator_installed = False
-
-
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's scratch for device descriptors from torch's caching allocator (256-byte aligned,
+    more than the 128 TMA descriptors need), on the current device and stream."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_allocator() -> None:
-    """Give Triton a global-memory allocator for on-device tensor descriptors (once per process)."""
-    global _allocator_installed
-    if not _allocator_installed:
+    """Give Triton a global-memory allocator for on-device tensor descriptors where the calling
+    thread has none. Triton keeps it in a ContextVar, so each thread starts without one; one set
+    by someone else is kept."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
         triton.set_allocator(_torch_scratch)
-        _allocator_installed = True
 
 
 def config_for(m: int) -> tuple[int, int, int, int, int]:

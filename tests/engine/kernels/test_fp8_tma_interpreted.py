@@ -115,3 +115,35 @@ def test_tma_config_table_names_known_configs():
         block_m, block_n, group_m, warps, stages = fp8_tma.config_for(m)
         assert block_m >= 16 and block_n >= 16 and warps in (4, 8) and stages >= 2
     assert fp8_tma.config_for(8192) == fp8_tma.TMA_CONFIGS[fp8_tma.TMA_CONFIG_BY_M[-1][1]]
+
+
+def test_allocator_is_set_per_thread_and_kept_where_set():
+    """Triton keeps its allocator per context: a new thread has none until the kernel's launch
+    sets one there; an allocator someone else set stays."""
+    import contextvars
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    from specdeploy.engine.kernels import fp8_tma
+
+    def in_thread(results):
+        results.append(isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+        fp8_tma.ensure_allocator()
+        results.append(_allocation._allocator.get() is fp8_tma._torch_scratch)
+
+    def other(size, alignment, stream):
+        raise AssertionError("not called")
+
+    def keeps_other(results):
+        triton.set_allocator(other)
+        fp8_tma.ensure_allocator()
+        results.append(_allocation._allocator.get() is other)
+
+    for target in (in_thread, keeps_other):
+        results: list = []
+        thread = threading.Thread(target=contextvars.Context().run, args=(target, results))
+        thread.start()
+        thread.join()
+        assert results and all(results), (target.__name__, results)
