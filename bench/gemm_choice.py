@@ -14,7 +14,8 @@ group by the project's `act_quant`, counted in every W8A8 column):
   (cuBLASLt); `torch_block_private`: the same through `torch._scaled_mm` (scales by shape);
 - `tma_<config>`: engine/kernels/fp8_tma.py, the persistent TMA kernel, one column per config;
 - `deep_gemm`: DeepGEMM's dense FP8 NT GEMM (the grouped kernels' dense case), where installed;
-- `flashinfer`: `flashinfer.gemm.gemm_fp8_nt_groupwise`, where installed;
+- `flashinfer`: FlashInfer's block-scaled GEMM, where installed (`fp8_blockscale_gemm_sm90` on
+  SM90: `gemm_fp8_nt_groupwise` requires SM100/103/120/121);
 - `engine`: `fp8_linear` as the engine calls it (BLOCK_ROUTE as committed).
 A candidate that is not installed, or refuses the problem, is logged once and recorded under
 "unavailable" / per-row errors, never dropped silently. Each figure is one layer timed as a
@@ -95,6 +96,21 @@ def _deep_gemm_call(dg):
 
 
 def _flashinfer_call(fi):
+    """FlashInfer's block-scaled GEMM for this device: on SM90 `fp8_blockscale_gemm_sm90`
+    (TensorRT-LLM's kernel, JIT-built with nvcc unless flashinfer-jit-cache is installed; weight
+    scales one per row and 128-wide K group, so the 128 x 128 grid is expanded once per weight,
+    outside the timing); elsewhere `gemm_fp8_nt_groupwise` (its requirement lists SM100/103/120/121)."""
+    sm90 = getattr(fi.gemm, "fp8_blockscale_gemm_sm90", None)
+    if torch.cuda.get_device_capability() == (9, 0) and sm90 is not None:
+        rows: dict = {}
+
+        def call(x, w, s, y):
+            if id(s) not in rows:
+                rows[id(s)] = s.repeat_interleave(128, 0)[:w.shape[0]].contiguous()
+            a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=4)
+            m = x.shape[0]
+            return sm90(a[:m], w, a_s[:m], rows[id(s)], out=y)
+        return call
     gemm = fi.gemm.gemm_fp8_nt_groupwise
 
     def call(x, w, s, y):
