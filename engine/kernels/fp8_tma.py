@@ -100,11 +100,11 @@ def config_for(m: int) -> tuple[int, int, int, int, int]:
 
 
 def shape_ok(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the descriptors can address these operands: contiguous rows, 16-byte row strides
-    (TMA's rule) for the codes (K bytes) and the output (N elements)."""
+    """Whether the descriptors can address these operands: contiguous, 16-byte aligned bases and
+    16-byte row strides (TMA's rules) for the codes (K bytes) and the output (N elements)."""
     k = a.shape[1]
     n = weight.shape[0]
-    return (a.is_contiguous() and weight.is_contiguous() and out.is_contiguous()
+    return (all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (a, weight, out))
             and k % 16 == 0 and (n * out.element_size()) % 16 == 0)
 
 
@@ -128,7 +128,7 @@ def fp8_tma_gemm(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale
     if scale.dim() != 2 or scale.shape != (triton.cdiv(n, scale_n), triton.cdiv(k, GROUP_K)):
         raise ValueError(f"fp8_tma_gemm: scale grid {tuple(scale.shape)} for [{n}, {k}] in {scale_n} x 128 tiles")
     if not shape_ok(a, weight, out):
-        raise ValueError(f"fp8_tma_gemm: TMA needs contiguous operands with K % 16 == 0 and 16-byte output rows "
+        raise ValueError(f"fp8_tma_gemm: TMA needs contiguous, 16-byte aligned operands, K % 16 == 0 and 16-byte output rows "
                          f"(K {k}, N {n}, {out.dtype})")
     if m == 0:
         return out

@@ -62,7 +62,11 @@ assert fp8_tma.fp8_tma_gemm(a0, s0, codes[:128, :128].contiguous(), scale[:1, :1
 # bad input: a clear error
 codes, scale = fp8.quantize_fp8_block(torch.randn(128, 136), (128, 128))
 a, a_s = kernels.act_quant(torch.randn(4, 136))
+codes_ok = codes[:, :128].contiguous()
+misaligned = torch.empty(4 * 128 + 1)[1:].view(4, 128)
 for args, needle in [((a, a_s, codes, scale, 128, None, torch.empty(4, 128)), "TMA needs"),
+                     ((a[:, :128].contiguous(), a_s[:, :1].contiguous(), codes_ok, scale[:, :1].contiguous(), 128,
+                       None, misaligned), "aligned"),
                      ((a, a_s, codes, scale[:, :1], 128, None, torch.empty(4, 128)), "scale grid"),
                      ((a, a_s, codes, scale, 128, None, torch.empty(5, 128)), "fp8_tma_gemm")]:
     try:
