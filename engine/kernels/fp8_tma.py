@@ -25,7 +25,8 @@ import triton.language as tl
 GROUP_K = 128  # the K width of one scale group / tile, as in engine/kernels/fp8.py
 
 
-@triton.jit
+# NUM_PROGRAMS (the SM count, or fewer tiles) is not specialized: one compile per config and dtype.
+@triton.jit(do_not_specialize=["NUM_PROGRAMS"])
 def _fp8_tma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
                     stride_asm, stride_ask, stride_sn, stride_sk,
                     NUM_PROGRAMS, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
