@@ -40,6 +40,7 @@ def test_winners_and_the_route_they_imply(choice):
     assert table[0]["us"]["bf16"] == choice.LAYERS * 20
     assert table[3]["speedup_vs_bf16"]["tma_m128n128"] == pytest.approx(10 / 6)
     # flashinfer wins at 256 but the engine does not call it: torch_block is the routable winner there
+    assert [choice.routable_winner(e) for e in table][2:] == ["torch_block", "tma_m128n128", "tma_m128n128s5"]
     assert choice.implied_route(table) == [[16, "gemv"], [256, "torch_block"], [None, "tma"]]
 
 
