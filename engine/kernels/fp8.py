@@ -27,6 +27,9 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   does not (older torch, another GPU, float32 outputs cuBLASLt refuses), one log line says so
   and the Triton kernels serve.
 
+Which of these a block-scaled linear takes by M is one table, BLOCK_ROUTE (below), which can
+also name the persistent TMA kernel of engine/kernels/fp8_tma.py (same W8A8 numerics, SM90).
+
 Both take a bias and write the activation dtype.
 """
 

@@ -9,6 +9,8 @@
   element, plus 2^-9 of its row's largest for boundary codes) of the same product over
   DeepSeek-quantized activations, and within 4% of the unquantized product (e4m3 activations
   carry 3 mantissa bits);
+- the persistent TMA kernel (engine/kernels/fp8_tma.py), every config, at the shapes and M that
+  bench/gemm_choice.py times, to the same W8A8 bounds, and its CUDA-graph replay;
 - CUDA-graph replay of an FP8 target equals eager, and speculative decoding on an FP8 target
   with an FP8 KV pool is lossless against target-only decoding of it (greedy, float32 outputs
   from bf16 weights are not bit-stable across M, so this runs in float32);
