@@ -57,8 +57,12 @@ def _fp8_tma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
             a = a_desc.load([off_m, kb * BLOCK_K])
             w = w_desc.load([off_n, kb * BLOCK_K])
             a_s = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
-            w_s = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
-            acc += tl.dot(a, w.T) * (a_s[:, None] * w_s[None, :])
+            if SCALE_N % BLOCK_N == 0:  # the tile lies in one scale block: one scale per K block
+                w_s = tl.load(ws_ptr + (off_n // SCALE_N) * stride_sn + kb * stride_sk)
+                acc += tl.dot(a, w.T) * (a_s * w_s)[:, None]
+            else:
+                w_s = tl.load(ws_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w.T) * (a_s[:, None] * w_s[None, :])
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         o_desc.store([off_m, off_n], acc.to(out_ptr.dtype.element_ty))
