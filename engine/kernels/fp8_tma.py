@@ -18,6 +18,8 @@ there (graph-capture safe: torch's allocator serves a capture from the graph's p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -113,11 +115,16 @@ def shape_ok(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
             and k % 16 == 0 and (n * out.element_size()) % 16 == 0)
 
 
-def program_count(device: torch.device | int | None = None) -> int:
-    """One persistent program per SM ("cuda" on CPU interpreter runs: a handful)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device if device is not None else 0).multi_processor_count
-    return 4
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def program_count(device: torch.device) -> int:
+    """One persistent program per SM (a handful on a CPU tensor: interpreter runs)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def fp8_tma_gemm(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
