@@ -31,13 +31,10 @@ import torch
 
 from specdeploy.engine.memory.kv import PAD_SLOT
 from specdeploy.engine.models.attention import causal_batch
+from specdeploy.engine.planner.plan import EXTEND_GRAPH_TOKENS
 from specdeploy.engine.runtime.calls import ModelCalls
 
 log = logging.getLogger("specdeploy.engine.runtime.extend_graphs")
-
-# Token-count buckets of the graphed prefill chunk (one request). The planner sizes the graphs'
-# pool by the largest (engine/planner/plan.py).
-EXTEND_GRAPH_TOKENS = (16, 32, 64, 128, 256)
 
 
 def extend_bucket(take: int, buckets: tuple[int, ...] = EXTEND_GRAPH_TOKENS) -> int | None:
