@@ -49,7 +49,7 @@ from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 PROFILES = {
     "device": {"config": LLAMA_31_8B, "system_tokens": 4096, "question_tokens": (16, 96), "max_tokens": 64,
-               "ttft_reps": 6, "requests": 32, "running": 16, "draft_vocab": 32000, "graph_batches": (1, 2, 4, 8, 16)},
+               "ttft_reps": 6, "requests": 24, "running": 16, "draft_vocab": 32000, "graph_batches": (1, 2, 4, 8, 16)},
     "smoke": {"config": TINY_LLAMA, "system_tokens": 256, "question_tokens": (4, 12), "max_tokens": 8,
               "ttft_reps": 2, "requests": 6, "running": 3, "draft_vocab": 128, "graph_batches": (1, 2, 3)},
 }
@@ -136,6 +136,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--out", type=Path, default=Path(".bench/prefix"))
     args = parser.parse_args()
+    t_start = time.perf_counter()
     p = PROFILES["smoke" if args.smoke else "device"]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     backend = use_fast_attention() if device.type == "cuda" else "reference"
@@ -191,6 +192,8 @@ def main() -> int:
         "shared_throughput_ratio": {"goal": 0.98, "measured": s["throughput_ratio"], "met": s["goal_met"]},
         "unique_throughput_ratio": {"goal": 0.98, "measured": u["throughput_ratio"], "met": u["goal_met"]}}
     results["measure_wall_s"] = time.perf_counter() - t_run
+    results["total_wall_s"] = total = time.perf_counter() - t_start   # models built to results (H200 goal < 90 s)
+    results["goals"]["total_wall_s"] = {"goal": 90, "measured": total, "met": total < 90}
     write_json("prefix_cache.json", results, args.out)
     print("\nSUMMARY (prefix cache: off -> on)")
     for label, row in (("short-chunk graphs on ", t), ("short-chunk graphs off", t0_)):
