@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 source bench/device_env.sh
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # COMMIT=: where the copy has no .git
 dirty=${DIRTY-$(git status --porcelain 2>/dev/null | grep -qv "^??" && echo "+changes")}
+export SPECDEPLOY_BENCH_COMMIT="$commit${dirty:+-dirty}"  # bench/common.py source_commit: the copy's .git may be stale
 summary=()
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 for arg in "$@"; do
