@@ -831,7 +831,7 @@ def described_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
         for key, g in (rec["data"].get("goals") or {}).items():
             unit, lower = g.get("unit", "x"), g.get("better") == "lower"
             measured = g.get("measured")
-            goal = f"{'≤' if lower else '≥'} {_goal_text(g['goal'], unit)}"
+            goal = f"{'≤' if lower else '≥'} " + (f"{g['goal']:g}×" if unit == "x" else _goal_text(g["goal"], unit))
             if measured is None:
                 rows.append(([g.get("figure", key), goal, "not measured", "—"], rec))
                 continue

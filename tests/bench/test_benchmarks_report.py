@@ -94,7 +94,7 @@ def test_a_self_describing_script_brings_its_goals_and_section(report, tmp_path)
     (folder / "probe.md").write_text("# title line\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
     scan = report.scan_runs(tmp_path / "runs", tmp_path)
     rows = {row[0]: row for row in report.repository_goals(scan)}
-    assert rows["probe speed-up"][1:4] == ["≥ 1.30×", "1.25×", "**missed**"]
+    assert rows["probe speed-up"][1:4] == ["≥ 1.3×", "1.25×", "**missed**"]
     assert rows["probe latency"][1:4] == ["≤ 5.00 ms", "4.00 ms", "met"]
     assert rows["probe latency"][5:] == ["abc1234", "runs/a/probe.json"]
     text = "\n".join(report.described_sections(scan["scripts"]))
