@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, eagle3_head_config, profile_top, random_head, random_target,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, profile_top, random_head, random_target,  # noqa: E402
                      runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 
@@ -266,6 +266,9 @@ def main() -> int:
         target = random_target(sizes["config"], device, dtype, feature_kind="eagle3")
         head = random_head("EAGLE3", eagle3_head_config(sizes["config"], sizes["draft_vocab"]), target)
         bf16_rows = decode_rows(target, sizes, device, bandwidth, "bf16")
+        if device.type == "cuda":  # where a bf16 step's time goes, per kernel, at batch 1 and 64
+            result["attributed_bf16"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
+                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
         spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
                          "bf16")]
         converted = fp8.quantize_model_linears(target, FORMAT)
@@ -277,6 +280,8 @@ def main() -> int:
             result["profile_fp8_batch1"] = profile_top(call, device, reps=10, top=16)
             del call
             free_device_memory()
+            result["attributed_fp8"] = [attributed_profile(target, 1, sizes["context"], device, sizes["warmup"],
+                                                           sizes["reps"])]
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         # A probe, not an engine path: the head's own linears in FP8 too (its lm_head and the

@@ -460,6 +460,43 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
     return times[len(times) // 2]
 
 
+@contextlib.contextmanager
+def pdl_off():
+    """Kernels launched (and graphs captured) inside run without programmatic dependent launch.
+    With PDL each kernel starts while its predecessor drains and waits in griddepcontrol.wait,
+    which a profiler counts as the waiting kernel's own time; without it each kernel's time is
+    its own, so a profile taken here attributes the step's time per kernel."""
+    import os
+
+    from specdeploy.engine.kernels import launch
+
+    old = os.environ.get(launch.PDL_ENV)
+    os.environ[launch.PDL_ENV] = "0"
+    launch._pdl_on.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(launch.PDL_ENV, None)
+        else:
+            os.environ[launch.PDL_ENV] = old
+        launch._pdl_on.cache_clear()
+
+
+def attributed_profile(target, batch: int, context: int, device, warmup: int, reps: int) -> dict:
+    """The graphed decode call at `batch` captured without PDL: its median and a per-kernel
+    profile whose µs add up to the step (profile_top), for 'where the time goes' tables."""
+    from common import time_ms
+
+    with pdl_off():
+        call = EngineDecode(target, batch, context, graph=is_cuda(device))
+        t = time_ms(call, device, warmup=warmup, reps=reps)
+        prof = profile_top(call, device, reps=10, top=16)
+        del call
+    free_device_memory()
+    return {"batch": batch, "median_ms_pdl_off": t["median_ms"], "profile": prof}
+
+
 def profile_top(fn, device, reps: int = 5, top: int = 12, by: str = "device") -> dict:
     """Where the time of `fn()` goes, from torch.profiler (CPU + CUDA activities): the ops and
     kernels with the most device time (by="device") or host time (by="host"), summed over `reps`

@@ -1033,6 +1033,12 @@ def render_repository(scan: dict, repo: Path) -> str:
             lines += ["Where the batch-1 FP8 step's time goes (the goal of 1.8× bf16 and 85% of the FP8 roofline "
                       "is missed): torch.profiler over replays of the graphed decode call.", "",
                       _kernel_profile(prof, row.get("median_ms")), ""]
+        for weights in ("bf16", "fp8"):
+            for att in fp8["data"].get(f"attributed_{weights}") or []:
+                lines += [f"Where the {weights} batch-{att['batch']} step's time goes, each kernel's own: the graphed "
+                          f"decode call captured without PDL ({att['median_ms_pdl_off']:.3f} ms a step), "
+                          "torch.profiler over its replays.", "",
+                          _kernel_profile(att["profile"], att["median_ms_pdl_off"]), ""]
     lines += described_sections(scripts)
     lines += _serving_section(scripts.get("serving_bench.json"))
     e2e = sections.get("7")
