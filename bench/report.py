@@ -899,9 +899,9 @@ def serving_table(d: dict) -> str:
     by the time budget says so)."""
     rows = []
     for mode, rec in d["modes"].items():
-        if not rec["rows"] and (rec.get("skipped") or rec.get("cut")):
-            rows.append([mode, "—", "—", "—", "—", "—", "—", "—",
-                         f"not measured: {rec.get('skipped') or rec.get('cut')}", "—", "—", "—"])
+        why = rec.get("skipped") or rec.get("cut") or rec.get("error")
+        if not rec["rows"] and why:
+            rows.append([mode, "—", "—", "—", "—", "—", "—", "—", f"not measured: {why}", "—", "—", "—"])
         for r in rec["rows"]:
             rows.append([mode, f"{r['rate']:.1f}", _f(r["achieved_requests_per_s"], 2), _f(r["output_tok_s"]),
                          _f(r["ttft_ms_p50"]), _f(r["ttft_ms_p99"]), _f(r["itl_ms_p50"], 2), _f(r["itl_ms_p99"], 2),
@@ -958,18 +958,21 @@ def _serving_run_text(d: dict) -> str:
     """What the run did, from its JSON: the warm-up (or that it had none), the budget."""
     warm = [rec.get("warmup") for rec in d["modes"].values() if rec.get("rows")]
     run = d["run"]
+    text = ""
     if warm and all(warm):
         w = warm[0]
-        phase = (f"its first {w['value']} request(s)" if w["mode"] == "requests" else f"its first {w['value']} s")
+        phase = (f"first {w['value']} request(s)" if w["mode"] == "requests" else f"first {w['value']} s")
         text = (f"No figure is cold: each server first answered {run.get('prime_requests', 0)} unmeasured requests, "
                 f"and each rate's {phase} were guidellm's warm-up, sent but left out of every figure.")
-    else:
+    elif warm:
         text = ("Each mode's first rate also carries the server's first requests (this run had no warm-up "
                 "phase), so read its TTFT as a cold figure.")
+    per_mode = ", ".join(f"{m} {rec['max_seconds']} s" for m, rec in d["modes"].items()
+                         if rec.get("rows") and rec.get("max_seconds"))
     if run.get("budget_s"):
-        per_mode = ", ".join(f"{m} {rec['max_seconds']} s" for m, rec in d["modes"].items() if rec.get("rows"))
-        text += f" Time budget {run['budget_s']:.0f} s for the whole run; each rate's duration per mode: {per_mode}."
-    return text
+        text += f" Time budget {run['budget_s']:.0f} s for the whole run" + (
+            f"; each rate's duration, warm-up included: {per_mode}." if per_mode else ".")
+    return text.strip()
 
 
 def _serving_legacy_errors(d: dict) -> str:

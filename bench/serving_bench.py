@@ -70,7 +70,7 @@ WORKLOADS = {
 # max_seconds: each rate's duration (its warm-up included), the cap --budget-s sizes below;
 # warmup_s: guidellm's warm-up phase at the start of each rate, at most a quarter of its duration
 # (smoke: one request instead, so the phase is exercised without a duration to spare).
-RUNS = {"device": {"rates": [4.0, 16.0, 64.0], "max_seconds": 20, "max_requests": 2000,
+RUNS = {"device": {"rates": [4.0, 16.0, 64.0], "max_seconds": 20, "max_requests": 1000,
                    "max_running_requests": 64, "warmup_s": 3.0},
         "smoke": {"rates": [4.0], "max_seconds": 60, "max_requests": 6, "max_running_requests": 8,
                   "warmup_requests": 1}}
@@ -80,8 +80,8 @@ PRIME_REQUESTS = {"device": 12, "smoke": 3}
 # --budget-s: a mode's cost beyond its rates' durations (server start and stop, guidellm's start,
 # data generation and drain at each rate) before one has been measured, and the least a rate may
 # run; the run's last seconds are kept for writing and teardown.
-FIRST_MODE_OVERHEAD_S = {"device": 45.0, "smoke": 30.0}
-MIN_RATE_S = 4.0
+FIRST_MODE_OVERHEAD_S = {"device": 40.0, "smoke": 30.0}
+MIN_RATE_S = 3.0
 HTTP_TIMEOUT_S = 600
 BUDGET_RESERVE_S = 5.0
 # Statuses with which the server refuses a request it cannot queue (engine/serving/limits.py and
@@ -301,6 +301,33 @@ def rate_seconds(budget_left_s: float, modes_left: int, num_rates: int, overhead
     return round(seconds, 1) if seconds >= floor_s else None
 
 
+def measure_mode(srv, rec: dict, mode: str, mode_run: dict, target_dir: Path, workload: dict, size: dict,
+                 kind: str, out_dir: Path, workers: int, deadline: float | None, save) -> None:
+    """One mode on its started server: ready, primed, guidellm over every rate (cut at the
+    deadline), its rows and speculation metrics into `rec`, saved before the server stops."""
+    mode_t0 = time.monotonic()
+    wait_ready(srv, timeout_s=600 if deadline is None else max(1.0, deadline - time.monotonic()))
+    rec["start_s"] = time.monotonic() - mode_t0
+    rec["primed"] = prime(srv.url, workload, size["vocab_size"], PRIME_REQUESTS[kind])
+    t0 = time.monotonic()
+    timeout = len(mode_run["rates"]) * (mode_run["max_seconds"] + 300)
+    if deadline is not None:
+        timeout = max(1.0, deadline - time.monotonic())
+    report_path = out_dir / f"guidellm_{mode}.json"
+    try:
+        report = run_guidellm(scenario(srv.url, target_dir, workload, mode_run, report_path),
+                              out_dir, mode, workers, timeout_s=timeout)
+    except subprocess.TimeoutExpired:
+        rec["cut"] = f"guidellm still running at the time budget's end ({timeout:.0f} s)"
+        report = json.loads(report_path.read_text()) if report_path.is_file() else {"benchmarks": []}
+    rec["wall_s"] = time.monotonic() - t0
+    rec["rows"] = summarize(report)
+    rec["spec_metrics"] = spec_metrics(srv.url)
+    # Each mode's rows as soon as they exist, before its server stops: a run cut short keeps
+    # what it measured.
+    save()
+
+
 def bench(out_dir: Path, smoke: bool, modes: list[str], workers: int, run_overrides: dict | None = None,
           budget_s: float | None = None, command: str | None = None) -> dict:
     import disagg_serving
@@ -357,25 +384,15 @@ def bench(out_dir: Path, smoke: bool, modes: list[str], workers: int, run_overri
                    "warmup": warmup_phase(mode_run, mode_run["max_seconds"]), "rows": []}
             result["modes"][mode] = rec
             with running(srv):
-                wait_ready(srv, timeout_s=600 if deadline is None else max(1.0, deadline - time.monotonic()))
-                rec["start_s"] = time.monotonic() - mode_t0
-                rec["primed"] = prime(srv.url, workload, size["vocab_size"], PRIME_REQUESTS[kind])
-                t0 = time.monotonic()
-                timeout = len(run["rates"]) * (mode_run["max_seconds"] + 300)
-                if deadline is not None:
-                    timeout = max(1.0, deadline - time.monotonic())
-                report_path = out_dir / f"guidellm_{mode}.json"
                 try:
-                    report = run_guidellm(scenario(srv.url, target_dir, workload, mode_run, report_path),
-                                          out_dir, mode, workers, timeout_s=timeout)
-                except subprocess.TimeoutExpired:
-                    rec["cut"] = f"guidellm still running at the time budget's end ({timeout:.0f} s)"
-                    report = json.loads(report_path.read_text()) if report_path.is_file() else {"benchmarks": []}
-                rec["wall_s"] = time.monotonic() - t0
-                rec["rows"] = summarize(report)
-                rec["spec_metrics"] = spec_metrics(srv.url)
-                # Each mode's rows as soon as they exist, before its server stops: a run cut short
-                # keeps what it measured.
+                    measure_mode(srv, rec, mode, mode_run, target_dir, workload, size, kind, out_dir, workers,
+                                 deadline, save)
+                except Exception as e:  # noqa: BLE001 - recorded: the modes before and after stand
+                    over_budget = deadline is not None and time.monotonic() >= deadline - 1.0
+                    rec["cut" if over_budget else "error"] = (
+                        f"{'the time budget ran out: ' if over_budget else ''}{type(e).__name__}: {e}"[:2000])
+                    print(f"serving_bench: {mode}: {rec.get('cut') or rec.get('error')}\n{srv.tail()}",
+                          file=sys.stderr)
                 save()
             rec["mode_wall_s"] = time.monotonic() - mode_t0
             overhead = max(0.0, rec["mode_wall_s"] - len(run["rates"]) * mode_run["max_seconds"])
@@ -430,14 +447,17 @@ def main() -> int:
     print(f"{'mode':<12} {'rate':>6} {'req/s':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>7}"
           f" {'refused':>7} {'failed':>6}")
     for mode, rec in result["modes"].items():
-        if rec.get("skipped") or rec.get("cut"):
-            print(f"{mode:<12} {rec.get('skipped') or rec.get('cut')}")
+        if rec.get("skipped") or rec.get("cut") or rec.get("error"):
+            print(f"{mode:<12} {rec.get('skipped') or rec.get('cut') or rec.get('error')}")
         for r in rec["rows"]:
             print(f"{mode:<12} {r['rate']:6.1f} {r['achieved_requests_per_s'] or 0:6.2f} {r['output_tok_s'] or 0:10.1f} "
                   f"{r['ttft_ms_p50'] or 0:9.1f} {r['ttft_ms_p99'] or 0:8.1f} {r['itl_ms_p50'] or 0:8.2f} "
                   f"{r['itl_ms_p99'] or 0:7.2f} {r['errors']['refused']:7d} {r['errors']['failed']:6d}")
     print(f"wrote {out} ({result['wall_s']:.0f} s)")
-    return 0
+    failed = [m for m, rec in result["modes"].items() if rec.get("error")]
+    if failed:
+        print(f"serving_bench: {', '.join(failed)} failed (see the JSON and DIR/logs)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

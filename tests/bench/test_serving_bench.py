@@ -75,6 +75,10 @@ def test_budget_sizes_the_rates_and_skips_what_cannot_fit():
     assert sb.warmup_phase({"warmup_s": 3.0}, 8.0) == {"mode": "duration", "value": 2.0}
     assert sb.warmup_phase({"warmup_s": 3.0}, 20.0) == {"mode": "duration", "value": 3.0}
     assert sb.warmup_phase(sb.RUNS["smoke"], 60) == {"mode": "requests", "value": 1}
+    # A mode the budget skipped or cut is in the table as not measured, with the reason.
+    data = {"modes": {"adaptive": {"skipped": "10 s of the 200 s budget left", "rows": []}}}
+    assert "| adaptive | — |" in _report_module().serving_table(data)
+    assert "not measured: 10 s of the 200 s budget left" in _report_module().serving_table(data)
 
 
 def test_serving_bench_smoke(tmp_path):
