@@ -707,7 +707,13 @@ SCRIPT_JSON = ("fp8.json", "fp8_crossover.json", "serving_bench.json")
 # "goals" name their figures ({key: {"figure", "goal", "measured", "unit": "x" | "%" | "ms" |
 # "", "better": "higher" | "lower"}}), and the `<name>.md` the script wrote beside the JSON (its
 # tables, first line a title) is the report's section for it, under `title` and `command`.
-SERVING_COMMAND = "python3 bench/serving_bench.py --out OUT"
+SERVING_COMMAND = "python3 bench/serving_bench.py --out OUT --rates 4,16,64 --budget-s 200"
+SERVING_COUNTS_NOTE = (
+    "Answered counts the requests of the measured window completed in it against those sent in it. "
+    "Refused are those the server answered 429 (its waiting queue, `--max-queued-requests`, is full) or 503 "
+    "(draining, stalled): load shed past saturation, as designed, not failures. Failed are any other error, by "
+    "kind. In flight at close were still queued or streaming when the rate's duration ended (guidellm cancels "
+    "them; the client's HTTP timeout outlasts every rate, so it cuts none).")
 SERVING_NOTE = (
     "The load generator is [guidellm](https://github.com/vllm-project/guidellm) 0.8.1 (the vLLM project's; "
     "in pyproject.toml's dev extra, and its smoke form, `bench/serving_bench.py --smoke`, runs in "
@@ -922,71 +928,132 @@ def _e2e_note(r: dict) -> list[str]:
     return out
 
 
+def _serving_counts(r: dict) -> list[str]:
+    """answered/sent, refused (the server's 429/503), failed (any other error, by kind) and in
+    flight at the window's close; an older record without the breakdown shows its errored."""
+    q = r["requests"]
+    e = r.get("errors")
+    if e is None:
+        return [f"{q['successful']}/{q['total']}", "—", f"{q['errored']} (kind not recorded)" if q["errored"] else "0",
+                str(q["incomplete"])]
+    refused = ", ".join(f"{n} ({k.removeprefix('http ')})" for k, n in e["kinds"].items()
+                        if k in ("http 429", "http 503")) or "0"
+    failed = ", ".join(f"{n} {k}" for k, n in e["kinds"].items() if k not in ("http 429", "http 503"))
+    return [f"{q['successful']}/{q['total']}", refused, failed or str(e["failed"]), str(q["incomplete"])]
+
+
 def serving_table(d: dict) -> str:
-    """bench/serving_bench.py's JSON -> one row per mode and offered rate."""
+    """bench/serving_bench.py's JSON -> one row per mode and offered rate (a mode skipped or cut
+    by the time budget says so)."""
     rows = []
     for mode, rec in d["modes"].items():
+        why = rec.get("skipped") or rec.get("cut") or rec.get("error")
+        if not rec["rows"] and why:
+            rows.append([mode, "—", "—", "—", "—", "—", "—", "—", f"not measured: {why}", "—", "—", "—"])
         for r in rec["rows"]:
-            q = r["requests"]
             rows.append([mode, f"{r['rate']:.1f}", _f(r["achieved_requests_per_s"], 2), _f(r["output_tok_s"]),
                          _f(r["ttft_ms_p50"]), _f(r["ttft_ms_p99"]), _f(r["itl_ms_p50"], 2), _f(r["itl_ms_p99"], 2),
-                         f"{q['successful']}/{q['total']}" + (f" ({q['errored']} errored)" if q["errored"] else "")])
+                         *_serving_counts(r)])
     return _table(["mode", "offered req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                   "ITL p50 ms", "ITL p99 ms", "answered"], rows)
+                   "ITL p50 ms", "ITL p99 ms", "answered", "refused (status)", "failed", "in flight at close"],
+                  rows)
+
+
+SERVING_PANELS = (("output_tok_s", None, "output tok/s"), ("ttft_ms_p50", "ttft_ms_p99", "TTFT p50 / p99 (ms)"),
+                  ("itl_ms_p50", "itl_ms_p99", "ITL p50 / p99 (ms)"))
 
 
 def serving_plot(d: dict, path: Path) -> bool:
-    """Output tok/s, TTFT p99 and ITL p99 against the offered rate, one line per mode; False
-    where matplotlib is not installed."""
+    """Output tok/s, TTFT p50/p99 and ITL p50/p99 against the offered rate, one colour per mode
+    (p50 solid, p99 dashed); False where matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for mode, rec in d["modes"].items():
-        rates = [r["rate"] for r in rec["rows"]]
-        for ax, key in zip(axes, ("output_tok_s", "ttft_ms_p99", "itl_ms_p99")):
-            ax.plot(rates, [r[key] for r in rec["rows"]], marker="o", label=mode)
+    fig, axes = plt.subplots(1, len(SERVING_PANELS), figsize=(13, 3.6))
+    for i, (mode, rec) in enumerate(d["modes"].items()):
+        rows = [r for r in rec["rows"] if r.get("output_tok_s") is not None]
+        if not rows:
+            continue
+        rates = [r["rate"] for r in rows]
+        for ax, (p50, p99, _) in zip(axes, SERVING_PANELS):
+            ax.plot(rates, [r[p50] for r in rows], marker="o", color=f"C{i}", label=mode)
+            if p99:
+                ax.plot(rates, [r[p99] for r in rows], marker="^", linestyle="--", color=f"C{i}",
+                        label=f"{mode} p99")
     rates = sorted({r["rate"] for rec in d["modes"].values() for r in rec["rows"]})
-    for ax, title in zip(axes, ("output tok/s", "TTFT p99 (ms)", "ITL p99 (ms)")):
+    for ax, (_, p99, title) in zip(axes, SERVING_PANELS):
         ax.set_xscale("log")
-        ax.set_xticks(rates, [f"{x:g}" for x in rates])
+        if rates:
+            ax.set_xticks(rates, [f"{x:g}" for x in rates])
         ax.minorticks_off()
+        if p99:
+            ax.set_yscale("log")
         ax.set_xlabel("offered requests/s (Poisson)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend()
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
+def _serving_run_text(d: dict) -> str:
+    """What the run did, from its JSON: the warm-up (or that it had none), the budget."""
+    warm = [rec.get("warmup") for rec in d["modes"].values() if rec.get("rows")]
+    run = d["run"]
+    text = ""
+    if warm and all(warm):
+        w = warm[0]
+        phase = (f"first {w['value']} request(s)" if w["mode"] == "requests" else f"first {w['value']} s")
+        text = (f"No figure is cold: each server first answered {run.get('prime_requests', 0)} unmeasured requests, "
+                f"and each rate's {phase} were guidellm's warm-up, sent but left out of every figure.")
+    elif warm:
+        text = ("Each mode's first rate also carries the server's first requests (this run had no warm-up "
+                "phase), so read its TTFT as a cold figure.")
+    per_mode = ", ".join(f"{m} {rec['max_seconds']} s" for m, rec in d["modes"].items()
+                         if rec.get("rows") and rec.get("max_seconds"))
+    if run.get("budget_s"):
+        text += f" Time budget {run['budget_s']:.0f} s for the whole run" + (
+            f"; each rate's duration, warm-up included: {per_mode}." if per_mode else ".")
+    return text.strip()
+
+
+def _serving_legacy_errors(d: dict) -> str:
+    """For a run recorded before the error breakdown: what its errored were, read from its counts
+    (errored = sent - answered - in flight, and in flight stuck at what the server holds)."""
+    old = [(mode, r) for mode, rec in d["modes"].items() for r in rec["rows"] if "errors" not in r
+           and r["requests"]["errored"]]
+    if not old:
+        return ""
+    held = ", ".join(f"{mode} {r['requests']['incomplete']}" for mode, r in old)
+    return (f" This run predates the breakdown: where requests errored (the highest rate), in flight at close was "
+            f"{held}, about the {d['run']['max_running_requests']} running plus the full waiting queue the "
+            "server holds; what arrived beyond it was refused with 429.")
+
+
 def _serving_section(rec: dict | None) -> list[str]:
     lines = ["## Serving benchmark (issue 33)", "", SERVING_NOTE, ""]
     if rec is None:
-        return lines + [f"Not yet run on the device: `{SERVING_COMMAND}` (about 6 minutes on one H200; "
-                        "`--modes` and `--smoke` narrow it), then copy OUT/serving_bench.json into a folder under "
-                        "docs/benchmarks/runs/ and regenerate this page.", ""]
+        return lines + [f"Not yet run on the device: `{SERVING_COMMAND}` (`--modes` and `--smoke` narrow it), then "
+                        "copy OUT/serving_bench.json into a folder under docs/benchmarks/runs/ and regenerate "
+                        "this page.", ""]
     d = rec["data"]
     w, m = d["workload"], d["model"]
-    lines += [f"`{d.get('command', SERVING_COMMAND)}` ({rec['_date']}, commit {rec['_commit']}, `{rec['_source']}`), {d['device']}, "
-              f"guidellm {d.get('tool_version')}. Pair: {m['pair']}, {m.get('num_layers', '?')} layers, hidden "
-              f"{m.get('hidden_size', '?')}, vocabulary {m['vocab_size']}, {m['dtype']}. Workload: prompts "
-              f"{w['prompt_tokens']} ± {w['prompt_tokens_stdev']} tokens ({w['prompt_tokens_min']}-"
+    lines += [f"`{d.get('command') or SERVING_COMMAND}` ({rec['_date']}, commit {rec['_commit']}, `{rec['_source']}`), "
+              f"{d['device']}, guidellm {d.get('tool_version')}. Pair: {m['pair']}, {m.get('num_layers', '?')} "
+              f"layers, hidden {m.get('hidden_size', '?')}, vocabulary {m['vocab_size']}, {m['dtype']}. Workload: "
+              f"prompts {w['prompt_tokens']} ± {w['prompt_tokens_stdev']} tokens ({w['prompt_tokens_min']}-"
               f"{w['prompt_tokens_max']}) after one of {w['prefix_count']} shared {w['prefix_tokens']}-token "
               f"prefixes, outputs {w['output_tokens']} ± {w['output_tokens_stdev']} ({w['output_tokens_min']}-"
               f"{w['output_tokens_max']}), each rate for up to {d['run']['max_seconds']} s or "
               f"{d['run']['max_requests']} requests, up to {d['run']['max_running_requests']} running on the "
-              "server. Answered counts the requests completed inside the measured window against those sent; the "
-              "rest were still streaming when it closed, or errored (a refused or failed request, as guidellm "
-              "counts it). Each mode's first rate also carries the server's first requests (the harness has no "
-              "warm-up phase yet), so read its TTFT as a cold figure.", ""]
-    lines += [f"{mode}: {rec_m['note']}." for mode, rec_m in d["modes"].items() if rec_m.get("note")]
-    if any(rec_m.get("note") for rec_m in d["modes"].values()):
-        lines.append("")
+              "server. " + _serving_run_text(d), "",
+              SERVING_COUNTS_NOTE + _serving_legacy_errors(d), ""]
     png = rec["_folder"] / "serving_bench.png"
     if png.is_file():
         lines += [f"![serving curves]({png.relative_to(rec['_folder'].parents[2]).as_posix()})", ""]

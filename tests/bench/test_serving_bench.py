@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,6 +22,63 @@ def _report_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "bench" / "serving_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def _record(start, status_error=None, tokens=10):
+    return {"info": {"timings": {"request_start": start}, "error": status_error},
+            "output_metrics": {"text_tokens": tokens}}
+
+
+def test_summary_counts_the_measured_window_and_tells_refusals_from_failures():
+    sb = _bench_module()
+    refused = "HTTPStatusError(\"Client error '429 Too Many Requests' for url 'http://h/v1/completions'\")"
+    bench = {"config": {"strategy": {"rate": 64.0}},
+             "scheduler_metrics": {"measure_start_time": 10.0, "measure_end_time": 20.0},
+             "metrics": {"request_totals": {"successful": 3, "errored": 4, "incomplete": 1, "total": 8},
+                         "output_token_count": {"successful": {"total_sum": 30.0}},
+                         **{k: {"successful": {"count": 2, "percentiles": {"p50": 1.0, "p99": 2.0}}}
+                            for k in ("time_to_first_token_ms", "inter_token_latency_ms")}},
+             # one success in the warm-up (before 10 s): out of the counts and the tokens
+             "requests": {"successful": [_record(9.0), _record(11.0), _record(12.0)],
+                          "errored": [_record(13.0, refused), _record(14.0, refused),
+                                      _record(15.0, "ReadTimeout('timed out')"),
+                                      _record(16.0, "HTTPStatusError(\"Server error '500 Internal Server Error'\")")],
+                          "incomplete": [_record(None)]}}
+    (row,) = sb.summarize({"benchmarks": [bench]})
+    assert row["requests"] == {"successful": 2, "errored": 4, "incomplete": 1, "total": 7}
+    assert row["warmup_requests"] == 1 and row["output_tokens"] == 20.0 and row["output_tok_s"] == 2.0
+    assert row["errors"] == {"kinds": {"http 429": 2, "http 500": 1, "timeout": 1}, "refused": 2, "failed": 2}
+    assert sb.error_kind("HTTPStatusError(\"Server error '503 Service Unavailable' for url\")") == "http 503"
+    assert sb.error_kind("RemoteProtocolError('peer closed connection')") == "connection"
+
+
+def test_budget_sizes_the_rates_and_skips_what_cannot_fit():
+    sb = _bench_module()
+    # 200 s for 3 modes of 3 rates, 40 s of a mode's own cost: (66.7 - 40) / 3 per rate.
+    assert sb.rate_seconds(200, 3, 3, 40.0, cap_s=20) == 8.9
+    assert sb.rate_seconds(2000, 3, 3, 40.0, cap_s=20) == 20          # the cap
+    assert sb.rate_seconds(100, 3, 3, 40.0, cap_s=20) is None         # under MIN_RATE_S: skipped
+    with pytest.raises(ValueError):
+        sb.rate_seconds(100, 0, 3, 40.0, cap_s=20)
+    # The warm-up: at most a quarter of the rate; the smoke's, one request.
+    assert sb.warmup_phase({"warmup_s": 3.0}, 8.0) == {"mode": "duration", "value": 2.0}
+    assert sb.warmup_phase({"warmup_s": 3.0}, 20.0) == {"mode": "duration", "value": 3.0}
+    assert sb.warmup_phase(sb.RUNS["smoke"], 60) == {"mode": "requests", "value": 1}
+    # A mode the budget skipped or cut is in the table as not measured, with the reason.
+    data = {"modes": {"adaptive": {"skipped": "10 s of the 200 s budget left", "rows": []}}}
+    assert "| adaptive | — |" in _report_module().serving_table(data)
+    assert "not measured: 10 s of the 200 s budget left" in _report_module().serving_table(data)
 
 
 def test_serving_bench_smoke(tmp_path):
@@ -32,18 +91,27 @@ def test_serving_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + logs
     data = json.loads((out / "serving_bench.json").read_text())
     assert data["tool"] == "guidellm" and data["tool_version"]
+    assert data["command"] == "python3 bench/serving_bench.py --smoke --modes fixed --out OUT"
     assert data["workload"]["prefix_tokens"] > 0 and data["workload"]["prompt_tokens_stdev"] > 0
-    rows = data["modes"]["fixed"]["rows"]
+    mode = data["modes"]["fixed"]
+    assert mode["primed"] == data["run"]["prime_requests"] > 0
+    assert mode["warmup"] == {"mode": "requests", "value": 1}
+    rows = mode["rows"]
     assert [r["rate"] for r in rows] == data["run"]["rates"]
     for r in rows:
         req = r["requests"]
-        assert req["successful"] == req["total"] == data["run"]["max_requests"], req
-        assert req["errored"] == req["incomplete"] == 0, req
+        # guidellm's warm-up (its first request, and those started before it finished) is sent,
+        # and left out of every figure.
+        assert 1 <= r["warmup_requests"] < data["run"]["max_requests"], r
+        assert req["successful"] == req["total"] >= 1, req
+        assert req["total"] + r["warmup_requests"] <= data["run"]["max_requests"], r
+        assert req["errored"] == req["incomplete"] == 0 and r["errors"]["refused"] == r["errors"]["failed"] == 0, r
         assert r["output_tokens"] >= req["successful"] * data["workload"]["output_tokens_min"]
         for key in ("achieved_requests_per_s", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50",
                     "itl_ms_p99"):
             assert isinstance(r[key], float) and r[key] > 0, (key, r[key])
         assert r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["itl_ms_p50"] <= r["itl_ms_p99"]
+    assert any("spec_decode_num_steps_total" in x for x in mode["spec_metrics"])
     # guidellm's own report is kept beside it, and the serving table renders from the summary.
     assert json.loads((out / "guidellm_fixed.json").read_text())["benchmarks"]
     table = _report_module().serving_table(data)
