@@ -5,7 +5,8 @@
 # returns at most 8 files) and one line per step says how it ended. Steps:
 #   gpu-tests       python3 -P -m pytest -q -n 8 tests/gpu (log named by the commit)
 #   gpu:PATH        python3 -P -m pytest -q PATH (one file or folder of tests/gpu)
-#   <script>        python3 bench/<script>.py --out $OUT/<script> (fp8_bench, fp4_moe_bench, ...)
+#   <script>        python3 bench/<script>.py --out $OUT/<script> (fp8_bench, fp4_moe_bench, ...);
+#                   arguments after + signs: serving_bench+--budget-s+200
 #   section-N       python3 bench/run.py --sections N --out $OUT/section-N
 set -uo pipefail
 : "${OUT:?set OUT to the folder results go to}"
@@ -20,13 +21,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 for arg in "$@"; do
   step=${arg%@*}; cap=120
   [[ $arg == *@* ]] && cap=${arg##*@}
-  dir="$OUT/${step//[^A-Za-z0-9_.-]/_}"; mkdir -p "$dir"
+  dir="$OUT/${step%%+*}"; dir="$OUT/$(basename "${dir//[^A-Za-z0-9_.\/-]/_}")"; mkdir -p "$dir"
   t0=$(date +%s)
   case $step in
     gpu-tests) cmd=(python3 -P -m pytest -q -n 8 -p no:cacheprovider tests/gpu) ;;
     gpu:*) cmd=(python3 -P -m pytest -q -p no:cacheprovider "${step#gpu:}") ;;
     section-*) cmd=(python3 bench/run.py --sections "${step#section-}" --out "$dir") ;;
-    *) cmd=(python3 "bench/$step.py" --out "$dir") ;;
+    *) IFS=+ read -r -a words <<<"$step"; cmd=(python3 "bench/${words[0]}.py" --out "$dir" "${words[@]:1}") ;;
   esac
   echo "=== $step (cap ${cap}s): ${cmd[*]}"
   log="$dir/log.txt"; [[ $step == gpu* ]] && log="$dir/gpu_tests_${commit}${dirty:+_dirty}.log"
