@@ -13,6 +13,7 @@ import argparse
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -66,10 +67,21 @@ def main() -> int:
     a.dest.mkdir(parents=True, exist_ok=True)
     queue = [Requirement(r) for r in a.requirements]
     seen: set[str] = set()
+    extras_seen: set[tuple[str, str]] = set()
     while queue:
         r = queue.pop(0)
         name = canonicalize_name(r.name)
-        if name in seen or name in have:
+        if name in have:
+            # the image holds the package, not necessarily its extras' needs (httpx[http2] -> h2)
+            new = {e for e in r.extras if (name, e) not in extras_seen}
+            if new:
+                extras_seen |= {(name, e) for e in new}
+                with tempfile.TemporaryDirectory() as tmp:
+                    meta = download(r.name, Path(tmp))
+                    base = {str(q) for q in requires(meta, set())}
+                    queue += [q for q in requires(meta, new) if str(q) not in base]
+            continue
+        if name in seen:
             continue
         seen.add(name)
         wheel = download(f"{r.name}{r.specifier}", a.dest)
