@@ -280,8 +280,8 @@ def main() -> int:
             result["profile_fp8_batch1"] = profile_top(call, device, reps=10, top=16)
             del call
             free_device_memory()
-            result["attributed_fp8"] = [attributed_profile(target, 1, sizes["context"], device, sizes["warmup"],
-                                                           sizes["reps"])]
+            result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
+                                                           sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         # A probe, not an engine path: the head's own linears in FP8 too (its lm_head and the
