@@ -4,6 +4,7 @@ dequantized weights; which one fp8_linear should take per M (engine/kernels/fp8.
 
     python3 bench/gemm_choice.py --out DIR          # CUDA SM90 (H200), < 2 min
     python3 bench/gemm_choice.py --smoke --out DIR  # one shape, two M, seconds
+    python3 bench/gemm_choice.py --render DIR/gemm_choice.json  # its gemm_choice.md again (CPU)
 
 Candidates (weights FP8 e4m3 with 128 x 128 block scales, activations quantized per 1 x 128
 group by the project's `act_quant`, counted in every W8A8 column):
@@ -12,7 +13,6 @@ group by the project's `act_quant`, counted in every W8A8 column):
 - `w8a8`: the project's Triton W8A8 kernel (pointer loads, one program per tile);
 - `torch_block`: `torch.nn.functional.scaled_mm` with BlockWise1x128 / BlockWise128x128
   (cuBLASLt); `torch_block_private`: the same through `torch._scaled_mm` (scales by shape);
-- `tma_<config>`: engine/kernels/fp8_tma.py, the persistent TMA kernel, one column per config;
 - `deep_gemm`: DeepGEMM's dense FP8 NT GEMM (the grouped kernels' dense case), where installed;
 - `flashinfer`: FlashInfer's block-scaled GEMM, where installed (`fp8_blockscale_gemm_sm90` on
   SM90: `gemm_fp8_nt_groupwise` requires SM100/103/120/121);
@@ -23,7 +23,11 @@ CUDA graph of back-to-back calls over enough weight copies to exceed the L2 (wha
 sees): so every candidate is also checked to capture. Correctness: relative L2 distance of each
 output to float32 x @ W^T over the dequantized weights, under `tolerance` (below).
 Writes gemm_choice.json: environment, per-layer microseconds and errors, the step's linears
-(4 layers x 32) per M and option, per-M winners and the BLOCK_ROUTE they imply.
+(4 layers x 32) per M and option, per-M winners and the BLOCK_ROUTE they imply, and its goals in
+the form bench/report.py reads ({"figure", "goal", "measured", "unit", "better"}); and beside it
+gemm_choice.md, a title line and the step's linears per M and option as a markdown table (the
+section docs/benchmarks.md shows for it). `--render` writes that .md again from a JSON, earlier
+runs' included.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ bootstrap_specdeploy()
 import torch  # noqa: E402
 
 from specdeploy.engine.kernels import fp8 as kernels  # noqa: E402
-from specdeploy.engine.kernels import fp8_tma, gemv  # noqa: E402
+from specdeploy.engine.kernels import gemv  # noqa: E402
 from specdeploy.engine.models import fp8  # noqa: E402
 
 LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -135,14 +139,6 @@ def candidates(m: int, k: int, libraries: dict) -> dict:
             a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=kernels.TORCH_BLOCK_ROW_ALIGN)
             return torch._scaled_mm(a, w.t(), a_s, s.t(), out_dtype=x.dtype)[:m]
         calls["torch_block_private"] = private
-    for name, config in fp8_tma.TMA_CONFIGS.items():
-        if m <= 16 and config[0] > 64:
-            continue  # a 128-row tile at M <= 16 computes 8x the rows: measured by the 64-row one
-
-        def tma_call(x, w, s, y, config=config):
-            a, a_s = kernels.act_quant(x, column_major=True)
-            return fp8_tma.fp8_tma_gemm(a, a_s, w, s, 128, None, y, config=config)
-        calls[f"tma_{name}"] = tma_call
     if libraries.get("deep_gemm") is not None:
         calls["deep_gemm"] = _deep_gemm_call(libraries["deep_gemm"])
     if libraries.get("flashinfer") is not None:
@@ -212,10 +208,8 @@ def step_table(per_layer: dict, rows: tuple) -> list[dict]:
 
 
 def route_name(option: str) -> str | None:
-    """The BLOCK_ROUTE option a measured candidate is (tma_* -> tma; None for the libraries the
-    engine does not call)."""
-    if option.startswith("tma_"):
-        return "tma"
+    """The BLOCK_ROUTE option a measured candidate is (None for the libraries and private APIs
+    the engine does not call)."""
     return ROUTE_NAME.get(option)
 
 
@@ -240,12 +234,73 @@ def implied_route(table: list[dict]) -> list[list]:
     return route
 
 
+TITLE = "Choosing the FP8 GEMM: a step's Llama-3.1-8B linears (4 linears x 32 layers), µs and bf16 / option"
+COMMAND = "python3 bench/gemm_choice.py --out OUT"
+# key -> (figure, goal as bf16 / engine route, the M it is read at: "prefill" M >= 2048, "all", or one M).
+# The first two figures are bench/fp8_crossover.py's, so the report keeps the latest run of either.
+GOALS = {
+    "prefill_1_5x_at_m_ge_2048": ("FP8 prefill linears / bf16, worst M >= 2048", 1.5, "prefill"),
+    "never_slower_than_bf16": ("FP8 linears / bf16, worst M of 1-8192 (a step's 8B linears)", 1.0, "all"),
+    "decode_m1_1_8x": ("FP8 linears / bf16 at M 1 (a step's 8B linears)", 1.8, 1),
+}
+PREFILL_MIN_M = 2048
+
+
+def goals(table: list[dict]) -> dict:
+    """The goals in bench/report.py's form, measured on the engine's route (`fp8_linear` as
+    committed): the worst bf16 / engine over the M each goal reads (None where none ran)."""
+    out = {}
+    for key, (figure, goal, where) in GOALS.items():
+        picked = [e for e in table if where == "all" or (where == "prefill" and e["m"] >= PREFILL_MIN_M)
+                  or e["m"] == where]
+        values = [e["speedup_vs_bf16"]["engine"] for e in picked if "engine" in e["speedup_vs_bf16"]]
+        out[key] = {"figure": figure, "goal": goal, "measured": min(values) if values else None,
+                    "unit": "x", "better": "higher"}
+    return out
+
+
+def render_md(result: dict) -> str:
+    """gemm_choice.md: the title, then one row per M of the step's linears, a column per option
+    measured at any M (µs and bf16 / option; "—" where it did not run) and the winner."""
+    table = result["step_linears"]
+    options: list[str] = []
+    for e in table:
+        options += [o for o in e["us"] if o not in options]
+    lines = [f"# {result.get('title') or TITLE}", "",
+             "| M | " + " | ".join(f"`{o}`" for o in options) + " | fastest block-scaled |",
+             "|---|" + "---|" * (len(options) + 1)]
+    for e in table:
+        cells = [f"{e['us'][o]:.0f} ({e['speedup_vs_bf16'][o]:.2f}×)" if o in e["us"] and o in e["speedup_vs_bf16"]
+                 else f"{e['us'][o]:.0f}" if o in e["us"] else "—" for o in options]
+        lines.append(f"| {e['m']} | " + " | ".join(cells) + f" | `{e.get('winner') or '—'}` |")
+    return "\n".join(lines) + "\n"
+
+
+def render(path: Path) -> int:
+    """Writes the .md beside a gemm_choice JSON (this script's, any run)."""
+    try:
+        result = json.loads(path.read_text())
+        text = render_md(result)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log(f"gemm_choice --render: {path} is not a gemm_choice JSON ({type(e).__name__}: {e})")
+        return 2
+    out = path.with_suffix(".md")
+    out.write_text(text)
+    log(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--smoke", action="store_true", help="one shape, two row counts")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="write the .md beside a gemm_choice JSON and stop")
     args = parser.parse_args()
+    if args.render is not None:
+        return render(args.render)
+    if args.out is None:
+        parser.error("--out DIR is required (or --render JSON)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         log("gemm_choice: needs a CUDA device of compute capability 8.9 or later")
         return 2
@@ -257,8 +312,6 @@ def main() -> int:
     unavailable = {}
     if not libraries["torch_block"]:
         unavailable["torch_block"] = "torch's block-scaled scaled_mm probe failed (logged above)"
-    if torch.cuda.get_device_capability() != (9, 0):
-        log("gemm_choice: not an SM90 device; the TMA kernel's columns may fail and are recorded as errors")
     for option, module in (("deep_gemm", "deep_gemm"), ("flashinfer", "flashinfer")):
         libraries[option], why = _optional(module)
         if why is not None:
@@ -267,38 +320,34 @@ def main() -> int:
     per_layer = measure(shapes, rows, 5 if args.smoke else args.reps, dev, libraries)
     table = step_table(per_layer, rows)
     route = implied_route(table)
-    prefill = [e for e in table if e["m"] >= 2048]
     # what the implied route would give: the routable winner's speedup at each M
     best = {e["m"]: e["speedup_vs_bf16"].get(routable_winner(e)) for e in table if routable_winner(e)}
     result = {
+        "script": "bench/gemm_choice.py", "title": TITLE,
+        "command": COMMAND.replace("--out", "--smoke --out") if args.smoke else COMMAND,
         "environment": environment(), "layers": LAYERS, "rows": list(rows), "shapes": shapes,
         "tolerance": {o: tolerance(o, 4096) for o in ("bf16", "gemv", "w8a8")},
         "unavailable": unavailable,
         "route_committed": [list(r) for r in kernels.BLOCK_ROUTE],
         "route_implied": route,
-        "tma_configs": fp8_tma.TMA_CONFIGS,
+        "route_implied_speedup": {str(m): x for m, x in best.items()},
         "per_layer": per_layer, "step_linears": table,
         "winners": {str(e["m"]): e["winner"] for e in table},
-        "goals": {
-            "prefill_1_5x_at_m_ge_2048": {"engine": {e["m"]: e["speedup_vs_bf16"].get("engine") for e in prefill},
-                                          "route_implied": {e["m"]: best.get(e["m"]) for e in prefill}},
-            "never_slower_than_bf16": {"engine_min": min((e["speedup_vs_bf16"].get("engine", math.nan)
-                                                          for e in table), default=None),
-                                       "route_implied_min": min(best.values(), default=None)},
-            "decode_m1_1_8x": {"engine": next((e["speedup_vs_bf16"].get("engine") for e in table if e["m"] == 1), None)},
-        },
+        "goals": goals(table),
         "seconds": None,
     }
     result["seconds"] = round(time.monotonic() - start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemm_choice.json").write_text(json.dumps(result, indent=1))
+    (args.out / "gemm_choice.md").write_text(render_md(result))
     log("step linears (us, 8B x 32 layers) and bf16 / option:")
     for e in table:
         log(f"M={e['m']:<5} " + "  ".join(f"{o} {us:8.0f} ({e['speedup_vs_bf16'].get(o, math.nan):.2f}x)"
                                           for o, us in e["us"].items()) + f"  winner {e['winner']}")
     log(f"BLOCK_ROUTE the winners imply: {tuple(tuple(r) for r in route)} (committed {kernels.BLOCK_ROUTE})")
-    log(f"goals with the implied route: prefill (M >= 2048) {result['goals']['prefill_1_5x_at_m_ge_2048']['route_implied']}"
-        f" (>= 1.5x), lowest over M {result['goals']['never_slower_than_bf16']['route_implied_min']} (>= 1.0x)")
+    for g in result["goals"].values():
+        log(f"goal {g['figure']}: >= {g['goal']}x, engine route "
+            + (f"{g['measured']:.2f}x" if g["measured"] is not None else "not measured"))
     log(f"done in {result['seconds']} s")
     return 0
 

@@ -1,8 +1,9 @@
 """The FP8 Triton kernels (engine/kernels/fp8.py, used on CUDA only) on CPU through Triton's
 interpreter (tests/engine/conftest.py): activation quantization code for code against
 DeepSeek's definition in torch, and both linear paths (weight-only decode, W8A8 prefill) against
-float32 matmuls over the dequantized weights, for every scale layout the engine uses; and the
-slot-pool attention kernel over an e4m3 KV pool with per-layer scales against the reference."""
+float32 matmuls over the dequantized weights, for every scale layout the engine uses; the
+slot-pool attention kernel over an e4m3 KV pool with per-layer scales against the reference;
+and the block-scaled route's choices by M (block_route)."""
 
 import pytest
 
@@ -160,3 +161,30 @@ def test_torch_block_route_takes_only_the_layout_cublaslt_reads():
     assert not kernels.torch_block_shape_ok(*block(200, 1024), 128)  # a partial N tile
     wide, wide_grid = block(256, 2048)
     assert not kernels.torch_block_shape_ok(wide[:, :1024], wide_grid[:, :8], 128)  # strided codes
+
+
+def test_block_route_follows_the_table_and_falls_back():
+    from specdeploy.engine.kernels import fp8 as kernels
+    from specdeploy.engine.kernels import gemv
+
+    table = ((gemv.GEMV_MAX_M, "gemv"), (1024, "torch_block"), (None, "triton"))
+    assert kernels.block_route(1, True, table) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M, False, table) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M + 1, True, table) == "torch_block"
+    assert kernels.block_route(1024, True, table) == "torch_block"
+    assert kernels.block_route(1025, True, table) == "triton"
+    # torch's block GEMM not available here: the Triton kernels
+    assert kernels.block_route(100, False, table) == "triton"
+    # the committed table: the small-M kernel to 16 rows, torch's block GEMM above, Triton without it
+    assert kernels.block_route(1, True) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M + 1, True) == "torch_block"
+    assert kernels.block_route(8192, True) == "torch_block"
+    assert kernels.block_route(8192, False) == "triton"
+    assert kernels.BLOCK_ROUTE[-1][0] is None
+    assert all(option in kernels.BLOCK_OPTIONS for _, option in kernels.BLOCK_ROUTE)
+    with pytest.raises(ValueError, match="unknown option"):
+        kernels.block_route(100, True, ((None, "tma"),))
+    with pytest.raises(ValueError, match="gemv serves"):
+        kernels.block_route(100, True, ((None, "gemv"),))
+    with pytest.raises(ValueError, match=">= 0"):
+        kernels.block_route(-1, True)
