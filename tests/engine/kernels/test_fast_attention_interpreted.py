@@ -2,8 +2,9 @@
 attention on CPU through Triton's interpreter (a subprocess: the interpreter is chosen when Triton
 is first imported). Cases cover decode (one query), verify (a tree mask over several queries) and
 prefill-like rows; GQA ratios 1, 2 and 4; prefixes of 0, 1, exactly one split, one key past a
-split and many splits; one split (the kernel normalises itself) and several (the combine);
-float32 and bfloat16."""
+split and many splits; one split (the kernel normalises itself) and several, combined by the
+last split program to arrive (the default) and by the separate combine kernel; float32 and
+bfloat16. The arrival counters are zero again after every call."""
 
 import pytest
 
@@ -34,12 +35,16 @@ for b, nq, hq, hkv, d, width, lens, splits, dtype in CASES:
     mask = (torch.rand(b, nq, nq) < 0.5).tril() | torch.eye(nq, dtype=torch.bool)
     batch = AttnBatch(new, prefix, torch.tensor(lens), new, mask)
     want = reference(q.float(), k.float(), v.float(), batch, 0.3)
-    got = attention_triton.attend(q, k, v, batch, 0.3, num_splits=splits)
-    assert got.dtype == dtype
     # bf16: the output is rounded to bf16 and P is rounded before P @ V.
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    diff = (want - got.float()).abs().max().item()
-    assert diff < tol, (b, nq, hq, hkv, width, lens, splits, dtype, diff)
+    for fused in (True, False):
+        got = attention_triton.attend(q, k, v, batch, 0.3, num_splits=splits, fused_combine=fused)
+        assert got.dtype == dtype
+        diff = (want - got.float()).abs().max().item()
+        assert diff < tol, (b, nq, hq, hkv, width, lens, splits, dtype, fused, diff)
+    counters = attention_triton._COUNTERS.get(torch.device("cpu"), [])
+    assert all(not c.any() for c in counters), "arrival counters left non-zero"
+assert attention_triton._COUNTERS[torch.device("cpu")], "no case took the fused combine"
 print("ok")
 """
 
