@@ -148,3 +148,22 @@ def test_gemv_sweep_smoke(tmp_path):
     gemv_sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gemv_sweep)
     assert gemv_sweep.load_table(tmp_path / "gemv_table.py") == table  # what --gemv-table installs
+
+
+def test_decode_kernels_smoke(tmp_path):
+    """bench/decode_kernels.py times every decode kernel form (Triton's interpreter on CPU, tiny
+    shapes) and writes them with an environment block: both attention combines at a forced
+    split count, the single-split form, and the one-launch add + norm beside the two-launch one."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-P", "bench/decode_kernels.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "decode_kernels.json").read_text())
+    assert result["smoke"] is True and result["environment"]["date"]
+    rows = result["rows"]
+    assert {r["batch"] for r in rows} == {1, 2}
+    assert all(r["us"] > 0 and r["bytes"] > 0 for r in rows)
+    attention = {(r["batch"], r["splits"], r["fused_combine"]) for r in rows if r["kernel"] == "attention"}
+    assert {(1, 8, False), (1, 8, True), (1, 1, True)} <= attention
+    assert {r["form"] for r in rows if r["kernel"] == "add + rms_norm"} == {
+        "torch add, then norm (2)", "add_rms_norm (1)"}
