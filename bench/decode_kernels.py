@@ -15,8 +15,9 @@ that wait as its own time). Rows:
   the norm alone; H = 4096.
 - SiLU(gate) * up over the fused gate/up output, I = 14336.
 - rope on q/k and the K/V pool writes (`rope_store`), 32 q heads, 8 kv heads, D = 128.
-- attention over a 1024-token prefix: split partials combined by a second kernel
-  (`fused_combine=False`) vs by the last split program; batch 1 also at forced split counts.
+- attention over a 1024-token prefix: the engine's launch (row `engine_launch`); split partials
+  combined by a second kernel (`fused_combine=False`) vs by the last split program; other split
+  counts, BLOCK_K and pipelining depths (what to tune next).
 
 Bytes are what a kernel must move (reads + writes); `floor_us` is bytes over the measured copy
 bandwidth. Writes decode_kernels.json (with an "environment" block) into RESULTS_DIR.
@@ -136,21 +137,41 @@ def _attention_rows(s, batch, bandwidth, device) -> list[dict]:
     q_bytes = batch * hq * d * 2
     nbytes = kv_layer + 2 * q_bytes + batch * prefix * 8
     chosen = attention_triton.num_kv_splits(batch * hkv, prefix, attention_triton._sm_count(device))
-    forced = (8,) if device.type != "cuda" else (8, 32)
-    split_counts = [chosen] + ([c for c in forced if c != chosen] if batch == 1 else [])
     rows = []
-    for splits in split_counts:
-        forms = (False, True) if splits > 1 else (True,)
-        for fused in forms:
-            form = f"{splits} splits, " + ("last program combines (1)" if fused else "combine kernel (2)")
-            if splits == 1:
-                form = "1 split (1)"
-            calls = [lambda q=q, bt=bt, sp=splits, f=fused: attention_triton.attend(
-                q, k, v, bt, d ** -0.5, num_splits=sp, fused_combine=f) for q, bt in zip(qs, batches)]
-            rows.append(_row("attention", batch, form, calls, nbytes, bandwidth, device))
-            rows[-1].update(splits=splits, fused_combine=fused, layers_in_graph=layers,
-                            chosen=splits == chosen)
+    for splits, fused, block_k, stages in _attention_configs(chosen, batch, device.type == "cuda"):
+        form = (f"{splits} split" + ("s, " + ("last program combines (1)" if fused else "combine kernel (2)")
+                                     if splits > 1 else " (1)") + f", BLOCK_K {block_k}"
+                + ("" if stages is None else f", {stages} stages"))
+        calls = [lambda q=q, bt=bt, sp=splits, f=fused, bk=block_k, st=stages: attention_triton.attend(
+            q, k, v, bt, d ** -0.5, num_splits=sp, fused_combine=f, block_k=bk, num_stages=st)
+            for q, bt in zip(qs, batches)]
+        rows.append(_row("attention", batch, form, calls, nbytes, bandwidth, device))
+        rows[-1].update(splits=splits, fused_combine=fused, block_k=block_k, num_stages=stages,
+                        layers_in_graph=layers, engine_launch=(splits == chosen and fused
+                                                               and block_k == attention_triton.BLOCK_K
+                                                               and stages is None))
     return rows
+
+
+def _attention_configs(chosen: int, batch: int, device_run: bool) -> list[tuple]:
+    """(splits, fused combine, BLOCK_K, num_stages) to time: the engine's launch first, then the
+    combine kernel at the same split, other split counts, and other tile/pipelining depths."""
+    from specdeploy.engine.kernels.attention import BLOCK_K
+    configs = [(chosen, True, BLOCK_K, None)]
+    if chosen > 1:
+        configs.append((chosen, False, BLOCK_K, None))
+    if not device_run:
+        return configs + ([(8, False, BLOCK_K, None), (8, True, BLOCK_K, None), (8, True, 16, None)]
+                          if batch == 1 else [])
+    if batch == 1:
+        for splits in (8, 32):
+            if splits != chosen:
+                configs += [(splits, False, BLOCK_K, None), (splits, True, BLOCK_K, None)]
+        configs += [(chosen, True, 16, None), (chosen, True, 64, None)]
+    else:
+        configs += [(chosen, True, 64, None), (chosen, True, 64, 2), (chosen, True, BLOCK_K, 4),
+                    (2 * chosen, True, BLOCK_K, None), (2 * chosen, True, 64, None)]
+    return configs
 
 
 def run(device: torch.device, smoke: bool) -> dict:

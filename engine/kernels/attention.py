@@ -258,11 +258,14 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SlotBatch,
            scale: float, num_splits: int | None = None,
-           kv_scales: tuple[float, float] | None = None, fused_combine: bool = True) -> torch.Tensor:
+           kv_scales: tuple[float, float] | None = None, fused_combine: bool = True,
+           block_k: int = BLOCK_K, num_stages: int | None = None) -> torch.Tensor:
     """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].
     num_splits (a power of two) overrides the choice of `num_kv_splits` (tests).
     fused_combine=False combines the splits in a second kernel (the form before the fused one;
-    benchmarks and tests compare the two).
+    benchmarks and tests compare the two). block_k (keys per inner step, a power of two >= 16)
+    and num_stages (Triton's software pipelining depth; None: its default) are launch options
+    bench/decode_kernels.py sweeps.
     An e4m3 pool's codes are widened to q's dtype as they are loaded; its k_scale folds into
     the softmax scale and its v_scale multiplies the output."""
     b, num_q, hq, d = q.shape
@@ -276,7 +279,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
         # dtype, and the pool's is the wider one here.
         return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits,
-                      fused_combine=fused_combine).to(q.dtype)
+                      fused_combine=fused_combine, block_k=block_k, num_stages=num_stages).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its
@@ -289,8 +292,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     row_blocks = triton.cdiv(num_q * group, block_m)
     if num_splits is None:
         num_splits = num_kv_splits(b * hkv * row_blocks, prefix_slots.shape[1], _sm_count(q.device))
-    if num_splits & (num_splits - 1):
+    if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits={num_splits} is not a power of two")
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} is not a power of two >= 16")
     if num_splits > 1:
         part_m = torch.empty(b, num_splits, num_q, hq, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -307,10 +312,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=BLOCK_K, NUM_SPLITS=num_splits,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits,
         FUSED_COMBINE=counters is not None,
         # float32 models get float32 products (TF32 would round away the reference's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1 and counters is None:
         _combine_kernel[(b, num_q * hq)](

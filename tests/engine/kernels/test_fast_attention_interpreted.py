@@ -42,9 +42,21 @@ for b, nq, hq, hkv, d, width, lens, splits, dtype in CASES:
         assert got.dtype == dtype
         diff = (want - got.float()).abs().max().item()
         assert diff < tol, (b, nq, hq, hkv, width, lens, splits, dtype, fused, diff)
+    if splits == 8:  # other key tiles (bench/decode_kernels.py sweeps them)
+        for block_k in (16, 64):
+            got = attention_triton.attend(q, k, v, batch, 0.3, num_splits=splits, block_k=block_k)
+            diff = (want - got.float()).abs().max().item()
+            assert diff < tol, (block_k, diff)
     counters = attention_triton._COUNTERS.get(torch.device("cpu"), [])
     assert all(not c.any() for c in counters), "arrival counters left non-zero"
 assert attention_triton._COUNTERS[torch.device("cpu")], "no case took the fused combine"
+for bad in (dict(block_k=24), dict(block_k=8), dict(num_splits=3), dict(num_splits=0)):
+    try:
+        attention_triton.attend(q, k, v, batch, 0.3, **bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"{bad} was accepted")
 print("ok")
 """
 
