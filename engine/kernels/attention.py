@@ -12,14 +12,8 @@ Split-KV ("flash-decoding") layout, built for small batches, where one program p
   splits); each program streams its chunk straight from the pool through the slot table, and the
   last split also reads the in-flight keys under `new_mask` (causal, tree or ancestor mask).
 - each program keeps an online softmax in float32 and writes its unnormalised partial
-  (running max m, sum l, accumulator acc), then counts itself in on its (request, kv head, row
-  block)'s arrival counter; the program that arrives last rescales and adds the partials of all
-  splits and writes the output (no second kernel: at batch 1 the separate `_combine_kernel` was
-  one more launch per layer). With one split the program normalises and writes the output
-  itself. The counters live in one zeroed int32 buffer per device, and the last program sets its
-  counter back to zero, so the buffer is zero between calls (graph replays included). Calls on one
-  device therefore must not run concurrently on two streams (the engine runs one forward at a time
-  per device); `attend(..., fused_combine=False)` keeps the two-kernel form.
+  (running max m, sum l, accumulator acc); `_combine_kernel` rescales and adds the partials.
+  With one split the first kernel normalises and writes the output itself.
 
 CUDA graphs: the split count and the partials' shapes depend only on tensor shapes (batch,
 queries, heads, prefix width: the graph's static buffers), never on the lengths inside them, so a
@@ -48,15 +42,30 @@ class SlotBatch(Protocol):
     new_mask: torch.Tensor      # [B, Q, Kn] bool
 
 
-BLOCK_K = 32                # keys per inner step
-MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combine than it saves
 MAX_SPLITS = 32             # bounds the partials buffer and the combine's width
 PROGRAMS_PER_SM = 2         # enough resident programs to keep the loads in flight
+
+# The launch choices below are what docs/benchmarks/runs/2026-12-02-kernels/decode_kernels.json
+# measured (H200, Llama-3.1-8B shapes: 32 q / 8 kv heads, D 128, a 1024-key prefix; µs a launch
+# in a CUDA graph of back-to-back layers, PDL). Shapes it did not measure keep the earlier choice.
+# Both choices apply to row blocks of at most MEASURED_BLOCK_M rows, the measured decode launch
+# (one query token x a GQA group of 4); prefill and verify rows in wider blocks keep the rest.
+MEASURED_BLOCK_M = 16
+BLOCK_K = 32                # keys per inner step of a split launch (batch 1: kept, see below)
+# One split (decode at batch 64): BLOCK_K 64 74.12 µs vs 32 77.49 (BLOCK_K 64 with 2 stages
+# 75.56; BLOCK_K 32 with 4 stages 78.42).
+SINGLE_SPLIT_BLOCK_K = 64
+MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combine than it saves
+# ... except over a prefix table at least 1024 keys wide: batch 1, 1024 keys, 8 kv head
+# programs: 32 splits (32 keys each) 8.60 µs, 16 splits 9.48, 8 splits 10.78 (split kernel +
+# combine kernel). Narrower tables were not measured and keep MIN_KEYS_PER_SPLIT.
+WIDE_PREFIX = 1024
+WIDE_MIN_KEYS_PER_SPLIT = 32
 
 
 @triton.jit
 def _split_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     prefix_slots_ptr, prefix_lens_ptr, new_slots_ptr, new_mask_ptr,
     sm_scale,
     stride_qb, stride_qq, stride_qh,
@@ -64,8 +73,7 @@ def _split_attention_kernel(
     stride_ob, stride_oq, stride_oh,
     num_queries, num_heads, prefix_width, num_new, group, num_row_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     gdc(USE_GDC)
     b = tl.program_id(0)
@@ -142,47 +150,6 @@ def _split_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_valid[:, None])
-        if FUSED_COMBINE:
-            # Every thread's partial stores precede the release of the arrival count; the last
-            # program's acquire makes the other programs' partials visible to it.
-            tl.debug_barrier()
-            counter = counter_ptr + b * tl.num_programs(1) + tl.program_id(1)
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                _combine_rows(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, q_idx, head,
-                              row_valid, offs_d, stride_ob, stride_oq, stride_oh, num_queries,
-                              num_heads, HEAD_DIM, BLOCK_M, NUM_SPLITS)
-                tl.store(counter, 0)  # zero again for the next call
-
-
-@triton.jit
-def _combine_rows(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, q_idx, head, row_valid,
-                  offs_d, stride_ob, stride_oq, stride_oh, num_queries, num_heads,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The combine of `_combine_kernel` for one program's rows [BLOCK_M], the splits walked one
-    at a time (all of them at once would hold NUM_SPLITS x BLOCK_M x D floats). Loads go to L2
-    (.cg): the partials were written by other programs."""
-    offs_s = tl.arange(0, NUM_SPLITS)
-    row_part = q_idx * num_heads + head                                          # [BLOCK_M]
-    part = (b * NUM_SPLITS + offs_s[:, None]) * num_queries * num_heads + row_part[None, :]
-    m = tl.load(part_m_ptr + part, mask=row_valid[None, :], other=float("-inf"),
-                cache_modifier=".cg")                                            # [S, BLOCK_M]
-    m_max = tl.max(m, 0)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)                         # [BLOCK_M]
-    den = tl.zeros_like(m_ref)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        p_s = (b * NUM_SPLITS + s) * num_queries * num_heads + row_part          # [BLOCK_M]
-        m_s = tl.load(part_m_ptr + p_s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + p_s, mask=row_valid, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m_s - m_ref)
-        den += l_s * w
-        a_s = tl.load(part_acc_ptr + p_s[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-        acc += a_s * w[:, None]
-    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-    tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh
-             + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -225,47 +192,50 @@ def _sm_count(device: torch.device) -> int:
     return 4  # Triton's CPU interpreter (tests): small, so that small prefixes split too
 
 
-def num_kv_splits(programs: int, prefix_width: int, sm_count: int) -> int:
+def num_kv_splits(programs: int, prefix_width: int, sm_count: int, block_m: int) -> int:
     """Splits of the prefix per (request, kv head, row block): enough programs to occupy every
     SM about PROGRAMS_PER_SM times, none shorter than MIN_KEYS_PER_SPLIT keys of the prefix
-    table's width, at most MAX_SPLITS. A power of two (few kernel variants across widths).
-    Depends on shapes only, so a CUDA graph captures one value."""
+    table's width (WIDE_MIN_KEYS_PER_SPLIT from WIDE_PREFIX keys up in row blocks of at most
+    MEASURED_BLOCK_M rows: measured), at most MAX_SPLITS. A power of two (few kernel variants
+    across widths). Depends on shapes only, so a CUDA graph captures one value."""
+    wide = prefix_width >= WIDE_PREFIX and block_m <= MEASURED_BLOCK_M
+    min_keys = WIDE_MIN_KEYS_PER_SPLIT if wide else MIN_KEYS_PER_SPLIT
     want = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sm_count, programs),
-               triton.cdiv(prefix_width, MIN_KEYS_PER_SPLIT))
+               triton.cdiv(prefix_width, min_keys))
     return 1 << (max(want, 1).bit_length() - 1)
 
 
-# Per device: the split programs' arrival counters (int32, zero between calls). A buffer that is
-# outgrown is kept, not freed: a captured graph may still point at it.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-MIN_COUNTERS = 4096
+def row_blocking(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, row blocks) for one kv head's rows (query tokens x GQA group)."""
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    return block_m, triton.cdiv(rows, block_m)
 
 
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of at least n counters on `device`; None while a CUDA graph is being
-    captured and the buffer would have to grow (a zero fill inside a capture would only run at
-    replay: the caller then launches the separate combine). Graph capture warms up first, so
-    the buffer has its size by then."""
-    held = _COUNTERS.setdefault(device, [])
-    if held and held[-1].numel() >= n:
-        return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    held.append(torch.zeros(max(n, MIN_COUNTERS, 2 * held[-1].numel() if held else 0),
-                            dtype=torch.int32, device=device))
-    return held[-1]
+def chosen_launch(b: int, num_q: int, hq: int, hkv: int, prefix_width: int,
+                  device: torch.device) -> tuple[int, int]:
+    """(splits, BLOCK_K) that `attend` launches at these shapes without overrides."""
+    block_m, row_blocks = row_blocking(num_q * (hq // hkv))
+    splits = num_kv_splits(b * hkv * row_blocks, prefix_width, _sm_count(device), block_m)
+    return splits, launch_block_k(splits, block_m)
+
+
+def launch_block_k(num_splits: int, block_m: int) -> int:
+    """Keys per inner step: SINGLE_SPLIT_BLOCK_K for one split over at most
+    MEASURED_BLOCK_M rows (the measured decode launch), BLOCK_K otherwise."""
+    if num_splits == 1 and block_m <= MEASURED_BLOCK_M:
+        return SINGLE_SPLIT_BLOCK_K
+    return BLOCK_K
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SlotBatch,
            scale: float, num_splits: int | None = None,
-           kv_scales: tuple[float, float] | None = None, fused_combine: bool = True,
-           block_k: int = BLOCK_K, num_stages: int | None = None) -> torch.Tensor:
+           kv_scales: tuple[float, float] | None = None, block_k: int | None = None,
+           num_stages: int | None = None) -> torch.Tensor:
     """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].
     num_splits (a power of two) overrides the choice of `num_kv_splits` (tests).
-    fused_combine=False combines the splits in a second kernel (the form before the fused one;
-    benchmarks and tests compare the two). block_k (keys per inner step, a power of two >= 16)
-    and num_stages (Triton's software pipelining depth; None: its default) are launch options
-    bench/decode_kernels.py sweeps.
+    block_k (keys per inner step, a power of two >= 16) overrides `launch_block_k`'s choice and
+    num_stages (Triton's software pipelining depth; None: its default) is passed to the launch:
+    the options bench/decode_kernels.py sweeps.
     An e4m3 pool's codes are widened to q's dtype as they are loaded; its k_scale folds into
     the softmax scale and its v_scale multiplies the output."""
     b, num_q, hq, d = q.shape
@@ -279,7 +249,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
         # dtype, and the pool's is the wider one here.
         return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits,
-                      fused_combine=fused_combine, block_k=block_k, num_stages=num_stages).to(q.dtype)
+                      block_k=block_k, num_stages=num_stages).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its
@@ -288,12 +258,14 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     prefix_slots = batch.prefix_slots.contiguous()
     new_slots = batch.new_slots.contiguous()
     new_mask = batch.new_mask.contiguous()
-    block_m = max(16, min(64, triton.next_power_of_2(num_q * group)))
-    row_blocks = triton.cdiv(num_q * group, block_m)
+    block_m, row_blocks = row_blocking(num_q * group)
     if num_splits is None:
-        num_splits = num_kv_splits(b * hkv * row_blocks, prefix_slots.shape[1], _sm_count(q.device))
+        num_splits = num_kv_splits(b * hkv * row_blocks, prefix_slots.shape[1], _sm_count(q.device),
+                                   block_m)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits={num_splits} is not a power of two")
+    if block_k is None:
+        block_k = launch_block_k(num_splits, block_m)
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} is not a power of two >= 16")
     if num_splits > 1:
@@ -302,23 +274,19 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         part_acc = torch.empty(b, num_splits, num_q, hq, d, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # not touched by the kernel
-    counters = _arrival_counters(q.device, b * hkv * row_blocks) if (
-        num_splits > 1 and fused_combine) else None
     _split_attention_kernel[(b, hkv * row_blocks, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        prefix_slots if counters is None else counters,
         prefix_slots, batch.prefix_lens, new_slots, new_mask, scale,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits,
-        FUSED_COMBINE=counters is not None,
         # float32 models get float32 products (TF32 would round away the reference's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         _combine_kernel[(b, num_q * hq)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
             num_q, hq, HEAD_DIM=d, NUM_SPLITS=num_splits, **pdl_args(q))
