@@ -15,9 +15,10 @@ that wait as its own time). Rows:
   the norm alone; H = 4096.
 - SiLU(gate) * up over the fused gate/up output, I = 14336.
 - rope on q/k and the K/V pool writes (`rope_store`), 32 q heads, 8 kv heads, D = 128.
-- attention over a 1024-token prefix: the engine's launch (row `engine_launch`); split partials
-  combined by a second kernel (`fused_combine=False`) vs by the last split program; other split
-  counts, BLOCK_K and pipelining depths (what to tune next).
+- attention over a 1024-token prefix (split kernel, then the combine kernel when it splits): the
+  engine's launch (row `engine_launch`: `attention.chosen_launch`) next to the launch
+  it replaced (row `previous_launch`: batch 1 16 splits, batch 64 BLOCK_K 32; PREVIOUS_LAUNCH),
+  then other split counts, BLOCK_K and pipelining depths (what to tune next).
 
 Bytes are what a kernel must move (reads + writes); `floor_us` is bytes over the measured copy
 bandwidth. Writes decode_kernels.json (with an "environment" block) into RESULTS_DIR.
@@ -48,6 +49,9 @@ SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim, prefix, batches
 }
 KV_BYTES_PER_GRAPH = 1 << 30  # attention: at most this much KV across the graph's layers (fewer layers at batch 64)
 REPS, WARMUP = 30, 5
+# The engine's attention launch before docs/benchmarks/runs/2026-12-02-kernels chose the present one:
+# batch -> (splits, BLOCK_K), at the device shapes (1024-key prefix, 8 kv heads, 132 SMs).
+PREVIOUS_LAUNCH = {1: (16, 32), 64: (1, 32)}
 
 
 def _time_calls(calls, device) -> float:
@@ -136,41 +140,42 @@ def _attention_rows(s, batch, bandwidth, device) -> list[dict]:
         qs.append(torch.randn(batch, 1, hq, d, device=device, dtype=dt))
     q_bytes = batch * hq * d * 2
     nbytes = kv_layer + 2 * q_bytes + batch * prefix * 8
-    chosen = attention_triton.num_kv_splits(batch * hkv, prefix, attention_triton._sm_count(device))
+    chosen = (*attention_triton.chosen_launch(batch, 1, hq, hkv, prefix, device), None)
     rows = []
-    for splits, fused, block_k, stages in _attention_configs(chosen, batch, device.type == "cuda"):
-        form = (f"{splits} split" + ("s, " + ("last program combines (1)" if fused else "combine kernel (2)")
-                                     if splits > 1 else " (1)") + f", BLOCK_K {block_k}"
-                + ("" if stages is None else f", {stages} stages"))
-        calls = [lambda q=q, bt=bt, sp=splits, f=fused, bk=block_k, st=stages: attention_triton.attend(
-            q, k, v, bt, d ** -0.5, num_splits=sp, fused_combine=f, block_k=bk, num_stages=st)
+    for splits, block_k, stages in _attention_configs(chosen, batch, device.type == "cuda"):
+        form = (f"{splits} split" + ("s, combine kernel (2)" if splits > 1 else " (1)")
+                + f", BLOCK_K {block_k}" + ("" if stages is None else f", {stages} stages"))
+        calls = [lambda q=q, bt=bt, sp=splits, bk=block_k, st=stages: attention_triton.attend(
+            q, k, v, bt, d ** -0.5, num_splits=sp, block_k=bk, num_stages=st)
             for q, bt in zip(qs, batches)]
         rows.append(_row("attention", batch, form, calls, nbytes, bandwidth, device))
-        rows[-1].update(splits=splits, fused_combine=fused, block_k=block_k, num_stages=stages,
-                        layers_in_graph=layers, engine_launch=(splits == chosen and fused
-                                                               and block_k == attention_triton.BLOCK_K
-                                                               and stages is None))
+        rows[-1].update(splits=splits, block_k=block_k, num_stages=stages, layers_in_graph=layers,
+                        engine_launch=(splits, block_k, stages) == chosen,
+                        previous_launch=(splits, block_k, stages) == _previous(batch, device.type == "cuda"))
     return rows
 
 
-def _attention_configs(chosen: int, batch: int, device_run: bool) -> list[tuple]:
-    """(splits, fused combine, BLOCK_K, num_stages) to time: the engine's launch first, then the
-    combine kernel at the same split, other split counts, and other tile/pipelining depths."""
-    from specdeploy.engine.kernels.attention import BLOCK_K
-    configs = [(chosen, True, BLOCK_K, None)]
-    if chosen > 1:
-        configs.append((chosen, False, BLOCK_K, None))
-    if not device_run:
-        return configs + ([(8, False, BLOCK_K, None), (8, True, BLOCK_K, None), (8, True, 16, None)]
-                          if batch == 1 else [])
-    if batch == 1:
-        for splits in (8, 32):
-            if splits != chosen:
-                configs += [(splits, False, BLOCK_K, None), (splits, True, BLOCK_K, None)]
-        configs += [(chosen, True, 16, None), (chosen, True, 64, None)]
+def _previous(batch: int, device_run: bool) -> tuple:
+    """The launch the engine made before the present choice (smoke shapes: 8 splits, BLOCK_K 16,
+    a stand-in that takes the combine path)."""
+    splits, block_k = PREVIOUS_LAUNCH[batch] if device_run else (8, 16)
+    return splits, block_k, None
+
+
+def _attention_configs(chosen: tuple, batch: int, device_run: bool) -> list[tuple]:
+    """(splits, BLOCK_K, num_stages) to time: the engine's launch first, the previous one next,
+    then other split counts and tile/pipelining depths."""
+    previous = _previous(batch, device_run)
+    if device_run and batch == 1:
+        others = [(8, 32, None), (16, 64, None), (32, 16, None), (32, 64, None)]
+    elif device_run:
+        others = [(1, 64, 2), (1, 32, 4), (1, 64, 4), (2, 32, None), (2, 64, None)]
     else:
-        configs += [(chosen, True, 64, None), (chosen, True, 64, 2), (chosen, True, BLOCK_K, 4),
-                    (2 * chosen, True, BLOCK_K, None), (2 * chosen, True, 64, None)]
+        others = [(chosen[0], 32, None)]
+    configs = []
+    for config in [chosen, previous, *others]:
+        if config not in configs:
+            configs.append(config)
     return configs
 
 

@@ -156,8 +156,9 @@ def test_gemv_sweep_smoke(tmp_path):
 
 def test_decode_kernels_smoke(tmp_path):
     """bench/decode_kernels.py times every decode kernel form (Triton's interpreter on CPU, tiny
-    shapes) and writes them with an environment block: both attention combines at a forced
-    split count, the single-split form, and the one-launch add + norm beside the two-launch one."""
+    shapes) and writes them with an environment block: the engine's attention launch (one split
+    at these shapes, its wider key tile) beside a previous-launch stand-in that splits (the
+    combine kernel), and the one-launch add + norm beside the two-launch one."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-P", "bench/decode_kernels.py", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -167,7 +168,14 @@ def test_decode_kernels_smoke(tmp_path):
     rows = result["rows"]
     assert {r["batch"] for r in rows} == {1, 2}
     assert all(r["us"] > 0 and r["bytes"] > 0 for r in rows)
-    attention = {(r["batch"], r["splits"], r["fused_combine"]) for r in rows if r["kernel"] == "attention"}
-    assert {(1, 8, False), (1, 8, True), (1, 1, True)} <= attention
+    attention = [r for r in rows if r["kernel"] == "attention"]
+    assert {(r["batch"], r["splits"], r["block_k"]) for r in attention} == {
+        (b, s, k) for b in (1, 2) for s, k in ((1, 64), (8, 16), (1, 32))}
+    for batch in (1, 2):
+        engine = [r for r in attention if r["batch"] == batch and r["engine_launch"]]
+        previous = [r for r in attention if r["batch"] == batch and r["previous_launch"]]
+        assert [(r["splits"], r["block_k"]) for r in engine] == [(1, 64)]
+        assert [(r["splits"], r["block_k"]) for r in previous] == [(8, 16)]
+    assert not any("fused_combine" in r for r in attention)
     assert {r["form"] for r in rows if r["kernel"] == "add + rms_norm"} == {
         "torch add, then norm (2)", "add_rms_norm (1)"}
