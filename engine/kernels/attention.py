@@ -42,10 +42,25 @@ class SlotBatch(Protocol):
     new_mask: torch.Tensor      # [B, Q, Kn] bool
 
 
-BLOCK_K = 32                # keys per inner step
-MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combine than it saves
 MAX_SPLITS = 32             # bounds the partials buffer and the combine's width
 PROGRAMS_PER_SM = 2         # enough resident programs to keep the loads in flight
+
+# The launch choices below are what docs/benchmarks/runs/2026-12-02-kernels/decode_kernels.json
+# measured (H200, Llama-3.1-8B shapes: 32 q / 8 kv heads, D 128, a 1024-key prefix; µs a launch
+# in a CUDA graph of back-to-back layers, PDL). Shapes it did not measure keep the earlier choice.
+# Both choices apply to row blocks of at most MEASURED_BLOCK_M rows, the measured decode launch
+# (one query token x a GQA group of 4); prefill and verify rows in wider blocks keep the rest.
+MEASURED_BLOCK_M = 16
+BLOCK_K = 32                # keys per inner step of a split launch (batch 1: kept, see below)
+# One split (decode at batch 64): BLOCK_K 64 74.12 µs vs 32 77.49 (BLOCK_K 64 with 2 stages
+# 75.56; BLOCK_K 32 with 4 stages 78.42).
+SINGLE_SPLIT_BLOCK_K = 64
+MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combine than it saves
+# ... except over a prefix table at least 1024 keys wide: batch 1, 1024 keys, 8 kv head
+# programs: 32 splits (32 keys each) 8.60 µs, 16 splits 9.48, 8 splits 10.78 (split kernel +
+# combine kernel). Narrower tables were not measured and keep MIN_KEYS_PER_SPLIT.
+WIDE_PREFIX = 1024
+WIDE_MIN_KEYS_PER_SPLIT = 32
 
 
 @triton.jit
@@ -177,21 +192,50 @@ def _sm_count(device: torch.device) -> int:
     return 4  # Triton's CPU interpreter (tests): small, so that small prefixes split too
 
 
-def num_kv_splits(programs: int, prefix_width: int, sm_count: int) -> int:
+def num_kv_splits(programs: int, prefix_width: int, sm_count: int, block_m: int) -> int:
     """Splits of the prefix per (request, kv head, row block): enough programs to occupy every
     SM about PROGRAMS_PER_SM times, none shorter than MIN_KEYS_PER_SPLIT keys of the prefix
-    table's width, at most MAX_SPLITS. A power of two (few kernel variants across widths).
-    Depends on shapes only, so a CUDA graph captures one value."""
+    table's width (WIDE_MIN_KEYS_PER_SPLIT from WIDE_PREFIX keys up in row blocks of at most
+    MEASURED_BLOCK_M rows: measured), at most MAX_SPLITS. A power of two (few kernel variants
+    across widths). Depends on shapes only, so a CUDA graph captures one value."""
+    wide = prefix_width >= WIDE_PREFIX and block_m <= MEASURED_BLOCK_M
+    min_keys = WIDE_MIN_KEYS_PER_SPLIT if wide else MIN_KEYS_PER_SPLIT
     want = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sm_count, programs),
-               triton.cdiv(prefix_width, MIN_KEYS_PER_SPLIT))
+               triton.cdiv(prefix_width, min_keys))
     return 1 << (max(want, 1).bit_length() - 1)
+
+
+def row_blocking(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, row blocks) for one kv head's rows (query tokens x GQA group)."""
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    return block_m, triton.cdiv(rows, block_m)
+
+
+def chosen_launch(b: int, num_q: int, hq: int, hkv: int, prefix_width: int,
+                  device: torch.device) -> tuple[int, int]:
+    """(splits, BLOCK_K) that `attend` launches at these shapes without overrides."""
+    block_m, row_blocks = row_blocking(num_q * (hq // hkv))
+    splits = num_kv_splits(b * hkv * row_blocks, prefix_width, _sm_count(device), block_m)
+    return splits, launch_block_k(splits, block_m)
+
+
+def launch_block_k(num_splits: int, block_m: int) -> int:
+    """Keys per inner step: SINGLE_SPLIT_BLOCK_K for one split over at most
+    MEASURED_BLOCK_M rows (the measured decode launch), BLOCK_K otherwise."""
+    if num_splits == 1 and block_m <= MEASURED_BLOCK_M:
+        return SINGLE_SPLIT_BLOCK_K
+    return BLOCK_K
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SlotBatch,
            scale: float, num_splits: int | None = None,
-           kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+           kv_scales: tuple[float, float] | None = None, block_k: int | None = None,
+           num_stages: int | None = None) -> torch.Tensor:
     """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].
     num_splits (a power of two) overrides the choice of `num_kv_splits` (tests).
+    block_k (keys per inner step, a power of two >= 16) overrides `launch_block_k`'s choice and
+    num_stages (Triton's software pipelining depth; None: its default) is passed to the launch:
+    the options bench/decode_kernels.py sweeps.
     An e4m3 pool's codes are widened to q's dtype as they are loaded; its k_scale folds into
     the softmax scale and its v_scale multiplies the output."""
     b, num_q, hq, d = q.shape
@@ -204,7 +248,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     elif q.dtype != k_cache.dtype:
         # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
         # dtype, and the pool's is the wider one here.
-        return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits).to(q.dtype)
+        return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits,
+                      block_k=block_k, num_stages=num_stages).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its
@@ -213,12 +258,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     prefix_slots = batch.prefix_slots.contiguous()
     new_slots = batch.new_slots.contiguous()
     new_mask = batch.new_mask.contiguous()
-    block_m = max(16, min(64, triton.next_power_of_2(num_q * group)))
-    row_blocks = triton.cdiv(num_q * group, block_m)
+    block_m, row_blocks = row_blocking(num_q * group)
     if num_splits is None:
-        num_splits = num_kv_splits(b * hkv * row_blocks, prefix_slots.shape[1], _sm_count(q.device))
-    if num_splits & (num_splits - 1):
+        num_splits = num_kv_splits(b * hkv * row_blocks, prefix_slots.shape[1], _sm_count(q.device),
+                                   block_m)
+    if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits={num_splits} is not a power of two")
+    if block_k is None:
+        block_k = launch_block_k(num_splits, block_m)
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} is not a power of two >= 16")
     if num_splits > 1:
         part_m = torch.empty(b, num_splits, num_q, hq, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -232,9 +281,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=BLOCK_K, NUM_SPLITS=num_splits,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits,
         # float32 models get float32 products (TF32 would round away the reference's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1:
         _combine_kernel[(b, num_q * hq)](

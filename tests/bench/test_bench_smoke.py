@@ -152,3 +152,30 @@ def test_gemv_sweep_smoke(tmp_path):
     gemv_sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gemv_sweep)
     assert gemv_sweep.load_table(tmp_path / "gemv_table.py") == table  # what --gemv-table installs
+
+
+def test_decode_kernels_smoke(tmp_path):
+    """bench/decode_kernels.py times every decode kernel form (Triton's interpreter on CPU, tiny
+    shapes) and writes them with an environment block: the engine's attention launch (one split
+    at these shapes, its wider key tile) beside a previous-launch stand-in that splits (the
+    combine kernel), and the one-launch add + norm beside the two-launch one."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-P", "bench/decode_kernels.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "decode_kernels.json").read_text())
+    assert result["smoke"] is True and result["environment"]["date"]
+    rows = result["rows"]
+    assert {r["batch"] for r in rows} == {1, 2}
+    assert all(r["us"] > 0 and r["bytes"] > 0 for r in rows)
+    attention = [r for r in rows if r["kernel"] == "attention"]
+    assert {(r["batch"], r["splits"], r["block_k"]) for r in attention} == {
+        (b, s, k) for b in (1, 2) for s, k in ((1, 64), (8, 16), (1, 32))}
+    for batch in (1, 2):
+        engine = [r for r in attention if r["batch"] == batch and r["engine_launch"]]
+        previous = [r for r in attention if r["batch"] == batch and r["previous_launch"]]
+        assert [(r["splits"], r["block_k"]) for r in engine] == [(1, 64)]
+        assert [(r["splits"], r["block_k"]) for r in previous] == [(8, 16)]
+    assert not any("fused_combine" in r for r in attention)
+    assert {r["form"] for r in rows if r["kernel"] == "add + rms_norm"} == {
+        "torch add, then norm (2)", "add_rms_norm (1)"}
