@@ -1,0 +1,262 @@
+"""Triton grouped GEMM for DeepSeek-V4's FP4 routed experts (engine/models/deepseek_v4.py _Experts;
+CUDA only: the torch code there runs elsewhere and is what this kernel is held to).
+
+The weights stay as stored: e2m1 pairs [E, N, K / 2] (element 2j in the low nibble, 2j + 1 in the
+high) and E8M0 scale bytes [E, N, K / 32] (value = e2m1 x 2^(bits - 127)). Each program loads an
+activation tile [BM, BK] (bf16), the codes [BN, BK / 2] and their scale bytes of one expert,
+builds the bf16 weights in registers and accumulates tl.dot in float32: no dequantized copy of
+any weight is ever written, so a step reads 0.53 bytes per weight it uses, against 2 in bf16.
+
+A weight is built from its bits alone (exact: an e2m1 value times a power of two is a bf16):
+nibble s e1 e0 m (em = e1 e0 m) with scale bits b is
+    em >= 2:  bf16 bits  s << 15 | (em + 2 (b - 1)) << 6      (exponent e + b - 1, mantissa m)
+    em == 1:  s << 15 | (b - 1) << 7                           (0.5 x 2^(b - 127))
+    em == 0:  s << 15                                          (zero)
+which holds for scale bits 2 .. 251 (2^-125 .. 2^124; checkpoints' scales lie well inside).
+
+Two ways to map programs to rows, both with a grid fixed by the call's shapes (no host sync, so
+CUDA graphs capture them):
+    gathered  a tile per row r (expert ids[r], activation row r // topk): decode, fewer rows than
+              experts, so nothing to sort; a row's weights are read once per row
+    grouped   rows sorted by expert; tile t covers rows [start_t, end_t) of expert_t, a map built
+              on the device (tile_map) for a grid of cdiv(R, BM) + min(E, R) tiles, an upper bound
+              of sum over experts of cdiv(rows_e, BM); the programs past the real tiles exit
+The gate/up projection can finish with the experts' activation (act=True: output column n is
+silu(min(g_n, limit)) x clamp(u_n, -limit, limit) with g_n row n and u_n row N + n of the codes),
+the down projection with the routing weight (row_weight: the output row times its weight).
+
+Configs: CONFIGS names block shapes; choose_config picks one by (rows, N, K) from a fixed table
+(no autotuning, which could not run inside a graph capture). bench/fp4_moe_bench.py times every
+config at the V4-Flash expert shapes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 32  # weights per E8M0 scale
+
+
+class Config(NamedTuple):
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+
+
+CONFIGS = {
+    "m16n16k128": Config(16, 16, 128, 4, 4),
+    "m16n32k128": Config(16, 32, 128, 4, 4),
+    "m16n32k256": Config(16, 32, 256, 4, 3),
+    "m16n64k128": Config(16, 64, 128, 4, 3),
+    "m16n64k256": Config(16, 64, 256, 8, 3),
+    "m32n64k128": Config(32, 64, 128, 4, 3),
+    "m64n64k128": Config(64, 64, 128, 4, 3),
+    "m64n128k64": Config(64, 128, 64, 8, 3),
+}
+# (most rows per expert on average, config): the first whose bound holds. Decode (a row or two
+# per expert) streams weights with narrow BN for many programs; prefill tiles grow with the rows.
+CONFIG_TABLE = ((2, "m16n32k128"), (16, "m16n64k128"), (48, "m32n64k128"), (None, "m64n128k64"))
+
+
+def choose_config(rows: int, n: int, k: int, num_experts: int) -> str:
+    """The config for `rows` (token, expert) rows over `num_experts` experts of [N, K] weights."""
+    if rows < 0 or n <= 0 or k <= 0 or num_experts <= 0:
+        raise ValueError(f"bad shapes rows={rows} n={n} k={k} experts={num_experts}")
+    per_expert = rows / min(num_experts, max(rows, 1))
+    for bound, name in CONFIG_TABLE:
+        if bound is None or per_expert <= bound:
+            return name
+    raise AssertionError("CONFIG_TABLE ends with an unbounded row")
+
+
+@triton.jit
+def _e2m1_bits(nibble, b):
+    """int32 bf16 bit patterns of e2m1 nibbles (0..15) times 2^(b - 127)."""
+    em = nibble & 7
+    mag = tl.where(em >= 2, (em + ((b - 1) << 1)) << 6, tl.where(em == 1, (b - 1) << 7, 0))
+    return mag | ((nibble & 8) << 12)
+
+
+@triton.jit
+def _weights(codes_ptr, bits_ptr, n, kb, n_ok, kb_ok, stride_cn, stride_sn,
+             BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    """bf16 [BN, BK] weights of rows n, code bytes kb (weights 2 kb, 2 kb + 1)."""
+    ok = n_ok[:, None] & kb_ok[None, :]
+    c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=ok, other=0).to(tl.int32) & 255
+    b = tl.load(bits_ptr + n[:, None] * stride_sn + (kb // (GROUP // 2))[None, :], mask=ok,
+                other=127).to(tl.int32) & 255
+    pair = tl.join(_e2m1_bits(c & 15, b), _e2m1_bits(c >> 4, b))               # [BN, BK / 2, 2]
+    return tl.reshape(pair, (BN, BK)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp4_moe_kernel(x_ptr, src_ptr, ids_ptr, start_ptr, end_ptr, codes_ptr, bits_ptr, out_ptr, weight_ptr,
+                    N, K, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om, limit,
+                    GATHERED: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
+                    WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    tile = tl.program_id(0)
+    expert = tl.load(ids_ptr + tile).to(tl.int64)
+    if GATHERED:
+        start = tile
+        end = tile + 1
+    else:
+        start = tl.load(start_ptr + tile)
+        end = tl.load(end_ptr + tile)
+    if start >= end:
+        return
+    rows = start + tl.arange(0, BM)
+    r_ok = rows < end
+    if GATHERED:
+        src = rows // TOPK
+    else:
+        src = tl.load(src_ptr + rows, mask=r_ok, other=0)
+    x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    codes = codes_ptr + expert * stride_ce
+    bits = bits_ptr + expert * stride_se
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if ACT:
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        kb_ok = kb < K // 2
+        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = _weights(codes, bits, n, kb, n_ok, kb_ok, stride_cn, stride_sn, BN, BK, GROUP)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if ACT:
+            w_up = _weights(codes, bits, n + N, kb, n_ok, kb_ok, stride_cn, stride_sn, BN, BK, GROUP)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if ACT:
+        gate = acc
+        up = acc_up
+        if LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        acc = gate * tl.sigmoid(gate) * up
+    if WEIGHTED:
+        acc = acc * tl.load(weight_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+def max_tiles(rows: int, num_experts: int, bm: int) -> int:
+    """Upper bound of sum over experts of cdiv(rows_e, bm), the rows_e summing to `rows`."""
+    return triton.cdiv(rows, bm) + min(num_experts, rows)
+
+
+def tile_map(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, ...]:
+    """ids [R] (each row's expert) -> (order [R]: rows sorted by expert, stable; tile_expert,
+    tile_start, tile_end [max_tiles]: tile t covers sorted rows [start, end) of its expert, empty
+    past the real tiles), all on the device without a host sync."""
+    r = ids.numel()
+    ids = ids.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+    ends = counts.cumsum(0)
+    tiles = (counts + bm - 1) // bm
+    tile_ends = tiles.cumsum(0)
+    t = torch.arange(max_tiles(r, num_experts, bm), device=ids.device)
+    expert = torch.searchsorted(tile_ends, t, right=True).clamp_(max=num_experts - 1)
+    start = ends[expert] - counts[expert] + (t - tile_ends[expert] + tiles[expert]) * bm
+    end = torch.where(t < tile_ends[-1], torch.minimum(ends[expert], start + bm), start)
+    return order, expert.int(), start.int(), end.int()
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor, act: bool) -> tuple[int, int]:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a row-major [rows, K] bf16 matrix, got {x.dtype} {tuple(x.shape)}")
+    if codes.dim() != 3 or bits.dim() != 3 or codes.stride(-1) != 1 or bits.stride(-1) != 1:
+        raise ValueError("codes [E, N, K / 2] and scale bits [E, N, K / 32] must be row-major")
+    e, n, kb = codes.shape
+    k = 2 * kb
+    if x.shape[1] != k or k % GROUP or tuple(bits.shape) != (e, n, k // GROUP):
+        raise ValueError(f"shapes x {tuple(x.shape)}, codes {tuple(codes.shape)}, bits {tuple(bits.shape)} "
+                         f"disagree (K a multiple of {GROUP})")
+    if act and n % 2:
+        raise ValueError(f"gate/up codes need an even N, got {n}")
+    return (n // 2 if act else n), k
+
+
+def _launch(x, src, ids, start, end, codes, bits, out, weight, tiles, n, k, limit, gathered, topk, act,
+            config: str) -> None:
+    cfg = CONFIGS[config]
+    grid = (tiles, triton.cdiv(n, cfg.bn))
+    dummy = ids
+    _fp4_moe_kernel[grid](
+        x, dummy if src is None else src, ids, dummy if start is None else start, dummy if end is None else end,
+        codes.view(torch.uint8), bits, out, dummy if weight is None else weight,
+        n, k, x.stride(0), codes.stride(0), codes.stride(1), bits.stride(0), bits.stride(1), out.stride(0),
+        float(limit or 0.0), GATHERED=gathered, TOPK=topk, ACT=act, LIMIT=bool(limit), WEIGHTED=weight is not None,
+        GROUP=GROUP, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def fp4_moe_gathered(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor, *,
+                     topk: int = 1, act: bool = False, limit: float | None = None,
+                     row_weight: torch.Tensor | None = None, config: str | None = None) -> torch.Tensor:
+    """Row r = x[r // topk] through expert ids[r]'s weights: x [T, K] bf16, ids [R = T topk] ->
+    [R, N] (act: [R, N / 2], the activation of the gate/up halves; row_weight [R]: times it)."""
+    n, k = _check(x, codes, bits, act)
+    ids = ids.reshape(-1)
+    r = ids.numel()
+    if r != x.shape[0] * topk:
+        raise ValueError(f"{r} rows for {x.shape[0]} activation rows x topk {topk}")
+    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    if r:
+        cfg = config or choose_config(r, n, k, codes.shape[0])
+        weight = None if row_weight is None else row_weight.reshape(-1).float()
+        _launch(x, None, ids.int(), None, None, codes, bits, out, weight, r, n, k, limit, True, topk, act, cfg)
+    return out
+
+
+def fp4_moe_grouped(x: torch.Tensor, src: torch.Tensor, tiles: tuple[torch.Tensor, ...], codes: torch.Tensor,
+                    bits: torch.Tensor, *, act: bool = False, limit: float | None = None,
+                    row_weight: torch.Tensor | None = None, config: str) -> torch.Tensor:
+    """Sorted row i = x[src[i]] through its tile's expert: src [R], tiles (expert, start, end) of
+    tile_map at `config`'s BM -> [R, N] (act, row_weight: as fp4_moe_gathered)."""
+    n, k = _check(x, codes, bits, act)
+    r = src.numel()
+    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    expert, start, end = tiles
+    if r:
+        weight = None if row_weight is None else row_weight.reshape(-1).float()
+        _launch(x, src.reshape(-1).int(), expert, start, end, codes, bits, out, weight, expert.numel(), n, k,
+                limit, False, 1, act, config)
+    return out
+
+
+def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
+            down: tuple[torch.Tensor, torch.Tensor], limit: float | None = None, gathered: bool | None = None,
+            configs: tuple[str, str] | None = None) -> torch.Tensor:
+    """The routed experts' sum: x [T, H] bf16, ids / weights [T, k] (local expert ids), gate_up
+    (codes [E, 2I, H / 2], bits) and down (codes [E, H, I / 2], bits) -> [T, H] = sum over j of
+    weights[t, j] down_e(act(gate_up_e(x[t]))) with e = ids[t, j]. gathered: a tile per row (None:
+    when fewer rows than experts); configs: (gate/up, down) config names (None: choose_config)."""
+    t, topk = ids.shape
+    e = gate_up[0].shape[0]
+    r = t * topk
+    if gathered is None:
+        gathered = r < e
+    i, h = gate_up[0].shape[1] // 2, down[0].shape[1]
+    c_up, c_down = configs or (choose_config(r, i, x.shape[1], e), choose_config(r, h, i, e))
+    if gathered:
+        act = fp4_moe_gathered(x, ids, *gate_up, topk=topk, act=True, limit=limit, config=c_up)
+        ys = fp4_moe_gathered(act, ids, *down, row_weight=weights, config=c_down)
+        return ys.view(t, topk, h).sum(1)
+    flat = ids.reshape(-1)
+    order, *tiles_up = tile_map(flat, e, CONFIGS[c_up].bm)
+    token = order // topk
+    act = fp4_moe_grouped(x, token, tiles_up, *gate_up, act=True, limit=limit, config=c_up)
+    tiles_down = tiles_up if CONFIGS[c_down].bm == CONFIGS[c_up].bm else tile_map(flat, e, CONFIGS[c_down].bm)[1:]
+    ys = fp4_moe_grouped(act, torch.arange(r, device=x.device), tiles_down, *down,
+                         row_weight=weights.reshape(-1)[order], config=c_down)
+    return torch.zeros_like(x).index_add_(0, token, ys)
