@@ -88,9 +88,9 @@ def _weights(codes_ptr, bits_ptr, n, kb, n_ok, kb_ok, stride_cn, stride_sn,
              BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     """bf16 [BN, BK] weights of rows n, code bytes kb (weights 2 kb, 2 kb + 1)."""
     ok = n_ok[:, None] & kb_ok[None, :]
-    c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=ok, other=0).to(tl.int32) & 255
+    c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=ok, other=0).to(tl.int32)  # uint8: zero-extended
     b = tl.load(bits_ptr + n[:, None] * stride_sn + (kb // (GROUP // 2))[None, :], mask=ok,
-                other=127).to(tl.int32) & 255
+                other=127).to(tl.int32)
     pair = tl.join(_e2m1_bits(c & 15, b), _e2m1_bits(c >> 4, b))               # [BN, BK / 2, 2]
     return tl.reshape(pair, (BN, BK)).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
@@ -155,8 +155,9 @@ def max_tiles(rows: int, num_experts: int, bm: int) -> int:
 
 def tile_map(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, ...]:
     """ids [R] (each row's expert) -> (order [R]: rows sorted by expert, stable; tile_expert,
-    tile_start, tile_end [max_tiles]: tile t covers sorted rows [start, end) of its expert, empty
-    past the real tiles), all on the device without a host sync."""
+    tile_start, tile_end [max_tiles] int64: tile t covers sorted rows [start, end) of its expert,
+    empty past the real tiles), all on the device without a host sync. The kernel reads index and
+    weight tensors in their own dtypes: no conversion launches."""
     r = ids.numel()
     ids = ids.reshape(-1)
     order = torch.argsort(ids, stable=True)
@@ -169,7 +170,7 @@ def tile_map(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor
     expert = torch.searchsorted(tile_ends, t, right=True).clamp_(max=num_experts - 1)
     start = ends[expert] - counts[expert] + (t - tile_ends[expert] + tiles[expert]) * bm
     end = torch.where(t < tile_ends[-1], torch.minimum(ends[expert], start + bm), start)
-    return order, expert.int(), start.int(), end.int()
+    return order, expert, start, end
 
 
 def _check(x: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor, act: bool) -> tuple[int, int]:
@@ -213,8 +214,8 @@ def fp4_moe_gathered(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, bi
     out = torch.empty(r, n, dtype=x.dtype, device=x.device)
     if r:
         cfg = config or choose_config(r, n, k, codes.shape[0])
-        weight = None if row_weight is None else row_weight.reshape(-1).float()
-        _launch(x, None, ids.int(), None, None, codes, bits, out, weight, r, n, k, limit, True, topk, act, cfg)
+        weight = None if row_weight is None else row_weight.reshape(-1)
+        _launch(x, None, ids, None, None, codes, bits, out, weight, r, n, k, limit, True, topk, act, cfg)
     return out
 
 
@@ -228,8 +229,8 @@ def fp4_moe_grouped(x: torch.Tensor, src: torch.Tensor, tiles: tuple[torch.Tenso
     out = torch.empty(r, n, dtype=x.dtype, device=x.device)
     expert, start, end = tiles
     if r:
-        weight = None if row_weight is None else row_weight.reshape(-1).float()
-        _launch(x, src.reshape(-1).int(), expert, start, end, codes, bits, out, weight, expert.numel(), n, k,
+        weight = None if row_weight is None else row_weight.reshape(-1)
+        _launch(x, src.reshape(-1), expert, start, end, codes, bits, out, weight, expert.numel(), n, k,
                 limit, False, 1, act, config)
     return out
 

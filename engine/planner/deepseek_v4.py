@@ -68,9 +68,10 @@ MLP_KINDS = (HASH_MOE, MOE)
 # per recent pool and per entry pool, the row it owns (int64): see engine/memory/kv.py.
 SLOT_INDEX_BYTES = 8
 
-# Quantized routed experts (FP4 / FP8 codes) are dequantized into model-dtype weights inside the
-# expert computation, at most this many experts' (or rows') copies of one projection at a time
-# (engine/models/deepseek_v4.py _Experts): the transient the plan's expert workspace counts.
+# Quantized routed experts (FP8 codes; FP4 ones off CUDA / in float32) are dequantized into
+# model-dtype weights inside the expert computation, at most this many experts' (or rows') copies
+# of one projection at a time (engine/models/deepseek_v4.py _Experts): the transient the plan's
+# expert workspace counts. FP4 experts in bf16 on CUDA make no copy (engine/kernels/fp4_moe.py).
 EXPERT_DEQUANT_CHUNK = 16
 
 

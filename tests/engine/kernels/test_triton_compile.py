@@ -307,8 +307,8 @@ def test_fp4_moe_compiles(gathered, act, weighted, config):
     cfg = fp4_moe.CONFIGS[config]
     constexprs = {"GATHERED": gathered, "TOPK": 6 if gathered else 1, "ACT": act, "LIMIT": act,
                   "WEIGHTED": weighted, "GROUP": fp4_moe.GROUP, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk}
-    pointers = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32", "codes_ptr": "*u8", "bits_ptr": "*u8"}
+    pointers = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*bf16", "codes_ptr": "*u8", "bits_ptr": "*u8"}
     kernel = fp4_moe._fp4_moe_kernel
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*i32") if name.endswith("_ptr")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*i64") if name.endswith("_ptr")
                  else "fp32" if name == "limit" else "i32" for name in kernel.arg_names}
     make_ttir(ASTSource(fn=kernel, signature=signature, constexprs=constexprs))
