@@ -7,7 +7,8 @@
                  static input/hidden-state buffers, slot table, draft state rows
                                                    vs plan static buffers + per-request state
     graph pool   what Runner(plan) (graph_mode "capture": every bucket of target decode, or of
-                 the fused speculative step, greedy and sampling) holds beyond the padded runner
+                 the fused speculative step, greedy and sampling; the short-prefill-chunk graphs,
+                 engine/runtime/extend_graphs.py) holds beyond the padded runner
                                                    vs plan cuda_graph_pool_bytes
     workspace    peak transient memory of a prefill of PREFILL_CHUNK_TOKENS tokens through the
                  Runner (8 requests of 1K tokens)                       vs plan activation_workspace_bytes
@@ -120,7 +121,9 @@ def measure(name: str, config, draft_config, spec: SpecSettings, limits: Limits,
                 static = torch.cuda.memory_reserved() - m1["reserved"] - kv
                 del padded
                 free_device_memory()
-            runner = Runner(target, head, runner_spec, plan=run_plan, device=dev)  # captures on CUDA
+            # Captures on CUDA, the short-prefill-chunk graphs too, as engine serve does by default
+            # (their static buffers counted with their pool, as the plan counts them).
+            runner = Runner(target, head, runner_spec, plan=run_plan, device=dev, extend_graphs=True)
             out["kv_shrunk_bytes"] = shrink
             break
         except Exception as e:  # e.g. out of memory: the plan promised more than the GPU has

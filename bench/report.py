@@ -703,6 +703,10 @@ RUNS_COMMAND = "python3 bench/report.py --runs docs/benchmarks/runs --out docs/b
 HISTORY = "benchmarks/history.md"  # the earlier, hand-written reports, relative to docs/
 # scripts outside bench/run.py whose JSON the report reads (the first two carry goals)
 SCRIPT_JSON = ("fp8.json", "fp8_crossover.json", "serving_bench.json")
+# Scripts that describe themselves (any `<name>.json` with "script": "bench/<file>.py"): their
+# "goals" name their figures ({key: {"figure", "goal", "measured", "unit": "x" | "%" | "ms" |
+# "", "better": "higher" | "lower"}}), and the `<name>.md` the script wrote beside the JSON (its
+# tables, first line a title) is the report's section for it, under `title` and `command`.
 SERVING_COMMAND = "python3 bench/serving_bench.py --out OUT"
 SERVING_NOTE = (
     "The load generator is [guidellm](https://github.com/vllm-project/guidellm) 0.8.1 (the vLLM project's; "
@@ -761,7 +765,7 @@ def scan_runs(root: Path, repo: Path) -> dict:
                 old = sections.get(rec["section"])
                 if old is None or (cand["_date"] or "") >= (old["_date"] or ""):
                     sections[rec["section"]] = cand
-            elif path.name in SCRIPT_JSON:
+            elif path.name in SCRIPT_JSON or str(rec.get("script", "")).startswith("bench/"):
                 renv = rec.get("environment") or {}
                 cand = {"data": rec, "_source": rel, "_date": renv.get("date") or folder_date,
                         "_commit": renv.get("commit") or folder_commit, "_folder": folder}
@@ -791,12 +795,15 @@ def script_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
     if fp8:
         names = {"batch1_fp8_over_bf16": ("FP8 / bf16 decode call at batch 1 (Llama-3.1-8B shape)", "x"),
                  "batch1_fraction_of_fp8_roofline": ("FP8 decode call at batch 1, share of the FP8 roofline", "%"),
-                 "fp8_over_bf16_every_batch_min": ("FP8 / bf16 decode call, worst batch of 1-256", "x")}
+                 "fp8_over_bf16_every_batch_min": ("FP8 / bf16 decode call, worst batch of 1-256", "x"),
+                 "eagle3_multiple_fp8_over_bf16": ("EAGLE-3 chain step multiple, FP8 target / bf16 target", "x")}
         for key, g in (fp8["data"].get("goals") or {}).items():
             figure, unit = names.get(key, (key, "x"))
-            goal = f"≥ {g['goal']:.0%}" if unit == "%" else f"≥ {g['goal']}×"
+            lower = g.get("better") == "lower"
+            goal = f"{'≤' if lower else '≥'} " + (f"{g['goal']:.0%}" if unit == "%" else f"{g['goal']}×")
             measured = _pct(g["measured"]) if unit == "%" else f"{g['measured']:.2f}×"
-            rows.append(([figure, goal, measured, _met(g["measured"] >= g["goal"])], fp8))
+            met = g["measured"] <= g["goal"] if lower else g["measured"] >= g["goal"]
+            rows.append(([figure, goal, measured, _met(met)], fp8))
     cross = scripts.get("fp8_crossover.json")
     if cross and cross["data"].get("goal"):
         d = cross["data"]
@@ -811,6 +818,47 @@ def script_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
     return rows
 
 
+def _goal_text(value: float, unit: str) -> str:
+    return {"x": f"{value:.2f}×", "%": _pct(value), "ms": f"{value:.2f} ms"}.get(unit, f"{value:g}")
+
+
+def described_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
+    """([figure, goal, measured, verdict], record) per goal of the self-describing scripts."""
+    rows = []
+    for name, rec in sorted(scripts.items()):
+        if name in SCRIPT_JSON:
+            continue
+        for key, g in (rec["data"].get("goals") or {}).items():
+            unit, lower = g.get("unit", "x"), g.get("better") == "lower"
+            measured = g.get("measured")
+            goal = f"{'≤' if lower else '≥'} {_goal_text(g['goal'], unit)}"
+            if measured is None:
+                rows.append(([g.get("figure", key), goal, "not measured", "—"], rec))
+                continue
+            met = measured <= g["goal"] if lower else measured >= g["goal"]
+            rows.append(([g.get("figure", key), goal, _goal_text(measured, unit), _met(met)], rec))
+    return rows
+
+
+def described_sections(scripts: dict) -> list[str]:
+    """The self-describing scripts' sections: heading, command, provenance, their own markdown."""
+    lines: list[str] = []
+    for name, rec in sorted(scripts.items()):
+        if name in SCRIPT_JSON:
+            continue
+        d = rec["data"]
+        env = d.get("environment") or {}
+        lines += [f"## {d.get('title') or name}", "",
+                  f"`{d.get('command') or d['script']}` ({rec['_date']}, commit {rec['_commit'] or '—'}, "
+                  f"`{rec['_source']}`); {env.get('device', '?')}, torch {env.get('torch', '?')}, "
+                  f"triton {env.get('triton', '?')}.", ""]
+        md = rec["_folder"] / (Path(name).stem + ".md")
+        if md.is_file():
+            body = md.read_text().split("\n", 1)
+            lines += [(body[1] if len(body) > 1 else "").strip(), ""]
+    return lines
+
+
 def repository_goals(scan: dict) -> list[list]:
     """The Goals table's rows: [figure, goal, measured, verdict, date, commit, source], each goal
     once (the latest run that measured it)."""
@@ -823,7 +871,7 @@ def repository_goals(scan: dict) -> list[list]:
             continue
         rows[figure] = [figure, goal, measured, verdict, rec.get("_date") or "—", rec.get("_commit") or "—",
                         rec.get("_source") or "—"]
-    for (figure, goal, measured, verdict), rec in script_goal_rows(scan["scripts"]):
+    for (figure, goal, measured, verdict), rec in script_goal_rows(scan["scripts"]) + described_goal_rows(scan["scripts"]):
         rows[figure] = [figure, goal, measured, verdict, rec["_date"] or "—", rec["_commit"] or "—", rec["_source"]]
     return list(rows.values())
 
@@ -985,6 +1033,7 @@ def render_repository(scan: dict, repo: Path) -> str:
             lines += ["Where the batch-1 FP8 step's time goes (the goal of 1.8× bf16 and 85% of the FP8 roofline "
                       "is missed): torch.profiler over replays of the graphed decode call.", "",
                       _kernel_profile(prof, row.get("median_ms")), ""]
+    lines += described_sections(scripts)
     lines += _serving_section(scripts.get("serving_bench.json"))
     e2e = sections.get("7")
     if e2e and e2e["status"] == "ok":

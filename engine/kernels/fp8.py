@@ -27,6 +27,9 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   does not (older torch, another GPU, float32 outputs cuBLASLt refuses), one log line says so
   and the Triton kernels serve.
 
+Which of these a block-scaled linear takes by M is one table, BLOCK_ROUTE (below), which can
+also name the persistent TMA kernel of engine/kernels/fp8_tma.py (same W8A8 numerics, SM90).
+
 Both take a bias and write the activation dtype.
 """
 
@@ -38,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels import gemv
+from specdeploy.engine.kernels import fp8_tma, gemv
 
 GROUP_K = 128  # activation group width and weight scale tile width along K
 DECODE_MAX_M = 64
@@ -294,6 +297,64 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     return out
 
 
+# The route of a linear whose weight has a 128 x 128 block grid, by rows: (largest M, option),
+# the first row whose limit is >= M. One home for the decision; bench/gemm_choice.py times every
+# option per M at the Llama-3.1-8B shapes and prints the table its winners imply, ready to paste.
+# The numbers behind it (docs/engine.md, "Choosing the FP8 GEMM"; H200, 2026-12-01,
+# docs/benchmarks/runs/2026-12-01-fp8/fp8_crossover.json, a step's linears, bf16 / option):
+# gemv 1.75x at M 1 and 1.39x at 16 (torch block 1.18x, 1.27x); torch block 1.04-1.51x at every
+# M from 17 to 8192, the fastest maintained option measured there. "tma" (engine/kernels/
+# fp8_tma.py) enters the table only once a device run has measured it ahead.
+# Options: "gemv" (engine/kernels/gemv.py), "torch_block" (cuBLASLt through torch), "tma" (the
+# persistent TMA kernel), "triton" (the weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
+BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((gemv.GEMV_MAX_M, "gemv"), (None, "torch_block"))
+BLOCK_OPTIONS = ("gemv", "torch_block", "tma", "triton")
+
+
+def block_route(m: int, torch_block: bool, tma: bool,
+                table: tuple[tuple[int | None, str], ...] = BLOCK_ROUTE) -> str:
+    """The option a block-scaled linear of M rows takes: the table's, or where that one is not
+    available here (torch_block / tma False), torch_block where it is, else the Triton kernels
+    (gemv and triton are always available)."""
+    if m < 0:
+        raise ValueError(f"block_route: M must be >= 0, got {m}")
+    choice = next(option for limit, option in table if limit is None or m <= limit)
+    if choice not in BLOCK_OPTIONS:
+        raise ValueError(f"block_route: unknown option {choice!r} (one of {BLOCK_OPTIONS})")
+    if choice == "gemv" and m > gemv.GEMV_MAX_M:
+        raise ValueError(f"block_route: gemv serves at most {gemv.GEMV_MAX_M} rows, the table gives it {m}")
+    available = {"gemv": True, "torch_block": torch_block, "tma": tma, "triton": True}
+    if available[choice]:
+        return choice
+    return "torch_block" if torch_block else "triton"
+
+
+def tma_available(device: torch.device) -> bool:
+    """Whether the persistent TMA kernel (engine/kernels/fp8_tma.py) runs on `device`: SM90's
+    tensor memory accelerator. Logged once per device where it does not."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _TMA.get(index)
+    if ok is None:
+        capability = torch.cuda.get_device_capability(device)
+        ok = _TMA[index] = capability[0] == 9
+        if not ok:
+            log.warning("FP8 block linears on cuda:%d skip the persistent TMA kernel: compute capability %d.%d, "
+                        "the kernel is SM90's", index, *capability)
+    return ok
+
+
+_TMA: dict[int, bool] = {}
+
+
+def tma_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
+    """rows [M, K] @ (weight * scale)^T (+ bias) through the persistent TMA kernel, activations
+    quantized by `act_quant` (column-major scales: each K block's row scales are one read)."""
+    a, a_s = act_quant(rows, round_scale, column_major=True)
+    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=rows.dtype, device=rows.device)
+    return fp8_tma.fp8_tma_gemm(a, a_s, weight, scale, 128, bias, out)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int,
                bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight * scale)^T + bias -> [..., N] in x's dtype.
@@ -308,9 +369,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    if (m > gemv.GEMV_MAX_M and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n)
-            and torch_block_mm_available(x.device, x.dtype)):
-        return torch_block_linear(rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
+    if m > gemv.GEMV_MAX_M and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n):
+        option = block_route(m, torch_block_mm_available(x.device, x.dtype),
+                             any(o == "tma" for _, o in BLOCK_ROUTE) and tma_available(x.device))
+        if option == "torch_block":
+            return torch_block_linear(rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
+        if option == "tma":
+            return tma_block_linear(rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)

@@ -98,7 +98,7 @@ class EagleHead(DraftHead):
 
     def forward(self, input_ids, hidden, positions, batch: AttnBatch, kv: KVPool) -> torch.Tensor:
         target = self.__dict__["target"]
-        x = self.fc(torch.cat([target.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
+        x = self.fc(torch.cat([target.embed_tokens(input_ids), hidden.to(target.embed_tokens.weight.dtype)], -1))
         if self.hc_mult > 1:
             x = unflatten_streams(x, self.hc_mult)                        # [B, Q, hc, H]
         cos, sin = rope_tables(self.inv_freq, positions)
@@ -152,7 +152,7 @@ class Eagle3Head(DraftHead):
         target = self.__dict__["target"]
         m = self.midlayer
         if hidden.shape[-1] == self.input_size:                             # target aux states
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+            hidden = self.fc(hidden.to(target.embed_tokens.weight.dtype))  # the compute dtype (fc may hold e4m3 codes)
         elif hidden.shape[-1] != self.carried_size:
             raise ValueError(f"EAGLE-3 hidden width {hidden.shape[-1]}: expected the target's "
                              f"{self.input_size} or the head's own {self.carried_size}")

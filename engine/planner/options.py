@@ -65,6 +65,10 @@ class EngineOptions:
     prefix_cache: bool = _option(
         True, "reuse the KV of shared prompt prefixes (system prompts, chat history) held in the KV pool's "
         "unused slots", resource="engine.prefixCache")
+    extend_graphs: bool = _option(
+        True, "replay CUDA graphs for a prefill chunk of one request and at most 256 tokens (a prefix-cache hit's "
+        "remainder) instead of running it eagerly; the plan's CUDA-graph pool holds them",
+        resource="engine.extendGraphs")
 
 
 DEFAULTS = EngineOptions()

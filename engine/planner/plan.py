@@ -149,6 +149,14 @@ PREFILL_ALLOCATOR_SLACK = 0.35
 # and graph kinds (0.20-0.29 GiB measured on Llama-3.1-8B plans with 5 to 11 buckets).
 CUDA_GRAPH_POOL_BASE_BYTES = 320 * MIB
 
+# Prefill chunks of one request captured as CUDA graphs (engine/runtime/extend_graphs.py): the
+# token-count buckets. A prefix-cache hit's remainder (the question after a cached system prompt)
+# fits one; longer chunks run eagerly. Their graphs have a private pool of their own, sized by the
+# largest bucket's forward at the full context, plus this for the allocator's segment rounding
+# across the buckets' target and draft graphs.
+EXTEND_GRAPH_TOKENS = (16, 32, 64, 128, 256)
+EXTEND_GRAPH_POOL_BASE_BYTES = 32 * MIB
+
 # FP8 checkpoints the engine computes from with per-token-group (1 x 128) quantized activations.
 FP8_QUANT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 FP8_ACTIVATION_GROUP = 128
@@ -678,6 +686,21 @@ def gemv_width_bytes(n: int) -> int:
     return GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + -(-n // GEMV_MIN_BLOCK_N) * 4
 
 
+def _extend_graph_pool_bytes(target_shapes: ModelShapes, buffers: BufferPlan, tp: int, context_length: int,
+                             with_draft: bool) -> int:
+    """The graphs of one request's short prefill chunk (EXTEND_GRAPH_TOKENS): the largest
+    bucket's target forward after a full context, its last entry's logits, and (with a draft) the
+    features it hands the draft's extend graph (the draft's own forward is narrower and reuses the
+    pool). Reserved whenever graphs are captured: the engine captures them unless turned off.
+    None for DeepSeek-V4 (KV pools of its own: its chunks run eagerly)."""
+    if target_shapes.v4 is not None:
+        return 0
+    tokens = EXTEND_GRAPH_TOKENS[-1]
+    features = tokens * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes if with_draft else 0
+    return (EXTEND_GRAPH_POOL_BASE_BYTES + features + _logits_bytes(1, target_shapes.vocab_size, tp)
+            + _activation_bytes(target_shapes, tokens, tp, prefix=context_length, captured=True))
+
+
 def _logits_bytes(rows: int, vocab_size: int, tp: int) -> int:
     return rows * math.ceil(vocab_size / tp) * LOGITS_DTYPE_BYTES
 
@@ -785,6 +808,7 @@ def _memory_terms(
         CUDA_GRAPH_POOL_BASE_BYTES
         + _activation_bytes(target_shapes, graph_rows, tp, prefix=limits.context_length, captured=True)
         + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
+        + _extend_graph_pool_bytes(target_shapes, buffers, tp, limits.context_length, draft_shapes is not None)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
     # narrower and runs after it); logits only for the last token of each request in the chunk.

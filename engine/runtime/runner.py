@@ -72,7 +72,7 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
                  adaptive_shapes: list[SpecShape] | None = None, step_costs_s: dict | None = None,
                  catch_up_tokens: int = 16, policy_options=None,
                  kv_cache_dtype: torch.dtype | None = None, overlap: bool | None = None,
-                 launch_ahead: bool = False):
+                 launch_ahead: bool = False, extend_graphs: bool = False):
         """graph_mode: "capture" (CUDA graphs; the default on CUDA when batch sizes are known),
         "padded" (the graphs' static buffers and padding, replayed eagerly: any device),
         "off" (plain eager calls; the default on CPU).
@@ -93,7 +93,13 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
         either way.
         launch_ahead: launch the next decode step before waiting for the current one
         (decode.py): a request rides one discarded step past its end, so each needs one more
-        step of context (max_sequence_tokens); not with adaptive speculation."""
+        step of context (max_sequence_tokens); not with adaptive speculation.
+        extend_graphs: with graphs ("capture" or "padded"), a prefill chunk of one request and at
+        most EXTEND_GRAPH_TOKENS[-1] tokens (the question after a prefix-cache hit) replays a
+        graph of the target's forward and the draft's extend (extend_graphs.py); any other chunk,
+        and every chunk with it off, runs eagerly. Not for a prefill server (it captures no
+        graphs), tensor parallelism, or targets with KV pools of their own. `use_extend_graphs`
+        switches the replays off and on at run time."""
         _check_role(role, plan, launch_ahead, adaptive)
         self.role, self.launch_ahead = role, launch_ahead
         if plan is not None:  # the plan's limits and shape
@@ -115,6 +121,7 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
         self._init_split_role(plan, self._dtype)
         # Model calls and their CUDA graphs, per shape; the decode steps by row.
         graph_mode = self._init_calls(graph_mode, cuda_graph_batch_sizes, fused_spec_step, plan)
+        self._init_extend_graphs(extend_graphs, graph_mode)
         self.policy = None
         if adaptive:
             self._init_adaptive(catch_up_tokens, graph_mode, cuda_graph_batch_sizes, fused_spec_step)
@@ -244,6 +251,20 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
         self._calls = {self.spec_shape: self.calls}
         return graph_mode
 
+    def _init_extend_graphs(self, extend_graphs: bool, graph_mode: str) -> None:
+        """Graphs of short one-request prefill chunks (extend_graphs.py), where they apply."""
+        self.extend_graphs = None
+        self.use_extend_graphs = False
+        if not extend_graphs or graph_mode == "off" or self.role == "prefill" or self.target.tp_size > 1:
+            return
+        if self.target.kv_layout == OWN_POOLS or (self.draft is not None and self.draft.kv_layout == OWN_POOLS):
+            return
+        from specdeploy.engine.runtime.extend_graphs import ExtendGraphs
+        calls = ModelCalls(self.target, self.draft, self.target_kv, self.draft_kv, self.num_steps,
+                           self.topk, self.num_draft_tokens)
+        self.extend_graphs = ExtendGraphs(calls, self.context_length, capture=graph_mode == "capture")
+        self.use_extend_graphs = True
+
     def _init_rows(self, adaptive: bool, graph_mode: str, cuda_graph_batch_sizes, fused_spec_step: bool) -> None:
         """The decode steps by request row (rows.py), one per shape, their graphs in one pool."""
         self.rows = RowState(self.table, self.draft_hidden if self.draft is not None else None,
@@ -365,15 +386,19 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
         prefix = self.table.req_to_slot[rows, :max(seq.length for seq, _ in chosen)]
         positions = starts[:, None] + torch.arange(q, device=dev)
         positions = torch.where(torch.arange(q, device=dev) < takes[:, None], positions, 0)
-        batch = causal_batch(slots, takes, prefix, starts)
-        out = self.target(tokens, positions, batch, self.target_kv)
-        self._prompt_logprobs(chosen, out.hidden)
         done = [i for i, (seq, take) in enumerate(chosen) if seq.length + take == len(seq.req.prompt_ids)]
+        graphs = self.extend_graphs if self._graphed_chunk(chosen, q) else None
+        if graphs is not None:  # one request, a short chunk: replayed (extend_graphs.py)
+            last_logits = graphs.target(tokens, positions, slots, prefix, starts, takes)
+        else:
+            batch = causal_batch(slots, takes, prefix, starts)
+            out = self.target(tokens, positions, batch, self.target_kv)
+            self._prompt_logprobs(chosen, out.hidden)
         finished = [chosen[i][0] for i in done]
         first = first_lps = None
         if done:
             idx = torch.tensor(done, device=dev)
-            logits = self.target.logits(out.hidden[idx, takes[idx] - 1])
+            logits = last_logits if graphs is not None else self.target.logits(out.hidden[idx, takes[idx] - 1])
             process = self._step_logits(finished)
             first = self._sample(finished, process.plain(logits) if process else logits)
             if process is not None and process.wants_logprobs:
@@ -383,7 +408,10 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
                 lp = torch.log_softmax(logits.float(), -1).gather(1, first[:, None])[:, 0]
                 self.metadata.fixed["output_token_logprob"][rows[idx].cpu()] = lp.cpu()
         if self.draft is not None:
-            hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
+            if graphs is not None:
+                hidden = graphs.draft(shifted)
+            else:
+                hidden = self.calls.draft_extend(shifted, out.feature, positions, slots, prefix, starts, takes)
             if done:
                 self.draft_hidden[rows[idx]] = hidden[idx]
                 if self.policy is not None:
@@ -408,6 +436,13 @@ class Runner(Admission, SplitRole, Decode, Adaptive, Sampling):
                 if seq.row >= 0:  # not released (running, pending, or held for export)
                     self._cache_prefix(seq)
         return outputs
+
+    def _graphed_chunk(self, chosen: list[tuple[Seq, int]], q: int) -> bool:
+        """Whether this prefill chunk replays the extend graphs: one request, no prompt
+        log-probabilities (they read every entry's hidden state), a bucket that holds it."""
+        graphs = self.extend_graphs
+        return (graphs is not None and self.use_extend_graphs and len(chosen) == 1
+                and chosen[0][0].prompt_lps is None and graphs.bucket(q) is not None)
 
     def _prompt_logprobs(self, chosen: list[tuple[Seq, int]], hidden: torch.Tensor) -> None:
         """Gather the log-probability of each prompt token after the first (from the logits at

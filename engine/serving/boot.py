@@ -284,6 +284,7 @@ class RankSpec:
     all_reduce: str = "nccl"
     adaptive: bool = False
     prefix_cache: bool = False
+    extend_graphs: bool = False
     role: str = "both"
     random_weights: bool = False
     overlap: bool = True
@@ -369,7 +370,8 @@ def build_runner(spec: RankSpec, rank: int = 0, progress=None):
                     prefill_chunk_tokens=role_prefill_chunk_tokens(spec.role),
                     # A prefill server never decodes: no decode graphs to capture.
                     graph_mode="off" if spec.role == "prefill" else None,
-                    overlap=None if spec.overlap else False, launch_ahead=launch_ahead)
+                    overlap=None if spec.overlap else False, launch_ahead=launch_ahead,
+                    extend_graphs=spec.extend_graphs)
     if adaptive:
         costs = runner.policy.base_costs_s
         log.info("adaptive speculation: shapes %s; start-up step costs (ms) by batch size: %s",
@@ -719,7 +721,7 @@ def prepare_ranks(args: argparse.Namespace, device: str, group: PodGroup | None)
     spec = RankSpec(target_dir=str(target_dir), draft_dir=str(draft_dir) if draft_dir else None,
                     plan=plan.to_dict(), dtype=dtype_name, device=device, seed=args.seed, tp_size=tp_size,
                     init_method=init_method, all_reduce=args.all_reduce, adaptive=options.adaptive_speculation,
-                    prefix_cache=options.prefix_cache, role=args.role, random_weights=bool(args.random_weights),
+                    prefix_cache=options.prefix_cache, extend_graphs=options.extend_graphs, role=args.role, random_weights=bool(args.random_weights),
                     overlap=bool(args.overlap), launch_ahead=bool(args.launch_ahead),
                     ranks_per_pod=tp_size // plan.nodes if group is not None else 0,
                     node=group.node if group is not None else "")

@@ -77,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="debug adds tracebacks to start-up failures (which are otherwise one line)")
     p.add_argument("--seed", type=int, default=0)
-    add_arguments(p, ("prefix_cache",), defaults=False)
+    add_arguments(p, ("prefix_cache", "extend_graphs"), defaults=False)
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="stage the next decode step while the current one runs on the GPU (its "
                         "slots and packed input), waiting for the device once per step; the same "

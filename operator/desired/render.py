@@ -263,6 +263,7 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
         ),
         "context_length": engine.get("contextLength", DEFAULTS.context_length),
         "prefix_cache": engine.get("prefixCache", DEFAULTS.prefix_cache),
+        "extend_graphs": engine.get("extendGraphs", DEFAULTS.extend_graphs),
         "drain_timeout_s": drain_timeout_s(engine.get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_S)),
     }
     if algorithm != "NONE":
@@ -321,6 +322,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
         args += ["--drain-timeout-s", str(settings["drain_timeout_s"])]
     if not settings.get("prefix_cache", True):  # on is the engine's default
         args.append("--no-prefix-cache")
+    if not settings.get("extend_graphs", True):  # on is the engine's default
+        args.append("--no-extend-graphs")
     return args
 
 

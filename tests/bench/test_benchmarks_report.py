@@ -78,3 +78,25 @@ def test_each_goal_is_taken_from_its_latest_run(report, tmp_path):
     rows = report.repository_goals(report.scan_runs(tmp_path / "runs", tmp_path))
     assert len(rows) == 2 and all(row[5] == "c0ffeeb" and row[6] == "runs/b/fp8_crossover.json" for row in rows)
     assert rows[0][2] == "0.90×" and rows[0][3] == "**missed**"
+
+
+def test_a_self_describing_script_brings_its_goals_and_section(report, tmp_path):
+    """A bench script's JSON that names itself ("script") adds its goals to the table, judged
+    by their direction, and its markdown beside it becomes its section."""
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    (folder / "probe.json").write_text(json.dumps({
+        "script": "bench/probe.py", "title": "A probe", "command": "python3 bench/probe.py --out OUT",
+        "environment": {"date": "2026-12-02 07:00 UTC", "commit": "abc1234", "device": "GPU X"},
+        "goals": {"fast": {"figure": "probe speed-up", "goal": 1.3, "measured": 1.25, "unit": "x"},
+                  "small": {"figure": "probe latency", "goal": 5.0, "measured": 4.0, "unit": "ms",
+                            "better": "lower"}}}))
+    (folder / "probe.md").write_text("# title line\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    scan = report.scan_runs(tmp_path / "runs", tmp_path)
+    rows = {row[0]: row for row in report.repository_goals(scan)}
+    assert rows["probe speed-up"][1:4] == ["≥ 1.30×", "1.25×", "**missed**"]
+    assert rows["probe latency"][1:4] == ["≤ 5.00 ms", "4.00 ms", "met"]
+    assert rows["probe latency"][5:] == ["abc1234", "runs/a/probe.json"]
+    text = "\n".join(report.described_sections(scan["scripts"]))
+    assert "## A probe" in text and "| 1 | 2 |" in text and "title line" not in text
+    assert "`python3 bench/probe.py --out OUT` (2026-12-02 07:00 UTC, commit abc1234" in text

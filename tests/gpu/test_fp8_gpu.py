@@ -9,6 +9,8 @@
   element, plus 2^-9 of its row's largest for boundary codes) of the same product over
   DeepSeek-quantized activations, and within 4% of the unquantized product (e4m3 activations
   carry 3 mantissa bits);
+- the persistent TMA kernel (engine/kernels/fp8_tma.py), every config, at the shapes and M that
+  bench/gemm_choice.py times, to the same W8A8 bounds, and its CUDA-graph replay;
 - CUDA-graph replay of an FP8 target equals eager, and speculative decoding on an FP8 target
   with an FP8 KV pool is lossless against target-only decoding of it (greedy, float32 outputs
   from bf16 weights are not bit-stable across M, so this runs in float32);
@@ -29,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from specdeploy.engine.demo.toy import copy_draft, random_requests, run_to_completion  # noqa: E402
 from specdeploy.engine.kernels import fp8 as fp8_kernels  # noqa: E402
+from specdeploy.engine.kernels import fp8_tma  # noqa: E402
 from specdeploy.engine.models import fp8  # noqa: E402
 from specdeploy.engine.runtime.runner import Runner  # noqa: E402
 from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
@@ -111,6 +114,48 @@ def test_w8a8_prefill_kernel(n, k, m, scheme):
     if scheme == "block":
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         _assert_w8a8(fp8_kernels._w8a8(x, codes, scale, scale_n, None, out, False), x, codes, scale, scale_n)
+
+
+SM90 = torch.cuda.get_device_capability() == (9, 0)
+# The row counts bench/gemm_choice.py times
+CHOICE_ROWS = (1, 16, 64, 256, 2048, 4096, 8192)
+
+
+@pytest.mark.skipif(not SM90, reason="the persistent TMA kernel is SM90's")
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", CHOICE_ROWS + (17, 100))
+@pytest.mark.parametrize("config", list(fp8_tma.TMA_CONFIGS))
+def test_tma_kernel_at_the_bench_shapes(n, k, m, config):
+    """engine/kernels/fp8_tma.py, every config, W8A8 numerics at the 8B shapes and the bench's M
+    (and two that leave partial row tiles); the bias lands once."""
+    codes, scale, scale_n = _weights(n, k, "block")
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    a, a_s = fp8_kernels.act_quant(x, column_major=True)
+    out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+    got = fp8_tma.fp8_tma_gemm(a, a_s, codes, scale, 128, None, out, config=fp8_tma.TMA_CONFIGS[config])
+    _assert_w8a8(got, x, codes, scale, scale_n)
+    if m == 100:
+        bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+        with_bias = fp8_tma.fp8_tma_gemm(a, a_s, codes, scale, 128, bias, torch.empty_like(out),
+                                         config=fp8_tma.TMA_CONFIGS[config])
+        assert ((with_bias.float() - got.float() - bias.float()).abs() <= 2**-7 * with_bias.float().abs() + 1e-2).all()
+
+
+@pytest.mark.skipif(not SM90, reason="the persistent TMA kernel is SM90's")
+def test_tma_kernel_replays_in_a_cuda_graph():
+    """Captured once (its device descriptors' scratch from the graph's pool), replayed on new
+    inputs: the eager result of those inputs."""
+    n, k, m = 4096, 4096, 2048
+    codes, scale, _ = _weights(n, k, "block")
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    fp8_kernels.tma_block_linear(x, codes, scale)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_kernels.tma_block_linear(x, codes, scale)
+    x.copy_(torch.randn(m, k, device=DEV).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, fp8_kernels.tma_block_linear(x, codes, scale))
 
 
 @pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")

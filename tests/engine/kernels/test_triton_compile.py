@@ -15,6 +15,7 @@ from specdeploy.engine.kernels import attention as attention_triton  # noqa: E40
 from specdeploy.engine.kernels import elementwise as elementwise_triton  # noqa: E402
 from specdeploy.engine.kernels import fp4 as fp4_triton  # noqa: E402
 from specdeploy.engine.kernels import fp8 as fp8_triton  # noqa: E402
+from specdeploy.engine.kernels import fp8_tma  # noqa: E402
 from specdeploy.engine.kernels import hc as hc_triton  # noqa: E402
 
 INDEX_PTRS = {"slots_ptr", "prefix_slots_ptr", "prefix_lens_ptr", "new_slots_ptr"}
@@ -142,6 +143,17 @@ def test_fp8_w8a8_linear_compiles(out, scale_n):
                                             "ws_ptr": "*fp32"},
                   {"SCALE_N": scale_n, "HAS_BIAS": False, "BLOCK_M": 128, "BLOCK_N": 128,
                    "BLOCK_K": fp8_triton.GROUP_K, "GROUP_M": 8})
+
+
+@pytest.mark.parametrize("out", ACTIVATIONS)
+@pytest.mark.parametrize("config", list(fp8_tma.TMA_CONFIGS))
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fp8_tma_gemm_compiles(out, config, has_bias):
+    block_m, block_n, group_m, _, stages = fp8_tma.TMA_CONFIGS[config]
+    lower_to_ttir(fp8_tma._fp8_tma_kernel, {"*": out, "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "as_ptr": "*fp32",
+                                            "ws_ptr": "*fp32"},
+                  {"SCALE_N": 128, "HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                   "BLOCK_K": fp8_tma.GROUP_K, "GROUP_M": group_m, "NUM_STAGES": stages})
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)

@@ -72,6 +72,9 @@ def test_llama8b_eagle3_every_term():
     assert m.cuda_graph_pool_bytes == (
         planmod.CUDA_GRAPH_POOL_BASE_BYTES + rows * per_row * 2
         + planmod.SAMPLING_LOGITS_COPIES * rows * 128256 * planmod.LOGITS_DTYPE_BYTES
+        # the graphs of one request's short prefill chunk: 256 tokens, their EAGLE-3 features, one row of logits
+        + planmod.EXTEND_GRAPH_POOL_BASE_BYTES + 256 * per_row * 2 + 256 * 3 * 4096 * 2
+        + 128256 * planmod.LOGITS_DTYPE_BYTES
     )
 
 

@@ -116,6 +116,17 @@ def test_prefix_cache_is_on_unless_the_spec_turns_it_off(children):
     assert parsed.prefix_cache is False
 
 
+def test_extend_graphs_are_on_unless_the_spec_turns_them_off(children):
+    from specdeploy.cli import build_parser
+    args = engine_container(children)["args"]
+    assert "--no-extend-graphs" not in args
+    assert build_parser().parse_args(["engine", "serve", *args]).extend_graphs is True
+    sdd = make_sdd(engine={"extendGraphs": False})
+    args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
+    assert args[-1] == "--no-extend-graphs"
+    assert build_parser().parse_args(["engine", "serve", *args]).extend_graphs is False
+
+
 def test_adaptive_speculation_reaches_the_engine_and_off_changes_nothing(children):
     sdd = make_sdd(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "adaptive": True})
     args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]

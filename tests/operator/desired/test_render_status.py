@@ -61,7 +61,7 @@ def test_describe_of_a_real_plan_is_short():
                              SpecSettings("EAGLE3", 3, 1, 4), GPUS["h200"], Limits()).to_dict()
     summary = st.status_plan(full)
     assert len(yaml.safe_dump(summary).splitlines()) <= 40 < len(yaml.safe_dump(full).splitlines())
-    assert "14.96 GiB of weights" in summary["target"] and "953759 token slots" in summary["kvCacheTokens"]
+    assert "14.96 GiB of weights" in summary["target"] and "953189 token slots" in summary["kvCacheTokens"]
 
 
 def test_rollout_in_progress_then_ready():

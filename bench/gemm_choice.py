@@ -1,0 +1,307 @@
+"""Choosing the FP8 block-scaled GEMM: every candidate, maintained libraries and the project's own
+kernels, timed side by side at the Llama-3.1-8B linears in one run, each checked against the
+dequantized weights; which one fp8_linear should take per M (engine/kernels/fp8.py BLOCK_ROUTE).
+
+    python3 bench/gemm_choice.py --out DIR          # CUDA SM90 (H200), < 2 min
+    python3 bench/gemm_choice.py --smoke --out DIR  # one shape, two M, seconds
+
+Candidates (weights FP8 e4m3 with 128 x 128 block scales, activations quantized per 1 x 128
+group by the project's `act_quant`, counted in every W8A8 column):
+- `bf16`: cuBLAS on bf16 weights, the bar;
+- `gemv`: the project's small-M kernel (M <= 16, weight-only);
+- `w8a8`: the project's Triton W8A8 kernel (pointer loads, one program per tile);
+- `torch_block`: `torch.nn.functional.scaled_mm` with BlockWise1x128 / BlockWise128x128
+  (cuBLASLt); `torch_block_private`: the same through `torch._scaled_mm` (scales by shape);
+- `tma_<config>`: engine/kernels/fp8_tma.py, the persistent TMA kernel, one column per config;
+- `deep_gemm`: DeepGEMM's dense FP8 NT GEMM (the grouped kernels' dense case), where installed;
+- `flashinfer`: FlashInfer's block-scaled GEMM, where installed (`fp8_blockscale_gemm_sm90` on
+  SM90: `gemm_fp8_nt_groupwise` requires SM100/103/120/121);
+- `engine`: `fp8_linear` as the engine calls it (BLOCK_ROUTE as committed).
+A candidate that is not installed, or refuses the problem, is logged once and recorded under
+"unavailable" / per-row errors, never dropped silently. Each figure is one layer timed as a
+CUDA graph of back-to-back calls over enough weight copies to exceed the L2 (what a graphed step
+sees): so every candidate is also checked to capture. Correctness: relative L2 distance of each
+output to float32 x @ W^T over the dequantized weights, under `tolerance` (below).
+Writes gemm_choice.json: environment, per-layer microseconds and errors, the step's linears
+(4 layers x 32) per M and option, per-M winners and the BLOCK_ROUTE they imply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import bootstrap_specdeploy, environment, graph_replay_ms, log  # noqa: E402
+
+bootstrap_specdeploy()
+
+import torch  # noqa: E402
+
+from specdeploy.engine.kernels import fp8 as kernels  # noqa: E402
+from specdeploy.engine.kernels import fp8_tma, gemv  # noqa: E402
+from specdeploy.engine.models import fp8  # noqa: E402
+
+LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYERS = 32
+ROWS = (1, 16, 64, 256, 2048, 4096, 8192)
+L2_MULTIPLE_BYTES = 384 << 20  # weight bytes per graph replay: several times the 50-60 MB L2
+MAX_COPIES = 24
+E4M3_HALF_ULP = 2.0**-4  # e4m3: 3 mantissa bits, relative rounding error <= 2^-4
+BF16_HALF_ULP = 2.0**-9
+FP32_EPS = 2.0**-24
+# Options that are not block-scaled FP8 candidates for the route (the bar, the composite)
+NOT_CANDIDATES = ("bf16", "engine")
+# Route names of the candidates (engine/kernels/fp8.py BLOCK_OPTIONS); "triton" is w8a8's
+ROUTE_NAME = {"gemv": "gemv", "torch_block": "torch_block", "w8a8": "triton"}
+
+
+def tolerance(option: str, k: int) -> float:
+    """Relative L2 bound of an option's output against the float32 product over the dequantized
+    weights. Weight-only paths (gemv; bf16 against its own unquantized weights) round once to
+    bf16: 2^-9 relative, doubled for margin. W8A8 paths round every activation to e4m3 (relative
+    error <= 2^-4 per element; the output's relative L2 is that bound when the errors line up,
+    about 2^-4 / sqrt(3) when they do not), plus the output's bf16 rounding. Each adds float32
+    accumulation over K terms (K * 2^-24, a worst case)."""
+    accumulate = k * FP32_EPS
+    if option in ("bf16", "gemv"):
+        return 2 * BF16_HALF_ULP + accumulate
+    return E4M3_HALF_ULP + BF16_HALF_ULP + accumulate
+
+
+def _optional(module: str):
+    """(module, None) where importable, else (None, reason)."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as e:  # noqa: BLE001 - whatever keeps it from loading is the reason
+        return None, f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def _deep_gemm_call(dg):
+    fn = getattr(dg, "fp8_gemm_nt", None) or getattr(dg, "gemm_fp8_fp8_bf16_nt", None)
+    if fn is None:
+        raise AttributeError("deep_gemm has neither fp8_gemm_nt nor gemm_fp8_fp8_bf16_nt")
+
+    def call(x, w, s, y):
+        a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=4)
+        fn((a[:x.shape[0]], a_s[:x.shape[0]]), (w, s), y)
+        return y
+    return call
+
+
+def _flashinfer_call(fi):
+    """FlashInfer's block-scaled GEMM for this device: on SM90 `fp8_blockscale_gemm_sm90`
+    (TensorRT-LLM's kernel, JIT-built with nvcc unless flashinfer-jit-cache is installed; weight
+    scales one per row and 128-wide K group, so the 128 x 128 grid is expanded once per weight,
+    outside the timing); elsewhere `gemm_fp8_nt_groupwise` (its requirement lists SM100/103/120/121)."""
+    sm90 = getattr(fi.gemm, "fp8_blockscale_gemm_sm90", None)
+    if torch.cuda.get_device_capability() == (9, 0) and sm90 is not None:
+        rows: dict = {}
+
+        def call(x, w, s, y):
+            if id(s) not in rows:
+                rows[id(s)] = s.repeat_interleave(128, 0)[:w.shape[0]].contiguous()
+            a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=4)
+            m = x.shape[0]
+            return sm90(a[:m], w, a_s[:m], rows[id(s)], out=y)
+        return call
+    gemm = fi.gemm.gemm_fp8_nt_groupwise
+
+    def call(x, w, s, y):
+        a, a_s = kernels.act_quant(x, column_major=True)
+        return gemm(a, w, a_s.t(), s.t().contiguous(), scale_major_mode="MN", out=y, out_dtype=y.dtype)
+    return call
+
+
+def candidates(m: int, k: int, libraries: dict) -> dict:
+    """option -> call(x, w, s, y) returning the output, for the options that have a kernel at M."""
+    calls = {}
+    if m <= gemv.GEMV_MAX_M:
+        def gemv_call(x, w, s, y):
+            gemv.launch(x, w, s, 128, None, y, *gemv.config_for("fp8", w.shape[0], k, m, x.device))
+            return y
+        calls["gemv"] = gemv_call
+    calls["w8a8"] = lambda x, w, s, y: kernels._w8a8(x, w, s, 128, None, y, False)
+    if libraries["torch_block"]:
+        calls["torch_block"] = lambda x, w, s, y: kernels.torch_block_linear(x, w, s)
+
+        def private(x, w, s, y):
+            a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=kernels.TORCH_BLOCK_ROW_ALIGN)
+            return torch._scaled_mm(a, w.t(), a_s, s.t(), out_dtype=x.dtype)[:m]
+        calls["torch_block_private"] = private
+    for name, config in fp8_tma.TMA_CONFIGS.items():
+        if m <= 16 and config[0] > 64:
+            continue  # a 128-row tile at M <= 16 computes 8x the rows: measured by the 64-row one
+
+        def tma_call(x, w, s, y, config=config):
+            a, a_s = kernels.act_quant(x, column_major=True)
+            return fp8_tma.fp8_tma_gemm(a, a_s, w, s, 128, None, y, config=config)
+        calls[f"tma_{name}"] = tma_call
+    if libraries.get("deep_gemm") is not None:
+        calls["deep_gemm"] = _deep_gemm_call(libraries["deep_gemm"])
+    if libraries.get("flashinfer") is not None:
+        calls["flashinfer"] = _flashinfer_call(libraries["flashinfer"])
+    calls["engine"] = lambda x, w, s, y: kernels.fp8_linear(x, w, s, 128)
+    return calls
+
+
+def measure(shapes: dict, rows: tuple, reps: int, dev, libraries: dict) -> dict:
+    per_layer: dict = {}
+    for name, (n, k) in shapes.items():
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(n, k, device=dev, generator=g) * 0.02
+        codes, scale = fp8.quantize_fp8_block(w, (128, 128))
+        dequantized = fp8.dequantize_fp8(codes, scale, (128, 128), torch.float32)
+        bf16 = w.to(torch.bfloat16)
+        fp8_copies = max(1, min(MAX_COPIES, -(-L2_MULTIPLE_BYTES // codes.numel())))
+        bf16_copies = max(1, min(MAX_COPIES, -(-L2_MULTIPLE_BYTES // (2 * bf16.numel()))))
+        fp8_weights = [(codes, scale)] + [(codes.clone(), scale) for _ in range(fp8_copies - 1)]
+        bf16_weights = [bf16] + [bf16.clone() for _ in range(bf16_copies - 1)]
+        per_layer[name] = {"n": n, "k": k, "fp8_copies": fp8_copies, "bf16_copies": bf16_copies, "rows": {}}
+        for m in rows:
+            x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+            ys = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(max(fp8_copies, bf16_copies))]
+            want_fp8 = x.float() @ dequantized.t()
+            want_bf16 = x.float() @ w.t()
+            row: dict = {"us": {}, "rel_l2": {}, "errors": {}}
+            options = {"bf16": lambda x, w, s, y: torch.mm(x, w.t(), out=y), **candidates(m, k, libraries)}
+            for option, call in options.items():
+                weights = [(b, None) for b in bf16_weights] if option == "bf16" else fp8_weights
+                try:
+                    got = call(x, *weights[0], ys[0]).float()
+                    want = want_bf16 if option == "bf16" else want_fp8
+                    rel = ((got - want).norm() / want.norm()).item()
+                    row["rel_l2"][option] = rel
+                    if not rel <= tolerance(option, k):
+                        row["errors"][option] = f"relative L2 {rel:.3g} above tolerance {tolerance(option, k):.3g}"
+                        continue
+                    fns = [lambda w=w_, s=s_, y=y: call(x, w, s, y) for (w_, s_), y in zip(weights, ys)]
+                    row["us"][option] = 1e3 * graph_replay_ms(fns, "cuda", reps=reps) / len(fns)
+                except Exception as e:  # noqa: BLE001 - an option that fails at a shape is recorded, not fatal
+                    row["errors"][option] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            for option, why in row["errors"].items():
+                log(f"{name} M={m}: {option} left out: {why}")
+            per_layer[name]["rows"][str(m)] = row
+            log(f"{name:<8} M={m:<5} " + "  ".join(f"{o} {us:7.1f}" for o, us in row["us"].items()) + "  (us)")
+            del ys, want_fp8, want_bf16
+        del fp8_weights, bf16_weights, dequantized
+        torch.cuda.empty_cache()
+    return per_layer
+
+
+def step_table(per_layer: dict, rows: tuple) -> list[dict]:
+    """Per M: microseconds of a step's linears (the four layers x LAYERS) per option that ran at
+    every layer, bf16 over each, and the fastest block-scaled candidate."""
+    table = []
+    for m in rows:
+        layer_rows = [per_layer[name]["rows"][str(m)]["us"] for name in per_layer]
+        options = [o for o in layer_rows[0] if all(o in r for r in layer_rows)]
+        entry = {"m": m, "us": {o: LAYERS * sum(r[o] for r in layer_rows) for o in options}}
+        bar = entry["us"].get("bf16")
+        entry["speedup_vs_bf16"] = {o: bar / us for o, us in entry["us"].items()} if bar else {}
+        fp8_options = {o: us for o, us in entry["us"].items() if o not in NOT_CANDIDATES}
+        entry["winner"] = min(fp8_options, key=fp8_options.get) if fp8_options else None
+        table.append(entry)
+    return table
+
+
+def route_name(option: str) -> str | None:
+    """The BLOCK_ROUTE option a measured candidate is (tma_* -> tma; None for the libraries the
+    engine does not call)."""
+    if option.startswith("tma_"):
+        return "tma"
+    return ROUTE_NAME.get(option)
+
+
+def routable_winner(entry: dict) -> str | None:
+    """The fastest option at this M among those the engine can call (None where none ran)."""
+    routable = {o: us for o, us in entry["us"].items() if o not in NOT_CANDIDATES and route_name(o)}
+    return min(routable, key=routable.get) if routable else None
+
+
+def implied_route(table: list[dict]) -> list[list]:
+    """BLOCK_ROUTE from the per-M winners among the options the engine can call: each winner
+    serves up to the M where it won (the last up to any M), neighbours with one winner merged."""
+    picks = [(e["m"], route_name(routable_winner(e))) for e in table if routable_winner(e)]
+    route: list[list] = []
+    for m, option in picks:
+        if route and route[-1][1] == option:
+            route[-1][0] = m
+        else:
+            route.append([m, option])
+    if route:
+        route[-1][0] = None
+    return route
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--smoke", action="store_true", help="one shape, two row counts")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        log("gemm_choice: needs a CUDA device of compute capability 8.9 or later")
+        return 2
+    start = time.monotonic()
+    dev = torch.device("cuda")
+    shapes = dict(list(LLAMA_8B_LINEARS.items())[:1]) if args.smoke else LLAMA_8B_LINEARS
+    rows = (16, 2048) if args.smoke else ROWS
+    libraries: dict = {"torch_block": kernels.torch_block_mm_available(dev, torch.bfloat16)}
+    unavailable = {}
+    if not libraries["torch_block"]:
+        unavailable["torch_block"] = "torch's block-scaled scaled_mm probe failed (logged above)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        log("gemm_choice: not an SM90 device; the TMA kernel's columns may fail and are recorded as errors")
+    for option, module in (("deep_gemm", "deep_gemm"), ("flashinfer", "flashinfer")):
+        libraries[option], why = _optional(module)
+        if why is not None:
+            unavailable[option] = f"import {module}: {why}"
+            log(f"gemm_choice: {option} not measured: {unavailable[option]}")
+    per_layer = measure(shapes, rows, 5 if args.smoke else args.reps, dev, libraries)
+    table = step_table(per_layer, rows)
+    route = implied_route(table)
+    prefill = [e for e in table if e["m"] >= 2048]
+    # what the implied route would give: the routable winner's speedup at each M
+    best = {e["m"]: e["speedup_vs_bf16"].get(routable_winner(e)) for e in table if routable_winner(e)}
+    result = {
+        "environment": environment(), "layers": LAYERS, "rows": list(rows), "shapes": shapes,
+        "tolerance": {o: tolerance(o, 4096) for o in ("bf16", "gemv", "w8a8")},
+        "unavailable": unavailable,
+        "route_committed": [list(r) for r in kernels.BLOCK_ROUTE],
+        "route_implied": route,
+        "tma_configs": fp8_tma.TMA_CONFIGS,
+        "per_layer": per_layer, "step_linears": table,
+        "winners": {str(e["m"]): e["winner"] for e in table},
+        "goals": {
+            "prefill_1_5x_at_m_ge_2048": {"engine": {e["m"]: e["speedup_vs_bf16"].get("engine") for e in prefill},
+                                          "route_implied": {e["m"]: best.get(e["m"]) for e in prefill}},
+            "never_slower_than_bf16": {"engine_min": min((e["speedup_vs_bf16"].get("engine", math.nan)
+                                                          for e in table), default=None),
+                                       "route_implied_min": min(best.values(), default=None)},
+            "decode_m1_1_8x": {"engine": next((e["speedup_vs_bf16"].get("engine") for e in table if e["m"] == 1), None)},
+        },
+        "seconds": None,
+    }
+    result["seconds"] = round(time.monotonic() - start, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemm_choice.json").write_text(json.dumps(result, indent=1))
+    log("step linears (us, 8B x 32 layers) and bf16 / option:")
+    for e in table:
+        log(f"M={e['m']:<5} " + "  ".join(f"{o} {us:8.0f} ({e['speedup_vs_bf16'].get(o, math.nan):.2f}x)"
+                                          for o, us in e["us"].items()) + f"  winner {e['winner']}")
+    log(f"BLOCK_ROUTE the winners imply: {tuple(tuple(r) for r in route)} (committed {kernels.BLOCK_ROUTE})")
+    log(f"goals with the implied route: prefill (M >= 2048) {result['goals']['prefill_1_5x_at_m_ge_2048']['route_implied']}"
+        f" (>= 1.5x), lowest over M {result['goals']['never_slower_than_bf16']['route_implied_min']} (>= 1.0x)")
+    log(f"done in {result['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
