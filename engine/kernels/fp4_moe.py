@@ -2,17 +2,19 @@
 CUDA only: the torch code there runs elsewhere and is what this kernel is held to).
 
 The weights stay as stored: e2m1 pairs [E, N, K / 2] (element 2j in the low nibble, 2j + 1 in the
-high) and E8M0 scale bytes [E, N, K / 32] (value = e2m1 x 2^(bits - 127)). Each program loads an
-activation tile [BM, BK] (bf16), the codes [BN, BK / 2] and their scale bytes of one expert,
-builds the bf16 weights in registers and accumulates tl.dot in float32: no dequantized copy of
-any weight is ever written, so a step reads 0.53 bytes per weight it uses, against 2 in bf16.
+high) and E8M0 scale bytes [E, N, K / 32] (value = e2m1 x 2^(bits - 127)). Each program loads the
+codes [BN, BK / 2] and scale bytes of one expert, builds bf16 weights in registers and accumulates
+tl.dot in float32: no dequantized copy of any weight is ever written, so a step reads 0.53 bytes
+per weight it uses, against 2 in bf16.
 
-A weight is built from its bits alone (exact: an e2m1 value times a power of two is a bf16):
-nibble s e1 e0 m (em = e1 e0 m) with scale bits b is
-    em >= 2:  bf16 bits  s << 15 | (em + 2 (b - 1)) << 6      (exponent e + b - 1, mantissa m)
-    em == 1:  s << 15 | (b - 1) << 7                           (0.5 x 2^(b - 127))
-    em == 0:  s << 15                                          (zero)
-which holds for scale bits 2 .. 251 (2^-125 .. 2^124; checkpoints' scales lie well inside).
+A weight costs a few instructions: a nibble s e1 e0 m is placed into an e4m3 byte as
+s << 7 | e1 e0 m << 2, whose value is e2m1 x 2^-6 for every code (em = 1, the 0.5, lands on the
+e4m3 subnormal 4/8 x 2^-6), converted to bf16 by the hardware; the scale 2^(bits - 121) then
+multiplies either the bf16 weights (exact: a power of two times a normal bf16) or, config's
+group_dot, each 32-weight group's float32 partial dot. Exact for scale bits 2 .. 248 (checkpoints'
+scales lie well inside). The low and high nibbles are never interleaved: K is permuted instead, the
+low weights of bytes j meet activation columns 2j and the high ones 2j + 1 (two stride-2 loads of
+the small activation tile), so a block is dot(x_even, lo^T) + dot(x_odd, hi^T).
 
 Two ways to map programs to rows, both with a grid fixed by the call's shapes (no host sync, so
 CUDA graphs capture them):
@@ -39,6 +41,8 @@ import triton
 import triton.language as tl
 
 GROUP = 32  # weights per E8M0 scale
+# _halves builds e2m1 x 2^-6 (the e4m3 bytes' bias); a scale byte b then multiplies by 2^(b - 127 + 6)
+SCALE_BIAS = tl.constexpr(6)
 
 
 class Config(NamedTuple):
@@ -47,6 +51,7 @@ class Config(NamedTuple):
     bk: int
     warps: int
     stages: int
+    group_dot: bool = False  # scales on each group's float32 partial (K 16 dots), else on the weights
 
 
 CONFIGS = {
@@ -55,6 +60,9 @@ CONFIGS = {
     "m16n32k256": Config(16, 32, 256, 4, 3),
     "m16n64k128": Config(16, 64, 128, 4, 3),
     "m16n64k256": Config(16, 64, 256, 8, 3),
+    "m16n32k128g": Config(16, 32, 128, 4, 4, True),
+    "m16n64k128g": Config(16, 64, 128, 4, 3, True),
+    "m16n64k256g": Config(16, 64, 256, 8, 3, True),
     "m32n64k128": Config(32, 64, 128, 4, 3),
     "m64n64k128": Config(64, 64, 128, 4, 3),
     "m64n128k64": Config(64, 128, 64, 8, 3),
@@ -76,30 +84,46 @@ def choose_config(rows: int, n: int, k: int, num_experts: int) -> str:
 
 
 @triton.jit
-def _e2m1_bits(nibble, b):
-    """int32 bf16 bit patterns of e2m1 nibbles (0..15) times 2^(b - 127)."""
-    em = nibble & 7
-    mag = tl.where(em >= 2, (em + ((b - 1) << 1)) << 6, tl.where(em == 1, (b - 1) << 7, 0))
-    return mag | ((nibble & 8) << 12)
+def _halves(c):
+    """bf16 (lo, hi) of code bytes c (uint8): the low and high nibbles' e2m1 values times 2^-6,
+    placed as e4m3 bytes (sign to bit 7, exponent and mantissa to bits 2..4) and converted."""
+    lo = ((c & 0x08) << 4) | ((c & 0x07) << 2)
+    hi = (c & 0x80) | ((c >> 2) & 0x1C)
+    return (lo.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16),
+            hi.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))
 
 
 @triton.jit
-def _weights(codes_ptr, bits_ptr, n, kb, n_ok, kb_ok, stride_cn, stride_sn,
-             BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    """bf16 [BN, BK] weights of rows n, code bytes kb (weights 2 kb, 2 kb + 1)."""
+def _dot_block(acc, x_even, x_odd, codes_ptr, bits_ptr, n, kb, n_ok, kb_ok, stride_cn, stride_sn,
+               GROUP: tl.constexpr):
+    """acc + the block's x @ W^T, W's scales applied to the weights: code bytes kb of rows n."""
     ok = n_ok[:, None] & kb_ok[None, :]
-    c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=ok, other=0).to(tl.int32)  # uint8: zero-extended
-    b = tl.load(bits_ptr + n[:, None] * stride_sn + (kb // (GROUP // 2))[None, :], mask=ok,
-                other=127).to(tl.int32)
-    pair = tl.join(_e2m1_bits(c & 15, b), _e2m1_bits(c >> 4, b))               # [BN, BK / 2, 2]
-    return tl.reshape(pair, (BN, BK)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=ok, other=0)
+    b = tl.load(bits_ptr + n[:, None] * stride_sn + (kb // (GROUP // 2))[None, :], mask=ok, other=0)
+    scale = (((b.to(tl.int32) + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    lo, hi = _halves(c)
+    acc = tl.dot(x_even, tl.trans(lo * scale), acc)
+    return tl.dot(x_odd, tl.trans(hi * scale), acc)
+
+
+@triton.jit
+def _dot_group(acc, x_even, x_odd, codes_ptr, bits_ptr, n, kb, g, n_ok, kb_ok, g_ok, stride_cn, stride_sn):
+    """acc + one scale group's x @ W^T, the scale applied to the float32 partial: code bytes kb
+    (GROUP / 2 of them) of rows n, group g (g_ok [BN]: the group lies inside K)."""
+    c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
+    b = tl.load(bits_ptr + n * stride_sn + g, mask=n_ok & g_ok, other=0)
+    scale = ((b.to(tl.int32) + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
+    lo, hi = _halves(c)
+    part = tl.dot(x_even, tl.trans(lo))
+    part = tl.dot(x_odd, tl.trans(hi), part)
+    return acc + part * scale[None, :]
 
 
 @triton.jit
 def _fp4_moe_kernel(x_ptr, src_ptr, ids_ptr, start_ptr, end_ptr, codes_ptr, bits_ptr, out_ptr, weight_ptr,
                     N, K, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om, limit,
                     GATHERED: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
-                    WEIGHTED: tl.constexpr, GROUP: tl.constexpr,
+                    WEIGHTED: tl.constexpr, GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(ids_ptr + tile).to(tl.int64)
@@ -125,16 +149,33 @@ def _fp4_moe_kernel(x_ptr, src_ptr, ids_ptr, start_ptr, end_ptr, codes_ptr, bits
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if ACT:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        kb_ok = kb < K // 2
-        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = _weights(codes, bits, n, kb, n_ok, kb_ok, stride_cn, stride_sn, BN, BK, GROUP)
-        acc = tl.dot(x, tl.trans(w), acc)
-        if ACT:
-            w_up = _weights(codes, bits, n + N, kb, n_ok, kb_ok, stride_cn, stride_sn, BN, BK, GROUP)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    KB = K // 2
+    # K permuted (the dot is order-free): byte j's low nibble meets x[:, 2j], its high x[:, 2j + 1]
+    for k0 in range(0, KB, BK // 2):
+        if GROUP_DOT:
+            for gi in tl.static_range(BK // GROUP):
+                g0 = k0 + gi * (GROUP // 2)                     # the group's first code byte
+                kb = g0 + tl.arange(0, GROUP // 2)
+                kb_ok = kb < KB
+                g_ok = (g0 + tl.zeros((BN,), tl.int32)) < KB
+                x_ok = r_ok[:, None] & kb_ok[None, :]
+                x_even = tl.load(x_rows + 2 * kb[None, :], mask=x_ok, other=0.0)
+                x_odd = tl.load(x_rows + 2 * kb[None, :] + 1, mask=x_ok, other=0.0)
+                g = g0 // (GROUP // 2)
+                acc = _dot_group(acc, x_even, x_odd, codes, bits, n, kb, g, n_ok, kb_ok, g_ok, stride_cn, stride_sn)
+                if ACT:
+                    acc_up = _dot_group(acc_up, x_even, x_odd, codes, bits, n + N, kb, g, n_ok, kb_ok, g_ok,
+                                        stride_cn, stride_sn)
+        else:
+            kb = k0 + tl.arange(0, BK // 2)
+            kb_ok = kb < KB
+            x_ok = r_ok[:, None] & kb_ok[None, :]
+            x_even = tl.load(x_rows + 2 * kb[None, :], mask=x_ok, other=0.0)
+            x_odd = tl.load(x_rows + 2 * kb[None, :] + 1, mask=x_ok, other=0.0)
+            acc = _dot_block(acc, x_even, x_odd, codes, bits, n, kb, n_ok, kb_ok, stride_cn, stride_sn, GROUP)
+            if ACT:
+                acc_up = _dot_block(acc_up, x_even, x_odd, codes, bits, n + N, kb, n_ok, kb_ok, stride_cn,
+                                    stride_sn, GROUP)
     if ACT:
         gate = acc
         up = acc_up
@@ -198,7 +239,7 @@ def _launch(x, src, ids, start, end, codes, bits, out, weight, tiles, n, k, limi
         codes.view(torch.uint8), bits, out, dummy if weight is None else weight,
         n, k, x.stride(0), codes.stride(0), codes.stride(1), bits.stride(0), bits.stride(1), out.stride(0),
         float(limit or 0.0), GATHERED=gathered, TOPK=topk, ACT=act, LIMIT=bool(limit), WEIGHTED=weight is not None,
-        GROUP=GROUP, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
+        GROUP=GROUP, GROUP_DOT=cfg.group_dot, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def fp4_moe_gathered(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor, *,
@@ -260,4 +301,6 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     tiles_down = tiles_up if CONFIGS[c_down].bm == CONFIGS[c_up].bm else tile_map(flat, e, CONFIGS[c_down].bm)[1:]
     ys = fp4_moe_grouped(act, torch.arange(r, device=x.device), tiles_down, *down,
                          row_weight=weights.reshape(-1)[order], config=c_down)
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    # back to (token, slot) order, then the slots' sum: deterministic (index_add_ over repeated
+    # tokens adds in an arbitrary order on CUDA) and rounded once, as the gathered path
+    return ys.new_empty(ys.shape).index_copy_(0, order, ys).view(t, topk, h).sum(1)

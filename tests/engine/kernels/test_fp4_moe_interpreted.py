@@ -52,7 +52,7 @@ flat = ids.reshape(-1)
 xr = x.float()[torch.arange(t * topk) // topk]
 want = torch.einsum("rk,rnk->rn", xr, w[flat])
 bound = torch.einsum("rk,rnk->rn", xr.abs(), w[flat].abs())
-for cfg in ("m16n16k128", "m16n32k256", "m32n64k128", "m64n128k64"):
+for cfg in ("m16n16k128", "m16n32k256", "m16n32k128g", "m32n64k128", "m64n128k64"):
     got = K.fp4_moe_gathered(x, flat, codes, bits, topk=topk, config=cfg)
     assert got.shape == (t * topk, 2 * i) and got.dtype == torch.bfloat16
     within(got, want, bound, 2**-8, h * 2**-22)
@@ -102,7 +102,7 @@ for t, topk, gathered in [(2, 2, True), (13, 3, False), (13, 3, True), (1, 4, No
     ids = torch.stack([torch.randperm(e - 1, generator=g)[:topk] for _ in range(t)])  # expert e - 1: none
     rw = torch.rand(t, topk, generator=g)
     got = K.fp4_moe(x, ids, rw, (up_codes, up_bits), (down_codes, down_bits), limit=7.0, gathered=gathered,
-                    configs=("m16n16k128", "m32n64k128"))
+                    configs=("m16n16k128", "m32n64k128") if gathered else ("m16n32k128g", "m16n64k128g"))
     assert got.shape == (t, h) and got.dtype == torch.bfloat16
     flat = ids.reshape(-1)
     xr = x.float()[torch.arange(t * topk) // topk]
