@@ -52,6 +52,7 @@ class Config(NamedTuple):
     warps: int
     stages: int
     group_dot: bool = False  # scales on each group's float32 partial (K 16 dots), else on the weights
+    ptx: bool = False        # the weights built by inline PTX, four code bytes a step (GPU only)
 
 
 CONFIGS = {
@@ -63,6 +64,11 @@ CONFIGS = {
     "m16n32k128g": Config(16, 32, 128, 4, 4, True),
     "m16n64k128g": Config(16, 64, 128, 4, 3, True),
     "m16n64k256g": Config(16, 64, 256, 8, 3, True),
+    "m16n32k128p": Config(16, 32, 128, 4, 4, False, True),
+    "m16n64k128p": Config(16, 64, 128, 4, 3, False, True),
+    "m16n32k128gp": Config(16, 32, 128, 4, 4, True, True),
+    "m16n64k128gp": Config(16, 64, 128, 4, 3, True, True),
+    "m16n64k256gp": Config(16, 64, 256, 8, 3, True, True),
     "m32n64k128": Config(32, 64, 128, 4, 3),
     "m64n64k128": Config(64, 64, 128, 4, 3),
     "m64n128k64": Config(64, 128, 64, 8, 3),
@@ -83,10 +89,55 @@ def choose_config(rows: int, n: int, k: int, num_experts: int) -> str:
     raise AssertionError("CONFIG_TABLE ends with an unbounded row")
 
 
+# _halves on four code bytes at once (one 32-bit register): the e4m3 placement on the packed
+# word, then e4m3x2 -> f16x2 -> f32 -> bf16x2 (exact: the values are normal f16 and bf16 numbers);
+# outputs $0 $1 the low nibbles' bf16 (elements 0 1, 2 3), $2 $3 the high nibbles'.
+_HALVES_PTX = tl.constexpr("""{
+.reg .b32 t, l, h, f;
+.reg .b16 p<4>, q<2>;
+.reg .f32 a, b;
+and.b32 t, $4, 0x07070707;
+shl.b32 l, t, 2;
+and.b32 t, $4, 0x08080808;
+shl.b32 t, t, 4;
+or.b32 l, l, t;
+shr.u32 t, $4, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 h, $4, 0x80808080;
+or.b32 h, h, t;
+mov.b32 {p0, p1}, l;
+mov.b32 {p2, p3}, h;
+cvt.rn.f16x2.e4m3x2 f, p0;
+mov.b32 {q0, q1}, f;
+cvt.f32.f16 a, q0;
+cvt.f32.f16 b, q1;
+cvt.rn.bf16x2.f32 $0, b, a;
+cvt.rn.f16x2.e4m3x2 f, p1;
+mov.b32 {q0, q1}, f;
+cvt.f32.f16 a, q0;
+cvt.f32.f16 b, q1;
+cvt.rn.bf16x2.f32 $1, b, a;
+cvt.rn.f16x2.e4m3x2 f, p2;
+mov.b32 {q0, q1}, f;
+cvt.f32.f16 a, q0;
+cvt.f32.f16 b, q1;
+cvt.rn.bf16x2.f32 $2, b, a;
+cvt.rn.f16x2.e4m3x2 f, p3;
+mov.b32 {q0, q1}, f;
+cvt.f32.f16 a, q0;
+cvt.f32.f16 b, q1;
+cvt.rn.bf16x2.f32 $3, b, a;
+}""")
+
+
 @triton.jit
-def _halves(c):
+def _halves(c, PTX: tl.constexpr):
     """bf16 (lo, hi) of code bytes c (uint8): the low and high nibbles' e2m1 values times 2^-6,
-    placed as e4m3 bytes (sign to bit 7, exponent and mantissa to bits 2..4) and converted."""
+    placed as e4m3 bytes (sign to bit 7, exponent and mantissa to bits 2..4) and converted
+    (PTX: four bytes a step in inline PTX, else elementwise Triton; the same values)."""
+    if PTX:
+        return tl.inline_asm_elementwise(_HALVES_PTX, "=r,=r,=r,=r,r", [c], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=4)
     lo = ((c & 0x08) << 4) | ((c & 0x07) << 2)
     hi = (c & 0x80) | ((c >> 2) & 0x1C)
     return (lo.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16),
@@ -95,25 +146,26 @@ def _halves(c):
 
 @triton.jit
 def _dot_block(acc, x_even, x_odd, codes_ptr, bits_ptr, n, kb, n_ok, kb_ok, stride_cn, stride_sn,
-               GROUP: tl.constexpr):
+               GROUP: tl.constexpr, PTX: tl.constexpr):
     """acc + the block's x @ W^T, W's scales applied to the weights: code bytes kb of rows n."""
     ok = n_ok[:, None] & kb_ok[None, :]
     c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=ok, other=0)
     b = tl.load(bits_ptr + n[:, None] * stride_sn + (kb // (GROUP // 2))[None, :], mask=ok, other=0)
     scale = (((b.to(tl.int32) + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)).to(tl.bfloat16)
-    lo, hi = _halves(c)
+    lo, hi = _halves(c, PTX)
     acc = tl.dot(x_even, tl.trans(lo * scale), acc)
     return tl.dot(x_odd, tl.trans(hi * scale), acc)
 
 
 @triton.jit
-def _dot_group(acc, x_even, x_odd, codes_ptr, bits_ptr, n, kb, g, n_ok, kb_ok, g_ok, stride_cn, stride_sn):
+def _dot_group(acc, x_even, x_odd, codes_ptr, bits_ptr, n, kb, g, n_ok, kb_ok, g_ok, stride_cn, stride_sn,
+               PTX: tl.constexpr):
     """acc + one scale group's x @ W^T, the scale applied to the float32 partial: code bytes kb
     (GROUP / 2 of them) of rows n, group g (g_ok [BN]: the group lies inside K)."""
     c = tl.load(codes_ptr + n[:, None] * stride_cn + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
     b = tl.load(bits_ptr + n * stride_sn + g, mask=n_ok & g_ok, other=0)
     scale = ((b.to(tl.int32) + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
-    lo, hi = _halves(c)
+    lo, hi = _halves(c, PTX)
     part = tl.dot(x_even, tl.trans(lo))
     part = tl.dot(x_odd, tl.trans(hi), part)
     return acc + part * scale[None, :]
@@ -123,7 +175,7 @@ def _dot_group(acc, x_even, x_odd, codes_ptr, bits_ptr, n, kb, g, n_ok, kb_ok, g
 def _fp4_moe_kernel(x_ptr, src_ptr, ids_ptr, start_ptr, end_ptr, codes_ptr, bits_ptr, out_ptr, weight_ptr,
                     N, K, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om, limit,
                     GATHERED: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
-                    WEIGHTED: tl.constexpr, GROUP: tl.constexpr, GROUP_DOT: tl.constexpr,
+                    WEIGHTED: tl.constexpr, GROUP: tl.constexpr, GROUP_DOT: tl.constexpr, PTX: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(ids_ptr + tile).to(tl.int64)
@@ -162,20 +214,20 @@ def _fp4_moe_kernel(x_ptr, src_ptr, ids_ptr, start_ptr, end_ptr, codes_ptr, bits
                 x_even = tl.load(x_rows + 2 * kb[None, :], mask=x_ok, other=0.0)
                 x_odd = tl.load(x_rows + 2 * kb[None, :] + 1, mask=x_ok, other=0.0)
                 g = g0 // (GROUP // 2)
-                acc = _dot_group(acc, x_even, x_odd, codes, bits, n, kb, g, n_ok, kb_ok, g_ok, stride_cn, stride_sn)
+                acc = _dot_group(acc, x_even, x_odd, codes, bits, n, kb, g, n_ok, kb_ok, g_ok, stride_cn, stride_sn, PTX)
                 if ACT:
                     acc_up = _dot_group(acc_up, x_even, x_odd, codes, bits, n + N, kb, g, n_ok, kb_ok, g_ok,
-                                        stride_cn, stride_sn)
+                                        stride_cn, stride_sn, PTX)
         else:
             kb = k0 + tl.arange(0, BK // 2)
             kb_ok = kb < KB
             x_ok = r_ok[:, None] & kb_ok[None, :]
             x_even = tl.load(x_rows + 2 * kb[None, :], mask=x_ok, other=0.0)
             x_odd = tl.load(x_rows + 2 * kb[None, :] + 1, mask=x_ok, other=0.0)
-            acc = _dot_block(acc, x_even, x_odd, codes, bits, n, kb, n_ok, kb_ok, stride_cn, stride_sn, GROUP)
+            acc = _dot_block(acc, x_even, x_odd, codes, bits, n, kb, n_ok, kb_ok, stride_cn, stride_sn, GROUP, PTX)
             if ACT:
                 acc_up = _dot_block(acc_up, x_even, x_odd, codes, bits, n + N, kb, n_ok, kb_ok, stride_cn,
-                                    stride_sn, GROUP)
+                                    stride_sn, GROUP, PTX)
     if ACT:
         gate = acc
         up = acc_up
@@ -232,6 +284,8 @@ def _check(x: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor, act: bool) 
 def _launch(x, src, ids, start, end, codes, bits, out, weight, tiles, n, k, limit, gathered, topk, act,
             config: str) -> None:
     cfg = CONFIGS[config]
+    if cfg.ptx and x.device.type != "cuda":
+        raise ValueError(f"config {config} builds its weights in inline PTX: CUDA only")
     grid = (tiles, triton.cdiv(n, cfg.bn))
     dummy = ids
     _fp4_moe_kernel[grid](
@@ -239,7 +293,7 @@ def _launch(x, src, ids, start, end, codes, bits, out, weight, tiles, n, k, limi
         codes.view(torch.uint8), bits, out, dummy if weight is None else weight,
         n, k, x.stride(0), codes.stride(0), codes.stride(1), bits.stride(0), bits.stride(1), out.stride(0),
         float(limit or 0.0), GATHERED=gathered, TOPK=topk, ACT=act, LIMIT=bool(limit), WEIGHTED=weight is not None,
-        GROUP=GROUP, GROUP_DOT=cfg.group_dot, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
+        GROUP=GROUP, GROUP_DOT=cfg.group_dot, PTX=cfg.ptx, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def fp4_moe_gathered(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor, *,

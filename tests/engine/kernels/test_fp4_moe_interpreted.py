@@ -83,7 +83,8 @@ for cfg in ("m16n16k128", "m16n32k256", "m16n32k128g", "m32n64k128", "m64n128k64
 assert K.fp4_moe_gathered(x[:0], flat[:0], codes, bits, topk=topk).shape == (0, 2 * i)
 for bad in (lambda: K.fp4_moe_gathered(x.float(), flat, codes, bits, topk=topk),
             lambda: K.fp4_moe_gathered(x[:, :64], flat, codes, bits, topk=topk),
-            lambda: K.fp4_moe_gathered(x, flat[:3], codes, bits, topk=topk)):
+            lambda: K.fp4_moe_gathered(x, flat[:3], codes, bits, topk=topk),
+            lambda: K.fp4_moe_gathered(x, flat, codes, bits, topk=topk, config="m16n32k128p")):  # PTX: CUDA only
     try:
         bad()
     except ValueError:

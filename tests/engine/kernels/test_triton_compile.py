@@ -310,7 +310,7 @@ def test_every_launch_the_table_and_heuristic_make_compiles():
 
 @pytest.mark.parametrize("gathered,act,weighted", [(True, True, False), (True, False, True), (False, True, False),
                                                    (False, False, True)])
-@pytest.mark.parametrize("config", ["m16n32k128", "m16n64k128g", "m64n128k64"])
+@pytest.mark.parametrize("config", ["m16n32k128", "m16n64k128g", "m16n32k128gp", "m64n128k64"])
 def test_fp4_moe_compiles(gathered, act, weighted, config):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -319,7 +319,7 @@ def test_fp4_moe_compiles(gathered, act, weighted, config):
 
     cfg = fp4_moe.CONFIGS[config]
     constexprs = {"GATHERED": gathered, "TOPK": 6 if gathered else 1, "ACT": act, "LIMIT": act,
-                  "WEIGHTED": weighted, "GROUP": fp4_moe.GROUP, "GROUP_DOT": cfg.group_dot, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk}
+                  "WEIGHTED": weighted, "GROUP": fp4_moe.GROUP, "GROUP_DOT": cfg.group_dot, "PTX": cfg.ptx, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk}
     pointers = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*bf16", "codes_ptr": "*u8", "bits_ptr": "*u8"}
     kernel = fp4_moe._fp4_moe_kernel
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*i64") if name.endswith("_ptr")
