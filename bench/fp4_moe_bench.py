@@ -13,7 +13,10 @@ other experts, so the 60 MB L2 holds no weights between them), median ms per cal
     fp4_old     FP4 codes dequantized to bf16 each call (engine/kernels/fp4.py) then gathered /
                 grouped matmuls (FP4_FUSED_MOE off)
     fp4_fused   the fused kernel with choose_config's table (what the engine runs), and each
-                config of fp4_moe.CONFIGS for both projections (the sweep; its best too)
+                config of SWEEP (or --configs) for both projections (the sweep; its best too,
+                each config's largest difference from the table's output relative to its
+                largest value, sweep_rel_diff: ~1e-2 at most for a correct config, and any
+                config that fails, sweep_errors, without stopping the run)
 Ratios bf16 / fp4 (above 1: FP4 faster), the fraction of the FP4 weight-bytes roofline (codes
 and scales of the experts a call hits, over the copy bandwidth measured in this run) and the
 goals: fused FP4 >= 1.3x bf16 at batch 1 and >= 1.0x at every batch. Writes fp4_moe.json.
@@ -165,17 +168,26 @@ def main() -> None:
             + (f", {row['fp4_fused_roofline_fraction']:.0%} of roofline" if bw else "") + ")")
         rows.append((row, sets))
         free_device_memory()
-    skipped = []
+    skipped, errors = [], []
     for row, sets in rows:  # the sweep, within the time budget (the goals' figures come first)
         if args.no_sweep:
             break
-        row["sweep_ms"] = {}
+        row["sweep_ms"], row["sweep_rel_diff"] = {}, {}
+        table_calls = fused_calls(fp4, sets, None)
         for c in sweep:
             if dev == "cuda" and time.time() - started > SWEEP_BUDGET_S:  # smoke: every config asked
                 skipped.append((row["batch"], c))
                 continue
-            with torch.no_grad():
-                row["sweep_ms"][c] = call_ms(fused_calls(fp4, sets, (c, c)), size)
+            try:
+                with torch.no_grad():
+                    calls = fused_calls(fp4, sets, (c, c))
+                    # agreement with the table's configs on the first routing (a wrong config shows here)
+                    ref, got = table_calls[0]().float(), calls[0]().float()
+                    row["sweep_rel_diff"][c] = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+                    row["sweep_ms"][c] = call_ms(calls, size)
+            except Exception as err:  # a config that fails to compile or run: recorded, the sweep goes on
+                errors.append({"batch": row["batch"], "config": c, "error": f"{type(err).__name__}: {err}"[:500]})
+                log(f"bs={row['batch']:<3} {c} failed: {errors[-1]['error'][:200]}")
         if row["sweep_ms"]:
             best = min(row["sweep_ms"], key=row["sweep_ms"].get)
             row["best_config"], row["fp4_best_ms"] = best, row["sweep_ms"][best]
@@ -193,7 +205,7 @@ def main() -> None:
         "shapes": {"experts": cfg.num_experts, "hidden": cfg.hidden_size, "intermediate": cfg.moe_intermediate_size,
                    "per_token": cfg.num_experts_per_tok, "routing_sets_per_replay": size["sets"]},
         "copy_bandwidth_bytes_per_s": bw, "configs": {k: c._asdict() for k, c in fp4_moe.CONFIGS.items()},
-        "config_table": fp4_moe.CONFIG_TABLE, "rows": rows, "goals": goals, "sweep_skipped": skipped,
+        "config_table": fp4_moe.CONFIG_TABLE, "rows": rows, "goals": goals, "sweep_skipped": skipped, "sweep_errors": errors,
         "wall_s": time.time() - started}, args.out)
     for k, g in goals.items():
         log(f"goal {k}: {g['measured']:.2f} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
