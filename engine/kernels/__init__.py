@@ -12,6 +12,8 @@ torch code quietly.
 - `fp8`: linears over FP8 e4m3 weights with block / per-channel / per-tensor scales (weight-only
   for decode, per-token-group activation quantization and an FP8 GEMM for prefill).
 - `fp4`: DeepSeek-V4's FP4 routed experts (e2m1 pairs + E8M0 scales) dequantized in one pass.
+- `fp4_moe`: the same experts' grouped GEMM with the codes dequantized in registers (no copy),
+  the gate/up activation and the routing weights in its epilogues.
 - `launch`: launch options the kernel modules share (programmatic dependent launch).
 - `gemv`: the small-M (<= 16 rows) weight-streaming linear over FP8 or plain weights, split-K
   finished in-kernel.
@@ -63,6 +65,15 @@ def fp4_ops() -> ModuleType | None:
     from specdeploy.engine.kernels import fp4
 
     return fp4
+
+
+@functools.cache
+def fp4_moe_ops() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from specdeploy.engine.kernels import fp4_moe
+
+    return fp4_moe
 
 
 @functools.cache

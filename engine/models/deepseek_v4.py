@@ -86,9 +86,14 @@ CONTIGUOUS_MIN_KEYS = 64
 #               elsewhere): the long prefill chunks.
 # So no call holds more than EXPERT_DEQUANT_CHUNK experts' weights dequantized at once: the
 # transient the plan counts (engine/planner/deepseek_v4.py, where the constant lives).
+# FP4 experts on CUDA in bf16 skip all three: one fused grouped GEMM per projection
+# (engine/kernels/fp4_moe.py) dequantizes the codes in registers, no weight copy at all; the path
+# only picks its tile map (a tile per row where "gathered", rows sorted by expert elsewhere).
 GATHERED_MAX_ROWS = 256
 # Tests force one path ("grouped" / "gathered" / "chunked"; grouped_mm runs on CPU too, slowly).
 EXPERT_PATH: str | None = None
+# Benchmarks and tests turn the fused FP4 kernel off to time / check the dequantizing paths.
+FP4_FUSED_MOE = True
 
 
 def capturing(t: torch.Tensor) -> bool:
@@ -742,6 +747,11 @@ class _Experts(nn.Module):
             idx, w = torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
         flat = idx.reshape(-1)                                              # [R = T k]
         path = self.path(x, flat.numel())
+        fused = self._fused_fp4(x)
+        if fused is not None:
+            return fused.fp4_moe(x.contiguous(), idx, w, (self.gate_up_proj, self.gate_up_proj_scale),
+                                 (self.down_proj, self.down_proj_scale), limit=self.limit or None,
+                                 gathered=path == "gathered")
         if path == "gathered":
             xr = x[:, None, :].expand(t, k, x.shape[-1]).reshape(t * k, -1, 1)  # [R, H, 1]
             ys = torch.cat([self._gathered(xr[r0:r0 + EXPERT_DEQUANT_CHUNK], flat[r0:r0 + EXPERT_DEQUANT_CHUNK])
@@ -784,6 +794,17 @@ class _Experts(nn.Module):
                         ys[a:b] = F.linear(h, self.weight("down_proj", ex, x.dtype))
         ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def _fused_fp4(self, x: torch.Tensor):
+        """engine/kernels/fp4_moe.py where it applies (FP4 codes, bf16 on CUDA, K a multiple of a
+        scale group in both projections), else None."""
+        from specdeploy.engine.models.fp8 import FP4_GROUP
+
+        if self.quant != "fp4" or not FP4_FUSED_MOE or x.dtype != torch.bfloat16:
+            return None
+        if (2 * self.gate_up_proj.shape[-1]) % FP4_GROUP or (2 * self.down_proj.shape[-1]) % FP4_GROUP:
+            return None
+        return fused_kernels(x, ops=kernels.fp4_moe_ops)
 
     def _gathered(self, xr: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """xr [r, H, 1] rows, ids [r] their experts -> [r, H]: r <= EXPERT_DEQUANT_CHUNK expert copies."""

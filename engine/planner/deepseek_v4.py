@@ -68,9 +68,10 @@ MLP_KINDS = (HASH_MOE, MOE)
 # per recent pool and per entry pool, the row it owns (int64): see engine/memory/kv.py.
 SLOT_INDEX_BYTES = 8
 
-# Quantized routed experts (FP4 / FP8 codes) are dequantized into model-dtype weights inside the
-# expert computation, at most this many experts' (or rows') copies of one projection at a time
-# (engine/models/deepseek_v4.py _Experts): the transient the plan's expert workspace counts.
+# Quantized routed experts (FP8 codes; FP4 ones off CUDA / in float32) are dequantized into
+# model-dtype weights inside the expert computation, at most this many experts' (or rows') copies
+# of one projection at a time (engine/models/deepseek_v4.py _Experts): the transient the plan's
+# expert workspace counts. FP4 experts in bf16 on CUDA make no copy (engine/kernels/fp4_moe.py).
 EXPERT_DEQUANT_CHUNK = 16
 
 
@@ -396,10 +397,10 @@ QUERY_BLOCK = 256  # query rows (B x Q) of one block
 
 # Bytes per weight element one projection's dequantization holds while it runs
 # (engine/models/deepseek_v4.py _Experts.weight), by checkpoint kind, for model dtype bytes d:
-# FP4 the output alone (one pass of engine/kernels/fp4.py on CUDA; the torch code elsewhere
-# adds an int32 copy of the code bytes, 2 bytes per weight); FP8 the float32 codes, their float32
-# per-element scales and product (fp8.dequantize_fp8), and the output.
-DEQUANT_TRANSIENT_BYTES = {"fp4": (0, 1), "fp8": (12, 1)}  # (bytes, times d)
+# FP4 none: on CUDA the fused grouped GEMM (engine/kernels/fp4_moe.py) dequantizes the codes in
+# registers and writes no weight copy (the torch code, CPU only, is not planned for); FP8 the
+# float32 codes, their float32 per-element scales and product (fp8.dequantize_fp8), and the output.
+DEQUANT_TRANSIENT_BYTES = {"fp4": (0, 0), "fp8": (12, 1)}  # (bytes, times d)
 
 
 @dataclass(frozen=True)
@@ -439,8 +440,9 @@ def v4_forward_peak_bytes(v4: V4Config, role: str, dims: V4ForwardDims, tokens: 
                    n (W + keys) hd d x 2 and logits n heads (W + keys) 4 x 3 (keys: CSA
                    min(index_topk, entries), HCA entries)
         moe        2 S + 2 T H d + router T E 4 x 3 + xs R H d + the activation R (2I + 4I) d
-                   (gate/up output, clamped gate and up, silu, product) + the sort R 24 + quantized experts:
-                   EXPERT_DEQUANT_CHUNK experts' gate/up dequantized and the output R H d
+                   (gate/up output, clamped gate and up, silu, product) + the sort R 24 + FP8 experts:
+                   EXPERT_DEQUANT_CHUNK experts' gate/up dequantized and the output R H d (FP4:
+                   nothing more, the fused kernel holds no weight copy)
         shared     2 S + 3 T H d + the shared expert's gate, up, clamps, silu, product 6 T Is d
         mtp_input  (MTP) the hnorm of the target's streams: 2 S + T hc H 4 x 2
     """
@@ -476,8 +478,9 @@ def v4_forward_peak_bytes(v4: V4Config, role: str, dims: V4ForwardDims, tokens: 
     moe = 2 * tokens * h * d + 3 * tokens * dims.num_experts * 4 + rows * (h * d + 6 * i * d + 24)
     if dims.expert_quant:
         per, times_d = DEQUANT_TRANSIENT_BYTES[dims.expert_quant]
-        chunk = min(EXPERT_DEQUANT_CHUNK, dims.local_experts)
-        moe += chunk * 2 * i * h * (per + times_d * d) + rows * h * d
+        if per or times_d:  # a dequantizing path: the chunk's copies and its partial output
+            chunk = min(EXPERT_DEQUANT_CHUNK, dims.local_experts)
+            moe += chunk * 2 * i * h * (per + times_d * d) + rows * h * d
     s2 = 2 * s + step
     phases = {
         "hc_mixes": s2 + tokens * dims.hc_mult * h * 4,

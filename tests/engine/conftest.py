@@ -13,10 +13,11 @@ def _one_cpu_thread():
 
 
 # Prepended to scripts run under Triton's CPU interpreter. The interpreter differs from the GPU
-# in two bfloat16 details that the kernels rely on: tl.dot multiplies bf16 operands as their raw
-# uint16 bit patterns (the GPU multiplies the values, exactly, and sums in fp32), and a cast
-# from fp32 to bf16 truncates (the GPU rounds to nearest even, as torch does). Both are patched
-# to the GPU's behaviour so that bf16 results can be held to torch's roundings.
+# in three bfloat16 details that the kernels rely on: tl.dot multiplies bf16 operands as their raw
+# uint16 bit patterns (the GPU multiplies the values, exactly, and sums in fp32), so does a bf16
+# product (the GPU rounds the values' product to nearest even), and a cast from fp32 to bf16
+# truncates (the GPU rounds to nearest even, as torch does). All are patched to the GPU's
+# behaviour so that bf16 results can be held to torch's roundings.
 _INTERPRETER_BF16 = r"""
 import numpy as np
 import torch
@@ -43,6 +44,18 @@ def _cast_impl(self, src, dst_type):
         return interpreter.TensorHandle(bits.view(np.uint16).reshape(np.shape(src.data)), tl.bfloat16)
     return _cast(self, src, dst_type)
 interpreter.InterpreterBuilder.cast_impl = _cast_impl
+
+def _bf16_bits(f32, shape):
+    bits = torch.from_numpy(np.ascontiguousarray(f32, dtype=np.float32).copy()).to(torch.bfloat16)
+    return interpreter.TensorHandle(bits.view(torch.int16).numpy().view(np.uint16).reshape(shape), tl.bfloat16)
+
+_fmul = interpreter.InterpreterBuilder.create_fmul
+def _create_fmul(self, lhs, rhs):
+    if lhs.dtype.scalar == tl.bfloat16:
+        a, b = _bf16_values(lhs).data, _bf16_values(rhs).data
+        return _bf16_bits(a * b, np.shape(a * b))
+    return _fmul(self, lhs, rhs)
+interpreter.InterpreterBuilder.create_fmul = _create_fmul
 """
 
 

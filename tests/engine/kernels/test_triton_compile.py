@@ -294,3 +294,25 @@ def test_every_launch_the_table_and_heuristic_make_compiles():
         weight = "*fp8e4nv" if kind == "fp8" else "*bf16"
         triton.compile(_gemv_source(weight, "*bf16", const), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": const["STAGES"]})
+
+
+@pytest.mark.parametrize("gathered,act,weighted", [(True, True, False), (True, False, True), (False, True, False),
+                                                   (False, False, True)])
+@pytest.mark.parametrize("config", ["m16n32k128", "m16n64k128g", "m16n32k128gp", "m64n128k64"])
+def test_fp4_moe_compiles(gathered, act, weighted, config):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specdeploy.engine.kernels import fp4_moe
+
+    cfg = fp4_moe.CONFIGS[config]
+    constexprs = {"GATHERED": gathered, "TOPK": 6 if gathered else 1, "ACT": act, "LIMIT": act,
+                  "WEIGHTED": weighted, "GROUP": fp4_moe.GROUP, "GROUP_DOT": cfg.group_dot, "PTX": cfg.ptx, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk}
+    pointers = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*bf16", "codes_ptr": "*u8", "bits_ptr": "*u8"}
+    kernel = fp4_moe._fp4_moe_kernel
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*i64") if name.endswith("_ptr")
+                 else "fp32" if name == "limit" else "i32" for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.warps, "num_stages": cfg.stages})
+    assert "cvt.rn.f16x2.e4m3x2" in compiled.asm["ptx"] or "e4m3" in compiled.asm["ptx"]  # the hardware conversion

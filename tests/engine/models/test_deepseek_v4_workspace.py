@@ -27,6 +27,7 @@ from specdeploy.engine.planner.deepseek_v4 import V4ForwardDims, v4_forward_peak
 
 hck = pytest.importorskip("specdeploy.engine.kernels.hc", reason="needs Triton (the kernels' launchers)")
 fp4k = pytest.importorskip("specdeploy.engine.kernels.fp4")
+fp4moe = pytest.importorskip("specdeploy.engine.kernels.fp4_moe")
 
 FLASH = Path(__file__).resolve().parents[3] / "manifests" / "models" / "deepseek-v4-flash" / "config.json"
 # the plan's formula may count up to this much more than the code holds, never less than 97%
@@ -70,8 +71,11 @@ def as_on_h200(monkeypatch):
     monkeypatch.setattr(hcmod, "fused_kernels", lambda x, *params, ops: hck)
     monkeypatch.setattr(hck, "_hc_pre_kernel", _NoLaunch())
     monkeypatch.setattr(hck, "_hc_expand_kernel", _NoLaunch())
-    monkeypatch.setattr(v4mod, "fused_kernels", lambda x, *params, ops: fp4k)  # FP4 experts' dequantization
+    # FP4 experts: the fused grouped GEMM (its launcher's outputs), the dequantization kernel otherwise
+    monkeypatch.setattr(v4mod, "fused_kernels",
+                        lambda x, *params, ops: fp4moe if ops is v4mod.kernels.fp4_moe_ops else fp4k)
     monkeypatch.setattr(fp4k, "_dequant_fp4_kernel", _NoLaunch())
+    monkeypatch.setattr(fp4moe, "_fp4_moe_kernel", _NoLaunch())
 
 
 def flash_layers() -> dict:
@@ -175,8 +179,8 @@ def test_mtp_forward_is_what_the_plan_counts(flash, as_on_h200, monkeypatch):
 
 
 def test_fp4_experts_in_a_capture_are_what_the_plan_counts(as_on_h200, monkeypatch):
-    """Quantized experts as a graph capture computes them (grouped, EXPERT_DEQUANT_CHUNK experts
-    dequantized at a time) at verify-sized rows: the dequantized chunk is the largest term."""
+    """FP4 experts as a graph capture computes them (the fused grouped GEMM: no weight copy, the
+    rows sorted by expert and the tile map) at verify-sized rows."""
     cfg = V4ModelConfig.from_hf(flash_layers())
     target = build_target(cfg, torch.bfloat16, "meta")
     for m in target.modules():
