@@ -27,11 +27,7 @@ def _report_module():
 def _bench_module():
     spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "bench" / "serving_bench.py")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    spec.loader.exec_module(module)  # the script puts bench/ on sys.path itself, as when it runs
     return module
 
 
