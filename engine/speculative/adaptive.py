@@ -16,15 +16,9 @@ costs and feeds back what each step accepted.
 Costs: `c(shape, bucket)` for every candidate shape and CUDA-graph batch bucket, measured at
 start-up by replaying the captured graphs on padded inputs with empty prefixes (eager calls where
 nothing is captured). A real step also reads each request's KV prefix and does host work, which
-is not the same for every shape: host work grows with the tokens a step commits, a speculative
-step after plain ones pays the draft's catch-up, and a long prefix is read per query token. So
-each shape keeps its own online offset per bucket, an exponential average of (its measured step
-time - its start-up cost); a shape not yet measured at a bucket borrows the bucket's offset (the
-average over whatever ran there). A single offset shared by every shape hid exactly those
-differences: learned from speculative steps it priced NONE with speculation's overheads, and
-NONE, never run, never showed it was cheaper. While a speculative shape is chosen at a bucket,
-every `probe_every` steps there run NONE instead (if NONE's own cost there is unmeasured or
-older than that), so the comparison with target-only is always against a measured cost.
+is about the same for every shape (verify reads the prefix once for the whole tree, plain decode
+once for its one token), so the policy adds one online offset per bucket to every shape's cost:
+an exponential average of (measured step time - start-up cost of the shape that ran).
 
 Acceptance: for depth d, r_d = P(accepted >= d | accepted >= d - 1), pooled over rows from
 exponentially decayed counts. Pooled conditional rates telescope to the pooled marginal
@@ -82,8 +76,7 @@ class _Counts:
 class AdaptivePolicy:
     def __init__(self, shapes: list[SpecShape], costs_s: dict[tuple[SpecShape, int], float], *,
                  prior_rate: float = 0.8, prior_weight: float = 4.0, half_life_steps: float = 256.0,
-                 margin: float = 0.02, online_costs: bool = True, cost_smoothing: float = 0.1,
-                 probe_every: int = 64):
+                 margin: float = 0.02, online_costs: bool = True, cost_smoothing: float = 0.1):
         """shapes: the candidates (NONE among them). costs_s: start-up seconds per step for every
         (shape, bucket); the buckets are the batch sizes present."""
         if NONE not in shapes:
@@ -93,17 +86,11 @@ class AdaptivePolicy:
         missing = [(s.label, b) for s in self.shapes for b in self.buckets if (s, b) not in costs_s]
         if not self.buckets or missing:
             raise ValueError(f"step costs missing for (shape, bucket) {missing or 'all'}")
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.base_costs_s = dict(costs_s)
         self.prior_rate, self.prior_weight, self.margin = prior_rate, prior_weight, margin
         self.decay = 0.5 ** (1.0 / half_life_steps)
         self.online_costs, self.cost_smoothing = online_costs, cost_smoothing
-        self.offset_s: dict[int, float] = {}  # per bucket, over every shape: the unmeasured shapes' prior
-        self.shape_offset_s: dict[tuple[SpecShape, int], float] = {}  # per (shape, bucket): its own
-        self.probe_every = probe_every
-        self._steps_at: dict[int, int] = {}  # decode steps chosen per bucket
-        self._none_timed_at: dict[int, int] = {}  # the bucket's step count when NONE was last timed
+        self.offset_s: dict[int, float] = {}
         self._counts: dict[str, _Counts] = {}
         self.steps_by_shape: dict[SpecShape, int] = {s: 0 for s in self.shapes}
         self.last_choice: SpecShape | None = None
@@ -140,8 +127,7 @@ class AdaptivePolicy:
         base = self.base_costs_s[(shape, bucket)]
         if batch_size > bucket:  # above the largest bucket: eager, about proportional
             base *= batch_size / bucket
-        own = self.shape_offset_s.get((shape, bucket))
-        return base + (own if own is not None else self.offset_s.get(bucket, 0.0))
+        return base + self.offset_s.get(bucket, 0.0)
 
     def throughputs(self, batch_size: int) -> dict[SpecShape, float]:
         """Predicted tokens per second of each candidate at this batch size."""
@@ -153,12 +139,6 @@ class AdaptivePolicy:
         tps = self.throughputs(batch_size)
         best = max((s for s in self.shapes if not s.is_none), key=lambda s: tps[s], default=NONE)
         choice = best if tps[best] > tps[NONE] * (1.0 + self.margin) else NONE
-        bucket = bucket_for(batch_size, self.buckets)
-        steps = self._steps_at[bucket] = self._steps_at.get(bucket, 0) + 1
-        if not choice.is_none and self.online_costs and batch_size <= self.buckets[-1]:
-            last = self._none_timed_at.get(bucket)
-            if (last is None and steps >= self.probe_every) or (last is not None and steps - last >= self.probe_every):
-                choice = NONE  # a probe: NONE's cost here measured, not inferred from other shapes'
         self.last_choice = choice
         return choice
 
@@ -185,11 +165,8 @@ class AdaptivePolicy:
             return
         bucket = bucket_for(batch_size, self.buckets)
         gap = seconds - self.base_costs_s[(shape, bucket)]
-        for table, key in ((self.offset_s, bucket), (self.shape_offset_s, (shape, bucket))):
-            old = table.get(key)
-            table[key] = gap if old is None else old + self.cost_smoothing * (gap - old)
-        if shape.is_none:
-            self._none_timed_at[bucket] = self._steps_at.get(bucket, 0)
+        old = self.offset_s.get(bucket)
+        self.offset_s[bucket] = gap if old is None else old + self.cost_smoothing * (gap - old)
 
     def crossover_batch(self) -> int | None:
         """The smallest bucket at which the policy would choose NONE now, None if it never would."""
