@@ -75,17 +75,22 @@ CONFIGS = {
 }
 # (most rows per expert on average, config): the first whose bound holds. Decode (a row or two
 # per expert) streams weights with narrow BN for many programs; prefill tiles grow with the rows.
-CONFIG_TABLE = ((2, "m16n32k128"), (16, "m16n64k128"), (48, "m32n64k128"), (None, "m64n128k64"))
+# Up to two rows per expert (V4-Flash decode at batch 1-64: 6 of 256 experts a token) the sweep's
+# fastest at every batch was m16n64k128gp (H200, bench/fp4_moe_bench.py at e05fd9d,
+# docs/benchmarks/runs/2026-12-02-final/fp4_moe.json: 0.123 ms at batch 1 against 0.179 ms in bf16,
+# 2.99 against 3.39 ms at batch 64); the larger buckets are not yet measured.
+CONFIG_TABLE = ((2, "m16n64k128gp"), (16, "m16n64k128"), (48, "m32n64k128"), (None, "m64n128k64"))
 
 
-def choose_config(rows: int, n: int, k: int, num_experts: int) -> str:
-    """The config for `rows` (token, expert) rows over `num_experts` experts of [N, K] weights."""
+def choose_config(rows: int, n: int, k: int, num_experts: int, cuda: bool = True) -> str:
+    """The config for `rows` (token, expert) rows over `num_experts` experts of [N, K] weights;
+    off CUDA (Triton's interpreter) a PTX config's twin that builds the same weights in Triton."""
     if rows < 0 or n <= 0 or k <= 0 or num_experts <= 0:
         raise ValueError(f"bad shapes rows={rows} n={n} k={k} experts={num_experts}")
     per_expert = rows / min(num_experts, max(rows, 1))
     for bound, name in CONFIG_TABLE:
         if bound is None or per_expert <= bound:
-            return name
+            return name if cuda or not CONFIGS[name].ptx else name.removesuffix("p")
     raise AssertionError("CONFIG_TABLE ends with an unbounded row")
 
 
@@ -308,7 +313,7 @@ def fp4_moe_gathered(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, bi
         raise ValueError(f"{r} rows for {x.shape[0]} activation rows x topk {topk}")
     out = torch.empty(r, n, dtype=x.dtype, device=x.device)
     if r:
-        cfg = config or choose_config(r, n, k, codes.shape[0])
+        cfg = config or choose_config(r, n, k, codes.shape[0], x.device.type == "cuda")
         weight = None if row_weight is None else row_weight.reshape(-1)
         _launch(x, None, ids, None, None, codes, bits, out, weight, r, n, k, limit, True, topk, act, cfg)
     return out
@@ -343,7 +348,8 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     if gathered is None:
         gathered = r < e
     i, h = gate_up[0].shape[1] // 2, down[0].shape[1]
-    c_up, c_down = configs or (choose_config(r, i, x.shape[1], e), choose_config(r, h, i, e))
+    cuda = x.device.type == "cuda"
+    c_up, c_down = configs or (choose_config(r, i, x.shape[1], e, cuda), choose_config(r, h, i, e, cuda))
     if gathered:
         act = fp4_moe_gathered(x, ids, *gate_up, topk=topk, act=True, limit=limit, config=c_up)
         ys = fp4_moe_gathered(act, ids, *down, row_weight=weights, config=c_down)

@@ -163,6 +163,10 @@ def test_choose_config_is_a_table():
     from specdeploy.engine.kernels import fp4_moe
 
     assert fp4_moe.choose_config(6, 2048, 4096, 256) == fp4_moe.choose_config(1, 4096, 2048, 256)
+    # off CUDA a PTX pick becomes its Triton twin: same blocks, same weights, no inline PTX
+    on_gpu, off_gpu = fp4_moe.choose_config(6, 2048, 4096, 256), fp4_moe.choose_config(6, 2048, 4096, 256, cuda=False)
+    assert not fp4_moe.CONFIGS[off_gpu].ptx
+    assert fp4_moe.CONFIGS[off_gpu]._replace(ptx=True) == fp4_moe.CONFIGS[on_gpu]._replace(ptx=True)
     assert fp4_moe.CONFIGS[fp4_moe.choose_config(8192 * 6, 2048, 4096, 256)].bm == 64
     assert {name for _, name in fp4_moe.CONFIG_TABLE} <= set(fp4_moe.CONFIGS)
     with pytest.raises(ValueError):
