@@ -120,13 +120,93 @@ def fused_calls(m: _Experts, sets: list, configs: tuple[str, str] | None) -> lis
             for x, idx, w in sets]
 
 
+GOAL_FIGURES = {"fp4_over_bf16_batch1": "FP4 / bf16 routed experts at batch 1 (V4-Flash shapes, fused FP4 GEMM)",
+                "fp4_over_bf16_min_1_64": "FP4 / bf16 routed experts, worst batch of 1-64 (V4-Flash shapes)"}
+
+
+def goals_of(ratios: dict) -> dict:
+    """The JSON's goals, in the self-describing form bench/report.py reads."""
+    measured = {"fp4_over_bf16_batch1": ratios.get(1), "fp4_over_bf16_min_1_64": min(ratios.values()) if ratios else None}
+    return {k: {"figure": GOAL_FIGURES[k], "goal": g, "measured": measured[k], "unit": "x",
+                "met": measured[k] is not None and measured[k] >= g} for k, g in GOALS.items()}
+
+
+def record(rows, args, cfg, size, bw, started, skipped, errors) -> dict:
+    rows = [row for row, _ in rows]
+    return {
+        "script": "bench/fp4_moe_bench.py",
+        "title": "DeepSeek-V4-Flash FP4 routed experts: fused FP4 grouped GEMM vs bf16 and dequantizing FP4 (issue 32)",
+        "command": argv_command(), "environment": environment(), "smoke": args.smoke,
+        "shapes": {"experts": cfg.num_experts, "hidden": cfg.hidden_size, "intermediate": cfg.moe_intermediate_size,
+                   "per_token": cfg.num_experts_per_tok, "routing_sets_per_replay": size["sets"]},
+        "copy_bandwidth_bytes_per_s": bw, "configs": {k: c._asdict() for k, c in fp4_moe.CONFIGS.items()},
+        "config_table": fp4_moe.CONFIG_TABLE, "rows": rows,
+        "goals": goals_of({r["batch"]: r["bf16_over_fp4_fused"] for r in rows}),
+        "goals_source": "the engine's path (_Experts.forward with the table's configs)",
+        "sweep_skipped": skipped, "sweep_errors": errors, "wall_s": time.time() - started}
+
+
+def markdown(result: dict) -> str:
+    """A title line, then the per-batch table (ms) and the goals' source."""
+    rows = result["rows"]
+    configs = sorted({c for r in rows for c in (r.get("sweep_ms") or {})})
+    head = ["batch", "rows", "bf16 ms", "FP4 dequantize + grouped ms", "fused FP4 (engine) ms", "fused / bf16",
+            "% of FP4 roofline"] + [f"sweep {c}" for c in configs]
+    lines = [f"# {result['title']}", "",
+             f"{result['shapes']['experts']} experts of [{2 * result['shapes']['intermediate']}, "
+             f"{result['shapes']['hidden']}] gate/up and [{result['shapes']['hidden']}, "
+             f"{result['shapes']['intermediate']}] down, {result['shapes']['per_token']} per token, one MoE layer's "
+             "routed experts as CUDA-graph replays over "
+             f"{result['shapes']['routing_sets_per_replay']} routings (weights defeat the L2); medians. Goals read "
+             f"from {result['goals_source']}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        frac = r.get("fp4_fused_roofline_fraction")
+        cells = [r["batch"], r["rows"], f"{r['bf16_ms']:.3f}", f"{r['fp4_old_ms']:.3f}", f"{r['fp4_fused_ms']:.3f}",
+                 f"{r['bf16_over_fp4_fused']:.2f}×", f"{100 * frac:.0f}%" if frac else "—"]
+        cells += [f"{r['sweep_ms'][c]:.3f}" if c in (r.get("sweep_ms") or {}) else "—" for c in configs]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render(path: Path) -> None:
+    """Rewrite a recorded fp4_moe.json self-describing, with fp4_moe.md beside it. A record made
+    under an earlier config table whose sweep timed the config the table names now for every
+    batch takes its goals from those sweep rows (the same launches, the same run), and says so."""
+    import json
+
+    result = json.loads(path.read_text())
+    now = [list(x) for x in fp4_moe.CONFIG_TABLE]
+    if [list(x) for x in result.get("config_table", [])] != now:
+        picks = {r["batch"]: fp4_moe.choose_config(r["rows"], 1, 1, result["shapes"]["experts"]) for r in result["rows"]}
+        if all(picks[r["batch"]] in (r.get("sweep_ms") or {}) for r in result["rows"]):
+            for r in result["rows"]:
+                r["fp4_fused_ms_recorded"] = r["fp4_fused_ms"]
+                r["fp4_fused_ms"] = r["sweep_ms"][picks[r["batch"]]]
+                r["bf16_over_fp4_fused"] = r["bf16_ms"] / r["fp4_fused_ms"]
+                if r.get("fp4_roofline_ms"):
+                    r["fp4_fused_roofline_fraction"] = r["fp4_roofline_ms"] / r["fp4_fused_ms"]
+            result["goals_source"] = (f"the sweep's rows of the configs the table names now ({sorted(set(picks.values()))}); "
+                                      f"the run's own table was {result.get('config_table')}")
+            result["config_table"] = fp4_moe.CONFIG_TABLE
+    result.update(script="bench/fp4_moe_bench.py", goals=goals_of({r["batch"]: r["bf16_over_fp4_fused"] for r in result["rows"]}))
+    result["title"] = result.get("title", "").removesuffix(" (issue 32)") + " (issue 32)"
+    result.setdefault("goals_source", "the engine's path (_Experts.forward with the table's configs)")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code path only")
     ap.add_argument("--out", type=Path, default=Path(".bench"))
     ap.add_argument("--no-sweep", action="store_true", help="the table's config only")
     ap.add_argument("--configs", default=",".join(SWEEP), help="the configs to sweep, comma-separated")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="rewrite a recorded fp4_moe.json self-describing, "
+                    "with its .md (goals for the current config table where its sweep timed it)")
     args = ap.parse_args()
+    if args.render:
+        return render(args.render)
     sweep = args.configs.split(",")
     if not set(sweep) <= set(fp4_moe.CONFIGS):
         sys.exit(f"unknown configs {sorted(set(sweep) - set(fp4_moe.CONFIGS))}; known: {list(fp4_moe.CONFIGS)}")
@@ -169,6 +249,8 @@ def main() -> None:
         rows.append((row, sets))
         free_device_memory()
     skipped, errors = [], []
+    # the goals' figures are on disk before the sweep starts (a time cap may cut the sweep)
+    write_json("fp4_moe.json", record(rows, args, cfg, size, bw, started, skipped, errors), args.out)
     for row, sets in rows:  # the sweep, within the time budget (the goals' figures come first)
         if args.no_sweep:
             break
@@ -194,20 +276,10 @@ def main() -> None:
             row["bf16_over_fp4_best"] = row["bf16_ms"] / row["fp4_best_ms"]
             log(f"bs={row['batch']:<3} sweep: " + ", ".join(f"{c} {ms:.3f}" for c, ms in row["sweep_ms"].items())
                 + f" ms; best {best} ({row['bf16_over_fp4_best']:.2f}x bf16)")
-    rows = [row for row, _ in rows]
-    ratios = {r["batch"]: r["bf16_over_fp4_fused"] for r in rows}
-    measured = {"fp4_over_bf16_batch1": ratios.get(1), "fp4_over_bf16_min_1_64": min(ratios.values())}
-    goals = {k: {"goal": g, "measured": measured[k], "met": measured[k] is not None and measured[k] >= g}
-             for k, g in GOALS.items()}
-    write_json("fp4_moe.json", {
-        "title": "DeepSeek-V4-Flash FP4 routed experts: fused FP4 grouped GEMM vs bf16 and dequantizing FP4",
-        "command": argv_command(), "environment": environment(), "smoke": args.smoke,
-        "shapes": {"experts": cfg.num_experts, "hidden": cfg.hidden_size, "intermediate": cfg.moe_intermediate_size,
-                   "per_token": cfg.num_experts_per_tok, "routing_sets_per_replay": size["sets"]},
-        "copy_bandwidth_bytes_per_s": bw, "configs": {k: c._asdict() for k, c in fp4_moe.CONFIGS.items()},
-        "config_table": fp4_moe.CONFIG_TABLE, "rows": rows, "goals": goals, "sweep_skipped": skipped, "sweep_errors": errors,
-        "wall_s": time.time() - started}, args.out)
-    for k, g in goals.items():
+    result = record(rows, args, cfg, size, bw, started, skipped, errors)
+    write_json("fp4_moe.json", result, args.out)
+    (args.out / "fp4_moe.md").write_text(markdown(result))
+    for k, g in result["goals"].items():
         log(f"goal {k}: {g['measured']:.2f} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
 
 

@@ -754,6 +754,7 @@ def scan_runs(root: Path, repo: Path) -> dict:
     sections: dict = {}
     scripts: dict = {}
     tests: list = []
+    serving_runs: list = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         records = {p: _json(p) for p in sorted(folder.glob("*.json"))}
         env = records.pop(folder / "env.json", None)
@@ -775,6 +776,8 @@ def scan_runs(root: Path, repo: Path) -> dict:
                 renv = rec.get("environment") or {}
                 cand = {"data": rec, "_source": rel, "_date": renv.get("date") or folder_date,
                         "_commit": renv.get("commit") or folder_commit, "_folder": folder}
+                if path.name == "serving_bench.json":
+                    serving_runs.append(cand)
                 old = scripts.get(path.name)
                 if old is None or (cand["_date"] or "") >= (old["_date"] or ""):
                     scripts[path.name] = cand
@@ -790,7 +793,8 @@ def scan_runs(root: Path, repo: Path) -> dict:
                           "commit": name_commit.group(1) if name_commit and not name_time else folder_commit or
                           next(((r.get("environment") or {}).get("commit") for r in records.values()
                                 if r and (r.get("environment") or {}).get("commit")), None)})
-    return {"sections": sections, "scripts": scripts, "tests": tests}
+    serving = sorted((rec for rec in serving_runs), key=lambda r: r["_date"] or "")
+    return {"sections": sections, "scripts": scripts, "tests": tests, "serving_runs": serving}
 
 
 def script_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
@@ -1036,6 +1040,24 @@ def _serving_legacy_errors(d: dict) -> str:
             "server holds; what arrived beyond it was refused with 429.")
 
 
+def merged_serving(runs: list[dict]) -> dict | None:
+    """One serving record of the latest run, each mode taken from the latest run that measured it
+    (a device call's time budget may skip a mode; a later call measures it) among the runs of the
+    same workload and harness (per-rate warm-up); each mode keeps where it came from."""
+    if not runs:
+        return None
+    latest = runs[-1]
+    base = latest["data"]
+    same = [r for r in runs if r["data"].get("workload") == base.get("workload")
+            and ("warmup_s" in r["data"].get("run", {})) == ("warmup_s" in base.get("run", {}))]
+    modes: dict = {}
+    for rec in same:  # oldest first: a later measurement of a mode replaces an earlier one
+        for mode, m in rec["data"]["modes"].items():
+            if m.get("rows") or mode not in modes:
+                modes[mode] = {**m, "_run": {"date": rec["_date"], "commit": rec["_commit"], "source": rec["_source"]}}
+    return {**latest, "data": {**base, "modes": modes}, "_merged": len({m["_run"]["source"] for m in modes.values()}) > 1}
+
+
 def _serving_section(rec: dict | None) -> list[str]:
     lines = ["## Serving benchmark (issue 33)", "", SERVING_NOTE, ""]
     if rec is None:
@@ -1054,6 +1076,13 @@ def _serving_section(rec: dict | None) -> list[str]:
               f"{d['run']['max_requests']} requests, up to {d['run']['max_running_requests']} running on the "
               "server. " + _serving_run_text(d), "",
               SERVING_COUNTS_NOTE + _serving_legacy_errors(d), ""]
+    if rec.get("_merged"):
+        lines += ["The modes come from more than one device call (a call's time budget skipped some); each mode's run: "
+                  + "; ".join(f"{mode}: {m['_run']['date']}, commit {m['_run']['commit']}, `{m['_run']['source']}`"
+                              for mode, m in d["modes"].items()) + ".", ""]
+    lines += [f"{mode}: {m['note']}" for mode, m in d["modes"].items() if m.get("note")]
+    if any(m.get("note") for m in d["modes"].values()):
+        lines.append("")
     png = rec["_folder"] / "serving_bench.png"
     if png.is_file():
         lines += [f"![serving curves]({png.relative_to(rec['_folder'].parents[2]).as_posix()})", ""]
@@ -1107,7 +1136,7 @@ def render_repository(scan: dict, repo: Path) -> str:
                           "torch.profiler over its replays.", "",
                           _kernel_profile(att["profile"], att["median_ms_pdl_off"]), ""]
     lines += described_sections(scripts)
-    lines += _serving_section(scripts.get("serving_bench.json"))
+    lines += _serving_section(merged_serving(scan.get("serving_runs") or []))
     e2e = sections.get("7")
     if e2e and e2e["status"] == "ok":
         lines += _e2e_note(e2e["results"])
@@ -1131,7 +1160,7 @@ def main(argv=None) -> int:
     if args.runs is not None:
         repo = Path(__file__).resolve().parent.parent
         scan = scan_runs(args.runs.resolve(), repo)
-        serving = scan["scripts"].get("serving_bench.json")
+        serving = merged_serving(scan["serving_runs"])
         if serving and not args.no_figures:
             serving_plot(serving["data"], serving["_folder"] / "serving_bench.png")
         args.out.write_text(render_repository(scan, repo))
