@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from prefix_runs import run_one_by_one, tokens  # noqa: E402
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config  # noqa: E402
 from specdeploy.engine.models import attention  # noqa: E402
 from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
@@ -22,24 +23,6 @@ def backend(request):
     attention.set_backend(request.param)
     yield request.param
     attention.set_backend("auto")
-
-
-def tokens(n, seed):
-    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run_one_by_one(runner, reqs):
-    out = {}
-    for r in reqs:
-        runner.add(r)
-        toks, acc, cached = [], [], None
-        while runner.num_running:
-            for o in runner.step():
-                cached = o.num_cached_tokens if cached is None else cached
-                toks += o.token_ids
-                acc.append(o.num_accepted_drafts)
-        out[r.id] = (toks, acc, cached)
-    return out
 
 
 @pytest.mark.parametrize("algorithm,topk,n", [("NONE", 1, 1), ("EAGLE", 1, 4), ("EAGLE3", 2, 5)])

@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from prefix_runs import tokens  # noqa: E402
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config  # noqa: E402
 from specdeploy.engine.models import attention  # noqa: E402
 from specdeploy.engine.runtime.runner import Request, Runner  # noqa: E402
@@ -22,10 +23,6 @@ def backend(request):
     attention.set_backend(request.param)
     yield request.param
     attention.set_backend("auto")
-
-
-def tokens(n, seed):
-    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run(runner, reqs):

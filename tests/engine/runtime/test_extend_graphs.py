@@ -3,8 +3,8 @@ the padded graph bodies (graph_mode "padded": the captured code run eagerly on t
 buffers) give the same tokens, the same acceptance and the same cache hits as the eager prefill,
 for the target alone and with each draft kind, with the feature on and off."""
 
+import prefix_runs
 import pytest
-import torch
 from specdeploy.engine.demo.toy import copy_draft, predictable_target, tiny_config
 from specdeploy.engine.memory.kv import PAD_SLOT
 from specdeploy.engine.planner.plan import SpecSettings
@@ -38,7 +38,7 @@ def test_static_buffers_padded_past_the_chunk():
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return prefix_runs.tokens(n, seed, VOCAB)
 
 
 def make(algorithm: str, graphs: bool) -> Runner:
@@ -51,18 +51,7 @@ def make(algorithm: str, graphs: bool) -> Runner:
     return Runner(target, draft, SpecSettings(algorithm, 3, 1, 4), **kw)
 
 
-def run(runner: Runner, reqs) -> dict:
-    out = {}
-    for r in reqs:  # one at a time: each prefill chunk is one request's
-        runner.add(r)
-        toks, acc, cached = [], [], None
-        while runner.num_running:
-            for o in runner.step():
-                cached = o.num_cached_tokens if cached is None else cached
-                toks += o.token_ids
-                acc.append(o.num_accepted_drafts)
-        out[r.id] = (toks, acc, cached)
-    return out
+run = prefix_runs.run_one_by_one  # one at a time: each prefill chunk is one request's
 
 
 @pytest.mark.parametrize("algorithm", ["NONE", "EAGLE", "EAGLE3"])
