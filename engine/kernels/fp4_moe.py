@@ -97,7 +97,7 @@ def choose_config(rows: int, n: int, k: int, num_experts: int, cuda: bool = True
 # _halves on four code bytes at once (one 32-bit register): the e4m3 placement on the packed
 # word, then e4m3x2 -> f16x2 -> f32 -> bf16x2 (exact: the values are normal f16 and bf16 numbers);
 # outputs $0 $1 the low nibbles' bf16 (elements 0 1, 2 3), $2 $3 the high nibbles'.
-_HALVES_PTX = tl.constexpr("""{
+_HALVES_HEAD = """{
 .reg .b32 t, l, h, f;
 .reg .b16 p<4>, q<2>;
 .reg .f32 a, b;
@@ -112,27 +112,15 @@ and.b32 h, $4, 0x80808080;
 or.b32 h, h, t;
 mov.b32 {p0, p1}, l;
 mov.b32 {p2, p3}, h;
-cvt.rn.f16x2.e4m3x2 f, p0;
-mov.b32 {q0, q1}, f;
+"""
+# one e4m3 pair -> one bf16x2 output, for each of the four pairs p0..p3 (outputs $0..$3)
+_HALVES_CVT = """cvt.rn.f16x2.e4m3x2 f, p{i};
+mov.b32 {{q0, q1}}, f;
 cvt.f32.f16 a, q0;
 cvt.f32.f16 b, q1;
-cvt.rn.bf16x2.f32 $0, b, a;
-cvt.rn.f16x2.e4m3x2 f, p1;
-mov.b32 {q0, q1}, f;
-cvt.f32.f16 a, q0;
-cvt.f32.f16 b, q1;
-cvt.rn.bf16x2.f32 $1, b, a;
-cvt.rn.f16x2.e4m3x2 f, p2;
-mov.b32 {q0, q1}, f;
-cvt.f32.f16 a, q0;
-cvt.f32.f16 b, q1;
-cvt.rn.bf16x2.f32 $2, b, a;
-cvt.rn.f16x2.e4m3x2 f, p3;
-mov.b32 {q0, q1}, f;
-cvt.f32.f16 a, q0;
-cvt.f32.f16 b, q1;
-cvt.rn.bf16x2.f32 $3, b, a;
-}""")
+cvt.rn.bf16x2.f32 ${i}, b, a;
+"""
+_HALVES_PTX = tl.constexpr(_HALVES_HEAD + "".join(_HALVES_CVT.format(i=i) for i in range(4)) + "}")
 
 
 @triton.jit
