@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("1_roofline", "2_decode", "3_spec_step", "4_graphs_vs_eager", "5_acceptance", "6_planner", "7_e2e8b")
@@ -148,9 +149,7 @@ def test_gemv_sweep_smoke(tmp_path):
     table = scope["GEMV_TABLE"]
     assert set(table) == {("fp8", 64, 512, 1), ("fp8", 64, 512, 4), ("plain", 64, 512, 1), ("plain", 64, 512, 4)}
     assert all(cfg[0] in ("fma", "dot", "cublas") and len(cfg) == 6 for cfg in table.values())
-    spec = importlib.util.spec_from_file_location("gemv_sweep", ROOT / "bench" / "gemv_sweep.py")
-    gemv_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gemv_sweep)
+    gemv_sweep = load_bench("gemv_sweep")
     assert gemv_sweep.load_table(tmp_path / "gemv_table.py") == table  # what --gemv-table installs
 
 

@@ -3,12 +3,12 @@ figure of its Goals table comes from a run file under docs/benchmarks/runs/ that
 goal appears once, and the page is exactly what `bench/report.py --runs docs/benchmarks/runs` makes
 of those files now (add a run, regenerate the page)."""
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "docs" / "benchmarks" / "runs"
@@ -16,10 +16,7 @@ RUNS = ROOT / "docs" / "benchmarks" / "runs"
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("report")
 
 
 @pytest.fixture(scope="module")

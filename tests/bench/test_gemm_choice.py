@@ -4,10 +4,10 @@ bench/report.py reads, the .md it renders beside a JSON, and the tolerances."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("triton")
 
@@ -16,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def choice():
-    spec = importlib.util.spec_from_file_location("bench_gemm_choice", ROOT / "bench" / "gemm_choice.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("gemm_choice")
 
 
 def _layers(us_by_m: dict) -> dict:

@@ -5,7 +5,6 @@ bench/report.py renders that JSON as the serving table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,22 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _report_module():
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("report")
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "bench" / "serving_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # the script puts bench/ on sys.path itself, as when it runs
-    return module
+    return load_bench("serving_bench")
 
 
 def _record(start, status_error=None, tokens=10):
