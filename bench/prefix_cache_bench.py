@@ -164,7 +164,7 @@ def main() -> int:
         drive(runner, [Request(f"w{i}", t, 4) for i, t in enumerate(prompts(p, 3, True, seed=0))])
     log(f"runners built, graphs captured and warmed up in {time.perf_counter() - t0:.1f} s")
 
-    results = {"env": environment(), "profile": {k: v for k, v in p.items() if k != "config"},
+    results = {"environment": environment(), "profile": {k: v for k, v in p.items() if k != "config"},
                "shape": SHAPE, "attention": backend}
     t_run = time.perf_counter()
     for name, fn in (("ttft", lambda r: ttft(r, p, seed=1, extend_graphs=True)),
@@ -238,9 +238,10 @@ def describe(results: dict) -> dict:
     and figure names on the product goals (the run-time cap stays out of the Goals table)."""
     results.update(script="bench/prefix_cache_bench.py", command="python3 bench/prefix_cache_bench.py --out OUT",
                    title="Prefix cache: hit vs miss TTFT, and throughput with shared and unique prompts (issue 32)",
-                   environment=results["env"])
+                   environment=results.pop("env", None) or results["environment"])  # "env": records before 2026-12-02
     goals = results.get("goals", {})
-    results["run_time_goal"] = goals.pop("total_wall_s", None)
+    if "total_wall_s" in goals:  # describing twice keeps it
+        results["run_time_goal"] = goals.pop("total_wall_s")
     for key, figure in GOAL_FIGURES.items():
         if key in goals:
             goals[key].update(figure=figure, unit="x")
@@ -250,7 +251,7 @@ def describe(results: dict) -> dict:
 def markdown(results: dict) -> str:
     p = results["profile"]
     t, s, u = results["ttft"], results["shared"], results["unique"]
-    env = results["env"]
+    env = results["environment"]
     t0_ = results["ttft_no_extend_graphs"]
     rows = [f"| TTFT, one request on an idle engine | {t['off']['ttft_median_ms']:.1f} ms | "
             f"{t['on']['ttft_median_ms']:.1f} ms | {t['speedup']:.1f}x lower | >= 10x lower: "
