@@ -793,7 +793,7 @@ def scan_runs(root: Path, repo: Path) -> dict:
                           "commit": name_commit.group(1) if name_commit and not name_time else folder_commit or
                           next(((r.get("environment") or {}).get("commit") for r in records.values()
                                 if r and (r.get("environment") or {}).get("commit")), None)})
-    serving = sorted((rec for rec in serving_runs), key=lambda r: r["_date"] or "")
+    serving = sorted(serving_runs, key=lambda r: r["_date"] or "")
     return {"sections": sections, "scripts": scripts, "tests": tests, "serving_runs": serving}
 
 
