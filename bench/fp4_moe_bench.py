@@ -12,7 +12,8 @@ other experts, so the 60 MB L2 holds no weights between them), median ms per cal
     bf16        bf16 weights, torch's grouped_mm
     fp4_old     FP4 codes dequantized to bf16 each call (engine/kernels/fp4.py) then gathered /
                 grouped matmuls (FP4_FUSED_MOE off)
-    fp4_fused   the fused kernel with choose_config's table (what the engine runs), and each
+    fp4_fused   the fused kernel with choose_config's table and gathered_map's tile map (what the
+                engine runs); map_ms: both tile maps with the table's configs; and each
                 config of SWEEP (or --configs) for both projections (the sweep; its best too,
                 each config's largest difference from the table's output relative to its
                 largest value, sweep_rel_diff: ~1e-2 at most for a correct config, and any
@@ -114,9 +115,10 @@ def call_ms(calls: list, size: dict) -> float:
     return time_ms(lambda: [c() for c in calls], "cpu", warmup=size["warmup"], reps=size["reps"])["median_ms"] / len(calls)
 
 
-def fused_calls(m: _Experts, sets: list, configs: tuple[str, str] | None) -> list:
+def fused_calls(m: _Experts, sets: list, configs: tuple[str, str] | None, gathered: bool | None = None) -> list:
     up, down = (m.gate_up_proj, m.gate_up_proj_scale), (m.down_proj, m.down_proj_scale)
-    return [lambda x=x, idx=idx, w=w: fp4_moe.fp4_moe(x, idx, w, up, down, limit=m.limit or None, configs=configs)
+    return [lambda x=x, idx=idx, w=w: fp4_moe.fp4_moe(x, idx, w, up, down, limit=m.limit or None, configs=configs,
+                                                       gathered=gathered)
             for x, idx, w in sets]
 
 
@@ -151,7 +153,7 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     configs = sorted({c for r in rows for c in (r.get("sweep_ms") or {})})
     head = ["batch", "rows", "bf16 ms", "FP4 dequantize + grouped ms", "fused FP4 (engine) ms", "fused / bf16",
-            "% of FP4 roofline"] + [f"sweep {c}" for c in configs]
+            "% of FP4 roofline", "map", "a tile per row ms", "sorted by expert ms"] + [f"sweep {c}" for c in configs]
     lines = [f"# {result['title']}", "",
              f"{result['shapes']['experts']} experts of [{2 * result['shapes']['intermediate']}, "
              f"{result['shapes']['hidden']}] gate/up and [{result['shapes']['hidden']}, "
@@ -163,7 +165,8 @@ def markdown(result: dict) -> str:
     for r in rows:
         frac = r.get("fp4_fused_roofline_fraction")
         cells = [r["batch"], r["rows"], f"{r['bf16_ms']:.3f}", f"{r['fp4_old_ms']:.3f}", f"{r['fp4_fused_ms']:.3f}",
-                 f"{r['bf16_over_fp4_fused']:.2f}×", f"{100 * frac:.0f}%" if frac else "—"]
+                 f"{r['bf16_over_fp4_fused']:.2f}×", f"{100 * frac:.0f}%" if frac else "—", r.get("table_map", "—")]
+        cells += [f"{r['map_ms'][m]:.3f}" if "map_ms" in r else "—" for m in ("gathered", "grouped")]
         cells += [f"{r['sweep_ms'][c]:.3f}" if c in (r.get("sweep_ms") or {}) else "—" for c in configs]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -238,13 +241,18 @@ def main() -> None:
             row["fp4_fused_ms"] = call_ms([lambda s=s: fp4(*s) for s in sets], size)  # through _Experts
             r, e, h, i = row["rows"], cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
             row["table_configs"] = [fp4_moe.choose_config(r, i, h, e), fp4_moe.choose_config(r, h, i, e)]
+            row["table_map"] = "gathered" if fp4_moe.gathered_map(r, e) else "grouped"
+            # both tile maps with the table's configs (fp4_moe.gathered_map's rule comes from these)
+            row["map_ms"] = {name: call_ms(fused_calls(fp4, sets, None, gathered=name == "gathered"), size)
+                             for name in ("gathered", "grouped")}
         row["bf16_over_fp4_old"] = row["bf16_ms"] / row["fp4_old_ms"]
         row["bf16_over_fp4_fused"] = row["bf16_ms"] / row["fp4_fused_ms"]
         if bw:
             row["fp4_roofline_ms"] = fp4_bytes(cfg, unique) / bw * 1e3
             row["fp4_fused_roofline_fraction"] = row["fp4_roofline_ms"] / row["fp4_fused_ms"]
         log(f"bs={batch:<3} bf16 {row['bf16_ms']:.3f} ms, fp4 old {row['fp4_old_ms']:.3f} ms, fused "
-            f"{row['fp4_fused_ms']:.3f} ms ({row['bf16_over_fp4_fused']:.2f}x bf16"
+            f"{row['fp4_fused_ms']:.3f} ms ({row['table_map']}; maps: gathered {row['map_ms']['gathered']:.3f}, "
+            f"grouped {row['map_ms']['grouped']:.3f} ms) ({row['bf16_over_fp4_fused']:.2f}x bf16"
             + (f", {row['fp4_fused_roofline_fraction']:.0%} of roofline" if bw else "") + ")")
         rows.append((row, sets))
         free_device_memory()

@@ -80,6 +80,19 @@ CONFIGS = {
 # docs/benchmarks/runs/2026-12-02-final/fp4_moe.json: 0.123 ms at batch 1 against 0.179 ms in bf16,
 # 2.99 against 3.39 ms at batch 64); the larger buckets are not yet measured.
 CONFIG_TABLE = ((2, "m16n64k128gp"), (16, "m16n64k128"), (48, "m32n64k128"), (None, "m64n128k64"))
+# The tile map by rows R over E experts: a tile per row while R <= GATHERED_MAX_FRACTION x E, rows
+# sorted by expert above. A tile per row reads an expert's weights once per row that uses it; the
+# sorted map reads each hit expert's once but costs the map's launches (argsort, cumsums,
+# searchsorted: ~8 small kernels). At V4-Flash's 256 experts, 6 a token, a random batch of 32
+# (192 rows) hits ~135 experts: the per-row map reads 1.42x the weights, and ran at 0.94x bf16
+# there while the sorted map at batch 64 ran at 1.13x (bench/fp4_moe_bench.py at e05fd9d).
+# bench/fp4_moe_bench.py times both maps at every batch ("map_ms").
+GATHERED_MAX_FRACTION = 0.25
+
+
+def gathered_map(rows: int, num_experts: int) -> bool:
+    """Whether a call of `rows` (token, expert) rows over `num_experts` experts takes a tile per row."""
+    return rows <= GATHERED_MAX_FRACTION * num_experts
 
 
 def choose_config(rows: int, n: int, k: int, num_experts: int, cuda: bool = True) -> str:
@@ -329,12 +342,12 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     """The routed experts' sum: x [T, H] bf16, ids / weights [T, k] (local expert ids), gate_up
     (codes [E, 2I, H / 2], bits) and down (codes [E, H, I / 2], bits) -> [T, H] = sum over j of
     weights[t, j] down_e(act(gate_up_e(x[t]))) with e = ids[t, j]. gathered: a tile per row (None:
-    when fewer rows than experts); configs: (gate/up, down) config names (None: choose_config)."""
+    gathered_map's choice); configs: (gate/up, down) config names (None: choose_config)."""
     t, topk = ids.shape
     e = gate_up[0].shape[0]
     r = t * topk
     if gathered is None:
-        gathered = r < e
+        gathered = gathered_map(r, e)
     i, h = gate_up[0].shape[1] // 2, down[0].shape[1]
     cuda = x.device.type == "cuda"
     c_up, c_down = configs or (choose_config(r, i, x.shape[1], e, cuda), choose_config(r, h, i, e, cuda))

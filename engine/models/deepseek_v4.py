@@ -87,8 +87,8 @@ CONTIGUOUS_MIN_KEYS = 64
 # So no call holds more than EXPERT_DEQUANT_CHUNK experts' weights dequantized at once: the
 # transient the plan counts (engine/planner/deepseek_v4.py, where the constant lives).
 # FP4 experts on CUDA in bf16 skip all three: one fused grouped GEMM per projection
-# (engine/kernels/fp4_moe.py) dequantizes the codes in registers, no weight copy at all; the path
-# only picks its tile map (a tile per row where "gathered", rows sorted by expert elsewhere).
+# (engine/kernels/fp4_moe.py) dequantizes the codes in registers, no weight copy at all, and picks
+# its own tile map (fp4_moe.gathered_map; a forced EXPERT_PATH "gathered" forces a tile per row).
 GATHERED_MAX_ROWS = 256
 # Tests force one path ("grouped" / "gathered" / "chunked"; grouped_mm runs on CPU too, slowly).
 EXPERT_PATH: str | None = None
@@ -746,12 +746,12 @@ class _Experts(nn.Module):
             mine = (local >= 0) & (local < self.num_local)
             idx, w = torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
         flat = idx.reshape(-1)                                              # [R = T k]
-        path = self.path(x, flat.numel())
         fused = self._fused_fp4(x)
         if fused is not None:
             return fused.fp4_moe(x.contiguous(), idx, w, (self.gate_up_proj, self.gate_up_proj_scale),
                                  (self.down_proj, self.down_proj_scale), limit=self.limit or None,
-                                 gathered=path == "gathered")
+                                 gathered=None if EXPERT_PATH is None else EXPERT_PATH == "gathered")
+        path = self.path(x, flat.numel())
         if path == "gathered":
             xr = x[:, None, :].expand(t, k, x.shape[-1]).reshape(t * k, -1, 1)  # [R, H, 1]
             ys = torch.cat([self._gathered(xr[r0:r0 + EXPERT_DEQUANT_CHUNK], flat[r0:r0 + EXPERT_DEQUANT_CHUNK])

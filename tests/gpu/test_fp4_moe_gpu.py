@@ -1,6 +1,6 @@
 """The fused FP4 MoE GEMM (engine/kernels/fp4_moe.py) on the GPU at DeepSeek-V4-Flash's routed
 expert shapes (256 experts, gate/up [4096, 4096], down [4096, 2048], 6 per token, swiglu_limit
-10): batches 1 .. 64 through _Experts.forward (gathered below 256 rows, grouped above) against a
+10): batches 1 .. 64 through _Experts.forward (its tile map by fp4_moe.gathered_map) against a
 float32 reference on the dequantized weights, every config of the sweep, and inside a CUDA graph.
 
 Tolerance (as tests/engine/kernels/test_fp4_moe_interpreted.py): exact bf16 products summed in
