@@ -14,6 +14,8 @@
    a step reads, FP8 codes and scales included, plus the KV prefix, over the measured copy
    bandwidth). Goals: FP8 batch 1 >= 1.8x bf16 tok/s and >= 85% of the FP8 roofline; FP8 >= bf16
    at every batch.
+   Then, at batch 1 / 64 / 256, the decode call under each PDL mode side by side (pdl_rows):
+   the engine's, PDL right after the cuBLAS FP8 GEMMs too, and none.
 2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
    tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step.
    Random heads accept little, so tok/s is projected for accept lengths 2 and 3 (tokens per
@@ -43,7 +45,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, profile_top, random_head, random_target,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, profile_top, random_head, random_target,  # noqa: E402
                      runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 
@@ -80,6 +82,28 @@ def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
         log(f"{label} decode bs={b:<3} call {row['tok_s']:8.1f} tok/s ({t['median_ms']:.3f} ms, "
             f"{100 * row['fraction_of_roofline']:.1f}% of roofline {r['roofline_tok_s']:.0f}) | Runner.step "
             f"{row.get('runner_tok_s', float('nan')):8.1f} tok/s")
+        rows.append(row)
+    return rows
+
+
+PDL_MODES = {"bf16": ("1", "0"), "fp8": ("1", "all", "0")}
+PDL_BATCHES = (1, 64, 256)
+
+
+def pdl_rows(target, sizes, device, label: str) -> list[dict]:
+    """The graphed decode call's median under each PDL mode (harness.pdl_mode: "1" the engine's,
+    "all" PDL after library GEMMs too, "0" none), side by side at PDL_BATCHES."""
+    rows = []
+    for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
+        row = {"weights": label, "batch": b}
+        for mode in PDL_MODES[label]:
+            with pdl_mode(mode):
+                call = EngineDecode(target, b, sizes["context"], graph=True)
+                row[f"pdl_{mode}_ms"] = time_ms(call, device, warmup=sizes["warmup"], reps=sizes["reps"])["median_ms"]
+                del call
+            free_device_memory()
+        log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
+                                                                  for m in PDL_MODES[label]))
         rows.append(row)
     return rows
 
@@ -192,6 +216,15 @@ def markdown(result: dict) -> str:
                          f"{100 * f.get('fraction_of_roofline', float('nan')):.1f}% | {a.get('runner_tok_s', float('nan')):.1f} | "
                          f"{f.get('runner_tok_s', float('nan')):.1f} |")
         lines.append("")
+    pdl = result.get("pdl", [])
+    if pdl:
+        lines += ["Decode call (ms) by PDL mode, side by side: `1` the engine's (no PDL right after a cuBLAS "
+                  "FP8 GEMM), `all` PDL after it too, `0` none (engine/kernels/launch.py):", "",
+                  "| weights | batch | 1 | all | 0 |", "|---|---|---|---|---|"]
+        for r in pdl:
+            cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in ("1", "all", "0")]
+            lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(cells) + " |")
+        lines.append("")
     for row in result.get("speculative", []):
         if "error" in row:
             lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
@@ -269,6 +302,7 @@ def main() -> int:
         if device.type == "cuda":  # where a bf16 step's time goes, per kernel, at batch 1 and 64
             result["attributed_bf16"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                             sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
+            result["pdl"] = pdl_rows(target, sizes, device, "bf16")
         spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
                          "bf16")]
         converted = fp8.quantize_model_linears(target, FORMAT)
@@ -282,6 +316,7 @@ def main() -> int:
             free_device_memory()
             result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
+            result["pdl"] += pdl_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         # A probe, not an engine path: the head's own linears in FP8 too (its lm_head and the

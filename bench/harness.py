@@ -461,17 +461,16 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
 
 
 @contextlib.contextmanager
-def pdl_off():
-    """Kernels launched (and graphs captured) inside run without programmatic dependent launch.
-    With PDL each kernel starts while its predecessor drains and waits in griddepcontrol.wait,
-    which a profiler counts as the waiting kernel's own time; without it each kernel's time is
-    its own, so a profile taken here attributes the step's time per kernel."""
+def pdl_mode(value: str):
+    """Kernels launched (and graphs captured) inside run under SPECDEPLOY_PDL=value: "0" without
+    programmatic dependent launch, "1" the engine's default, "all" PDL after library GEMMs too
+    (engine/kernels/launch.py)."""
     import os
 
     from specdeploy.engine.kernels import launch
 
     old = os.environ.get(launch.PDL_ENV)
-    os.environ[launch.PDL_ENV] = "0"
+    os.environ[launch.PDL_ENV] = value
     launch._pdl_on.cache_clear()
     try:
         yield
@@ -481,6 +480,13 @@ def pdl_off():
         else:
             os.environ[launch.PDL_ENV] = old
         launch._pdl_on.cache_clear()
+
+
+def pdl_off():
+    """Without PDL each kernel starts once its predecessor is done: a profiler's µs per kernel
+    are then its own (with PDL a kernel waits in griddepcontrol.wait, booked as its own time),
+    so a profile taken inside attributes the step's time per kernel."""
+    return pdl_mode("0")
 
 
 def attributed_profile(target, batch: int, context: int, device, warmup: int, reps: int) -> dict:

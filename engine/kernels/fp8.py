@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels import gemv
+from specdeploy.engine.kernels import gemv, launch
 
 GROUP_K = 128  # activation group width and weight scale tile width along K
 DECODE_MAX_M = 64
@@ -291,6 +291,7 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     quantized by `act_quant` (DeepSeek's numerics, as on the Triton W8A8 path)."""
     a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=TORCH_BLOCK_ROW_ALIGN)
     out = _torch_block_call(a, a_s, weight, scale, rows.dtype)[:rows.shape[0]]
+    launch.after_library_gemm(out)  # the next kernel waits for the GEMM in full (launch.py)
     if bias is not None:  # a second rounding to the output dtype: within one ulp, not half
         out += bias
     return out

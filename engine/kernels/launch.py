@@ -10,6 +10,15 @@ exactly as ordered as without PDL, whatever ran before it (a kernel that does no
 waited for in full, as usual). Launched in a stream that is being captured, the dependency
 becomes a programmatic edge of the graph.
 
+A library GEMM that runs in more than one wave is the exception: cuBLAS lets its dependents
+launch early, and our kernel's programs, parked in that wait on the SMs, keep the GEMM's later
+waves from the SMs they need (H200, Llama-3.1-8B shape, FP8 block linears through cuBLASLt at
+batch 64: the decode call 6.90 ms without PDL, 7.15 ms with it, while bf16, whose GEMMs there fit
+one wave, gains). So the kernel launched right after such a GEMM takes no PDL: the call site of
+the GEMM says so with `after_library_gemm(t)` (the FP8 block path, engine/kernels/fp8.py), and
+the next `pdl_args` on that device returns the arguments of a plain launch. PDL_AFTER_LIBRARY
+(or SPECDEPLOY_PDL=all) keeps PDL there too, for benchmarks that compare.
+
 `pdl_args(t)` gives the two launch arguments for a kernel whose tensors live where `t` does:
 on for a CUDA device of compute capability 9.0 or later unless SPECDEPLOY_PDL=0 (measured on an
 H200, Llama-3.1-8B shape, batch 1, graphed decode call: bf16 226.8 -> 234.6 tok/s, FP8 298.2 ->
@@ -36,9 +45,34 @@ def _pdl_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+# Device indices whose next kernel launch follows a library GEMM (after_library_gemm).
+_AFTER_LIBRARY: set[int] = set()
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def pdl_after_library() -> bool:
+    """Whether kernels right after a library GEMM take PDL too (SPECDEPLOY_PDL=all)."""
+    return os.environ.get(PDL_ENV, "1") == "all"
+
+
+def after_library_gemm(t: torch.Tensor) -> None:
+    """A library GEMM writing `t` was just launched: the next pdl_args on its device is a plain
+    launch (module docstring). Kernels launch in the order their calls are made, so the flag
+    names the launch that follows the GEMM on the stream (or the next of ours, if a torch op
+    came between: it then merely loses its overlap)."""
+    if t.is_cuda and not pdl_after_library():
+        _AFTER_LIBRARY.add(_index(t))
+
+
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch keyword arguments: {"USE_GDC": True, "launch_pdl": True} or {"USE_GDC": False}."""
-    if t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+    if t.is_cuda and _pdl_on(index := _index(t)):
+        if index in _AFTER_LIBRARY:
+            _AFTER_LIBRARY.discard(index)
+            return {"USE_GDC": False}
         return {"USE_GDC": True, "launch_pdl": True}
     return {"USE_GDC": False}
 

@@ -423,3 +423,27 @@ def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mu
     finally:
         monkeypatch.delenv(launch.PDL_ENV)
         launch._pdl_on.cache_clear()
+
+
+def test_no_pdl_right_after_a_library_gemm(monkeypatch):
+    """engine/kernels/launch.py: the launch right after after_library_gemm is a plain one, the one
+    after it PDL again; SPECDEPLOY_PDL=all keeps PDL there too; off CUDA nothing is flagged."""
+    from specdeploy.engine.kernels import launch
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    t = torch.zeros(4, device=DEV)
+    monkeypatch.setenv(launch.PDL_ENV, "1")
+    launch._pdl_on.cache_clear()
+    try:
+        launch.after_library_gemm(t)
+        assert launch.pdl_args(t) == {"USE_GDC": False}
+        assert launch.pdl_args(t) == {"USE_GDC": True, "launch_pdl": True}
+        monkeypatch.setenv(launch.PDL_ENV, "all")
+        launch._pdl_on.cache_clear()
+        launch.after_library_gemm(t)
+        assert launch.pdl_args(t) == {"USE_GDC": True, "launch_pdl": True}
+        launch.after_library_gemm(torch.zeros(4))
+        assert launch._AFTER_LIBRARY == set()
+    finally:
+        monkeypatch.delenv(launch.PDL_ENV)
+        launch._pdl_on.cache_clear()
