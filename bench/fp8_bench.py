@@ -15,14 +15,15 @@
    bandwidth). Goals: FP8 batch 1 >= 1.8x bf16 tok/s and >= 85% of the FP8 roofline; FP8 >= bf16
    at every batch.
    Then, at batch 1 / 64 / 256, the decode call under each PDL mode side by side (pdl_rows):
-   the engine's, PDL right after the cuBLAS FP8 GEMMs too, and none.
+   the engine's, PDL right after the cuBLAS GEMMs too, and none.
 2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
    tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step.
    Random heads accept little, so tok/s is projected for accept lengths 2 and 3 (tokens per
    step / step time) rather than measured.
 3. planner truth for an FP8 plan: bench/planner.py's measurement (weights, KV pools, static
    buffers, graph pool, prefill workspace, total) with the target built as FP8, against the plan
-   of a config.json whose quantization_config says fp8 block 128 x 128. Goal: within 5%.
+   of a config.json whose quantization_config says fp8 block 128 x 128. Goal: within 5%. Run
+   first, in a process of its own (planner_truth_fresh).
 
 Writes fp8.json and fp8.md (the figures as a docs/benchmarks.md section) into RESULTS_DIR and
 prints one line per figure.
@@ -31,6 +32,7 @@ prints one line per figure.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import traceback
@@ -86,7 +88,7 @@ def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
     return rows
 
 
-PDL_MODES = {"bf16": ("1", "0"), "fp8": ("1", "all", "0")}
+PDL_MODES = ("1", "all", "0")
 PDL_BATCHES = (1, 64, 256)
 
 
@@ -96,14 +98,14 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
     rows = []
     for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
         row = {"weights": label, "batch": b}
-        for mode in PDL_MODES[label]:
+        for mode in PDL_MODES:
             with pdl_mode(mode):
                 call = EngineDecode(target, b, sizes["context"], graph=True)
                 row[f"pdl_{mode}_ms"] = time_ms(call, device, warmup=sizes["warmup"], reps=sizes["reps"])["median_ms"]
                 del call
             free_device_memory()
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
-                                                                  for m in PDL_MODES[label]))
+                                                                  for m in PDL_MODES))
         rows.append(row)
     return rows
 
@@ -151,6 +153,23 @@ def planner_truth(sizes, device, smoke: bool) -> dict:
                                      SpecSettings("EAGLE3", 3, 1, 4), limits, Ctx())
     finally:
         planner_bench.random_target = original
+
+
+def planner_truth_fresh(sizes, device, args) -> dict:
+    """planner_truth in a process of its own on CUDA, started before this one touches the device,
+    as an engine pod starts: the plan sizes the KV pools to fill the GPU, so a few hundred MB of
+    another section's allocator cache, graph pools or loaded kernel modules fail its prefill
+    (seen: an OOM after the PDL rows); inline on CPU."""
+    if device.type != "cuda":
+        return planner_truth(sizes, device, args.smoke)
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-P", str(Path(__file__).resolve()), "--planner-only", "--out", str(args.out)],
+                          capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-4000:])
+    if proc.returncode:
+        raise RuntimeError(f"planner truth process exited {proc.returncode}: {proc.stderr[-1500:]}")
+    return json.loads((args.out / "planner_truth.json").read_text())
 
 
 # (N, K) of Llama-3.1-8B's fused qkv, o, fused gate/up and down projections
@@ -219,7 +238,7 @@ def markdown(result: dict) -> str:
     pdl = result.get("pdl", [])
     if pdl:
         lines += ["Decode call (ms) by PDL mode, side by side: `1` the engine's (no PDL right after a cuBLAS "
-                  "FP8 GEMM), `all` PDL after it too, `0` none (engine/kernels/launch.py):", "",
+                  "GEMM), `all` PDL after it too, `0` none (engine/kernels/launch.py):", "",
                   "| weights | batch | 1 | all | 0 |", "|---|---|---|---|---|"]
         for r in pdl:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in ("1", "all", "0")]
@@ -261,9 +280,20 @@ def main() -> int:
                              "only) and run the model measurements with it")
     parser.add_argument("--gemv-table", type=Path, default=None,
                         help="install the small-M linear kernel's table from a gemv_table.py bench/gemv_sweep.py wrote")
+    parser.add_argument("--planner-only", action="store_true",
+                        help="only section 3, its figures to planner_truth.json (what the full run spawns)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = SIZES["smoke" if args.smoke else "device"]
+    if args.planner_only:
+        write_json("planner_truth.json", planner_truth(sizes, device, args.smoke), args.out)
+        return 0
+    # section 3 first, in a process of its own, before this one holds any device memory
+    truth, truth_error = None, None
+    try:
+        truth = planner_truth_fresh(sizes, device, args)
+    except Exception:
+        truth_error = traceback.format_exc()[-3000:]
     t0 = time.time()
     result = {"environment": environment(), "format": vars(FORMAT), "sizes": {k: v for k, v in sizes.items() if k != "config"},
               "errors": []}
@@ -354,7 +384,8 @@ def main() -> int:
         result["errors"].append(traceback.format_exc()[-3000:])
         log(f"decode / speculative sections failed:\n{result['errors'][-1]}")
     try:
-        truth = planner_truth(sizes, device, args.smoke)
+        if truth_error:
+            raise RuntimeError(truth_error)
         result["planner_truth"] = truth
         for term, row in truth.get("terms", {}).items():
             ratio = row.get("measured_over_predicted")

@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels.launch import gdc, pdl_args
+from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
@@ -484,3 +484,10 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     launch(rows, weight, None, 1, bias, out, *cfg)
     return out.view(*x.shape[:-1], n)
+
+
+def library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through cuBLAS, the kernel launched after it without PDL (launch.py)."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    after_library_gemm(y)
+    return y

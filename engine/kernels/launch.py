@@ -10,14 +10,15 @@ exactly as ordered as without PDL, whatever ran before it (a kernel that does no
 waited for in full, as usual). Launched in a stream that is being captured, the dependency
 becomes a programmatic edge of the graph.
 
-A library GEMM that runs in more than one wave is the exception: cuBLAS lets its dependents
-launch early, and our kernel's programs, parked in that wait on the SMs, keep the GEMM's later
-waves from the SMs they need (H200, Llama-3.1-8B shape, FP8 block linears through cuBLASLt at
-batch 64: the decode call 6.90 ms without PDL, 7.15 ms with it, while bf16, whose GEMMs there fit
-one wave, gains). So the kernel launched right after such a GEMM takes no PDL: the call site of
-the GEMM says so with `after_library_gemm(t)` (the FP8 block path, engine/kernels/fp8.py), and
-the next `pdl_args` on that device returns the arguments of a plain launch. PDL_AFTER_LIBRARY
-(or SPECDEPLOY_PDL=all) keeps PDL there too, for benchmarks that compare.
+A library GEMM is the exception: cuBLAS lets its dependents launch early, and our kernel's
+programs, parked in that wait on the SMs, hold resources the GEMM's later waves need (H200,
+Llama-3.1-8B shape, decode call, bench/fp8_bench.py at 2544c14: FP8 block linears through
+cuBLASLt at batch 64 / 256 7.008 / 14.647 ms with no PDL right after them, 7.097 / 14.868 with
+it; bf16 through cuBLAS 7.396 / 16.327 with PDL everywhere, 7.317 / 16.076 without any). So
+the kernel launched right after such a GEMM takes no PDL: the GEMM's call site says so with
+`after_library_gemm(t)` (engine/kernels/fp8.py's block path, gemv.library_linear), and the next
+`pdl_args` on that device returns a plain launch's arguments. SPECDEPLOY_PDL=all keeps PDL
+there too, for benchmarks that compare.
 
 `pdl_args(t)` gives the two launch arguments for a kernel whose tensors live where `t` does:
 on for a CUDA device of compute capability 9.0 or later unless SPECDEPLOY_PDL=0 (measured on an
