@@ -471,7 +471,7 @@ def pdl_mode(value: str):
 
     old = os.environ.get(launch.PDL_ENV)
     os.environ[launch.PDL_ENV] = value
-    launch._pdl_on.cache_clear()
+    launch.reset()
     try:
         yield
     finally:
@@ -479,7 +479,7 @@ def pdl_mode(value: str):
             os.environ.pop(launch.PDL_ENV, None)
         else:
             os.environ[launch.PDL_ENV] = old
-        launch._pdl_on.cache_clear()
+        launch.reset()
 
 
 def pdl_off():

@@ -54,6 +54,13 @@ def _index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+def reset() -> None:
+    """Forget the cached PDL setting (SPECDEPLOY_PDL is read again) and any pending
+    after_library_gemm flag: for tests and benchmarks that change the mode."""
+    _pdl_on.cache_clear()
+    _AFTER_LIBRARY.clear()
+
+
 def pdl_after_library() -> bool:
     """Whether kernels right after a library GEMM take PDL too (SPECDEPLOY_PDL=all)."""
     return os.environ.get(PDL_ENV, "1") == "all"

@@ -406,11 +406,11 @@ def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mu
                                         device=DEV, **kw), reqs())
 
     monkeypatch.setenv(launch.PDL_ENV, "0")
-    launch._pdl_on.cache_clear()
+    launch.reset()
     assert not launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
     want = plain(graph_mode="off")
     monkeypatch.setenv(launch.PDL_ENV, "1")
-    launch._pdl_on.cache_clear()
+    launch.reset()
     try:
         assert launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
         assert plain(graph_mode="off") == want
@@ -422,7 +422,7 @@ def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mu
         assert spec.num_draft_tokens_accepted > 0
     finally:
         monkeypatch.delenv(launch.PDL_ENV)
-        launch._pdl_on.cache_clear()
+        launch.reset()
 
 
 def test_no_pdl_right_after_a_library_gemm(monkeypatch):
@@ -433,17 +433,17 @@ def test_no_pdl_right_after_a_library_gemm(monkeypatch):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     t = torch.zeros(4, device=DEV)
     monkeypatch.setenv(launch.PDL_ENV, "1")
-    launch._pdl_on.cache_clear()
+    launch.reset()
     try:
         launch.after_library_gemm(t)
         assert launch.pdl_args(t) == {"USE_GDC": False}
         assert launch.pdl_args(t) == {"USE_GDC": True, "launch_pdl": True}
         monkeypatch.setenv(launch.PDL_ENV, "all")
-        launch._pdl_on.cache_clear()
+        launch.reset()
         launch.after_library_gemm(t)
         assert launch.pdl_args(t) == {"USE_GDC": True, "launch_pdl": True}
         launch.after_library_gemm(torch.zeros(4))
         assert launch._AFTER_LIBRARY == set()
     finally:
         monkeypatch.delenv(launch.PDL_ENV)
-        launch._pdl_on.cache_clear()
+        launch.reset()
