@@ -10,8 +10,9 @@ exactly as ordered as without PDL, whatever ran before it (a kernel that does no
 waited for in full, as usual). Launched in a stream that is being captured, the dependency
 becomes a programmatic edge of the graph.
 
-A library GEMM is the exception: cuBLAS lets its dependents launch early, and our kernel's
-programs, parked in that wait on the SMs, hold resources the GEMM's later waves need (H200,
+A library GEMM is the exception: the kernel after it measured slower steps with PDL than
+without (the likely cause: cuBLAS lets its dependents launch early, and our kernel's programs,
+parked in that wait on the SMs, hold resources the GEMM's own programs need; not profiled) (H200,
 Llama-3.1-8B shape, decode call, bench/fp8_bench.py at 2544c14: FP8 block linears through
 cuBLASLt at batch 64 / 256 7.008 / 14.647 ms with no PDL right after them, 7.097 / 14.868 with
 it; bf16 through cuBLAS 7.396 / 16.327 with PDL everywhere, 7.317 / 16.076 without any). So
