@@ -55,25 +55,28 @@ def _index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
+def pdl_after_library() -> bool:
+    """Whether kernels right after a library GEMM take PDL too (SPECDEPLOY_PDL=all); read once,
+    as _pdl_on (it is asked at every linear of an eager forward)."""
+    return os.environ.get(PDL_ENV, "1") == "all"
+
+
 def reset() -> None:
-    """Forget the cached PDL setting (SPECDEPLOY_PDL is read again) and any pending
+    """Forget the cached PDL settings (SPECDEPLOY_PDL is read again) and any pending
     after_library_gemm flag: for tests and benchmarks that change the mode."""
     _pdl_on.cache_clear()
+    pdl_after_library.cache_clear()
     _AFTER_LIBRARY.clear()
-
-
-def pdl_after_library() -> bool:
-    """Whether kernels right after a library GEMM take PDL too (SPECDEPLOY_PDL=all)."""
-    return os.environ.get(PDL_ENV, "1") == "all"
 
 
 def after_library_gemm(t: torch.Tensor) -> None:
     """A library GEMM writing `t` was just launched: the next pdl_args on its device is a plain
     launch (module docstring). Kernels launch in the order their calls are made, so the flag
     names the launch that follows the GEMM on the stream (or the next of ours, if a torch op
-    came between: it then merely loses its overlap)."""
-    if t.is_cuda and not pdl_after_library():
-        _AFTER_LIBRARY.add(_index(t))
+    came between: it then merely loses its overlap). Nothing to flag where PDL is off."""
+    if t.is_cuda and not pdl_after_library() and _pdl_on(index := _index(t)):
+        _AFTER_LIBRARY.add(index)
 
 
 def pdl_args(t: torch.Tensor) -> dict:
