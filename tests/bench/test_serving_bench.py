@@ -90,9 +90,11 @@ def test_serving_bench_smoke(tmp_path):
     assert [r["rate"] for r in rows] == data["run"]["rates"]
     for r in rows:
         req = r["requests"]
-        # guidellm's warm-up (its first request, and those started before it finished) is sent,
-        # and left out of every figure.
-        assert 1 <= r["warmup_requests"] < data["run"]["max_requests"], r
+        # guidellm's warm-up is sent and left out of every figure. Its phase ends at a timestamp
+        # (guidellm's accumulator: a request is warm-up if it ended at or before measure_start),
+        # so on a fast CPU run the one warm-up request may be counted in the window instead: 0 or
+        # more, never all of them (seen: 0 in one CI run of 2026-12-02).
+        assert 0 <= r["warmup_requests"] < data["run"]["max_requests"], r
         assert req["successful"] == req["total"] >= 1, req
         assert req["total"] + r["warmup_requests"] <= data["run"]["max_requests"], r
         assert req["errored"] == req["incomplete"] == 0 and r["errors"]["refused"] == r["errors"]["failed"] == 0, r
