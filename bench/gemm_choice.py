@@ -13,7 +13,8 @@ group by the project's `act_quant`, counted in every W8A8 column):
 - `w8a8`: the project's Triton W8A8 kernel (pointer loads, one program per tile);
 - `torch_block`: `torch.nn.functional.scaled_mm` with BlockWise1x128 / BlockWise128x128
   (cuBLASLt); `torch_block_private`: the same through `torch._scaled_mm` (scales by shape);
-- `deep_gemm`: DeepGEMM's dense FP8 NT GEMM (the grouped kernels' dense case), where installed;
+- `deep_gemm`: DeepGEMM's dense FP8 NT GEMM (`deep_gemm.fp8_gemm_nt`), as the engine calls it
+  (`block_library_linear`), where installed and its probe passes;
 - `flashinfer`: FlashInfer's block-scaled GEMM, where installed (`fp8_blockscale_gemm_sm90` on
   SM90: `gemm_fp8_nt_groupwise` requires SM100/103/120/121);
 - `engine`: `fp8_linear` as the engine calls it (BLOCK_ROUTE as committed).
@@ -54,7 +55,7 @@ from specdeploy.engine.models import fp8  # noqa: E402
 
 LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
-ROWS = (1, 16, 64, 256, 2048, 4096, 8192)
+ROWS = (1, 4, 8, 16, 64, 256, 2048, 4096, 8192)
 L2_MULTIPLE_BYTES = 384 << 20  # weight bytes per graph replay: several times the 50-60 MB L2
 MAX_COPIES = 24
 E4M3_HALF_ULP = 2.0**-4  # e4m3: 3 mantissa bits, relative rounding error <= 2^-4
@@ -63,7 +64,7 @@ FP32_EPS = 2.0**-24
 # Options that are not block-scaled FP8 candidates for the route (the bar, the composite)
 NOT_CANDIDATES = ("bf16", "engine")
 # Route names of the candidates (engine/kernels/fp8.py BLOCK_OPTIONS); "triton" is w8a8's
-ROUTE_NAME = {"gemv": "gemv", "torch_block": "torch_block", "w8a8": "triton"}
+ROUTE_NAME = {"gemv": "gemv", "torch_block": "torch_block", "deep_gemm": "deep_gemm", "w8a8": "triton"}
 
 
 def tolerance(option: str, k: int) -> float:
@@ -85,18 +86,6 @@ def _optional(module: str):
         return importlib.import_module(module), None
     except Exception as e:  # noqa: BLE001 - whatever keeps it from loading is the reason
         return None, f"{type(e).__name__}: {str(e)[:160]}"
-
-
-def _deep_gemm_call(dg):
-    fn = getattr(dg, "fp8_gemm_nt", None) or getattr(dg, "gemm_fp8_fp8_bf16_nt", None)
-    if fn is None:
-        raise AttributeError("deep_gemm has neither fp8_gemm_nt nor gemm_fp8_fp8_bf16_nt")
-
-    def call(x, w, s, y):
-        a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=4)
-        fn((a[:x.shape[0]], a_s[:x.shape[0]]), (w, s), y)
-        return y
-    return call
 
 
 def _flashinfer_call(fi):
@@ -139,8 +128,8 @@ def candidates(m: int, k: int, libraries: dict) -> dict:
             a, a_s = kernels.act_quant(x, column_major=True, pad_rows_to=kernels.TORCH_BLOCK_ROW_ALIGN)
             return torch._scaled_mm(a, w.t(), a_s, s.t(), out_dtype=x.dtype)[:m]
         calls["torch_block_private"] = private
-    if libraries.get("deep_gemm") is not None:
-        calls["deep_gemm"] = _deep_gemm_call(libraries["deep_gemm"])
+    if libraries.get("deep_gemm"):
+        calls["deep_gemm"] = lambda x, w, s, y: kernels.block_library_linear("deep_gemm", x, w, s)
     if libraries.get("flashinfer") is not None:
         calls["flashinfer"] = _flashinfer_call(libraries["flashinfer"])
     calls["engine"] = lambda x, w, s, y: kernels.fp8_linear(x, w, s, 128)
@@ -308,11 +297,10 @@ def main() -> int:
     dev = torch.device("cuda")
     shapes = dict(list(LLAMA_8B_LINEARS.items())[:1]) if args.smoke else LLAMA_8B_LINEARS
     rows = (16, 2048) if args.smoke else ROWS
-    libraries: dict = {"torch_block": kernels.torch_block_mm_available(dev, torch.bfloat16)}
-    unavailable = {}
-    if not libraries["torch_block"]:
-        unavailable["torch_block"] = "torch's block-scaled scaled_mm probe failed (logged above)"
-    for option, module in (("deep_gemm", "deep_gemm"), ("flashinfer", "flashinfer")):
+    # The libraries the engine routes to, probed as the engine probes them (a failure logged once)
+    libraries: dict = {o: kernels.library_available(o, dev, torch.bfloat16) for o in ("torch_block", "deep_gemm")}
+    unavailable = {o: f"{o} probe failed (logged above)" for o, ok in libraries.items() if not ok}
+    for option, module in (("flashinfer", "flashinfer"),):
         libraries[option], why = _optional(module)
         if why is not None:
             unavailable[option] = f"import {module}: {why}"

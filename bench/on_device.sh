@@ -35,5 +35,6 @@ for arg in "$@"; do
   rc=${PIPESTATUS[0]}
   summary+=("$step: rc=$rc in $(( $(date +%s) - t0 )) s")
 done
+[[ -n ${DG_JIT_CACHE_DIR:-} && -d $DG_JIT_CACHE_DIR ]] && cp -r "$DG_JIT_CACHE_DIR" "$OUT/dg-jit-cache"  # for the next call's .dg/jit-cache
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz ./*)
 printf '%s\n' "=== summary (commit $commit$dirty)" "${summary[@]}"

@@ -27,6 +27,14 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   does not (older torch, another GPU, float32 outputs cuBLASLt refuses), one log line says so
   and the Triton kernels serve.
 
+- block weights above GEMV_MAX_M rows where DeepGEMM is installed (`deep_gemm`, an optional
+  dependency: DeepSeek's Hopper FP8 GEMMs, JIT-compiled with the machine's nvcc at first use of
+  each kernel configuration, cached on disk under DG_JIT_CACHE_DIR): the same W8A8 numerics
+  through `deep_gemm.fp8_gemm_nt`, WGMMA with the block scales applied in the main loop. Measured
+  side by side (bench/gemm_choice.py, docs/engine.md) it beats cuBLASLt's block GEMM at every
+  M from 16 rows up (1.60x bf16 against 1.11x at 64 rows). Probed like torch's; where it is not
+  installed or does not run, one log line says so and torch's block GEMM serves.
+
 Which of these a block-scaled linear takes by M is one table, BLOCK_ROUTE (below).
 
 Both take a bias and write the activation dtype.
@@ -201,14 +209,20 @@ def w8a16(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP_K, num_warps=num_warps, num_stages=num_stages)
 
 
-# cuBLASLt's block-scaled FP8 GEMM through torch, by (device index, output dtype): True where the
-# probe ran it and it agreed with the Triton W8A8 kernel, False where it did not (logged once).
-_TORCH_BLOCK_MM: dict[tuple[int, torch.dtype], bool] = {}
+# The block-scaled FP8 GEMM libraries the route may take (BLOCK_ROUTE), by (option, device index,
+# output dtype): True where the probe ran it and it agreed with the Triton W8A8 kernel, False
+# where it did not (logged once). "torch_block": cuBLASLt through torch; "deep_gemm": DeepGEMM.
+_LIBRARY_OK: dict[tuple[str, int, torch.dtype], bool] = {}
 _PROBE_SHAPE = (17, 256, 512)  # (M, N, K): small; M unaligned, so the row padding is probed too
 # cuBLASLt refuses 1x128 activation scales whose column (M floats) is not 16-byte aligned
 # (CUBLAS_STATUS_NOT_SUPPORTED at 65 rows on the H200, 2026-12-01): rows are padded to this.
 TORCH_BLOCK_ROW_ALIGN = 16
+# DeepGEMM reads the activation scales through TMA: each column of M floats 16-byte aligned.
+DEEP_GEMM_ROW_ALIGN = 4
 _PROBE_TOLERANCE = 2**-6  # relative Frobenius gap to the Triton kernel; a wrong layout is ~1
+# Where a library falls back to when it is not available here (the Triton kernels always are).
+LIBRARY_FALLBACK = {"deep_gemm": "torch_block", "torch_block": "triton"}
+_LIBRARY_NAMES = {"torch_block": "torch's block-scaled scaled_mm", "deep_gemm": "DeepGEMM (deep_gemm)"}
 
 
 def _torch_block_call(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -224,50 +238,78 @@ def _torch_block_call(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, 
 
 
 def torch_block_shape_ok(weight: torch.Tensor, scale: torch.Tensor, scale_n: int) -> bool:
-    """Whether a block-scaled weight has the layout cuBLASLt's 128x128 scaling reads in place:
-    row-major codes with K a multiple of 512 (each N-tile's scale row then 16-byte aligned) and
-    N of 128, and a row-major float32 grid of one scale per 128 x 128 tile."""
+    """Whether a block-scaled weight has the layout the library GEMMs read in place (cuBLASLt's
+    128x128 scaling, DeepGEMM's 1d2d kernel): row-major codes with K a multiple of 512 (each
+    N-tile's scale row then 16-byte aligned) and N of 128, and a row-major float32 grid of one
+    scale per 128 x 128 tile."""
     n, k = weight.shape
     return (scale_n == 128 and scale.dim() == 2 and k % (4 * GROUP_K) == 0 and n % 128 == 0
             and tuple(scale.shape) == (n // 128, k // GROUP_K) and scale.stride() == (k // GROUP_K, 1)
             and weight.stride() == (k, 1))
 
 
-def _probe_torch_block_mm(device: torch.device, out_dtype: torch.dtype) -> str | None:
-    """None where torch's block-scaled GEMM runs here and matches the Triton W8A8 kernel; else why not."""
+def _deep_gemm():
+    """The deep_gemm module (imported on first use: it loads its extension and CUDA libraries)."""
+    import deep_gemm  # noqa: PLC0415 - optional dependency, imported only where the route asks for it
+    return deep_gemm
+
+
+def _library_linear(option: str, rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    round_scale: bool) -> torch.Tensor:
+    """rows [M, K] @ (weight * scale)^T through a library's block-scaled GEMM, activations
+    quantized by `act_quant` (DeepSeek's numerics, as on the Triton W8A8 path)."""
+    m = rows.shape[0]
+    if option == "deep_gemm":
+        a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=DEEP_GEMM_ROW_ALIGN)
+        out = torch.empty((m, weight.shape[0]), dtype=rows.dtype, device=rows.device)
+        _deep_gemm().fp8_gemm_nt((a[:m], a_s[:m]), (weight, scale), out)
+        return out
+    a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=TORCH_BLOCK_ROW_ALIGN)
+    return _torch_block_call(a, a_s, weight, scale, rows.dtype)[:m]
+
+
+def _probe_library(option: str, device: torch.device, out_dtype: torch.dtype) -> str | None:
+    """None where the library's block-scaled GEMM runs here and matches the Triton W8A8 kernel;
+    else why not."""
     capability = torch.cuda.get_device_capability(device)
     if capability != (9, 0):
-        return f"compute capability {capability[0]}.{capability[1]}; cuBLASLt's block scaling is SM90's"
+        return f"compute capability {capability[0]}.{capability[1]}; the block-scaled kernels here are SM90's"
     m, n, k = _PROBE_SHAPE
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=g).to(out_dtype)
     weight = (torch.randn(n, k, device=device, generator=g) * 16).to(torch.float8_e4m3fn)
     scale = torch.rand(n // 128, k // GROUP_K, device=device, generator=g) * 1e-3 + 1e-4
     try:
-        a, a_s = act_quant(x, column_major=True, pad_rows_to=TORCH_BLOCK_ROW_ALIGN)
-        got = _torch_block_call(a, a_s, weight, scale, out_dtype)[:m].float()
-    except Exception as e:  # noqa: BLE001 - whatever torch refuses with, the Triton kernels serve
+        got = _library_linear(option, x, weight, scale, False).float()
+    except Exception as e:  # noqa: BLE001 - whatever the library refuses with, the fallback serves
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     want = _w8a8(x, weight, scale, 128, None, torch.empty(m, n, dtype=out_dtype, device=device), False).float()
     gap = ((got - want).norm() / want.norm()).item()
     return None if gap < _PROBE_TOLERANCE else f"its result is {gap:.3g} (relative) away from the Triton kernel's"
 
 
-def torch_block_mm_available(device: torch.device, out_dtype: torch.dtype) -> bool:
-    """Whether block-scaled linears above GEMV_MAX_M rows go through torch's cuBLASLt GEMM on
-    `device` for outputs of `out_dtype`. Probed once, outside graph capture (a capture that asks
-    before the probe ran gets the Triton kernels for that call)."""
+def library_available(option: str, device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether block-scaled linears the route gives to `option` ("torch_block", "deep_gemm") run
+    through it on `device` for outputs of `out_dtype`. Probed once, outside graph capture (a
+    capture that asks before the probe ran gets the fallback for that call); where the probe
+    fails, one log line says why and what serves instead."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _TORCH_BLOCK_MM.get((index, out_dtype))
+    ok = _LIBRARY_OK.get((option, index, out_dtype))
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        why = _probe_torch_block_mm(device, out_dtype)
+        why = _probe_library(option, device, out_dtype)
         if why is not None:
-            log.warning("FP8 block linears on cuda:%d with %s outputs use the Triton kernels: torch's "
-                        "block-scaled scaled_mm is not usable here (%s)", index, out_dtype, why)
-        ok = _TORCH_BLOCK_MM[(index, out_dtype)] = why is None
+            log.warning("FP8 block linears on cuda:%d with %s outputs: %s is not usable here (%s); "
+                        "%s serves them", index, out_dtype, _LIBRARY_NAMES[option], why,
+                        _LIBRARY_NAMES.get(LIBRARY_FALLBACK[option], "the Triton kernels"))
+        ok = _LIBRARY_OK[(option, index, out_dtype)] = why is None
     return ok
+
+
+def torch_block_mm_available(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """library_available for torch's cuBLASLt block GEMM."""
+    return library_available("torch_block", device, out_dtype)
 
 
 def _w8a8(rows, weight, scale, scale_n, bias, out, round_scale) -> torch.Tensor:
@@ -285,35 +327,41 @@ def _w8a8(rows, weight, scale, scale_n, bias, out, round_scale) -> torch.Tensor:
     return out
 
 
-def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
-    """rows [M, K] @ (weight * scale)^T (+ bias) through torch's block-scaled GEMM, activations
-    quantized by `act_quant` (DeepSeek's numerics, as on the Triton W8A8 path)."""
-    a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=TORCH_BLOCK_ROW_ALIGN)
-    out = _torch_block_call(a, a_s, weight, scale, rows.dtype)[:rows.shape[0]]
+def block_library_linear(option: str, rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
+    """rows [M, K] @ (weight * scale)^T (+ bias) through a library's block-scaled GEMM
+    ("torch_block": cuBLASLt through torch; "deep_gemm": DeepGEMM)."""
+    out = _library_linear(option, rows, weight, scale, round_scale)
     launch.after_library_gemm(out)  # the next kernel waits for the GEMM in full (launch.py)
     if bias is not None:  # a second rounding to the output dtype: within one ulp, not half
         out += bias
     return out
 
 
+def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
+    """block_library_linear through torch's cuBLASLt block GEMM."""
+    return block_library_linear("torch_block", rows, weight, scale, bias, round_scale)
+
+
 # The route of a linear whose weight has a 128 x 128 block grid, by rows: (largest M, option),
 # the first row whose limit is >= M. One home for the decision; bench/gemm_choice.py times every
 # option per M at the Llama-3.1-8B shapes and prints the table its winners imply, ready to paste.
 # The numbers behind it (docs/engine.md, "Choosing the FP8 GEMM"; H200, 2026-12-02,
-# docs/benchmarks/runs/2026-12-02-kernels/gemm_choice.json, a step's linears, bf16 / option):
-# gemv 1.76x at M 1 and 1.36x at 16 (torch block 1.26x at both); torch block 1.12-1.46x at every
-# M from 64 to 8192, the fastest option the engine can call there.
-# Options: "gemv" (engine/kernels/gemv.py), "torch_block" (cuBLASLt through torch), "triton" (the
-# weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
-BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((gemv.GEMV_MAX_M, "gemv"), (None, "torch_block"))
-BLOCK_OPTIONS = ("gemv", "torch_block", "triton")
+# docs/benchmarks/runs/2026-12-02-deepgemm/gemm_choice.json, a step's linears, bf16 / option):
+# gemv 1.83x at M 1; DeepGEMM 1.54x at 16 (gemv 1.46x), 1.60x at 64 (torch block 1.11x),
+# 1.42x at 256 and 1.47-1.63x at 2048-8192 (torch block 1.24x and 1.39-1.57x).
+# Options: "gemv" (engine/kernels/gemv.py), "deep_gemm" (DeepGEMM, where installed), "torch_block"
+# (cuBLASLt through torch), "triton" (the weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
+# A library option that is not available here falls back along LIBRARY_FALLBACK.
+BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((gemv.GEMV_MAX_M, "gemv"), (None, "deep_gemm"))
+BLOCK_OPTIONS = ("gemv", "deep_gemm", "torch_block", "triton")
 
 
-def block_route(m: int, torch_block: bool, table: tuple[tuple[int | None, str], ...] = BLOCK_ROUTE) -> str:
-    """The option a block-scaled linear of M rows takes: the table's, or where that is torch's
-    block GEMM and it is not available here (torch_block False), the Triton kernels (gemv and
-    triton are always available)."""
+def block_route(m: int, available, table: tuple[tuple[int | None, str], ...] = BLOCK_ROUTE) -> str:
+    """The option a block-scaled linear of M rows takes: the table's, or where that is a library
+    `available(option)` says is not usable here, its fallback (LIBRARY_FALLBACK: DeepGEMM, then
+    torch's block GEMM, then the Triton kernels; gemv and triton are always available)."""
     if m < 0:
         raise ValueError(f"block_route: M must be >= 0, got {m}")
     choice = next(option for limit, option in table if limit is None or m <= limit)
@@ -321,8 +369,8 @@ def block_route(m: int, torch_block: bool, table: tuple[tuple[int | None, str], 
         raise ValueError(f"block_route: unknown option {choice!r} (one of {BLOCK_OPTIONS})")
     if choice == "gemv" and m > gemv.GEMV_MAX_M:
         raise ValueError(f"block_route: gemv serves at most {gemv.GEMV_MAX_M} rows, the table gives it {m}")
-    if choice == "torch_block" and not torch_block:
-        return "triton"
+    while choice in LIBRARY_FALLBACK and not available(choice):
+        choice = LIBRARY_FALLBACK[choice]
     return choice
 
 
@@ -341,8 +389,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
         rows = rows.contiguous()
     m = rows.shape[0]
     if m > gemv.GEMV_MAX_M and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n):
-        if block_route(m, torch_block_mm_available(x.device, x.dtype)) == "torch_block":
-            return torch_block_linear(rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
+        option = block_route(m, lambda o: library_available(o, x.device, x.dtype))
+        if option in LIBRARY_FALLBACK:
+            return block_library_linear(option, rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)

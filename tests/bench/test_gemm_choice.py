@@ -37,9 +37,9 @@ def test_winners_and_the_route_they_imply(choice):
     assert [e["winner"] for e in table] == ["gemv", "gemv", "flashinfer", "w8a8", "deep_gemm"]
     assert table[0]["us"]["bf16"] == choice.LAYERS * 20
     assert table[3]["speedup_vs_bf16"]["w8a8"] == pytest.approx(10 / 6)
-    # flashinfer, torch's private API and DeepGEMM are not routes the engine calls
-    assert [choice.routable_winner(e) for e in table][2:] == ["torch_block", "w8a8", "torch_block"]
-    assert choice.implied_route(table) == [[16, "gemv"], [256, "torch_block"], [2048, "triton"], [None, "torch_block"]]
+    # flashinfer and torch's private API are not routes the engine calls; DeepGEMM is
+    assert [choice.routable_winner(e) for e in table][2:] == ["torch_block", "w8a8", "deep_gemm"]
+    assert choice.implied_route(table) == [[16, "gemv"], [256, "torch_block"], [2048, "triton"], [None, "deep_gemm"]]
 
 
 def test_goals_in_the_form_the_report_reads(choice):

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("the e4m3 kernels need compute capability 8.9 or later", allow_module_level=True)
 
+import importlib.util  # noqa: E402
 import logging  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
@@ -52,6 +53,7 @@ def _weights(n, k, scheme, seed=0):
 BENCH_ROWS = (1, 16, 32, 64, 65, 128, 256, 512, 2048, 8192)
 SM90_TORCH = (torch.cuda.get_device_capability() == (9, 0) and hasattr(F, "scaled_mm")
               and hasattr(F, "ScalingType"))
+DEEP_GEMM = torch.cuda.get_device_capability() == (9, 0) and importlib.util.find_spec("deep_gemm") is not None
 
 
 def _assert_weight_only(got, x, codes, scale, scale_n):
@@ -132,7 +134,8 @@ def test_torch_block_scaled_mm_route(n, k, m):
 
 
 @pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")
-def test_torch_block_route_replays_in_a_graph():
+def test_block_route_replays_in_a_graph():
+    """The engine's route above 16 rows (DeepGEMM where installed, else torch's block GEMM)."""
     codes, scale, scale_n = _weights(4096, 4096, "block")
     x = torch.randn(64, 4096, device=DEV).to(torch.bfloat16)
     fp8_kernels.fp8_linear(x, codes, scale, scale_n)  # the probe and the compiles, outside capture
@@ -146,20 +149,46 @@ def test_torch_block_route_replays_in_a_graph():
         assert torch.equal(out, fp8_kernels.fp8_linear(x, codes, scale, scale_n))
 
 
-def test_torch_block_fallback_logs_one_line(monkeypatch, caplog):
-    """Where torch refuses the block-scaled GEMM the Triton kernels serve, and one line says why."""
+def test_library_fallback_logs_one_line_each(monkeypatch, caplog):
+    """Where neither DeepGEMM nor torch's block-scaled GEMM runs, the Triton kernels serve, and one
+    line per library says why and what serves instead."""
     def refuse(*args, **kwargs):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'deep_gemm'")
     monkeypatch.setattr(fp8_kernels, "_torch_block_call", refuse)
-    monkeypatch.setattr(fp8_kernels, "_TORCH_BLOCK_MM", {})
+    monkeypatch.setattr(fp8_kernels, "_deep_gemm", missing)
+    monkeypatch.setattr(fp8_kernels, "_LIBRARY_OK", {})
     codes, scale, scale_n = _weights(4096, 4096, "block")
     x = torch.randn(64, 4096, device=DEV).to(torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="specdeploy.engine.kernels.fp8"):
         for _ in range(3):
             got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
     lines = [r.getMessage() for r in caplog.records if r.name == "specdeploy.engine.kernels.fp8"]
-    assert len(lines) == 1 and "Triton kernels" in lines[0] and "CUBLAS_STATUS_NOT_SUPPORTED" in lines[0], lines
+    assert len(lines) == 2, lines
+    assert "DeepGEMM" in lines[0] and "No module named 'deep_gemm'" in lines[0] and "scaled_mm serves" in lines[0]
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in lines[1] and "Triton kernels serve" in lines[1]
     _assert_weight_only(got, x, codes, scale, scale_n)  # 64 rows: the weight-only fallback
+
+
+@pytest.mark.skipif(not DEEP_GEMM, reason="DeepGEMM (deep_gemm) is not installed here")
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16] + [17, 100])
+def test_deep_gemm_route(n, k, m):
+    """Where DeepGEMM is installed, block weights above 16 rows take it (the probe passes; rows
+    not a multiple of 4 padded for its scale loads), agreeing with the dequantized reference as
+    the Triton W8A8 kernel does; a bias is one bf16 add after the GEMM's own rounding."""
+    assert fp8_kernels.library_available("deep_gemm", torch.device(DEV), torch.bfloat16)
+    assert fp8_kernels.block_route(m, lambda o: True) == "deep_gemm"
+    codes, scale, scale_n = _weights(n, k, "block")
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
+    assert got.shape == (m, n) and got.is_contiguous()
+    _assert_w8a8(got, x, codes, scale, scale_n)
+    assert torch.equal(got, fp8_kernels.block_library_linear("deep_gemm", x, codes, scale))
+    bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+    assert torch.equal(fp8_kernels.block_library_linear("deep_gemm", x, codes, scale, bias), got + bias)
 
 
 def test_act_quant_kernel_is_deepseeks():

@@ -167,24 +167,37 @@ def test_block_route_follows_the_table_and_falls_back():
     from specdeploy.engine.kernels import fp8 as kernels
     from specdeploy.engine.kernels import gemv
 
+    def only(*names):
+        return lambda option: option in names
+
     table = ((gemv.GEMV_MAX_M, "gemv"), (1024, "torch_block"), (None, "triton"))
-    assert kernels.block_route(1, True, table) == "gemv"
-    assert kernels.block_route(gemv.GEMV_MAX_M, False, table) == "gemv"
-    assert kernels.block_route(gemv.GEMV_MAX_M + 1, True, table) == "torch_block"
-    assert kernels.block_route(1024, True, table) == "torch_block"
-    assert kernels.block_route(1025, True, table) == "triton"
+    assert kernels.block_route(1, only("torch_block"), table) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M, only(), table) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M + 1, only("torch_block"), table) == "torch_block"
+    assert kernels.block_route(1024, only("torch_block"), table) == "torch_block"
+    assert kernels.block_route(1025, only("torch_block"), table) == "triton"
     # torch's block GEMM not available here: the Triton kernels
-    assert kernels.block_route(100, False, table) == "triton"
-    # the committed table: the small-M kernel to 16 rows, torch's block GEMM above, Triton without it
-    assert kernels.block_route(1, True) == "gemv"
-    assert kernels.block_route(gemv.GEMV_MAX_M + 1, True) == "torch_block"
-    assert kernels.block_route(8192, True) == "torch_block"
-    assert kernels.block_route(8192, False) == "triton"
+    assert kernels.block_route(100, only(), table) == "triton"
+    # the committed table: the small-M kernel to 16 rows, DeepGEMM above; without DeepGEMM torch's
+    # block GEMM, without both the Triton kernels
+    both = only("deep_gemm", "torch_block")
+    assert kernels.block_route(1, both) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M, both) == "gemv"
+    assert kernels.block_route(gemv.GEMV_MAX_M + 1, both) == "deep_gemm"
+    assert kernels.block_route(8192, both) == "deep_gemm"
+    assert kernels.block_route(64, only("torch_block")) == "torch_block"
+    assert kernels.block_route(8192, only("deep_gemm")) == "deep_gemm"
+    assert kernels.block_route(8192, only()) == "triton"
+    # the chain ends at the always-available Triton kernels, each library falling back once
+    assert set(kernels.LIBRARY_FALLBACK) | {"triton"} == set(kernels.BLOCK_OPTIONS) - {"gemv"}
+    asked = []
+    assert kernels.block_route(64, lambda o: asked.append(o) or False) == "triton"
+    assert asked == ["deep_gemm", "torch_block"]
     assert kernels.BLOCK_ROUTE[-1][0] is None
     assert all(option in kernels.BLOCK_OPTIONS for _, option in kernels.BLOCK_ROUTE)
     with pytest.raises(ValueError, match="unknown option"):
-        kernels.block_route(100, True, ((None, "tma"),))
+        kernels.block_route(100, both, ((None, "tma"),))
     with pytest.raises(ValueError, match="gemv serves"):
-        kernels.block_route(100, True, ((None, "gemv"),))
+        kernels.block_route(100, both, ((None, "gemv"),))
     with pytest.raises(ValueError, match=">= 0"):
-        kernels.block_route(-1, True)
+        kernels.block_route(-1, both)
