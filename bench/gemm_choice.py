@@ -55,7 +55,7 @@ from specdeploy.engine.models import fp8  # noqa: E402
 
 LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
-ROWS = (1, 4, 8, 16, 64, 256, 2048, 4096, 8192)
+ROWS = (1, 2, 4, 8, 16, 64, 256, 2048, 4096, 8192)
 L2_MULTIPLE_BYTES = 384 << 20  # weight bytes per graph replay: several times the 50-60 MB L2
 MAX_COPIES = 24
 E4M3_HALF_ULP = 2.0**-4  # e4m3: 3 mantissa bits, relative rounding error <= 2^-4

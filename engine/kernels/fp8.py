@@ -27,13 +27,14 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   does not (older torch, another GPU, float32 outputs cuBLASLt refuses), one log line says so
   and the Triton kernels serve.
 
-- block weights above GEMV_MAX_M rows where DeepGEMM is installed (`deep_gemm`, an optional
+- block weights above one row where DeepGEMM is installed (`deep_gemm`, an optional
   dependency: DeepSeek's Hopper FP8 GEMMs, JIT-compiled with the machine's nvcc at first use of
   each kernel configuration, cached on disk under DG_JIT_CACHE_DIR): the same W8A8 numerics
   through `deep_gemm.fp8_gemm_nt`, WGMMA with the block scales applied in the main loop. Measured
   side by side (bench/gemm_choice.py, docs/engine.md) it beats cuBLASLt's block GEMM at every
-  M from 16 rows up (1.60x bf16 against 1.11x at 64 rows). Probed like torch's; where it is not
-  installed or does not run, one log line says so and torch's block GEMM serves.
+  M (1.60x bf16 against 1.11x at 64 rows) and the small-M kernel from 8 rows up. Probed like
+  torch's; where it is not installed or does not run, one log line says so and the route
+  without it serves (the small-M kernel to 16 rows, torch's block GEMM above).
 
 Which of these a block-scaled linear takes by M is one table, BLOCK_ROUTE (below).
 
@@ -271,6 +272,10 @@ def _library_linear(option: str, rows: torch.Tensor, weight: torch.Tensor, scale
 def _probe_library(option: str, device: torch.device, out_dtype: torch.dtype) -> str | None:
     """None where the library's block-scaled GEMM runs here and matches the Triton W8A8 kernel;
     else why not."""
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        # float32 activations (the lossless checks) keep the small-M kernel's weight-only product
+        # at every M the verify sees, so speculative and target-only decoding share numerics.
+        return f"{out_dtype} activations: the library route serves bf16 and fp16"
     capability = torch.cuda.get_device_capability(device)
     if capability != (9, 0):
         return f"compute capability {capability[0]}.{capability[1]}; the block-scaled kernels here are SM90's"
@@ -348,20 +353,23 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 # the first row whose limit is >= M. One home for the decision; bench/gemm_choice.py times every
 # option per M at the Llama-3.1-8B shapes and prints the table its winners imply, ready to paste.
 # The numbers behind it (docs/engine.md, "Choosing the FP8 GEMM"; H200, 2026-12-02,
-# docs/benchmarks/runs/2026-12-02-deepgemm/gemm_choice.json, a step's linears, bf16 / option):
-# gemv 1.83x at M 1; DeepGEMM 1.54x at 16 (gemv 1.46x), 1.60x at 64 (torch block 1.11x),
-# 1.42x at 256 and 1.47-1.63x at 2048-8192 (torch block 1.24x and 1.39-1.57x).
+# docs/benchmarks/runs/2026-12-02-71b629b/gemm_choice.json, a step's linears, bf16 / option):
+# gemv 1.92x at M 1 (DeepGEMM 1.33x); DeepGEMM 1.30x at 4, 1.46x at 8 (gemv 0.90x), 1.49x at 16
+# (gemv 1.40x), 1.60x at 64 (torch block 1.11x), 1.43x at 256, 1.50-1.64x at 2048-8192 (torch
+# block 1.26x and 1.39-1.46x).
 # Options: "gemv" (engine/kernels/gemv.py), "deep_gemm" (DeepGEMM, where installed), "torch_block"
 # (cuBLASLt through torch), "triton" (the weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
-# A library option that is not available here falls back along LIBRARY_FALLBACK.
-BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((gemv.GEMV_MAX_M, "gemv"), (None, "deep_gemm"))
+# A library option that is not available here falls back: to gemv up to GEMV_MAX_M rows (the
+# route before DeepGEMM), else along LIBRARY_FALLBACK.
+BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((1, "gemv"), (None, "deep_gemm"))
 BLOCK_OPTIONS = ("gemv", "deep_gemm", "torch_block", "triton")
 
 
 def block_route(m: int, available, table: tuple[tuple[int | None, str], ...] = BLOCK_ROUTE) -> str:
     """The option a block-scaled linear of M rows takes: the table's, or where that is a library
-    `available(option)` says is not usable here, its fallback (LIBRARY_FALLBACK: DeepGEMM, then
-    torch's block GEMM, then the Triton kernels; gemv and triton are always available)."""
+    `available(option)` says is not usable here, its fallback: the small-M kernel up to
+    GEMV_MAX_M rows, above them LIBRARY_FALLBACK (DeepGEMM, then torch's block GEMM, then the
+    Triton kernels; gemv and triton are always available)."""
     if m < 0:
         raise ValueError(f"block_route: M must be >= 0, got {m}")
     choice = next(option for limit, option in table if limit is None or m <= limit)
@@ -370,7 +378,7 @@ def block_route(m: int, available, table: tuple[tuple[int | None, str], ...] = B
     if choice == "gemv" and m > gemv.GEMV_MAX_M:
         raise ValueError(f"block_route: gemv serves at most {gemv.GEMV_MAX_M} rows, the table gives it {m}")
     while choice in LIBRARY_FALLBACK and not available(choice):
-        choice = LIBRARY_FALLBACK[choice]
+        choice = "gemv" if m <= gemv.GEMV_MAX_M else LIBRARY_FALLBACK[choice]
     return choice
 
 
@@ -388,7 +396,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    if m > gemv.GEMV_MAX_M and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n):
+    if m > 1 and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n):
         option = block_route(m, lambda o: library_available(o, x.device, x.dtype))
         if option in LIBRARY_FALLBACK:
             return block_library_linear(option, rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)

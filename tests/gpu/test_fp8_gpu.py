@@ -4,8 +4,8 @@
   dequantized weights, at every row count bench/fp8_crossover.py times. Tolerances: weight-only
   (the small-M kernel up to 16 rows, `w8a16` for per-channel weights up to 64) rounds once to
   bf16, so every element is within 2^-7 of its magnitude plus 2^-10 of the row's largest; W8A8
-  (block weights above 16 rows through torch's block-scaled scaled_mm where it runs, the Triton
-  kernel otherwise and for per-channel weights above 64) is within bf16 rounding (2^-8 of each
+  (block weights above one row through DeepGEMM where installed, torch's block-scaled scaled_mm
+  above 16 rows where it runs, the Triton kernel otherwise and for per-channel weights above 64) is within bf16 rounding (2^-8 of each
   element, plus 2^-9 of its row's largest for boundary codes) of the same product over
   DeepSeek-quantized activations, and within 4% of the unquantized product (e4m3 activations
   carry 3 mantissa bits);
@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from specdeploy.engine.demo.toy import copy_draft, random_requests, run_to_completion  # noqa: E402
 from specdeploy.engine.kernels import fp8 as fp8_kernels  # noqa: E402
+from specdeploy.engine.kernels import gemv  # noqa: E402
 from specdeploy.engine.models import fp8  # noqa: E402
 from specdeploy.engine.runtime.runner import Runner  # noqa: E402
 from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
@@ -66,9 +67,18 @@ def _assert_weight_only(got, x, codes, scale, scale_n):
 @pytest.mark.parametrize("m,scheme", [(1, "block"), (7, "block"), (16, "block"),
                                       (1, "channel"), (7, "channel"), (16, "channel"), (64, "channel")])
 def test_weight_only_decode_kernel(n, k, m, scheme):
+    """The small-M kernel (block weights: the route at one row, and up to 16 rows where DeepGEMM
+    is not installed; per-channel weights: every M here), then the engine's route."""
     codes, scale, scale_n = _weights(n, k, scheme)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    _assert_weight_only(fp8_kernels.fp8_linear(x, codes, scale, scale_n), x, codes, scale, scale_n)
+    out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+    if m <= gemv.GEMV_MAX_M:
+        gemv.launch(x, codes, scale, scale_n, None, out, *gemv.config_for("fp8", n, k, m, x.device))
+        _assert_weight_only(out, x, codes, scale, scale_n)
+    got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
+    route = "gemv" if scheme == "channel" else fp8_kernels.block_route(
+        m, lambda o: fp8_kernels.library_available(o, torch.device(DEV), torch.bfloat16))
+    (_assert_weight_only if route == "gemv" else _assert_w8a8)(got, x, codes, scale, scale_n)
 
 
 @pytest.mark.parametrize("n,k", LLAMA_8B)
@@ -174,9 +184,9 @@ def test_library_fallback_logs_one_line_each(monkeypatch, caplog):
 
 @pytest.mark.skipif(not DEEP_GEMM, reason="DeepGEMM (deep_gemm) is not installed here")
 @pytest.mark.parametrize("n,k", LLAMA_8B)
-@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 16] + [17, 100])
+@pytest.mark.parametrize("m", [m for m in BENCH_ROWS if m > 1] + [2, 3, 8, 17, 100])
 def test_deep_gemm_route(n, k, m):
-    """Where DeepGEMM is installed, block weights above 16 rows take it (the probe passes; rows
+    """Where DeepGEMM is installed, block weights above one row take it (the probe passes; rows
     not a multiple of 4 padded for its scale loads), agreeing with the dequantized reference as
     the Triton W8A8 kernel does; a bias is one bf16 add after the GEMM's own rounding."""
     assert fp8_kernels.library_available("deep_gemm", torch.device(DEV), torch.bfloat16)
