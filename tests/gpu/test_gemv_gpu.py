@@ -83,15 +83,22 @@ def _within_quantized(got, x, wd, bias=None):
 @pytest.mark.parametrize("n,k", LLAMA_8B)
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_fp8_block_weights(n, k, m):
+    """The small-M kernel with its launch table's config (the block route at one row, and to 16
+    rows where DeepGEMM is not installed), then the engine's route at the same M."""
     codes, scale, wd = _fp8_weights(n, k)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     bias = torch.randn(n, device=DEV).to(torch.bfloat16) if m == 4 else None
-    got = fp8_kernels.fp8_linear(x, codes, scale, 128, bias)
     b = bias.float() if bias is not None else None
+    got = gemv.fp8_linear(x, codes, scale, 128, bias)
     if gemv.config_for("fp8", n, k, m, torch.device(DEV))[0] in ("dot8", "wg8"):
         _within_quantized(got, x, wd, b)
     else:
         _within(got, F.linear(x.float(), wd, b))
+    routed = fp8_kernels.fp8_linear(x, codes, scale, 128, bias)
+    if fp8_kernels.block_route(m, lambda o: fp8_kernels.library_available(o, torch.device(DEV), x.dtype)) == "gemv":
+        assert torch.equal(routed, got)
+    else:  # a library's W8A8 GEMM (DeepGEMM)
+        _within_quantized(routed, x, wd, b)
 
 
 @pytest.mark.parametrize("n,k", LLAMA_8B)
