@@ -27,7 +27,7 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   does not (older torch, another GPU, float32 outputs cuBLASLt refuses), one log line says so
   and the Triton kernels serve.
 
-- block weights above one row where DeepGEMM is installed (`deep_gemm`, an optional
+- block weights above four rows where DeepGEMM is installed (`deep_gemm`, an optional
   dependency: DeepSeek's Hopper FP8 GEMMs, JIT-compiled with the machine's nvcc at first use of
   each kernel configuration, cached on disk under DG_JIT_CACHE_DIR): the same W8A8 numerics
   through `deep_gemm.fp8_gemm_nt`, WGMMA with the block scales applied in the main loop. Measured
@@ -353,15 +353,17 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 # the first row whose limit is >= M. One home for the decision; bench/gemm_choice.py times every
 # option per M at the Llama-3.1-8B shapes and prints the table its winners imply, ready to paste.
 # The numbers behind it (docs/engine.md, "Choosing the FP8 GEMM"; H200, 2026-12-02,
-# docs/benchmarks/runs/2026-12-02-71b629b/gemm_choice.json, a step's linears, bf16 / option):
-# gemv 1.92x at M 1 (DeepGEMM 1.33x); DeepGEMM 1.30x at 4, 1.46x at 8 (gemv 0.90x), 1.49x at 16
-# (gemv 1.40x), 1.60x at 64 (torch block 1.11x), 1.43x at 256, 1.50-1.64x at 2048-8192 (torch
-# block 1.26x and 1.39-1.46x).
+# docs/benchmarks/runs/2026-12-02-{71b629b,1a689c2}/gemm_choice.json, a step's linears, bf16 / option):
+# gemv 1.82-1.92x at M 1 (DeepGEMM 1.30-1.33x) and 3% faster than DeepGEMM at M 4 (2887 vs 2973
+# us at 71b629b), but 0.90x at M 8 (every layer) where DeepGEMM is 1.46-1.47x; DeepGEMM 1.48-1.49x
+# at 16 (gemv 1.40x), 1.60x at 64 (torch block 1.11x), 1.43x at 256, 1.48-1.72x at 2048-8192
+# (torch block 1.39-1.54x). M 2-3: gemv not timed (its dot8 launches were held to the
+# weight-only tolerance), DeepGEMM 1.19x at 2; the small-M kernel keeps them, as it keeps 4.
 # Options: "gemv" (engine/kernels/gemv.py), "deep_gemm" (DeepGEMM, where installed), "torch_block"
 # (cuBLASLt through torch), "triton" (the weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
 # A library option that is not available here falls back: to gemv up to GEMV_MAX_M rows (the
 # route before DeepGEMM), else along LIBRARY_FALLBACK.
-BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((1, "gemv"), (None, "deep_gemm"))
+BLOCK_ROUTE: tuple[tuple[int | None, str], ...] = ((4, "gemv"), (None, "deep_gemm"))
 BLOCK_OPTIONS = ("gemv", "deep_gemm", "torch_block", "triton")
 
 

@@ -178,14 +178,15 @@ def test_block_route_follows_the_table_and_falls_back():
     assert kernels.block_route(1025, only("torch_block"), table) == "triton"
     # torch's block GEMM not available here: the Triton kernels
     assert kernels.block_route(100, only(), table) == "triton"
-    # the committed table: the small-M kernel at one row, DeepGEMM above; without DeepGEMM the
+    # the committed table: the small-M kernel to 4 rows, DeepGEMM above; without DeepGEMM the
     # small-M kernel to 16 rows and torch's block GEMM above, without both the Triton kernels
     both = only("deep_gemm", "torch_block")
     assert kernels.block_route(1, both) == "gemv"
-    assert kernels.block_route(2, both) == "deep_gemm"
+    assert kernels.block_route(4, both) == "gemv"
+    assert kernels.block_route(5, both) == "deep_gemm"
     assert kernels.block_route(gemv.GEMV_MAX_M, both) == "deep_gemm"
     assert kernels.block_route(8192, both) == "deep_gemm"
-    assert kernels.block_route(2, only("torch_block")) == "gemv"
+    assert kernels.block_route(5, only("torch_block")) == "gemv"
     assert kernels.block_route(gemv.GEMV_MAX_M, only()) == "gemv"
     assert kernels.block_route(gemv.GEMV_MAX_M + 1, only("torch_block")) == "torch_block"
     assert kernels.block_route(8192, only("deep_gemm")) == "deep_gemm"
