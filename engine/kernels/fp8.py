@@ -224,6 +224,9 @@ _PROBE_TOLERANCE = 2**-6  # relative Frobenius gap to the Triton kernel; a wrong
 # Where a library falls back to when it is not available here (the Triton kernels always are).
 LIBRARY_FALLBACK = {"deep_gemm": "torch_block", "torch_block": "triton"}
 _LIBRARY_NAMES = {"torch_block": "torch's block-scaled scaled_mm", "deep_gemm": "DeepGEMM (deep_gemm)"}
+# What serves a library's linears where it is not usable (block_route's fallback), for its log line
+_FALLBACK_SERVES = {"deep_gemm": "the small-M kernel (to 16 rows) and torch's block-scaled scaled_mm (above) serve them",
+                    "torch_block": "the Triton kernels serve them"}
 
 
 def _torch_block_call(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -305,9 +308,8 @@ def library_available(option: str, device: torch.device, out_dtype: torch.dtype)
             return False
         why = _probe_library(option, device, out_dtype)
         if why is not None:
-            log.warning("FP8 block linears on cuda:%d with %s outputs: %s is not usable here (%s); "
-                        "%s serves them", index, out_dtype, _LIBRARY_NAMES[option], why,
-                        _LIBRARY_NAMES.get(LIBRARY_FALLBACK[option], "the Triton kernels"))
+            log.warning("FP8 block linears on cuda:%d with %s outputs: %s is not usable here (%s); %s",
+                        index, out_dtype, _LIBRARY_NAMES[option], why, _FALLBACK_SERVES[option])
         ok = _LIBRARY_OK[(option, index, out_dtype)] = why is None
     return ok
 
@@ -353,12 +355,11 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 # the first row whose limit is >= M. One home for the decision; bench/gemm_choice.py times every
 # option per M at the Llama-3.1-8B shapes and prints the table its winners imply, ready to paste.
 # The numbers behind it (docs/engine.md, "Choosing the FP8 GEMM"; H200, 2026-12-02,
-# docs/benchmarks/runs/2026-12-02-{71b629b,1a689c2}/gemm_choice.json, a step's linears, bf16 / option):
-# gemv 1.82-1.92x at M 1 (DeepGEMM 1.30-1.33x) and 3% faster than DeepGEMM at M 4 (2887 vs 2973
-# us at 71b629b), but 0.90x at M 8 (every layer) where DeepGEMM is 1.46-1.47x; DeepGEMM 1.48-1.49x
-# at 16 (gemv 1.40x), 1.60x at 64 (torch block 1.11x), 1.43x at 256, 1.48-1.72x at 2048-8192
-# (torch block 1.39-1.54x). M 2-3: gemv not timed (its dot8 launches were held to the
-# weight-only tolerance), DeepGEMM 1.19x at 2; the small-M kernel keeps them, as it keeps 4.
+# docs/benchmarks/runs/2026-12-02-{71b629b,1a689c2,40e26f9}/gemm_choice.json, a step's linears,
+# bf16 / option): gemv 1.82-1.92x at M 1 (DeepGEMM 1.30-1.33x), 1.30x at 2 and 1.32x at 4
+# (DeepGEMM 1.22x and 1.30x), but 0.90x at M 8 (every layer) where DeepGEMM is 1.46-1.50x;
+# DeepGEMM 1.48-1.52x at 16 (gemv 1.40-1.44x), 1.60x at 64 (torch block 1.11x), 1.43x at 256,
+# 1.46-1.72x at 2048-8192 (torch block 1.38-1.54x).
 # Options: "gemv" (engine/kernels/gemv.py), "deep_gemm" (DeepGEMM, where installed), "torch_block"
 # (cuBLASLt through torch), "triton" (the weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
 # A library option that is not available here falls back: to gemv up to GEMV_MAX_M rows (the
