@@ -67,7 +67,7 @@ def _assert_weight_only(got, x, codes, scale, scale_n):
 @pytest.mark.parametrize("m,scheme", [(1, "block"), (7, "block"), (16, "block"),
                                       (1, "channel"), (7, "channel"), (16, "channel"), (64, "channel")])
 def test_weight_only_decode_kernel(n, k, m, scheme):
-    """The small-M kernel (block weights: the route at one row, and up to 16 rows where DeepGEMM
+    """The small-M kernel (block weights: the route to 4 rows, and up to 16 rows where DeepGEMM
     is not installed; per-channel weights: every M here), then the engine's route."""
     codes, scale, scale_n = _weights(n, k, scheme)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
@@ -145,7 +145,7 @@ def test_torch_block_scaled_mm_route(n, k, m):
 
 @pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")
 def test_block_route_replays_in_a_graph():
-    """The engine's route above 16 rows (DeepGEMM where installed, else torch's block GEMM)."""
+    """The engine's route at 64 rows (DeepGEMM where installed, else torch's block GEMM)."""
     codes, scale, scale_n = _weights(4096, 4096, "block")
     x = torch.randn(64, 4096, device=DEV).to(torch.bfloat16)
     fp8_kernels.fp8_linear(x, codes, scale, scale_n)  # the probe and the compiles, outside capture
