@@ -148,7 +148,9 @@ def main() -> int:
     table = step_table(per_layer, rows)
     result = {"environment": environment(), "torch_block_available": torch_block, "layers": LAYERS,
               "route": {"gemv_max_m": gemv.GEMV_MAX_M, "decode_max_m": kernels.DECODE_MAX_M,
-                        "torch_block_above": gemv.GEMV_MAX_M if torch_block else None},
+                        "torch_block_above": gemv.GEMV_MAX_M if torch_block else None,
+                        "block_route": [list(r) for r in kernels.BLOCK_ROUTE],
+                        "deep_gemm_available": kernels.library_available("deep_gemm", dev, torch.bfloat16)},
               "per_layer_us": per_layer, "step_linears": table}
     engine_vs_bf16 = [e["speedup_vs_bf16"].get("engine") for e in table]
     result["goal"] = {"name": "FP8 linears >= bf16 at every M (8B shape, a step's linears)",

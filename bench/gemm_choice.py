@@ -9,7 +9,7 @@ dequantized weights; which one fp8_linear should take per M (engine/kernels/fp8.
 Candidates (weights FP8 e4m3 with 128 x 128 block scales, activations quantized per 1 x 128
 group by the project's `act_quant`, counted in every W8A8 column):
 - `bf16`: cuBLAS on bf16 weights, the bar;
-- `gemv`: the project's small-M kernel (M <= 16, weight-only);
+- `gemv`: the project's small-M kernel (M <= 16; weight-only except its dot8/wg8 launches);
 - `w8a8`: the project's Triton W8A8 kernel (pointer loads, one program per tile);
 - `torch_block`: `torch.nn.functional.scaled_mm` with BlockWise1x128 / BlockWise128x128
   (cuBLASLt); `torch_block_private`: the same through `torch._scaled_mm` (scales by shape);

@@ -36,5 +36,7 @@ for arg in "$@"; do
   summary+=("$step: rc=$rc in $(( $(date +%s) - t0 )) s")
 done
 [[ -n ${DG_JIT_CACHE_DIR:-} && -d $DG_JIT_CACHE_DIR ]] && cp -r "$DG_JIT_CACHE_DIR" "$OUT/dg-jit-cache"  # for the next call's .dg/jit-cache
+ls .dg/_C*.so >/dev/null 2>&1 || { ls /tmp/deepgemm/deep_gemm/_C*.so >/dev/null 2>&1 && mkdir -p "$OUT/dg-build" \
+  && cp /tmp/deepgemm/deep_gemm/_C*.so "$OUT/dg-build/"; }  # a fresh build, for the next call's .dg/
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz ./*)
 printf '%s\n' "=== summary (commit $commit$dirty)" "${summary[@]}"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 def main() -> int:
     if len(sys.argv) != 2:
-        print(__doc__.splitlines()[4].strip(), file=sys.stderr)
+        print(__doc__.splitlines()[5].strip(), file=sys.stderr)
         return 2
     import torch
     from torch.utils.cpp_extension import CUDA_HOME

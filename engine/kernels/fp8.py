@@ -4,7 +4,7 @@ in engine/models/fp8.py dequantizes and runs F.linear elsewhere).
 A weight W [N, K] is stored as e4m3 codes Wq and float32 scales S with W = Wq * S, one scale per
 (SCALE_N x 128) tile: SCALE_N = 128 for DeepSeek-style block checkpoints (`weight_scale_inv`
 [ceil(N/128), ceil(K/128)]), 1 for per-output-channel scales or for block scales that fused
-parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. Two paths:
+parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. The paths:
 
 - decode (M <= DECODE_MAX_M rows): weight-only. Up to GEMV_MAX_M (16) rows the small-M
   weight-streaming kernel of engine/kernels/gemv.py (narrow slabs, split-K finished in-kernel);
@@ -18,7 +18,7 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   to a power of two for ue8m0 checkpoints; x / s to e4m3), then `_w8a8_kernel` multiplies e4m3
   by e4m3 on the tensor cores, a float32 accumulator per 128-wide k block scaled by the
   activation group's scale times the weight tile's.
-- block weights above GEMV_MAX_M rows, where torch has it (SM90, torch with
+- block weights above GEMV_MAX_M rows where DeepGEMM (below) is not installed and torch has it (SM90, torch with
   `torch.nn.functional.scaled_mm` block scaling): the same W8A8 numerics through cuBLASLt's
   block-scaled FP8 GEMM (activation scales 1x128, weight scales 128x128). Measured side by side
   on the H200 (bench/fp8_crossover.py, docs/engine.md): it beats bf16 from 17 rows up, where the
@@ -32,7 +32,8 @@ parts (q/k/v) forced to one row each, and a zero stride for a per-tensor scale. 
   each kernel configuration, cached on disk under DG_JIT_CACHE_DIR): the same W8A8 numerics
   through `deep_gemm.fp8_gemm_nt`, WGMMA with the block scales applied in the main loop. Measured
   side by side (bench/gemm_choice.py, docs/engine.md) it beats cuBLASLt's block GEMM at every
-  M (1.60x bf16 against 1.11x at 64 rows) and the small-M kernel from 8 rows up. Probed like
+  M (1.60x bf16 against 1.11x at 64 rows) and the small-M kernel at 8 and 16 rows (5-7 not
+  timed; the small-M kernel's 5-8 row launches measured 0.90x bf16). Probed like
   torch's; where it is not installed or does not run, one log line says so and the route
   without it serves (the small-M kernel to 16 rows, torch's block GEMM above).
 
@@ -77,11 +78,13 @@ def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s, s
 
 
 def act_quant(x: torch.Tensor, round_scale: bool = False, column_major: bool = False,
-              pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+              pad_rows_to: int = 1, fill_padding: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)]), x ~ y * s per group.
     column_major: the scales laid out M-fastest (strides (1, M)), as cuBLASLt's 1x128 block
     scaling reads them. pad_rows_to: both outputs get rows up to a multiple of it, codes 0 and
-    scales 1 there (a GEMM's padded rows are its own, sliced off after)."""
+    scales 1 there (a GEMM's padded rows are its own, sliced off after); fill_padding False
+    leaves them unwritten, for a consumer that reads only the first M rows (DeepGEMM: the padding
+    only aligns the scale columns), two launches fewer."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP_K)
     rows = triton.cdiv(m, pad_rows_to) * pad_rows_to
@@ -90,7 +93,7 @@ def act_quant(x: torch.Tensor, round_scale: bool = False, column_major: bool = F
         s = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
     else:
         s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
-    if rows > m:
+    if rows > m and fill_padding:
         y[m:].zero_()
         s[m:].fill_(1.0)
     per_program = 4
@@ -225,8 +228,13 @@ _PROBE_TOLERANCE = 2**-6  # relative Frobenius gap to the Triton kernel; a wrong
 LIBRARY_FALLBACK = {"deep_gemm": "torch_block", "torch_block": "triton"}
 _LIBRARY_NAMES = {"torch_block": "torch's block-scaled scaled_mm", "deep_gemm": "DeepGEMM (deep_gemm)"}
 # What serves a library's linears where it is not usable (block_route's fallback), for its log line
-_FALLBACK_SERVES = {"deep_gemm": "the small-M kernel (to 16 rows) and torch's block-scaled scaled_mm (above) serve them",
-                    "torch_block": "the Triton kernels serve them"}
+_FALLBACK_SERVES = {
+    "deep_gemm": (f"the route without it serves them (the small-M kernel up to {gemv.GEMV_MAX_M} rows, "
+                  "above them torch's block-scaled scaled_mm where that is usable, else the Triton kernels)"),
+    "torch_block": "the Triton kernels serve them"}
+# The activation dtypes each library's GEMM writes (DeepGEMM's fp8_gemm_nt: bf16 or float32 D;
+# float32 activations keep the Triton and small-M kernels, below)
+_LIBRARY_DTYPES = {"deep_gemm": (torch.bfloat16,), "torch_block": (torch.bfloat16, torch.float16)}
 
 
 def _torch_block_call(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -264,7 +272,8 @@ def _library_linear(option: str, rows: torch.Tensor, weight: torch.Tensor, scale
     quantized by `act_quant` (DeepSeek's numerics, as on the Triton W8A8 path)."""
     m = rows.shape[0]
     if option == "deep_gemm":
-        a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=DEEP_GEMM_ROW_ALIGN)
+        a, a_s = act_quant(rows, round_scale, column_major=True, pad_rows_to=DEEP_GEMM_ROW_ALIGN,
+                           fill_padding=False)
         out = torch.empty((m, weight.shape[0]), dtype=rows.dtype, device=rows.device)
         _deep_gemm().fp8_gemm_nt((a[:m], a_s[:m]), (weight, scale), out)
         return out
@@ -275,10 +284,10 @@ def _library_linear(option: str, rows: torch.Tensor, weight: torch.Tensor, scale
 def _probe_library(option: str, device: torch.device, out_dtype: torch.dtype) -> str | None:
     """None where the library's block-scaled GEMM runs here and matches the Triton W8A8 kernel;
     else why not."""
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        # float32 activations (the lossless checks) keep the small-M kernel's weight-only product
-        # at every M the verify sees, so speculative and target-only decoding share numerics.
-        return f"{out_dtype} activations: the library route serves bf16 and fp16"
+    if out_dtype not in _LIBRARY_DTYPES[option]:
+        # float32 activations (the lossless checks) keep the project's kernels at every M, whose
+        # launches for a given M are the same in a verify and in target-only decoding.
+        return f"{out_dtype} activations: it serves {', '.join(str(d).removeprefix('torch.') for d in _LIBRARY_DTYPES[option])}"
     capability = torch.cuda.get_device_capability(device)
     if capability != (9, 0):
         return f"compute capability {capability[0]}.{capability[1]}; the block-scaled kernels here are SM90's"
@@ -308,10 +317,18 @@ def library_available(option: str, device: torch.device, out_dtype: torch.dtype)
             return False
         why = _probe_library(option, device, out_dtype)
         if why is not None:
-            log.warning("FP8 block linears on cuda:%d with %s outputs: %s is not usable here (%s); %s",
-                        index, out_dtype, _LIBRARY_NAMES[option], why, _FALLBACK_SERVES[option])
+            _refuse(option, index, out_dtype, why, expected=out_dtype not in _LIBRARY_DTYPES[option])
         ok = _LIBRARY_OK[(option, index, out_dtype)] = why is None
     return ok
+
+
+def _refuse(option: str, index: int, out_dtype: torch.dtype, why: str, expected: bool = False) -> None:
+    """Marks a library unusable for (device, dtype), with one log line (info where the dtype is one
+    it does not serve by design, a warning otherwise)."""
+    _LIBRARY_OK[(option, index, out_dtype)] = False
+    (log.info if expected else log.warning)(
+        "FP8 block linears on cuda:%d with %s outputs: %s is not usable here (%s); %s",
+        index, out_dtype, _LIBRARY_NAMES[option], why, _FALLBACK_SERVES[option])
 
 
 def torch_block_mm_available(device: torch.device, out_dtype: torch.dtype) -> bool:
@@ -402,7 +419,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     if m > 1 and x.device.type == "cuda" and torch_block_shape_ok(weight, scale, scale_n):
         option = block_route(m, lambda o: library_available(o, x.device, x.dtype))
         if option in LIBRARY_FALLBACK:
-            return block_library_linear(option, rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
+            try:
+                return block_library_linear(option, rows, weight, scale, bias, round_scale).view(*x.shape[:-1], n)
+            except Exception as e:  # noqa: BLE001 - e.g. DeepGEMM's JIT compile of a new configuration
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                # The probe passed on one configuration; this one failed: the route without the
+                # library serves from now on (one warning line), this call included.
+                index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+                _refuse(option, index, x.dtype, f"{type(e).__name__} at {m} x {n} x {k}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+                return fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)

@@ -143,12 +143,14 @@ def test_torch_block_scaled_mm_route(n, k, m):
     assert torch.equal(fp8_kernels.torch_block_linear(x, codes, scale, bias), got + bias)
 
 
-@pytest.mark.skipif(not SM90_TORCH, reason="torch's block-scaled scaled_mm (cuBLASLt) needs SM90 and torch >= 2.9")
+@pytest.mark.skipif(not (SM90_TORCH or DEEP_GEMM), reason="neither DeepGEMM nor torch's block-scaled scaled_mm is here")
 def test_block_route_replays_in_a_graph():
     """The engine's route at 64 rows (DeepGEMM where installed, else torch's block GEMM)."""
     codes, scale, scale_n = _weights(4096, 4096, "block")
     x = torch.randn(64, 4096, device=DEV).to(torch.bfloat16)
     fp8_kernels.fp8_linear(x, codes, scale, scale_n)  # the probe and the compiles, outside capture
+    route = fp8_kernels.block_route(64, lambda o: fp8_kernels.library_available(o, torch.device(DEV), x.dtype))
+    assert route == ("deep_gemm" if DEEP_GEMM else "torch_block")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -177,7 +179,7 @@ def test_library_fallback_logs_one_line_each(monkeypatch, caplog):
             got = fp8_kernels.fp8_linear(x, codes, scale, scale_n)
     lines = [r.getMessage() for r in caplog.records if r.name == "specdeploy.engine.kernels.fp8"]
     assert len(lines) == 2, lines
-    assert "DeepGEMM" in lines[0] and "No module named 'deep_gemm'" in lines[0] and "scaled_mm (above) serve" in lines[0]
+    assert "DeepGEMM" in lines[0] and "No module named 'deep_gemm'" in lines[0] and "route without it serves" in lines[0]
     assert "CUBLAS_STATUS_NOT_SUPPORTED" in lines[1] and "Triton kernels serve" in lines[1]
     _assert_weight_only(got, x, codes, scale, scale_n)  # 64 rows: the weight-only fallback
 

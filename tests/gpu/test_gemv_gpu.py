@@ -83,8 +83,8 @@ def _within_quantized(got, x, wd, bias=None):
 @pytest.mark.parametrize("n,k", LLAMA_8B)
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_fp8_block_weights(n, k, m):
-    """The small-M kernel with its launch table's config (the block route at one row, and to 16
-    rows where DeepGEMM is not installed), then the engine's route at the same M."""
+    """The small-M kernel with its launch table's config (the block route up to 4 rows, and to
+    16 rows where DeepGEMM is not installed), then the engine's route at the same M."""
     codes, scale, wd = _fp8_weights(n, k)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     bias = torch.randn(n, device=DEV).to(torch.bfloat16) if m == 4 else None

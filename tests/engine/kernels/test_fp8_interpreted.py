@@ -197,6 +197,8 @@ def test_block_route_follows_the_table_and_falls_back():
     assert kernels.block_route(64, lambda o: asked.append(o) or False) == "triton"
     assert asked == ["deep_gemm", "torch_block"]
     assert kernels.BLOCK_ROUTE[-1][0] is None
+    # fp8_linear sends one row straight to the small-M kernel: the table must agree
+    assert kernels.BLOCK_ROUTE[0][1] == "gemv" and (kernels.BLOCK_ROUTE[0][0] or 0) >= 1
     assert all(option in kernels.BLOCK_OPTIONS for _, option in kernels.BLOCK_ROUTE)
     with pytest.raises(ValueError, match="unknown option"):
         kernels.block_route(100, both, ((None, "tma"),))
