@@ -281,6 +281,15 @@ def _library_linear(option: str, rows: torch.Tensor, weight: torch.Tensor, scale
     return _torch_block_call(a, a_s, weight, scale, rows.dtype)[:m]
 
 
+def _failure(e: Exception) -> str:
+    """An exception as one short reason for a log line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _probe_library(option: str, device: torch.device, out_dtype: torch.dtype) -> str | None:
     """None where the library's block-scaled GEMM runs here and matches the Triton W8A8 kernel;
     else why not."""
@@ -299,7 +308,7 @@ def _probe_library(option: str, device: torch.device, out_dtype: torch.dtype) ->
     try:
         got = _library_linear(option, x, weight, scale, False).float()
     except Exception as e:  # noqa: BLE001 - whatever the library refuses with, the fallback serves
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return _failure(e)
     want = _w8a8(x, weight, scale, 128, None, torch.empty(m, n, dtype=out_dtype, device=device), False).float()
     gap = ((got - want).norm() / want.norm()).item()
     return None if gap < _PROBE_TOLERANCE else f"its result is {gap:.3g} (relative) away from the Triton kernel's"
@@ -310,7 +319,7 @@ def library_available(option: str, device: torch.device, out_dtype: torch.dtype)
     through it on `device` for outputs of `out_dtype`. Probed once, outside graph capture (a
     capture that asks before the probe ran gets the fallback for that call); where the probe
     fails, one log line says why and what serves instead."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     ok = _LIBRARY_OK.get((option, index, out_dtype))
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
@@ -426,9 +435,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
                     raise
                 # The probe passed on one configuration; this one failed: the route without the
                 # library serves from now on (one warning line), this call included.
-                index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-                _refuse(option, index, x.dtype, f"{type(e).__name__} at {m} x {n} x {k}: "
-                        f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+                _refuse(option, _device_index(x.device), x.dtype, f"at {m} x {n} x {k}, {_failure(e)}")
                 return fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
