@@ -461,25 +461,32 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
 
 
 @contextlib.contextmanager
-def pdl_mode(value: str):
-    """Kernels launched (and graphs captured) inside run under SPECDEPLOY_PDL=value: "0" without
-    programmatic dependent launch, "1" the engine's default, "all" PDL after library GEMMs too
-    (engine/kernels/launch.py)."""
+def kernel_env(name: str, value: str):
+    """Kernels launched (and graphs captured) inside run with the environment variable `name`
+    (one of engine/kernels/launch.py's, read once and cached there) set to `value`."""
     import os
 
     from specdeploy.engine.kernels import launch
 
-    old = os.environ.get(launch.PDL_ENV)
-    os.environ[launch.PDL_ENV] = value
+    old = os.environ.get(name)
+    os.environ[name] = value
     launch.reset()
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(launch.PDL_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[launch.PDL_ENV] = old
+            os.environ[name] = old
         launch.reset()
+
+
+def pdl_mode(value: str):
+    """Under SPECDEPLOY_PDL=value: "0" without programmatic dependent launch, "1" the engine's
+    default, "all" PDL after library GEMMs too (engine/kernels/launch.py)."""
+    from specdeploy.engine.kernels import launch
+
+    return kernel_env(launch.PDL_ENV, value)
 
 
 def pdl_off():

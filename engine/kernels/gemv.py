@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args
+from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args, prefetch_bytes
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
@@ -69,6 +69,7 @@ VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "cublas")
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
 CTAS_PER_SM = 4  # the heuristic's target occupancy: programs per SM
+PREFETCH_SECTOR = 32  # bytes one L2 prefetch asks for (a sector)
 
 
 @triton.jit
@@ -79,8 +80,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
                  QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
-                 ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0):
-    gdc(USE_GDC)  # nothing is read or written before the previous kernel is done (launch.py)
+                 ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0, PF_COLS: tl.constexpr = 0,
+                 PF_STEP: tl.constexpr = 32):
+    if PF_COLS > 0:
+        # The weights are no kernel's output, so they need not wait: launched early by PDL, the
+        # program pulls the first PF_COLS columns of its rows into L2 (one 32-byte sector, PF_STEP
+        # elements, a prefetch) while the previous kernel drains, and its stream below starts there.
+        pf_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+        pf_cols = tl.minimum(tl.program_id(1) * K_SPLIT + tl.arange(0, PF_COLS // PF_STEP) * PF_STEP, K - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l",
+                                  [w_ptr + pf_rows[:, None] * stride_wn + pf_cols[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    gdc(USE_GDC)  # nothing else is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -403,22 +414,28 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         raise ValueError("gemv: scales come with e4m3 codes")
     mode, s_n, sn, sk = (0, 1, 0, 0) if scale is None else _scale_layout(scale, scale_n, block_n)
     ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None  # any eager call at a width makes it
+    pdl = pdl_args(out)
     grid, constexprs = launch_constexprs("plain" if scale is None else "fp8", x.dtype, m, n, k, mode, s_n,
                                          bias is not None, ws is not None, variant, block_n, block_k, split_k,
-                                         num_stages, round_scale)
+                                         num_stages, round_scale, prefetch_bytes() if pdl["USE_GDC"] else 0,
+                                         weight.element_size())
     if constexprs["SPLIT_K"] == 1:
         ws = (out, out)
     _gemv_kernel[grid](
         x, weight, scale if scale is not None else out, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk,
-        **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl_args(out))
+        **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl)
 
 
 def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k: int, mode: int, scale_n: int,
                       has_bias: bool, has_workspace: bool, variant: str, block_n: int, block_k: int, split_k: int,
-                      num_stages: int, round_scale: bool = False) -> tuple[tuple[int, int], dict]:
+                      num_stages: int, round_scale: bool = False, prefetch: int = 0,
+                      weight_bytes: int = 1) -> tuple[tuple[int, int], dict]:
     """(grid, the kernel's constexprs plus K_SPLIT) of one launch: pure, so that a CPU test can
-    put every launch the table and the heuristic make through the whole compiler."""
+    put every launch the table and the heuristic make through the whole compiler. prefetch:
+    bytes of each weight row (weight_bytes an element) pulled into L2 before the kernel's PDL
+    wait (launch.prefetch_bytes), rounded down to a power of two of 32-byte sectors within
+    the program's k range; 0 none."""
     if not 0 < m <= GEMV_MAX_M:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
     if variant not in VARIANTS[:-1] or block_k % GROUP_K or block_n < MIN_BLOCK_N:
@@ -438,12 +455,16 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
     k_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_split)  # no empty splits
     grid = (triton.cdiv(n, block_n), split_k)
+    step = max(1, PREFETCH_SECTOR // weight_bytes)
+    sectors = min(prefetch // weight_bytes, k_split) // step
+    pf_cols = (1 << (sectors.bit_length() - 1)) * step if sectors > 0 else 0
     return grid, dict(
         K_SPLIT=k_split, SCALE_MODE=mode, SCALE_N=scale_n, HAS_BIAS=has_bias, USE_DOT=use_dot,
         QUANT_X=quant_x, ROUND_SCALE=round_scale, X_F16=x_f16, ONE_ROW=x_f16 and m == 1,
         X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
         PRECISION="ieee" if x_dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages)
+        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
+        PF_COLS=pf_cols, PF_STEP=step)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 
 PDL_ENV = "SPECDEPLOY_PDL"
+PREFETCH_ENV = "SPECDEPLOY_PREFETCH"
+PREFETCH_BYTES = 2048  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row
 
 
 @functools.cache
@@ -62,11 +64,21 @@ def pdl_after_library() -> bool:
     return os.environ.get(PDL_ENV, "1") == "all"
 
 
+@functools.cache
+def prefetch_bytes() -> int:
+    """How much of each weight row a weight-streaming kernel launched with PDL pulls into L2
+    before its griddepcontrol.wait (gemv.py): SPECDEPLOY_PREFETCH bytes, PREFETCH_BYTES unless
+    set, 0 for none; read once."""
+    value = os.environ.get(PREFETCH_ENV, "")
+    return int(value) if value.strip() else PREFETCH_BYTES
+
+
 def reset() -> None:
-    """Forget the cached PDL settings (SPECDEPLOY_PDL is read again) and any pending
-    after_library_gemm flag: for tests and benchmarks that change the mode."""
+    """Forget the cached PDL settings (SPECDEPLOY_PDL and SPECDEPLOY_PREFETCH are read again)
+    and any pending after_library_gemm flag: for tests and benchmarks that change the mode."""
     _pdl_on.cache_clear()
     pdl_after_library.cache_clear()
+    prefetch_bytes.cache_clear()
     _AFTER_LIBRARY.clear()
 
 

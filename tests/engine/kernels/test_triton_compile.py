@@ -316,3 +316,49 @@ def test_fp4_moe_compiles(gathered, act, weighted, config):
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": cfg.warps, "num_stages": cfg.stages})
     assert "cvt.rn.f16x2.e4m3x2" in compiled.asm["ptx"] or "e4m3" in compiled.asm["ptx"]  # the hardware conversion
+
+
+@pytest.mark.parametrize("weight,act,elem", [("*fp8e4nv", "*bf16", 1), ("*bf16", "*bf16", 2)])
+def test_gemv_prefetches_its_weights_before_the_pdl_wait(weight, act, elem):
+    """With PDL the small-M linear pulls the first bytes of its weight rows into L2 before
+    griddepcontrol.wait (the weights are no kernel's output), 32-byte sectors, and nothing else
+    it reads or writes comes before the wait; without a prefetch size there is none."""
+    from triton.backends.compiler import GPUTarget
+
+    import torch
+    from specdeploy.engine.kernels import gemv as gemv_triton
+
+    def ptx(prefetch):
+        _, const = gemv_triton.launch_constexprs("fp8" if elem == 1 else "plain", torch.bfloat16, 1, 6144, 4096,
+                                                 1 if elem == 1 else 0, 128 if elem == 1 else 1, False, True,
+                                                 "fma", 16, 512, 1, 3, prefetch=prefetch, weight_bytes=elem)
+        const.pop("K_SPLIT")
+        return const, triton.compile(_gemv_source(weight, act, const), target=GPUTarget("cuda", 90, 32),
+                                     options={"num_warps": 2, "num_stages": 3}).asm["ptx"]
+
+    const, on = ptx(2048)
+    assert const["PF_COLS"] == 2048 // elem and const["PF_STEP"] == 32 // elem
+    wait = on.index("griddepcontrol.wait")
+    before = on[:wait]
+    # [BLOCK_N 16 rows, 2048 / 32 sectors] over 64 threads
+    assert before.count("prefetch.global.L2") == 16 * (2048 // 32) // 64
+    assert "ld.global" not in before and "st.global" not in before and "cp.async" not in before
+    _, off = ptx(0)
+    assert "prefetch.global.L2" not in off
+
+
+def test_gemv_prefetch_size_fits_the_programs_k_range():
+    """The prefetch is a power of two of sectors, at most the bytes asked for and within the
+    program's split of K."""
+    import torch
+    from specdeploy.engine.kernels import gemv as gemv_triton
+
+    def cols(prefetch, k=4096, split=1, elem=1, block_k=512):
+        return gemv_triton.launch_constexprs("fp8" if elem == 1 else "plain", torch.bfloat16, 1, 4096, k, 1, 128,
+                                             False, True, "fma", 16, block_k, split, 3, prefetch=prefetch,
+                                             weight_bytes=elem)[1]["PF_COLS"]
+
+    assert cols(0) == 0 and cols(31) == 0   # less than one sector: none
+    assert cols(2048) == 2048 and cols(3000) == 2048 and cols(2048, elem=2) == 1024
+    assert cols(8192) == 4096               # the whole row, no further
+    assert cols(8192, k=14336, split=8, block_k=256) == 1024   # a 1792-wide split: 56 sectors -> 32
