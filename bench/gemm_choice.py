@@ -84,7 +84,7 @@ def tolerance(option: str, k: int, weight_only: bool | None = None) -> float:
 def _weight_only(option: str, n: int, k: int, m: int, dev) -> bool:
     """Whether the option's launch at this shape keeps activations unquantized."""
     if option == "gemv":
-        return gemv.config_for("fp8", n, k, m, dev)[0] not in ("dot8", "wg8")
+        return gemv.config_for("fp8", n, k, m, dev)[0] not in gemv.QUANTIZING_VARIANTS
     return option == "bf16"
 
 

@@ -1,5 +1,5 @@
 """The small-M linear kernel's launch table, measured: every Llama-3.1-8B linear shape at M = 1 / 4
-/ 16, FP8 block weights and bf16 weights, over a selective configuration space.
+/ 8 / 16, FP8 block weights and bf16 weights, over a selective configuration space.
 
     python3 bench/gemv_sweep.py --out RESULTS_DIR          # device, <= ~120 s on an H200
     python3 bench/gemv_sweep.py --smoke --out RESULTS_DIR  # CPU (Triton interpreter), tiny, seconds
@@ -49,7 +49,7 @@ SHAPES = {
                ("lm_head", 128256, 4096, ("plain",))],
     "smoke": [("tiny", 64, 512, ("fp8", "plain"))],
 }
-M_VALUES = {"device": (1, 4, 16), "smoke": (1, 4)}
+M_VALUES = {"device": (1, 4, 8, 16), "smoke": (1, 4)}
 L2_MULTIPLE_BYTES = 512 << 20  # weight copies per graph: at least this many bytes (the L2 is 50-60 MB)
 REPS, WARMUP = 30, 5
 BUDGET_S = 105.0  # the whole sweep stays within ~2 minutes on the device
@@ -93,6 +93,10 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
         # the same padded to 64 rows: Hopper's native e4m3 wgmma
         base += [("wg8", bn, b, w, st) for bn, b, w, st in
                  ((32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 2))]
+        # the product swapped (W the wgmma's 64-row operand straight from shared memory, x its
+        # 16 columns): native e4m3 without padding x to 64 rows
+        base += [("sw8", bn, b, w, st) for bn, b, w, st in
+                 ((64, 128, 4, 3), (64, 256, 4, 3), (64, 512, 4, 2), (128, 256, 4, 3), (128, 256, 8, 3))]
     out = []
     for variant, bn, b, w, st in base:
         tiles = -(-n // bn)
@@ -178,7 +182,7 @@ def _time_graph(calls, device) -> float:
 def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int | None = None,
           budget_s: float = BUDGET_S) -> dict:
     """Time the configuration space at every shape; returns {"rows": [...], "table": {...}} with the
-    best launch per (kind, N, K, M bucket) (bucket 8 takes bucket 16's winner). Past `budget_s`
+    best launch per (kind, N, K, M bucket) (bucket 8 takes bucket 16's winner where M 8 is not timed). Past `budget_s`
     the remaining shapes time only the baseline and the heuristic's launch (the row says so)."""
     from specdeploy.engine.kernels import gemv
     size = "smoke" if smoke else "device"
@@ -226,7 +230,7 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
             choice = {"config": ["cublas", 0, 0, 1, 0, 0], "us": base["us"]}
         if choice is not None:
             table[(kind, n, k, gemv.m_bucket(m))] = tuple(choice["config"])
-            if m == 16:
+            if m == 16 and 8 not in M_VALUES[size]:
                 table[(kind, n, k, 8)] = tuple(choice["config"])
         default = gemv.config_for(kind, n, k, m, device) if not gemv.GEMV_TABLE else None
         row = {"name": name, "n": n, "k": k, "m": m, "weights": kind, "bytes": moved, "copies": copies,

@@ -65,7 +65,8 @@ from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MI
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
 M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
-VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "cublas")
+VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "sw8", "cublas")
+QUANTIZING_VARIANTS = ("dot8", "wg8", "sw8")  # activations rounded to e4m3 in the kernel
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
 CTAS_PER_SM = 4  # the heuristic's target occupancy: programs per SM
@@ -81,7 +82,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
                  QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
                  ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0, PF_COLS: tl.constexpr = 0,
-                 PF_STEP: tl.constexpr = 32):
+                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False):
     if PF_COLS > 0:
         # The weights are no kernel's output, so they need not wait: launched early by PDL, the
         # program pulls the first PF_COLS columns of its rows into L2 (one 32-byte sector, PF_STEP
@@ -108,7 +109,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     w_base = w_ptr + rows_n[:, None] * stride_wn                        # [BLOCK_N, 1]
     s_rows = s_ptr + (rows_n // SCALE_N) * stride_sn                    # [BLOCK_N]
     s_tile = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn           # scalar (SCALE_MODE 1)
-    if USE_DOT:
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, SUB_K), dtype=tl.float32)
@@ -143,7 +146,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 wv = tl.load(w_base + k[None, :], mask=(k < k_hi)[None, :], other=0.0)
             # the 128-wide k group (a group wholly past K reads the last one, times zeros)
             kg = tl.minimum((k0 + g * SUB_K) // SUB_K, (K - 1) // SUB_K)
-            if USE_DOT and QUANT_X:
+            if USE_DOT and SWAP:
+                # "sw8": x quantized as dot8 does it, then the product transposed, W [BLOCK_N,
+                # SUB_K] @ xq^T [SUB_K, BLOCK_M]: the weight codes are the wide operand, so
+                # Hopper's e4m3 wgmma takes them from shared memory as loaded and x is padded to
+                # BLOCK_M = 16 columns (its N), not 64 rows
+                xf = xv.to(tl.float32)
+                sx = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4) / 448.0          # [BLOCK_M]
+                if ROUND_SCALE:
+                    sx = tl.exp2(tl.ceil(tl.log2(sx)))
+                part = tl.dot(wv, tl.trans((xf / sx[:, None]).to(tl.float8e4nv))) * sx[None, :]
+                if SCALE_MODE == 1:
+                    part = part * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
+                    part = part * tl.load(s_rows + kg * stride_sk)[:, None]
+                acc += part                                                         # [BLOCK_N, BLOCK_M]
+            elif USE_DOT and QUANT_X:
                 # "dot8": x quantized per row and 128-wide group as act_quant does it (DeepSeek's
                 # s = max(|x|, 1e-4) / 448, ue8m0 checkpoints round s up to a power of two), then
                 # e4m3 x e4m3 on the tensor cores: the weight codes are never widened.
@@ -223,7 +241,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                     acc += wf * xf[None, :]                              # [BLOCK_N, SUB_K]
                 else:
                     acc += xf[:, None, :] * wf[None, :, :]               # [BLOCK_M, BLOCK_N, SUB_K]
-    if USE_DOT:
+    if SWAP:
+        y = tl.trans(acc)
+    elif USE_DOT:
         y = acc
     elif BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
@@ -312,7 +332,7 @@ def install_table(table: dict) -> None:
         kind, n, k, mb = key
         if (kind not in ("fp8", "plain") or mb not in M_BUCKETS or cfg[0] not in VARIANTS or len(cfg) != 6
                 or (kind == "fp8" and cfg[0] == "cublas")
-                or (kind == "plain" and cfg[0] in ("dot16", "wg16", "dot8", "wg8"))):
+                or (kind == "plain" and cfg[0] in ("dot16", "wg16", *QUANTIZING_VARIANTS))):
             raise ValueError(f"gemv table entry {key}: {cfg} is not a launch configuration")
         GEMV_TABLE[(kind, int(n), int(k), int(mb))] = tuple(cfg)
 
@@ -440,9 +460,10 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
     if variant not in VARIANTS[:-1] or block_k % GROUP_K or block_n < MIN_BLOCK_N:
         raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
+    swap = variant == "sw8"
     quant_x = variant in ("dot8", "wg8")
     x_f16 = variant in ("dot16", "wg16")
-    if (quant_x or x_f16) and weight_kind != "fp8":
+    if (quant_x or x_f16 or swap) and weight_kind != "fp8":
         raise ValueError(f"gemv: the {variant} variant multiplies e4m3 codes (FP8 weights only)")
     if x_f16 and x_dtype == torch.float32:
         x_f16 = False  # float32 activations keep the exact (ieee) dot; f16 would round them
@@ -464,7 +485,7 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
         X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
         PRECISION="ieee" if x_dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
-        PF_COLS=pf_cols, PF_STEP=step)
+        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 PDL_ENV = "SPECDEPLOY_PDL"
 PREFETCH_ENV = "SPECDEPLOY_PREFETCH"
-PREFETCH_BYTES = 2048  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row
+PREFETCH_BYTES = 0  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row (measured: no gain on an H200, docs/engine.md)
 
 
 @functools.cache

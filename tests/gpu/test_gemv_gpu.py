@@ -64,7 +64,7 @@ def _forced(kind, n, k, m):
 
 
 def _quantized_x(x):
-    """x as the dot8 / wg8 launches see it: DeepSeek's per-token-group e4m3 activations."""
+    """x as the dot8 / wg8 / sw8 launches see it: DeepSeek's per-token-group e4m3 activations."""
     xq, xs = fp8.act_quant_reference(x.float())
     return xq.float() * xs.repeat_interleave(128, 1)[:, :x.shape[1]]
 
@@ -90,7 +90,7 @@ def test_fp8_block_weights(n, k, m):
     bias = torch.randn(n, device=DEV).to(torch.bfloat16) if m == 4 else None
     b = bias.float() if bias is not None else None
     got = gemv.fp8_linear(x, codes, scale, 128, bias)
-    if gemv.config_for("fp8", n, k, m, torch.device(DEV))[0] in ("dot8", "wg8"):
+    if gemv.config_for("fp8", n, k, m, torch.device(DEV))[0] in gemv.QUANTIZING_VARIANTS:
         _within_quantized(got, x, wd, b)
     else:
         _within(got, F.linear(x.float(), wd, b))
@@ -103,7 +103,9 @@ def test_fp8_block_weights(n, k, m):
 
 @pytest.mark.parametrize("n,k", LLAMA_8B)
 @pytest.mark.parametrize("variant,block_n,block_k,m", [("dot8", 32, 256, 1), ("dot8", 64, 256, 16),
-                                                       ("wg8", 64, 128, 1), ("wg8", 64, 128, 16)])
+                                                       ("wg8", 64, 128, 1), ("wg8", 64, 128, 16),
+                                                       ("sw8", 64, 256, 1), ("sw8", 128, 256, 4),
+                                                       ("sw8", 64, 128, 16)])
 def test_fp8_tensor_core_variants(n, k, variant, block_n, block_k, m):
     codes, scale, wd = _fp8_weights(n, k)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)

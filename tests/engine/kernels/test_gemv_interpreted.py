@@ -121,7 +121,7 @@ try:
     raise AssertionError("a bucket that does not exist was accepted")
 except ValueError:
     pass
-# dot8 / wg8: x quantized per 128-wide group in the kernel, e4m3 x e4m3: equal to the product
+# dot8 / wg8 / sw8: x quantized per 128-wide group in the kernel, e4m3 x e4m3: equal to the product
 # over DeepSeek-quantized activations (act_quant_reference), every scale layout, ue8m0 scales too
 def quantized_reference(x, codes, scale, scale_n, bias, round_scale):
     xq, xs = fp8.act_quant_reference(x.float(), 128, round_scale)
@@ -133,7 +133,10 @@ for i, (kind, n, k, m, dtype, cfg, round_scale) in enumerate([
         ("block", 72, 512, 16, torch.float32, ("wg8", 32, 128, 4, 4, 2), True),
         ("rows", 40, 512, 3, torch.bfloat16, ("wg8", 16, 256, 1, 4, 2), False),
         ("channel", 40, 320, 5, torch.float32, ("dot8", 32, 128, 2, 4, 2), False),
-        ("tensor", 72, 512, 2, torch.bfloat16, ("dot8", 64, 256, 1, 4, 2), True)]):
+        ("tensor", 72, 512, 2, torch.bfloat16, ("dot8", 64, 256, 1, 4, 2), True),
+        ("block", 72, 512, 4, torch.bfloat16, ("sw8", 64, 256, 2, 4, 2), False),     # the swapped product
+        ("rows", 40, 512, 16, torch.float32, ("sw8", 64, 128, 1, 4, 2), True),
+        ("channel", 40, 320, 1, torch.bfloat16, ("sw8", 64, 128, 2, 4, 2), False)]):
     codes, scale, scale_n = weights(kind, n, k)
     x = (torch.randn(m, k) * 3).to(dtype)
     bias = torch.randn(n).to(dtype) if i % 2 else None
@@ -167,11 +170,12 @@ for variant in ("dot16", "wg16"):
         raise AssertionError(f"{variant} ran over plain weights")
     except ValueError:
         pass
-try:
-    gemv.plain_linear(torch.randn(1, 512), torch.randn(40, 512), config=("dot8", 16, 256, 1, 4, 2))
-    raise AssertionError("dot8 ran over plain weights")
-except ValueError:
-    pass
+for variant in ("dot8", "sw8"):
+    try:
+        gemv.plain_linear(torch.randn(1, 512), torch.randn(40, 512), config=(variant, 64, 256, 1, 4, 2))
+        raise AssertionError(f"{variant} ran over plain weights")
+    except ValueError:
+        pass
 print("ok")
 """
 
