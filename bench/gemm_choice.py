@@ -189,6 +189,39 @@ def measure(shapes: dict, rows: tuple, reps: int, dev, libraries: dict) -> dict:
     return per_layer
 
 
+ACT_QUANT_TILES = ((1, 4), (16, 2), (8, 4), (32, 1), (4, 8))  # (rows, groups) a program; the first the earlier kernel's
+
+
+def act_quant_rows(shapes: dict, rows: tuple, per_layer: dict, reps: int, dev) -> list[dict]:
+    """The activation quantization a W8A8 linear starts with (DeepGEMM's route: M-fastest
+    scales, rows padded to DEEP_GEMM_ROW_ALIGN and left unwritten), alone, per K of the shapes
+    and M past the small-M kernel, under each program tile of ACT_QUANT_TILES: µs (graph of
+    back-to-back calls over copies of x), achieved bandwidth (bf16 read, e4m3 + scales written)
+    and, at the committed tile, its share of each layer's DeepGEMM linear as measured above."""
+    out = []
+    for k in sorted({k for _, k in shapes.values()}):
+        for m in (r for r in rows if r > gemv.GEMV_MAX_M):
+            copies = max(1, min(MAX_COPIES, -(-L2_MULTIPLE_BYTES // (2 * m * k))))
+            xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in range(copies)]
+            moved = m * k * 3 + m * (k // 128) * 4
+            row = {"k": k, "m": m, "us": {}, "tb_s": {}}
+            for tile in ACT_QUANT_TILES:
+                fns = [lambda x=x, tile=tile: kernels.act_quant(x, column_major=True, pad_rows_to=kernels.DEEP_GEMM_ROW_ALIGN,
+                                                               fill_padding=False, tile=tile) for x in xs]
+                us = 1e3 * graph_replay_ms(fns, "cuda", reps=reps) / copies
+                row["us"][str(list(tile))] = us
+                row["tb_s"][str(list(tile))] = moved / us / 1e6
+            committed = row["us"][str(list(kernels.ACT_QUANT_TILE))]
+            row["share_of_deep_gemm_linear"] = {
+                name: committed / layer["rows"][str(m)]["us"]["deep_gemm"]
+                for name, layer in per_layer.items() if layer["k"] == k and str(m) in layer["rows"]
+                and "deep_gemm" in layer["rows"][str(m)]["us"]}
+            log(f"act_quant K={k:<5} M={m:<5} " + "  ".join(f"{t} {us:6.1f}" for t, us in row["us"].items()) + "  (us)")
+            out.append(row)
+            del xs
+    return out
+
+
 def step_table(per_layer: dict, rows: tuple) -> list[dict]:
     """Per M: microseconds of a step's linears (the four layers x LAYERS) per option that ran at
     every layer, bf16 over each, and the fastest block-scaled candidate."""
@@ -271,6 +304,18 @@ def render_md(result: dict) -> str:
         cells = [f"{e['us'][o]:.0f} ({e['speedup_vs_bf16'][o]:.2f}×)" if o in e["us"] and o in e["speedup_vs_bf16"]
                  else f"{e['us'][o]:.0f}" if o in e["us"] else "—" for o in options]
         lines.append(f"| {e['m']} | " + " | ".join(cells) + f" | `{e.get('winner') or '—'}` |")
+    quant = result.get("act_quant") or []
+    if quant:
+        tiles = list(quant[0]["us"])
+        lines += ["", f"The activation quantization inside each W8A8 column (`act_quant`, DeepGEMM's layout), alone: µs "
+                  f"and TB/s by program tile (rows, 128-wide groups); the engine's is {result.get('act_quant_tile')}, "
+                  "its share of the layer's DeepGEMM linear last.", "",
+                  "| K | M | " + " | ".join(tiles) + " | share of the DeepGEMM linear |",
+                  "|---|---|" + "---|" * (len(tiles) + 1)]
+        for q in quant:
+            share = ", ".join(f"{name} {100 * v:.0f}%" for name, v in q["share_of_deep_gemm_linear"].items())
+            lines.append(f"| {q['k']} | {q['m']} | " + " | ".join(f"{q['us'][t]:.1f} ({q['tb_s'][t]:.2f})" for t in tiles)
+                         + f" | {share or '—'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -315,6 +360,7 @@ def main() -> int:
             unavailable[option] = f"import {module}: {why}"
             log(f"gemm_choice: {option} not measured: {unavailable[option]}")
     per_layer = measure(shapes, rows, 5 if args.smoke else args.reps, dev, libraries)
+    quant = act_quant_rows(shapes, rows, per_layer, 5 if args.smoke else args.reps, dev)
     table = step_table(per_layer, rows)
     route = implied_route(table)
     # what the implied route would give: the routable winner's speedup at each M
@@ -328,7 +374,8 @@ def main() -> int:
         "route_committed": [list(r) for r in kernels.BLOCK_ROUTE],
         "route_implied": route,
         "route_implied_speedup": {str(m): x for m, x in best.items()},
-        "per_layer": per_layer, "step_linears": table,
+        "per_layer": per_layer, "step_linears": table, "act_quant": quant,
+        "act_quant_tile": list(kernels.ACT_QUANT_TILE),
         "winners": {str(e["m"]): e["winner"] for e in table},
         "goals": goals(table),
         "seconds": None,

@@ -60,31 +60,39 @@ log = logging.getLogger("specdeploy.engine.kernels.fp8")
 
 @triton.jit
 def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s, stride_sg,
-                      GROUP: tl.constexpr, GROUPS: tl.constexpr, ROUND_SCALE: tl.constexpr):
-    """One row, GROUPS groups of GROUP columns: y = e4m3(x / s), s = max|x| / 448 per group."""
-    row = tl.program_id(0)
-    first = tl.program_id(1) * GROUPS
-    groups = first + tl.arange(0, GROUPS)
+                      GROUP: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    """ROWS rows x GROUPS groups of GROUP columns: y = e4m3(x / s), s = max|x| / 448 per group."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                     # [ROWS]
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                # [GROUPS]
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]            # [GROUPS, GROUP]
-    valid = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                        # [GROUPS]
+    valid = (rows < n_rows)[:, None, None] & (cols < n_cols)[None, :, :]
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=valid, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)                        # [ROWS, GROUPS]
     s = amax / 448.0
     if ROUND_SCALE:
         s = tl.exp2(tl.ceil(tl.log2(s)))
-    y = x / s[:, None]
-    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
-    tl.store(s_ptr + row * stride_s + groups * stride_sg, s, mask=groups * GROUP < n_cols)
+    y = x / s[:, :, None]
+    tl.store(y_ptr + rows[:, None, None] * n_cols + cols[None, :, :], y.to(y_ptr.dtype.element_ty), mask=valid)
+    tl.store(s_ptr + rows[:, None] * stride_s + groups[None, :] * stride_sg, s,
+             mask=(rows < n_rows)[:, None] & (groups * GROUP < n_cols)[None, :])
+
+
+# (rows, 128-wide groups) a program of act_quant quantizes. One row of 4 groups made a program of
+# 512 elements (4 a thread) and, with M-fastest scales, four 4-byte stores M apart; the tile
+# below has 16 rows' scales side by side (docs/engine.md, "act_quant": the measured choice).
+ACT_QUANT_TILE = (16, 2)
 
 
 def act_quant(x: torch.Tensor, round_scale: bool = False, column_major: bool = False,
-              pad_rows_to: int = 1, fill_padding: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              pad_rows_to: int = 1, fill_padding: bool = True,
+              tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / 128)]), x ~ y * s per group.
     column_major: the scales laid out M-fastest (strides (1, M)), as cuBLASLt's 1x128 block
     scaling reads them. pad_rows_to: both outputs get rows up to a multiple of it, codes 0 and
     scales 1 there (a GEMM's padded rows are its own, sliced off after); fill_padding False
     leaves them unwritten, for a consumer that reads only the first M rows (DeepGEMM: the padding
-    only aligns the scale columns), two launches fewer."""
+    only aligns the scale columns), two launches fewer. tile: (rows, groups) a program, powers
+    of two (ACT_QUANT_TILE unless given: for benchmarks that compare)."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP_K)
     rows = triton.cdiv(m, pad_rows_to) * pad_rows_to
@@ -96,11 +104,11 @@ def act_quant(x: torch.Tensor, round_scale: bool = False, column_major: bool = F
     if rows > m and fill_padding:
         y[m:].zero_()
         s[m:].fill_(1.0)
-    per_program = 4
+    tile_rows, tile_groups = tile or ACT_QUANT_TILE
     if m:
-        _act_quant_kernel[(m, triton.cdiv(groups, per_program))](
+        _act_quant_kernel[(triton.cdiv(m, tile_rows), triton.cdiv(groups, tile_groups))](
             x, y, s, m, k, x.stride(0), s.stride(0), s.stride(1),
-            GROUP=GROUP_K, GROUPS=per_program, ROUND_SCALE=round_scale)
+            GROUP=GROUP_K, GROUPS=tile_groups, ROWS=tile_rows, ROUND_SCALE=round_scale)
     return y, s
 
 

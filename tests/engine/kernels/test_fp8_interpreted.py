@@ -20,7 +20,7 @@ from specdeploy.engine.models import fp8
 torch.manual_seed(0)
 
 # activation quantization: the same codes and scales as the torch definition
-for m, k, round_scale in [(3, 300, False), (2, 4096, True), (1, 128, False), (0, 256, False)]:
+for m, k, round_scale in [(3, 300, False), (2, 4096, True), (1, 128, False), (0, 256, False), (37, 1000, True)]:
     x = torch.randn(m, k) * 3
     if m > 1:
         x[1, :128] = 0.0
@@ -38,6 +38,10 @@ for m, k, round_scale in [(3, 300, False), (2, 4096, True), (1, 128, False), (0,
     assert y_p.shape[0] == s_p.shape[0] == rows and (rows == 0 or s_p.stride() == (1, rows))
     assert torch.equal(s_p[:m], want_s) and torch.equal(y_p[:m].view(torch.uint8), want_y.view(torch.uint8))
     assert (s_p[m:] == 1).all() and (y_p[m:].float() == 0).all()
+    # any program tile (rows x groups) quantizes the same: one row of 4 groups, 4 x 8 (past K)
+    for tile in ((1, 4), (4, 8)):
+        y_g, s_g = kernels.act_quant(x, round_scale, column_major=True, tile=tile)
+        assert torch.equal(s_g, want_s) and torch.equal(y_g.view(torch.uint8), want_y.view(torch.uint8)), tile
 
 def layouts(n, k):
     w = torch.randn(n, k) * 0.05

@@ -121,9 +121,10 @@ def test_hyper_connection_compiles(act, head):
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("round_scale", [False, True])
-def test_fp8_act_quant_compiles(act, round_scale):
+@pytest.mark.parametrize("tile", [(1, 4), (16, 2)])
+def test_fp8_act_quant_compiles(act, round_scale, tile):
     lower_to_ttir(fp8_triton._act_quant_kernel, {"*": act, "y_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                  {"GROUP": fp8_triton.GROUP_K, "GROUPS": 4, "ROUND_SCALE": round_scale})
+                  {"GROUP": fp8_triton.GROUP_K, "GROUPS": tile[1], "ROWS": tile[0], "ROUND_SCALE": round_scale})
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -176,7 +177,7 @@ def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
             "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16, "ONE_ROW": one_row,
-            "X_ROWS": x_rows}
+            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
@@ -224,6 +225,24 @@ def test_gemv_wg8_compiles_to_native_e4m3_wgmma(mode, round_scale):
     assert "cvt.rn.f16x2.e4m3x2" not in wg8
     assert "cvt.rn.satfinite.e4m3x2.f32" in wg8  # x rounded to e4m3 in the kernel
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx(16)
+
+
+@pytest.mark.parametrize("mode,round_scale", [(1, False), (2, True), (3, False)])
+def test_gemv_sw8_is_native_e4m3_wgmma_with_x_as_its_16_columns(mode, round_scale):
+    """sw8 (the product swapped): the weight tile is the wgmma's 64-row e4m3 operand, x the
+    16-column one, quantized in the kernel; no code is widened."""
+    from triton.backends.compiler import GPUTarget
+
+    import torch
+    from specdeploy.engine.kernels import gemv as gemv_triton
+    _, const = gemv_triton.launch_constexprs("fp8", torch.bfloat16, 4, 6144, 4096, mode, 128 if mode == 1 else 1,
+                                             False, True, "sw8", 64, 128, 4, 3, round_scale)
+    const.pop("K_SPLIT")
+    assert const["SWAP"] and const["BLOCK_M"] == 16 and not const["QUANT_X"]
+    ptx = triton.compile(_gemv_source("*fp8e4nv", "*bf16", const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3])
