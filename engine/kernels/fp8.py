@@ -60,8 +60,10 @@ log = logging.getLogger("specdeploy.engine.kernels.fp8")
 
 @triton.jit
 def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_rows, n_cols, stride_x, stride_s, stride_sg,
-                      GROUP: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, ROUND_SCALE: tl.constexpr):
+                      GROUP: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                      USE_GDC: tl.constexpr):
     """ROWS rows x GROUPS groups of GROUP columns: y = e4m3(x / s), s = max|x| / 448 per group."""
+    launch.gdc(USE_GDC)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                     # [ROWS]
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                # [GROUPS]
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]            # [GROUPS, GROUP]
@@ -108,7 +110,7 @@ def act_quant(x: torch.Tensor, round_scale: bool = False, column_major: bool = F
     if m:
         _act_quant_kernel[(triton.cdiv(m, tile_rows), triton.cdiv(groups, tile_groups))](
             x, y, s, m, k, x.stride(0), s.stride(0), s.stride(1),
-            GROUP=GROUP_K, GROUPS=tile_groups, ROWS=tile_rows, ROUND_SCALE=round_scale)
+            GROUP=GROUP_K, GROUPS=tile_groups, ROWS=tile_rows, ROUND_SCALE=round_scale, **launch.pdl_args(x))
     return y, s
 
 
