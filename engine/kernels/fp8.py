@@ -395,7 +395,9 @@ def torch_block_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 # bf16 / option): gemv 1.82-1.92x at M 1 (DeepGEMM 1.30-1.33x), 1.30x at 2 and 1.32x at 4
 # (DeepGEMM 1.22x and 1.30x), but 0.90x at M 8 (every layer) where DeepGEMM is 1.46-1.50x;
 # DeepGEMM 1.48-1.52x at 16 (gemv 1.40-1.44x), 1.60x at 64 (torch block 1.11x), 1.43x at 256,
-# 1.46-1.72x at 2048-8192 (torch block 1.38-1.54x).
+# 1.46-1.72x at 2048-8192 (torch block 1.38-1.54x). With gemv's sw8 table and act_quant's tile
+# (9989012, 4108e42): gemv 1.90-1.93x at M 1, 1.37-1.39x at 2-8 (DeepGEMM 1.30x at 2-4, 1.44-1.46x
+# at 8), DeepGEMM 1.46-1.47x at 16, 1.61x at 64, 1.46-1.48x at 256, 1.55-1.70x at 2048-8192.
 # Options: "gemv" (engine/kernels/gemv.py), "deep_gemm" (DeepGEMM, where installed), "torch_block"
 # (cuBLASLt through torch), "triton" (the weight-only kernel up to DECODE_MAX_M rows, W8A8 above).
 # A library option that is not available here falls back: to gemv up to GEMV_MAX_M rows (the

@@ -31,6 +31,9 @@ Three inner loops (the launch's variant):
   producers define FP8 inference), where fma/dot keep activations unquantized. dot8 pads x to
   16 rows (Triton's mma.sync path, which widens both operands to f16 on sm_90); wg8 pads to 64
   rows, where Triton emits Hopper's native e4m3 wgmma (m64nNk32) and the codes stay 8-bit;
+- "sw8" (FP8 weights, any M): dot8's numerics with the product swapped, W [BLOCK_N, K] @ xq^T:
+  the weight tile is the wgmma's 64-row e4m3 operand, taken from shared memory as loaded, and x
+  (16 padded rows) its N, so nothing is widened and x is not padded to 64 rows as in wg8;
 - "dot16" / "wg16" (FP8 weights, bf16/fp16 x): the weight-only product on the f16 tensor cores
   (16 / 64 padded rows). e4m3 -> f16 is a single cvt per two codes; x is scaled per row and
   128-wide group by a power of two into f16 exactly (unquantized, unlike dot8), the scale
@@ -44,7 +47,9 @@ or into the tile's dot (dot), never applied per element; 2 one value per output 
 K (per channel; per tensor has a zero stride): applied to the sums at the end; 3 one value per
 (row, k group) (rows layouts of fused parts, or BLOCK_N wider than a scale block).
 Accumulation is float32 and the output is written in x's dtype. The kernel takes part in
-programmatic dependent launch like the others (engine/kernels/launch.py).
+programmatic dependent launch like the others (engine/kernels/launch.py); with PDL it can
+prefetch the first launch.prefetch_bytes() of each weight row into L2 before its wait (off by
+default: measured no faster, docs/engine.md).
 
 Launch parameters come from GEMV_TABLE, keyed by (weight kind, N, K, M bucket), where
 bench/gemv_sweep.py puts what it measures (`install_table` puts a just-measured table in place

@@ -26,6 +26,10 @@ on for a CUDA device of compute capability 9.0 or later unless SPECDEPLOY_PDL=0 
 H200, Llama-3.1-8B shape, batch 1, graphed decode call: bf16 226.8 -> 234.6 tok/s, FP8 298.2 ->
 319.9 tok/s; docs/benchmarks.md); off on CPU, under Triton's interpreter and on older GPUs. Every kernel that takes them declares
 `USE_GDC: tl.constexpr` and calls `gdc()` first.
+
+SPECDEPLOY_PREFETCH (bytes, default PREFETCH_BYTES = 0): how much of each weight row the small-M
+linear pulls into L2 before its wait, while the previous kernel drains (bench/prefetch_sweep.py
+measures it; on an H200 no size made the decode step faster, docs/engine.md).
 """
 
 from __future__ import annotations
@@ -69,8 +73,12 @@ def prefetch_bytes() -> int:
     """How much of each weight row a weight-streaming kernel launched with PDL pulls into L2
     before its griddepcontrol.wait (gemv.py): SPECDEPLOY_PREFETCH bytes, PREFETCH_BYTES unless
     set, 0 for none; read once."""
-    value = os.environ.get(PREFETCH_ENV, "")
-    return int(value) if value.strip() else PREFETCH_BYTES
+    value = os.environ.get(PREFETCH_ENV, "").strip()
+    if not value:
+        return PREFETCH_BYTES
+    if not value.isdigit():
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: a number of bytes (0 for none)")
+    return int(value)
 
 
 def reset() -> None:
