@@ -45,6 +45,7 @@ Both take a bias and write the activation dtype.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import triton
@@ -460,3 +461,58 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     else:
         _w8a8(rows, weight, scale, scale_n, bias, out, round_scale)
     return out.view(*x.shape[:-1], n)
+
+
+# A warm-up pass's progress line at most this often (seconds).
+WARM_LOG_INTERVAL_S = 10.0
+# A first call slower than this compiled a kernel configuration (DeepGEMM's JIT: 2-5 s each on an
+# H200; a call of a compiled one is well under a millisecond at these shapes).
+COMPILE_CALL_S = 0.25
+
+
+def warm_library_gemms(linears, max_m: int, dtype: torch.dtype = torch.bfloat16, clock=time.monotonic) -> dict:
+    """Run each distinct block-scaled linear of `linears` ((weight, scale, scale_n, round_scale)
+    on one CUDA device) once at every M up to max_m that its route gives a library GEMM, so that
+    DeepGEMM compiles its kernel configurations (chosen per N, K and M; 2-5 s each) before the
+    server takes traffic rather than on a user's prefill; compiled kernels are loaded from
+    DG_JIT_CACHE_DIR afterwards. Logs a progress line at most every WARM_LOG_INTERVAL_S and one at
+    the end; returns {"shapes", "calls", "compiles", "seconds"}."""
+    seen, shapes = set(), []
+    for weight, scale, scale_n, round_scale in linears:
+        key = (tuple(weight.shape), round_scale, weight.device)
+        if key not in seen and weight.is_cuda and torch_block_shape_ok(weight, scale, scale_n):
+            seen.add(key)
+            shapes.append((weight, scale, round_scale))
+    stats = {"shapes": 0, "calls": 0, "compiles": 0, "seconds": 0.0}
+    if not shapes or max_m < 1:
+        return stats
+    device = shapes[0][0].device
+    sizes = [m for m in range(2, max_m + 1)
+             if block_route(m, lambda o: library_available(o, device, dtype)) in LIBRARY_FALLBACK]
+    if not sizes:
+        return stats
+    start = last = clock()
+    log.info("library GEMM warm-up: %d block-scaled linear shapes at M %d..%d (%s)", len(shapes), sizes[0], sizes[-1],
+             ", ".join(f"{w.shape[0]}x{w.shape[1]}" for w, _, _ in shapes))
+    for i, (weight, scale, round_scale) in enumerate(shapes):
+        x = torch.randn(sizes[-1], weight.shape[1], device=device).to(dtype)
+        for j, m in enumerate(sizes):
+            t0 = clock()
+            fp8_linear(x[:m], weight, scale, 128, None, round_scale)  # a compile blocks the host call itself
+            if j % 32 == 31:
+                torch.cuda.synchronize(device)  # the queue stays short
+            now = clock()
+            stats["calls"] += 1
+            stats["compiles"] += now - t0 > COMPILE_CALL_S
+            if now - last >= WARM_LOG_INTERVAL_S:
+                last = now
+                log.info("library GEMM warm-up: shape %d of %d (%dx%d) at M %d of %d, %d kernel compiles, %.0f s",
+                         i + 1, len(shapes), weight.shape[0], weight.shape[1], m, sizes[-1], stats["compiles"],
+                         now - start)
+        torch.cuda.synchronize(device)
+        stats["shapes"] += 1
+        del x
+    stats["seconds"] = clock() - start
+    log.info("library GEMM warm-up done: %d shapes, %d calls, %d kernel compiles, %.1f s", stats["shapes"],
+             stats["calls"], stats["compiles"], stats["seconds"])
+    return stats

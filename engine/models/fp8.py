@@ -388,6 +388,19 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
         super().load_param(name, full)
 
 
+def block_scaled_linears(*models: nn.Module | None) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
+    """(weight, scale, scale_n, round_scale) of every FP8 linear with a block grid in the models
+    (None skipped): what kernels.fp8.warm_library_gemms compiles library GEMMs for."""
+    out = []
+    for model in models:
+        for mod in model.modules() if model is not None else ():
+            if isinstance(mod, FP8Linear) and mod.weight_scale_inv.dim() == 2:
+                out.append((mod.weight, mod.weight_scale_inv, mod.scale_n, mod.round_scale))
+            elif isinstance(mod, _FP8Parallel) and mod.fmt.scheme == "block":
+                out.append((mod.weight, mod.scale, mod.scale_n, mod.fmt.round_scale))
+    return out
+
+
 _FP8_CLASSES = (
     (MergedColumnParallelLinear, FP8MergedColumnParallelLinear),
     (RowParallelLinear, FP8RowParallelLinear),

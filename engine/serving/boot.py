@@ -269,6 +269,20 @@ def _fit_prefill_chunk(runner, plan, available_bytes: int) -> None:
     runner.prefill_chunk_tokens = chunk
 
 
+def _warm_library_gemms(runner) -> None:
+    """Compile the library GEMMs (DeepGEMM's JIT) the FP8 block-scaled linears take at every
+    prefill size up to the chunk, before traffic (kernels.fp8.warm_library_gemms; nothing to do
+    without such linears or such a library). Rank 0's pass: ranks of one pod share the on-disk
+    compile cache, so the others load what it compiled."""
+    from specdeploy.engine.kernels import fp8 as fp8_kernels
+    from specdeploy.engine.models import fp8 as fp8_models
+
+    inner = getattr(runner, "runner", runner)  # a tensor-parallel leader wraps rank 0's runner
+    linears = fp8_models.block_scaled_linears(inner.target, inner.draft)
+    if linears:
+        fp8_kernels.warm_library_gemms(linears, inner.prefill_chunk_tokens, inner.target.embed_tokens.weight.dtype)
+
+
 @dataclasses.dataclass(kw_only=True)
 class RankSpec:
     """What every rank needs to build its part of the engine (picklable: sent to the workers)."""
@@ -635,6 +649,7 @@ def load_engine(args: argparse.Namespace, metrics, ranks: TensorParallelRanks | 
         if tp_size > 1:  # the prefill chunk must be the same on every rank: fit the tightest
             available = tp.min_over_ranks(available)
         _fit_prefill_chunk(runner, plan, available)
+        _warm_library_gemms(runner)
     tokenizer = Tokenizer.from_dir(target_dir)
     log.info("tokenizer: %d tokens, end of turn %s, chat template %s, request defaults %s",
              tokenizer.vocab_size, sorted(tokenizer.eos_token_ids) or "none",

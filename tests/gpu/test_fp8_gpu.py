@@ -207,6 +207,30 @@ def test_deep_gemm_route(n, k, m):
     assert torch.equal(fp8_kernels.block_library_linear("deep_gemm", x, codes, scale, bias), got + bias)
 
 
+def test_library_gemm_warm_up_runs_every_library_size_once(caplog):
+    """The boot-time pass (kernels.fp8.warm_library_gemms): each distinct block-scaled shape once
+    at every M its route gives a library GEMM, up to the chunk; the first call of a new DeepGEMM
+    configuration is a compile, counted; a progress line at least at the end. Shapes the library
+    cannot read in place, and duplicates, are skipped."""
+    codes, scale, scale_n = _weights(4096, 4096, "block")
+    other, other_scale, _ = _weights(640, 4096, "block")  # a second shape
+    linears = [(codes, scale, scale_n, False), (codes.clone(), scale, scale_n, False), (other, other_scale, 128, False),
+               (codes[:, :384], scale[:, :3], 128, False)]  # a duplicate, and a view the library cannot read
+    library = [m for m in range(2, 97)
+               if fp8_kernels.block_route(m, lambda o: fp8_kernels.library_available(o, torch.device(DEV),
+                                                                                  torch.bfloat16))
+               in fp8_kernels.LIBRARY_FALLBACK]
+    with caplog.at_level(logging.INFO, logger="specdeploy.engine.kernels.fp8"):
+        stats = fp8_kernels.warm_library_gemms(linears, 96)
+    shapes = 2 if library else 0
+    assert stats["shapes"] == shapes and stats["calls"] == shapes * len(library)
+    if library:
+        assert library[0] == 5 and library[-1] == 96  # the small-M kernel keeps 2-4 rows
+        assert any("library GEMM warm-up done" in r.getMessage() for r in caplog.records)
+    again = fp8_kernels.warm_library_gemms(linears[:1], 96)
+    assert again["compiles"] == 0  # everything it needs compiled (or loaded) by the first pass
+
+
 def test_act_quant_kernel_is_deepseeks():
     """The GPU divides (and takes log2) in fast float32, a few ulps from torch's IEEE results:
     scales within 1e-6 (relative), codes equal but where a value sits on a rounding boundary."""
@@ -280,3 +304,25 @@ def test_fp8_target_graphs_and_speculation_are_lossless(tmp_path):
     assert run_to_completion(spec, reqs()) == eager
     rate = spec.num_draft_tokens_accepted / spec.num_draft_tokens_proposed
     assert 0.1 < rate < 0.95, rate  # both accepted and rejected drafts were exercised
+
+
+def test_boot_warms_the_library_gemms_of_an_fp8_runner(tmp_path, caplog):
+    """The server's boot pass over a runner's FP8 block linears (boot._warm_library_gemms): at
+    bf16, the tiny target's one library-readable shape at every library size up to the chunk,
+    one line at the end; serving after it is what it was before."""
+    from specdeploy.engine.serving import boot
+
+    target, _ = _fp8_target(tmp_path, torch.bfloat16)
+    runner = Runner(target, max_total_tokens=512, max_running_requests=4, device=DEV, graph_mode="off")
+    runner.prefill_chunk_tokens = 64
+    before = run_to_completion(runner, random_requests((5, 12), 16, 64))
+    with caplog.at_level(logging.INFO, logger="specdeploy.engine.kernels.fp8"):
+        boot._warm_library_gemms(runner)
+    warmed = [r.getMessage() for r in caplog.records if "library GEMM warm-up" in r.getMessage()]
+    library = any(fp8_kernels.library_available(o, torch.device(DEV), torch.bfloat16) for o in ("deep_gemm", "torch_block"))
+    # the down projection (512 -> 256) is the one shape a library reads in place (K of the others is 256)
+    readable = [n for w, s, n, _ in fp8.block_scaled_linears(target) if fp8_kernels.torch_block_shape_ok(w, s, n)]
+    assert len(readable) == 4
+    if library:
+        assert warmed and "1 shapes" in warmed[-1] and "done" in warmed[-1], warmed
+    assert run_to_completion(runner, random_requests((5, 12), 16, 64)) == before
