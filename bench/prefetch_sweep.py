@@ -102,7 +102,7 @@ def render_md(result: dict) -> str:
     lines = [TITLE, "",
              f"Decode call median (ms) and share of the HBM roofline, by bytes of each weight row prefetched "
              f"before the wait (0: none); {result['calls_per_figure']} calls a figure in {result['rounds']} interleaved "
-             f"rounds; the engine's default is {result['default_prefetch_bytes']} bytes. Copy bandwidth "
+             f"rounds; the default at the run's commit was {result['default_prefetch_bytes']} bytes. Copy bandwidth "
              f"{result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s.", "",
              "| weights | batch | " + " | ".join(str(p) for p in sizes) + " | best / none |",
              "|---|---|" + "---|" * (len(sizes) + 1)]
