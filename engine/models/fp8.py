@@ -401,6 +401,14 @@ def block_scaled_linears(*models: nn.Module | None) -> list[tuple[torch.Tensor, 
     return out
 
 
+def warm_library_gemms(*models: nn.Module | None, max_m: int, dtype: torch.dtype) -> dict:
+    """The boot-time library GEMM warm-up (kernels.fp8.warm_library_gemms) over the models' FP8
+    block linears; {} where they have none or Triton is not installed."""
+    linears = block_scaled_linears(*models)
+    ops = kernels.fp8_ops()
+    return ops.warm_library_gemms(linears, max_m, dtype) if linears and ops is not None else {}
+
+
 _FP8_CLASSES = (
     (MergedColumnParallelLinear, FP8MergedColumnParallelLinear),
     (RowParallelLinear, FP8RowParallelLinear),

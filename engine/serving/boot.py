@@ -271,16 +271,14 @@ def _fit_prefill_chunk(runner, plan, available_bytes: int) -> None:
 
 def _warm_library_gemms(runner) -> None:
     """Compile the library GEMMs (DeepGEMM's JIT) the FP8 block-scaled linears take at every
-    prefill size up to the chunk, before traffic (kernels.fp8.warm_library_gemms; nothing to do
+    prefill size up to the chunk, before traffic (models.fp8.warm_library_gemms; nothing to do
     without such linears or such a library). Rank 0's pass: ranks of one pod share the on-disk
     compile cache, so the others load what it compiled."""
-    from specdeploy.engine.kernels import fp8 as fp8_kernels
     from specdeploy.engine.models import fp8 as fp8_models
 
     inner = getattr(runner, "runner", runner)  # a tensor-parallel leader wraps rank 0's runner
-    linears = fp8_models.block_scaled_linears(inner.target, inner.draft)
-    if linears:
-        fp8_kernels.warm_library_gemms(linears, inner.prefill_chunk_tokens, inner.target.embed_tokens.weight.dtype)
+    fp8_models.warm_library_gemms(inner.target, inner.draft, max_m=inner.prefill_chunk_tokens,
+                                  dtype=inner.target.embed_tokens.weight.dtype)
 
 
 @dataclasses.dataclass(kw_only=True)
