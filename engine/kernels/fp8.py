@@ -463,6 +463,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     return out.view(*x.shape[:-1], n)
 
 
+# The library options that compile a kernel configuration at its first call (warm_library_gemms).
+JIT_LIBRARIES = ("deep_gemm",)
 # A warm-up pass's progress line at most this often (seconds).
 WARM_LOG_INTERVAL_S = 10.0
 # A first call slower than this compiled a kernel configuration (DeepGEMM's JIT: 2-5 s each on an
@@ -470,9 +472,10 @@ WARM_LOG_INTERVAL_S = 10.0
 COMPILE_CALL_S = 0.25
 
 
-def warm_library_gemms(linears, max_m: int, dtype: torch.dtype = torch.bfloat16, clock=time.monotonic) -> dict:
+def warm_library_gemms(linears, max_m: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Run each distinct block-scaled linear of `linears` ((weight, scale, scale_n, round_scale)
-    on one CUDA device) once at every M up to max_m that its route gives a library GEMM, so that
+    on one CUDA device) once at every M up to max_m that its route gives a library that compiles
+    at first use (JIT_LIBRARIES; torch's block GEMM has nothing to compile), so that
     DeepGEMM compiles its kernel configurations (chosen per N, K and M; 2-5 s each) before the
     server takes traffic rather than on a user's prefill; compiled kernels are loaded from
     DG_JIT_CACHE_DIR afterwards. Logs a progress line at most every WARM_LOG_INTERVAL_S and one at
@@ -488,20 +491,20 @@ def warm_library_gemms(linears, max_m: int, dtype: torch.dtype = torch.bfloat16,
         return stats
     device = shapes[0][0].device
     sizes = [m for m in range(2, max_m + 1)
-             if block_route(m, lambda o: library_available(o, device, dtype)) in LIBRARY_FALLBACK]
+             if block_route(m, lambda o: library_available(o, device, dtype)) in JIT_LIBRARIES]
     if not sizes:
         return stats
-    start = last = clock()
+    start = last = time.monotonic()
     log.info("library GEMM warm-up: %d block-scaled linear shapes at M %d..%d (%s)", len(shapes), sizes[0], sizes[-1],
              ", ".join(f"{w.shape[0]}x{w.shape[1]}" for w, _, _ in shapes))
     for i, (weight, scale, round_scale) in enumerate(shapes):
         x = torch.randn(sizes[-1], weight.shape[1], device=device).to(dtype)
         for j, m in enumerate(sizes):
-            t0 = clock()
+            t0 = time.monotonic()
             fp8_linear(x[:m], weight, scale, 128, None, round_scale)  # a compile blocks the host call itself
             if j % 32 == 31:
                 torch.cuda.synchronize(device)  # the queue stays short
-            now = clock()
+            now = time.monotonic()
             stats["calls"] += 1
             stats["compiles"] += now - t0 > COMPILE_CALL_S
             if now - last >= WARM_LOG_INTERVAL_S:
@@ -512,7 +515,7 @@ def warm_library_gemms(linears, max_m: int, dtype: torch.dtype = torch.bfloat16,
         torch.cuda.synchronize(device)
         stats["shapes"] += 1
         del x
-    stats["seconds"] = clock() - start
+    stats["seconds"] = time.monotonic() - start
     log.info("library GEMM warm-up done: %d shapes, %d calls, %d kernel compiles, %.1f s", stats["shapes"],
              stats["calls"], stats["compiles"], stats["seconds"])
     return stats

@@ -151,7 +151,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 wv = tl.load(w_base + k[None, :], mask=(k < k_hi)[None, :], other=0.0)
             # the 128-wide k group (a group wholly past K reads the last one, times zeros)
             kg = tl.minimum((k0 + g * SUB_K) // SUB_K, (K - 1) // SUB_K)
-            if USE_DOT and SWAP:
+            if SWAP:
                 # "sw8": x quantized as dot8 does it, then the product transposed, W [BLOCK_N,
                 # SUB_K] @ xq^T [SUB_K, BLOCK_M]: the weight codes are the wide operand, so
                 # Hopper's e4m3 wgmma takes them from shared memory as loaded and x is padded to

@@ -209,9 +209,9 @@ def test_deep_gemm_route(n, k, m):
 
 def test_library_gemm_warm_up_runs_every_library_size_once(caplog):
     """The boot-time pass (kernels.fp8.warm_library_gemms): each distinct block-scaled shape once
-    at every M its route gives a library GEMM, up to the chunk; the first call of a new DeepGEMM
-    configuration is a compile, counted; a progress line at least at the end. Shapes the library
-    cannot read in place, and duplicates, are skipped."""
+    at every M its route gives a library that compiles at first use (DeepGEMM), up to the chunk;
+    the first call of a new DeepGEMM configuration is a compile, counted; a progress line at
+    least at the end. Shapes the library cannot read in place, and duplicates, are skipped."""
     codes, scale, scale_n = _weights(4096, 4096, "block")
     other, other_scale, _ = _weights(640, 4096, "block")  # a second shape
     linears = [(codes, scale, scale_n, False), (codes.clone(), scale, scale_n, False), (other, other_scale, 128, False),
@@ -219,7 +219,7 @@ def test_library_gemm_warm_up_runs_every_library_size_once(caplog):
     library = [m for m in range(2, 97)
                if fp8_kernels.block_route(m, lambda o: fp8_kernels.library_available(o, torch.device(DEV),
                                                                                   torch.bfloat16))
-               in fp8_kernels.LIBRARY_FALLBACK]
+               in fp8_kernels.JIT_LIBRARIES]
     with caplog.at_level(logging.INFO, logger="specdeploy.engine.kernels.fp8"):
         stats = fp8_kernels.warm_library_gemms(linears, 96)
     shapes = 2 if library else 0
@@ -319,7 +319,7 @@ def test_boot_warms_the_library_gemms_of_an_fp8_runner(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="specdeploy.engine.kernels.fp8"):
         boot._warm_library_gemms(runner)
     warmed = [r.getMessage() for r in caplog.records if "library GEMM warm-up" in r.getMessage()]
-    library = any(fp8_kernels.library_available(o, torch.device(DEV), torch.bfloat16) for o in ("deep_gemm", "torch_block"))
+    library = any(fp8_kernels.library_available(o, torch.device(DEV), torch.bfloat16) for o in fp8_kernels.JIT_LIBRARIES)
     # the down projection (512 -> 256) is the one shape a library reads in place (K of the others is 256)
     readable = [n for w, s, n, _ in fp8.block_scaled_linears(target) if fp8_kernels.torch_block_shape_ok(w, s, n)]
     assert len(readable) == 4
