@@ -171,3 +171,93 @@ def test_graph_replays_equal_eager():
         want = step()
         for got, ref in zip(outs, want):
             assert torch.equal(got, ref), i
+
+
+def _norm_reference(residual, delta, norm_w, eps):
+    h = (residual + delta if delta is not None else residual).float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "plain"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096)])   # qkv and gate/up: what a norm feeds
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_norm_fold(kind, n, k, with_delta):
+    """RMSNorm(residual + delta) folded into the next projection's launch at one row, with the
+    table's M-1 launch: the residual sum equals torch's add, the product is within the linear's
+    bound of the float32 norm-then-linear (the fold never rounds the normed row to bf16)."""
+    if kind == "fp8":
+        codes, scale, wd = _fp8_weights(n, k)
+    else:
+        codes, scale = _bf16_weights(n, k), None
+        wd = codes.float()
+    norm_w = (1 + 0.1 * torch.randn(k, device=DEV)).to(torch.bfloat16)
+    residual = (torch.randn(1, 1, k, device=DEV) * 4).to(torch.bfloat16)
+    delta = torch.randn(1, 1, k, device=DEV).to(torch.bfloat16) if with_delta else None
+    done = gemv.norm_linear(residual, delta, norm_w, 1e-5, codes, scale, 128 if scale is not None else 1)
+    assert done is not None, gemv.config_for(kind, n, k, 1, torch.device(DEV))
+    total, y = done
+    assert torch.equal(total, residual + delta if with_delta else residual)
+    _within(y.reshape(1, n), F.linear(_norm_reference(residual, delta, norm_w, 1e-5).reshape(1, k), wd))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "plain"])
+def test_silu_fold(kind):
+    """silu(gate) * up folded into the down projection's launch (split K at one row for FP8)."""
+    n, k = 4096, 14336
+    if kind == "fp8":
+        codes, scale, wd = _fp8_weights(n, k)
+    else:
+        codes, scale = _bf16_weights(n, k), None
+        wd = codes.float()
+    gate_up = torch.randn(1, 1, 2 * k, device=DEV).to(torch.bfloat16)
+    gate, up = gate_up[..., :k], gate_up[..., k:]
+    y = gemv.silu_linear(gate, up, codes, scale, 128 if scale is not None else 1)
+    assert y is not None
+    _within(y.reshape(1, n), F.linear((F.silu(gate) * up).float().reshape(1, k), wd))
+    assert all(int(c.abs().sum()) == 0 for _, c in gemv._WORKSPACES.values())
+
+
+def test_folded_decoder_layer_matches_unfolded(monkeypatch):
+    """A Llama-3.1-8B-shaped decoder layer (FP8 block weights) at one token: the step with the
+    folds (default) and with SPECDEPLOY_FOLD=0 agree within bf16 rounding, eager and graphed."""
+    from specdeploy.engine.kernels import launch
+    from specdeploy.engine.models import layers
+
+    k, inter = 4096, 14336
+    fmt = fp8.FP8Format("block", "weight_scale_inv")
+    norm = layers.RMSNorm(k, 1e-5).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(k, device=DEV))
+    proj = fp8.FP8ColumnParallelLinear(layers.ColumnParallelLinear(k, 2 * inter), fmt).to(DEV)
+    down = fp8.FP8RowParallelLinear(layers.RowParallelLinear(inter, k), fmt).to(DEV)
+    for layer, (n_, k_) in ((proj, (2 * inter, k)), (down, (k, inter))):
+        codes, scale, _ = _fp8_weights(n_, k_, seed=n_)
+        layer.weight.data.copy_(codes)
+        layer.scale.data.copy_(scale)
+    assert proj.gemv_operands() is not None and down.gemv_operands() is not None
+    residual = torch.randn(1, 1, k, device=DEV).to(torch.bfloat16)
+    delta = torch.randn(1, 1, k, device=DEV).to(torch.bfloat16)
+
+    def step():
+        total, gate_up = norm.add_linear(residual, delta, proj)
+        gate, up = gate_up[..., :inter], gate_up[..., inter:]
+        return total, down.forward_gated(gate, up)
+
+    with torch.inference_mode():
+        folded = step()
+        monkeypatch.setenv(launch.FOLD_ENV, "0")
+        launch.reset()
+        unfolded = step()
+        monkeypatch.setenv(launch.FOLD_ENV, "1")
+        launch.reset()
+        assert torch.equal(folded[0], unfolded[0])
+        err = (folded[1].float() - unfolded[1].float()).abs()
+        scale = unfolded[1].float().abs()
+        assert (err <= scale * 2**-6 + scale.amax() * 2**-7).all(), err.max().item()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], folded[0]) and torch.equal(outs[1], folded[1])
