@@ -15,8 +15,7 @@
    bandwidth). Goals: FP8 batch 1 >= 1.8x bf16 tok/s and >= 85% of the FP8 roofline; FP8 >= bf16
    at every batch.
    Then, at batch 1 / 64 / 256, the decode call under each PDL mode side by side (pdl_rows):
-   the engine's, PDL right after the cuBLAS GEMMs too, and none; and at batch 1 with and without
-   the folds (fold_rows: SPECDEPLOY_FOLD, engine/kernels/launch.py).
+   the engine's, PDL right after the cuBLAS GEMMs too, and none.
 2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
    tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step.
    Random heads accept little, so tok/s is projected for accept lengths 2 and 3 (tokens per
@@ -107,37 +106,6 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
             free_device_memory()
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
-        rows.append(row)
-    return rows
-
-
-FOLD_BATCHES = (1,)
-FOLD_REPEATS = 3
-
-
-def fold_rows(target, sizes, device, label: str) -> list[dict]:
-    """The graphed decode call's median with the batch-1 folds (SPECDEPLOY_FOLD=1, the engine's
-    default: each residual add + RMSNorm inside the next projection's launch, silu-mul inside
-    the down projection's) and without, side by side, the two alternated REPEATS times."""
-    from harness import kernel_env
-
-    from specdeploy.engine.kernels import launch
-    rows = []
-    for b in (b for b in FOLD_BATCHES if b in sizes["batches"]):
-        times = {"1": [], "0": []}
-        for _ in range(FOLD_REPEATS):
-            for mode in times:
-                with kernel_env(launch.FOLD_ENV, mode):
-                    call = EngineDecode(target, b, sizes["context"], graph=True)
-                    times[mode].append(time_ms(call, device, warmup=sizes["warmup"], reps=sizes["reps"])["median_ms"])
-                    del call
-                free_device_memory()
-        row = {"weights": label, "batch": b, "fold_1_ms": sorted(times["1"])[len(times["1"]) // 2],
-               "fold_0_ms": sorted(times["0"])[len(times["0"]) // 2], "fold_1_all_ms": times["1"],
-               "fold_0_all_ms": times["0"]}
-        row["fold_speedup"] = row["fold_0_ms"] / row["fold_1_ms"]
-        log(f"{label} decode bs={b:<3} folds on {row['fold_1_ms']:.3f} ms, off {row['fold_0_ms']:.3f} ms "
-            f"({row['fold_speedup']:.3f}x)")
         rows.append(row)
     return rows
 
@@ -276,16 +244,6 @@ def markdown(result: dict) -> str:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in PDL_MODES]
             lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(cells) + " |")
         lines.append("")
-    fold = result.get("fold", [])
-    if fold:
-        lines += ["Decode call (ms) with the batch-1 folds (each residual add + RMSNorm inside the next "
-                  "projection's launch, silu-mul inside the down projection's: `SPECDEPLOY_FOLD=1`, the default) "
-                  "and without, alternated, medians of the runs:", "",
-                  "| weights | batch | folds on | folds off | off / on |", "|---|---|---|---|---|"]
-        for r in fold:
-            lines.append(f"| {r['weights']} | {r['batch']} | {r['fold_1_ms']:.3f} | {r['fold_0_ms']:.3f} | "
-                         f"{r['fold_speedup']:.3f}x |")
-        lines.append("")
     for row in result.get("speculative", []):
         if "error" in row:
             lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
@@ -375,7 +333,6 @@ def main() -> int:
             result["attributed_bf16"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                             sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] = pdl_rows(target, sizes, device, "bf16")
-            result["fold"] = fold_rows(target, sizes, device, "bf16")
         spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
                          "bf16")]
         converted = fp8.quantize_model_linears(target, FORMAT)
@@ -390,7 +347,6 @@ def main() -> int:
             result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] += pdl_rows(target, sizes, device, "fp8")
-            result["fold"] += fold_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         # A probe, not an engine path: the head's own linears in FP8 too (its lm_head and the

@@ -51,13 +51,6 @@ programmatic dependent launch like the others (engine/kernels/launch.py); with P
 prefetch the first launch.prefetch_bytes() of each weight row into L2 before its wait (off by
 default: measured no faster, docs/engine.md).
 
-At one row the launch can also take in what feeds it (X_FN; norm_linear, silu_linear), a launch
-less each: the residual add and RMSNorm before a projection (X_FN 2, "fma" over all of K in one
-program: each program sums the row's squares as it streams x, applies 1 / rms to its sums at
-the end, and the first column slab's program writes the residual sum), or silu(gate) * up before
-the down projection (X_FN 1, formed as x is loaded, with silu_mul's roundings). At batch 1 the
-decode step otherwise spends ~1-1.5 us a launch on 96 such elementwise kernels (docs/engine.md).
-
 Launch parameters come from GEMV_TABLE, keyed by (weight kind, N, K, M bucket), where
 bench/gemv_sweep.py puts what it measures (`install_table` puts a just-measured table in place
 in-process); shapes not in it get `heuristic_config`. For plain weights an entry may say
@@ -67,13 +60,12 @@ in-process); shapes not in it get `heuristic_config`. For plain weights an entry
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels.launch import after_library_gemm, fold_inputs, gdc, pdl_args, prefetch_bytes
+from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args, prefetch_bytes
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
@@ -87,35 +79,15 @@ PREFETCH_SECTOR = 32  # bytes one L2 prefetch asks for (a sector)
 
 
 @triton.jit
-def _load_x(x_ptr, u_ptr, offs, mask, X_FN: tl.constexpr, MASKED: tl.constexpr):
-    """x at offs (masked loads read zeros); X_FN 1: x is the gate and u_ptr the up half of one
-    gate/up output, and the value is silu(gate) * up rounded as silu_mul rounds it."""
-    if MASKED:
-        xv = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    else:
-        xv = tl.load(x_ptr + offs)
-    if X_FN == 1:
-        if MASKED:
-            uv = tl.load(u_ptr + offs, mask=mask, other=0.0)
-        else:
-            uv = tl.load(u_ptr + offs)
-        g = xv.to(tl.float32)
-        sg = (g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32)
-        xv = (sg * uv.to(tl.float32)).to(xv.dtype)
-    return xv
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, u_ptr, g_ptr, h_ptr,
-                 M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk, eps,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                 M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
                  SCALE_MODE: tl.constexpr, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
                  QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
                  ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0, PF_COLS: tl.constexpr = 0,
-                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False, X_FN: tl.constexpr = 0,
-                 ADD_X: tl.constexpr = False):
+                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False):
     if PF_COLS > 0:
         # The weights are no kernel's output, so they need not wait: launched early by PDL, the
         # program pulls the first PF_COLS columns of its rows into L2 (one 32-byte sector, PF_STEP
@@ -138,6 +110,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, u_ptr,
     rows_n = tl.minimum(offs_n, N - 1)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    x_base = x_ptr + offs_m[:, None] * stride_xm                        # [BLOCK_M, 1]
     w_base = w_ptr + rows_n[:, None] * stride_wn                        # [BLOCK_N, 1]
     s_rows = s_ptr + (rows_n // SCALE_N) * stride_sn                    # [BLOCK_N]
     s_tile = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn           # scalar (SCALE_MODE 1)
@@ -149,8 +122,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, u_ptr,
         acc = tl.zeros((BLOCK_N, SUB_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, SUB_K), dtype=tl.float32)
-    sumsq = tl.zeros((SUB_K,), dtype=tl.float32)  # X_FN 2: the row's sum of squares
-    h_hi = tl.where(pid_n == 0, k_hi, 0)  # X_FN 2: the first column slab's program stores h
     # tl.range's num_stages: without it Triton pipelines only loads that feed a tl.dot, so the
     # fma loop would keep one tile in flight.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -158,33 +129,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, u_ptr,
             k = k0 + g * SUB_K + offs_s                                  # [SUB_K]
             if ONE_ROW or (BLOCK_M == 1 and not USE_DOT):
                 # one x row: a 1-D load, broadcast over the tile's rows as a slice of its layout
-                xv = _load_x(x_ptr, u_ptr, k, k < k_hi, X_FN, not EVEN_K)
-                if X_FN == 2:
-                    # the residual add and RMSNorm folded in (one row, one program over all of
-                    # K): h = x + delta rounded as add_rms_norm rounds it, stored once (the
-                    # first column slab's program), the product taken over h * weight and the
-                    # row's 1 / rms applied to the sums at the end
-                    if ADD_X:
-                        xv = (xv.to(tl.float32) + _load_x(u_ptr, u_ptr, k, k < k_hi, 0, not EVEN_K).to(tl.float32)
-                              ).to(xv.dtype)
-                        tl.store(h_ptr + k, xv, mask=k < h_hi)
-                    hf = xv.to(tl.float32)
-                    sumsq += hf * hf
-                    xv = hf * _load_x(g_ptr, g_ptr, k, k < k_hi, 0, not EVEN_K).to(tl.float32)
+                if EVEN_K:
+                    xv = tl.load(x_ptr + k)
+                else:
+                    xv = tl.load(x_ptr + k, mask=k < k_hi, other=0.0)
             elif X_ROWS > 0:
                 # the real rows only (a power of two >= M), [X_ROWS, SUB_K]
                 offs_xr = tl.arange(0, X_ROWS)
+                xr_ptrs = x_ptr + offs_xr[:, None] * stride_xm + k[None, :]
                 if EVEN_K:
-                    xm = (offs_xr < M)[:, None]
+                    xv = tl.load(xr_ptrs, mask=(offs_xr < M)[:, None], other=0.0)
                 else:
-                    xm = (offs_xr < M)[:, None] & (k < k_hi)[None, :]
-                xv = _load_x(x_ptr, u_ptr, offs_xr[:, None] * stride_xm + k[None, :], xm, X_FN, True)
+                    xv = tl.load(xr_ptrs, mask=(offs_xr < M)[:, None] & (k < k_hi)[None, :], other=0.0)
+            elif EVEN_K:
+                xv = tl.load(x_base + k[None, :], mask=m_ok[:, None], other=0.0)
             else:
-                if EVEN_K:
-                    xm = m_ok[:, None]
-                else:
-                    xm = m_ok[:, None] & (k < k_hi)[None, :]
-                xv = _load_x(x_ptr, u_ptr, offs_m[:, None] * stride_xm + k[None, :], xm, X_FN, True)
+                xv = tl.load(x_base + k[None, :], mask=m_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             if EVEN_K:
                 wv = tl.load(w_base + k[None, :])
             else:
@@ -296,8 +256,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, u_ptr,
         y = tl.sum(acc, axis=2)
     if SCALE_MODE == 2:
         y = y * tl.load(s_rows)[None, :]
-    if X_FN == 2:
-        y = y / tl.sqrt(tl.sum(sumsq, 0) / K + eps)
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -471,77 +429,44 @@ def _scale_layout(scale: torch.Tensor, scale_n: int, block_n: int) -> tuple[int,
     return 3, scale_n, sn, sk
 
 
-class Norm(NamedTuple):
-    """A launch's x is a residual row to normalise first: RMSNorm(x + delta) with `weight` and
-    `eps` (delta None: x alone), the sum written to `total` (x's shape; None without delta)."""
-    delta: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    total: torch.Tensor | None
-
-
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
            bias: torch.Tensor | None, out: torch.Tensor, variant: str, block_n: int, block_k: int,
-           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False,
-           up: torch.Tensor | None = None, norm: Norm | None = None) -> None:
+           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False) -> None:
     """One launch into `out` [M, N] with explicit parameters. x [M, K] (unit stride along K),
     weight [N, K] (unit stride along K), scale as engine/kernels/fp8.py (None: plain weights).
-    round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints).
-    The input folded into the launch: `up` (x's shape and strides): the product is over
-    silu(x) * up; `norm`: over RMSNorm(x + norm.delta) (one row, "fma" only)."""
+    round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints)."""
     m, k = x.shape
     n = weight.shape[0]
     if scale is not None and weight.dtype != torch.float8_e4m3fn:
         raise ValueError("gemv: scales come with e4m3 codes")
-    if up is not None and (up.shape != x.shape or up.stride() != x.stride() or up.dtype != x.dtype):
-        raise ValueError("gemv: up must have the gate's shape, strides and dtype")
-    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or x.stride(-1) != 1
-                             or (norm.delta is None) != (norm.total is None)
-                             or (norm.delta is not None and not (norm.delta.shape == norm.total.shape == x.shape
-                                                                 and norm.delta.is_contiguous() and x.is_contiguous()
-                                                                 and norm.total.is_contiguous()))):
-        raise ValueError("gemv: a folded norm takes a [K] weight in x's dtype and delta / total of x's shape")
     mode, s_n, sn, sk = (0, 1, 0, 0) if scale is None else _scale_layout(scale, scale_n, block_n)
     ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None  # any eager call at a width makes it
     pdl = pdl_args(out)
     grid, constexprs = launch_constexprs("plain" if scale is None else "fp8", x.dtype, m, n, k, mode, s_n,
                                          bias is not None, ws is not None, variant, block_n, block_k, split_k,
                                          num_stages, round_scale, prefetch_bytes() if pdl["USE_GDC"] else 0,
-                                         weight.element_size(), x_fn=1 if up is not None else 2 if norm else 0)
+                                         weight.element_size())
     if constexprs["SPLIT_K"] == 1:
         ws = (out, out)
-    u, g, h, eps = out, out, out, 0.0
-    if up is not None:
-        u = up
-    elif norm is not None:
-        constexprs["ADD_X"] = norm.delta is not None
-        u, h = (norm.delta, norm.total) if norm.delta is not None else (out, out)
-        g, eps = norm.weight, float(norm.eps)
     _gemv_kernel[grid](
         x, weight, scale if scale is not None else out, bias if bias is not None else out, out, ws[0], ws[1],
-        u, g, h, m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk, eps,
+        m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl)
 
 
 def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k: int, mode: int, scale_n: int,
                       has_bias: bool, has_workspace: bool, variant: str, block_n: int, block_k: int, split_k: int,
                       num_stages: int, round_scale: bool = False, prefetch: int = 0,
-                      weight_bytes: int = 1, x_fn: int = 0) -> tuple[tuple[int, int], dict]:
+                      weight_bytes: int = 1) -> tuple[tuple[int, int], dict]:
     """(grid, the kernel's constexprs plus K_SPLIT) of one launch: pure, so that a CPU test can
     put every launch the table and the heuristic make through the whole compiler. prefetch:
     bytes of each weight row (weight_bytes an element) pulled into L2 before the kernel's PDL
     wait (launch.prefetch_bytes), rounded down to a power of two of 32-byte sectors within
-    the program's k range; 0 none. x_fn: the input folded in (X_FN: 0 none, 1 silu(x) * up, 2
-    RMSNorm of a residual row, which needs one row, the "fma" loop and the whole of K in one
-    program: no split)."""
+    the program's k range; 0 none."""
     if not 0 < m <= GEMV_MAX_M:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
     if variant not in VARIANTS[:-1] or block_k % GROUP_K or block_n < MIN_BLOCK_N:
         raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
-    if x_fn == 2 and (m != 1 or variant != "fma"):
-        raise ValueError(f"gemv: a folded norm runs on one row through the fma loop, not {m} rows of {variant}")
-    if x_fn == 2:
-        split_k = 1
     swap = variant == "sw8"
     quant_x = variant in ("dot8", "wg8")
     x_f16 = variant in ("dot16", "wg16")
@@ -567,7 +492,7 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
         X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
         PRECISION="ieee" if x_dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
-        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap, X_FN=x_fn, ADD_X=False)
+        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -615,62 +540,3 @@ def library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     y = torch.nn.functional.linear(x, weight, bias)
     after_library_gemm(y)
     return y
-
-
-# --------------------------------------------------------------------------------------------
-# inputs folded into the launch (batch-1 decode: a launch less for each)
-
-
-def _fold_config(kind: str, n: int, k: int, device: torch.device) -> tuple | None:
-    cfg = config_for(kind, n, k, 1, device)
-    return cfg if cfg[0] != "cublas" else None
-
-
-def _operands_ok(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    return (x.numel() == x.shape[-1] and weight.stride(-1) == 1 and fold_inputs()
-            and (weight.dtype == torch.float8_e4m3fn) == (scale is not None)
-            and (scale is not None or weight.dtype == x.dtype))
-
-
-def norm_linear(residual: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int = 1,
-                bias: torch.Tensor | None = None, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(residual + delta, RMSNorm(residual + delta) @ W^T + bias) in one launch for one row
-    (delta None: (residual, RMSNorm(residual) @ W^T + bias)): elementwise.add_rms_norm and the
-    linear without the norm's launch. W plain (scale None) or e4m3 codes with scales as
-    fp8_linear takes them. None where the fold does not apply (more than one row, a launch that
-    is not "fma" over all of K in one program, cuBLAS's shape, dtypes that differ, or
-    SPECDEPLOY_FOLD=0): the caller runs the two."""
-    if (delta is not None and (delta.dtype != residual.dtype or delta.shape != residual.shape)) \
-            or norm_weight.dtype != residual.dtype or not _operands_ok(residual, weight, scale):
-        return None
-    k, n = residual.shape[-1], weight.shape[0]
-    cfg = _fold_config("plain" if scale is None else "fp8", n, k, residual.device)
-    if cfg is None or cfg[0] != "fma" or cfg[3] != 1:
-        return None
-    rows = residual.reshape(1, k).contiguous()
-    total = torch.empty_like(rows) if delta is not None else None
-    out = torch.empty((1, n), dtype=residual.dtype, device=residual.device)
-    d = delta.reshape(1, k).contiguous() if delta is not None else None
-    launch(rows, weight, scale, scale_n, bias, out, *cfg, round_scale=round_scale,
-           norm=Norm(d, norm_weight, eps, total))
-    return (total.view(residual.shape) if total is not None else residual), out.view(*residual.shape[:-1], n)
-
-
-def silu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                scale_n: int = 1, bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor | None:
-    """(silu(gate) * up) @ W^T + bias for one row in one launch, gate and up [..., I] the two
-    halves of one gate/up output (elementwise.silu_mul's inputs, its roundings); None where the
-    fold does not apply (as norm_linear)."""
-    if up.shape != gate.shape or up.dtype != gate.dtype or not _operands_ok(gate, weight, scale):
-        return None
-    k, n = gate.shape[-1], weight.shape[0]
-    g, u = gate.reshape(1, k), up.reshape(1, k)
-    if g.stride(-1) != 1 or u.stride(-1) != 1:
-        return None
-    cfg = _fold_config("plain" if scale is None else "fp8", n, k, gate.device)
-    if cfg is None:
-        return None
-    out = torch.empty((1, n), dtype=gate.dtype, device=gate.device)
-    launch(g, weight, scale, scale_n, bias, out, *cfg, round_scale=round_scale, up=u)
-    return out.view(*gate.shape[:-1], n)

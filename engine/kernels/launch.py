@@ -30,9 +30,6 @@ H200, Llama-3.1-8B shape, batch 1, graphed decode call: bf16 226.8 -> 234.6 tok/
 SPECDEPLOY_PREFETCH (bytes, default PREFETCH_BYTES = 0): how much of each weight row the small-M
 linear pulls into L2 before its wait, while the previous kernel drains (bench/prefetch_sweep.py
 measures it; on an H200 no size made the decode step faster, docs/engine.md).
-
-SPECDEPLOY_FOLD=0 turns off the batch-1 folds (gemv.norm_linear, gemv.silu_linear: a linear
-taking its input's RMSNorm or silu-mul into its own launch), for benchmarks that compare.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ import triton.language as tl
 
 PDL_ENV = "SPECDEPLOY_PDL"
 PREFETCH_ENV = "SPECDEPLOY_PREFETCH"
-FOLD_ENV = "SPECDEPLOY_FOLD"
 PREFETCH_BYTES = 0  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row (measured: no gain on an H200, docs/engine.md)
 
 
@@ -85,21 +81,12 @@ def prefetch_bytes() -> int:
     return int(value)
 
 
-@functools.cache
-def fold_inputs() -> bool:
-    """Whether batch-1 linears take their input's norm or silu-mul into their own launch
-    (gemv.norm_linear / silu_linear; SPECDEPLOY_FOLD=0: separate launches, for benchmarks);
-    read once."""
-    return os.environ.get(FOLD_ENV, "1") != "0"
-
-
 def reset() -> None:
-    """Forget the cached settings (SPECDEPLOY_PDL, SPECDEPLOY_PREFETCH and SPECDEPLOY_FOLD are read again)
+    """Forget the cached PDL settings (SPECDEPLOY_PDL and SPECDEPLOY_PREFETCH are read again)
     and any pending after_library_gemm flag: for tests and benchmarks that change the mode."""
     _pdl_on.cache_clear()
     pdl_after_library.cache_clear()
     prefetch_bytes.cache_clear()
-    fold_inputs.cache_clear()
     _AFTER_LIBRARY.clear()
 
 

@@ -184,22 +184,16 @@ def _kernels_run_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def kernels_take(scale: torch.Tensor, block_k: int, device: torch.device) -> bool:
-    """Whether the CUDA kernels (engine/kernels/fp8.py) serve weights with this scale layout
-    here: float32 scales, a grid 128 wide along K or a scale per row or tensor (which covers all
-    of K whatever block_k says), a GPU with e4m3 tensor cores."""
-    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
-    return (device.type == "cuda" and (block_k == KERNEL_BLOCK_K or per_row) and scale.dtype == torch.float32
-            and _kernels_run_on(device.index or 0))
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int = 128,
                block_k: int = 128, bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight * scale)^T (+ bias) -> [..., N] in x's dtype; weight e4m3 [N, K];
     scale in the engine layout (module docstring), covering scale_n rows x block_k columns."""
     fast = fused_kernels(x, ops=kernels.fp8_ops)
     rows = x.numel() // max(x.shape[-1], 1)
-    if fast is not None and rows and kernels_take(scale, block_k, x.device):
+    # A scale per row or per tensor covers all of K whatever block_k says; a grid must be 128 wide.
+    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
+    if (fast is not None and rows and (block_k == KERNEL_BLOCK_K or per_row)
+            and scale.dtype == torch.float32 and _kernels_run_on(x.device.index or 0)):
         return fast.fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     w = (weight.float() * expand_scale(scale, tuple(weight.shape), scale_n, block_k)).to(x.dtype)
     return F.linear(x, w, bias)
@@ -268,13 +262,6 @@ class _FP8Parallel:
     @property
     def scale(self) -> torch.Tensor:
         return getattr(self, self.fmt.scale_name)
-
-    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
-        """The codes and scales for the small-M kernel's folded launches (layers._GemvOperands),
-        None where the kernels do not take this layout (the dequantizing path serves)."""
-        if not kernels_take(self.scale, self.block_k, self.weight.device):
-            return None
-        return self.weight, self.scale, self.scale_n, self.fmt.round_scale
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.scale, self.scale_n, self.block_k, bias, self.fmt.round_scale)

@@ -83,34 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class _GemvOperands:
-    """What the small-M kernel's folded launches (gemv.norm_linear / silu_linear) take of a
-    linear: (weight, scale, scale_n, round_scale), scale None for plain weights; the FP8 layers
-    (engine/models/fp8.py) give their codes and scales, or None where their matmul runs
-    elsewhere."""
-
-    weight: torch.Tensor
-
-    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, int, bool] | None:
-        return self.weight, None, 1, False
-
-
-def _fold_ops(x: torch.Tensor, proj: nn.Module):
-    """(the gemv kernel module, proj's operands) where a folded launch may serve x, else None."""
-    if not hasattr(proj, "gemv_operands") or x.numel() != x.shape[-1]:
-        return None
-    gemv = fused_kernels(x, proj.weight, ops=kernels.gemv_ops)
-    operands = proj.gemv_operands() if gemv is not None else None
-    return (gemv, operands) if operands is not None else None
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (one kernel on CUDA)."""
-    fused = fused_kernels(gate, up)
-    return fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up
-
-
-class ColumnParallelLinear(_GemvOperands, nn.Module):
+class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features / tp, in_features] on each rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -128,7 +101,7 @@ class ColumnParallelLinear(_GemvOperands, nn.Module):
         _copy(getattr(self, name), full.narrow(0, self.rows[0], self.rows[1] - self.rows[0]), name)
 
 
-class MergedColumnParallelLinear(_GemvOperands, nn.Module):
+class MergedColumnParallelLinear(nn.Module):
     """Column-parallel layers that read the same input, computed as one matmul
     (q/k/v, gate/up): W [sum_i out_i / tp, in_features]. Each part is sharded on its own, so rank
     r holds [part_0 rows of rank r; part_1 rows of rank r; ...], the rows the separate layers
@@ -188,7 +161,7 @@ def _split_fused_state(module: nn.Module, state: dict, prefix: str, local_metada
             state.pop(f"{prefix}{fused_name}.{pname}", None)
 
 
-class RowParallelLinear(_GemvOperands, nn.Module):
+class RowParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features / tp], summed over the ranks (all-reduce).
     input_is_parallel: x arrives sharded [..., in / tp] (after a column-parallel layer); False:
     x is replicated [..., in] and each rank multiplies its own columns of it (a draft head's fc
@@ -209,19 +182,6 @@ class RowParallelLinear(_GemvOperands, nn.Module):
             x = x[..., self.cols[0]:self.cols[1]]
         # The bias joins on rank 0 only, so that the sum over ranks adds it once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return parallel.all_reduce(y) if self.tp_size > 1 else y
-
-    def forward_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up), the product formed inside this layer's launch at one row on
-        CUDA (gemv.silu_linear), a launch less than silu_mul then the linear."""
-        fold = _fold_ops(gate, self) if self.input_is_parallel or self.tp_size == 1 else None
-        y = None
-        if fold is not None:
-            gemv, (weight, scale, scale_n, round_scale) = fold
-            y = gemv.silu_linear(gate, up, weight, scale, scale_n, self.bias if self.tp_rank == 0 else None,
-                                 round_scale)
-        if y is None:
-            return self(silu_mul(gate, up))
         return parallel.all_reduce(y) if self.tp_size > 1 else y
 
     def load_param(self, name: str, full) -> None:
@@ -320,22 +280,6 @@ class RMSNorm(nn.Module):
         total = x + delta
         return total, self(total)
 
-    def add_linear(self, x: torch.Tensor, delta: torch.Tensor | None,
-                   proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, proj(norm(x + delta))), delta None: (x, proj(norm(x))). At one row on CUDA
-        the add and the norm run inside proj's launch (gemv.norm_linear), one launch for the
-        two; elsewhere add_forward (or the norm) and then proj."""
-        fold = None if isinstance(proj, RowParallelLinear) else _fold_ops(x, proj)  # (its input is sharded)
-        if fold is not None:
-            gemv, (weight, scale, scale_n, round_scale) = fold
-            done = gemv.norm_linear(x, delta, self.weight, self.eps, weight, scale, scale_n, proj.bias, round_scale)
-            if done is not None:
-                return done
-        if delta is None:
-            return x, proj(self(x))
-        total, h = self.add_forward(x, delta)
-        return total, proj(h)
-
     def load_param(self, name: str, full) -> None:
         _copy(self.weight, materialize(full), "norm weight")
 
@@ -353,12 +297,9 @@ class GatedMLP(nn.Module):
         register_fused_parts(self, {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP from its gate/up output on: down(silu(gate) * up)."""
-        gate, up = self.gate_up_proj.split(gate_up)                 # [..., I / tp] each
-        return self.down_proj.forward_gated(gate, up)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))   # [..., I / tp] each
+        fused = fused_kernels(x, self.gate_up_proj.weight)
+        return self.down_proj(fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -164,21 +164,20 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
     kernel = gemv_triton._gemv_kernel
     constexprs = {"USE_GDC": True, "SUB_K": gemv_triton.GROUP_K, **constexprs}
     pointers = {"w_ptr": weight, "s_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    signature = {name: "constexpr" if name in constexprs else "fp32" if name == "eps" else
+    signature = {name: "constexpr" if name in constexprs else
                  pointers.get(name, act) if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if divisible and signature[name] != "constexpr" and name not in ("M", "eps")}
+             if divisible and signature[name] != "constexpr" and name != "M"}
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16",
-                     quant_x=False, round_scale=False, x_f16=False, one_row=False, x_rows=0, x_fn=0,
-                     add_x=False):
+                     quant_x=False, round_scale=False, x_f16=False, one_row=False, x_rows=0):
     return {"SCALE_MODE": mode, "SCALE_N": 128 if mode == 1 else 1, "HAS_BIAS": split != 2, "USE_DOT": dot,
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
             "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16, "ONE_ROW": one_row,
-            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False, "X_FN": x_fn, "ADD_X": add_x}
+            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
@@ -206,28 +205,6 @@ def test_gemv_compiles_to_a_pipelined_cubin(weight, mode, dot, block_m, block_n,
     assert "cp.async" in compiled.asm["ptx"]
     tile = block_n * block_k * (1 if weight == "*fp8e4nv" else 2)
     assert compiled.metadata.shared >= (stages - 1) * tile
-
-
-@pytest.mark.parametrize("weight,mode", [("*fp8e4nv", 1), ("*fp8e4nv", 3), ("*bf16", 0)])
-@pytest.mark.parametrize("add_x", [False, True])
-def test_gemv_norm_fold_compiles_pipelined(weight, mode, add_x):
-    """The batch-1 fold of residual add + RMSNorm into the linear (X_FN 2): the weight tiles still
-    stream through cp.async, and the normalization is one rsqrt per row after the K loop."""
-    from triton.backends.compiler import GPUTarget
-    stages = 3
-    compiled = triton.compile(_gemv_source(weight, "*bf16", _gemv_constexprs(
-        mode, False, 1, 1, 8, 512, stages, x_fn=2, add_x=add_x)),
-        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
-    ptx = compiled.asm["ptx"]
-    assert "cp.async" in ptx
-    assert "rsqrt" in ptx or "sqrt" in ptx
-
-
-@pytest.mark.parametrize("dot,block_m,block_n", [(False, 1, 8), (True, 16, 32)])
-def test_gemv_silu_fold_lowers(dot, block_m, block_n):
-    """X_FN 1: silu(gate) * up computed as x is loaded (the MLP's down projection)."""
-    make_ttir(_gemv_source("*fp8e4nv", "*bf16", _gemv_constexprs(1, dot, 1, block_m, block_n, 256, x_fn=1)))
-    make_ttir(_gemv_source("*bf16", "*bf16", _gemv_constexprs(0, dot, 1, block_m, block_n, 256, x_fn=1)))
 
 
 @pytest.mark.parametrize("mode,round_scale", [(1, False), (2, False), (3, True)])
