@@ -114,13 +114,15 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
     from spec_step import spec_step_phases
     try:
         out = spec_step_phases(target, head, "chain", 1, sizes["context"], sizes["spec_steps"], sizes["spec_warmup"],
-                               device, "fused")
+                               device, "fused", profile=device.type == "cuda")
     except Exception as e:
         return {"weights": label, "error": f"{type(e).__name__}: {e}"[:500]}
     step = out["whole_ms"]
     row = {"weights": label, "shape": "chain (3, 1, 4)", "batch": 1, "step_ms": step, "decode_step_ms": decode_ms,
            "step_over_decode": step / decode_ms, "measured_accept_length": out["accept_length"],
            "projected_tok_s": {str(a): a / (step / 1e3) for a in (2, 3)}}
+    if out.get("profile"):  # where the step's time goes, per kernel (profiled after the timing)
+        row["profile"] = out["profile"]
     log(f"{label} EAGLE-3 chain step {step:.3f} ms = {row['step_over_decode']:.2f}x its decode step; "
         f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3")
     return row

@@ -911,6 +911,19 @@ def _kernel_profile(prof: dict, step_ms: float | None) -> str:
     return note + "\n\n" + _table(["kernel", "launches", "µs", "share"], rows)
 
 
+def _spec_profiles(data: dict) -> list[str]:
+    """Where the EAGLE-3 steps' time goes on the bf16 and the FP8 target (fp8_bench's speculative
+    rows that carry a profile), beside the decode step each is a multiple of."""
+    lines = []
+    for row in data.get("speculative", []):
+        if row.get("profile") and "error" not in row:
+            lines += [f"Where the EAGLE-3 chain step's time goes on the {row['weights']} target ({row['step_ms']:.3f} ms "
+                      f"a step, {row['step_over_decode']:.2f}x its {row['decode_step_ms']:.3f} ms decode step): "
+                      "torch.profiler over Runner steps (graphed, fused).", "",
+                      _kernel_profile(row["profile"], row["step_ms"]), ""]
+    return lines
+
+
 def _e2e_note(r: dict) -> list[str]:
     """Where the batch-1 speed-up at the 8B cost goes, from section 7's own rows: a speculative
     system's speed-up is its tokens per target forward over what one of its steps costs."""
@@ -1135,6 +1148,7 @@ def render_repository(scan: dict, repo: Path) -> str:
                           f"decode call captured without PDL ({att['median_ms_pdl_off']:.3f} ms a step), "
                           "torch.profiler over its replays.", "",
                           _kernel_profile(att["profile"], att["median_ms_pdl_off"]), ""]
+        lines += _spec_profiles(fp8["data"])
     lines += described_sections(scripts)
     lines += _serving_section(merged_serving(scan.get("serving_runs") or []))
     e2e = sections.get("7")

@@ -76,7 +76,7 @@ def spec_step_phases(target, head, shape: str, batch: int, context: int, steps: 
     recs = timed_steps(runner, steps, warmup, device, instrumented=split)
     if not recs:
         raise RuntimeError("no timed speculative step (a request finished during warm-up)")
-    prof = profile_top(runner.step, device, reps=3) if profile else None
+    prof = profile_top(runner.step, device, reps=3, top=16) if profile else None
     keys = ("whole_ms", "draft_ms", "verify_ms", "extend_ms", "overhead_ms", "tree_ms", "accept_ms", "decode_ms")
     out = {k: statistics.median(r[k] for r in recs) if k in recs[0] else None for k in keys}
     out["steps_timed"] = len(recs)
