@@ -47,8 +47,8 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, profile_top, random_head, random_target,  # noqa: E402
-                     runner_decode_ms, use_fast_attention)
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top,  # noqa: E402
+                     random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 
 from specdeploy.engine.models import fp8  # noqa: E402
@@ -114,15 +114,19 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
     from spec_step import spec_step_phases
     try:
         out = spec_step_phases(target, head, "chain", 1, sizes["context"], sizes["spec_steps"], sizes["spec_warmup"],
-                               device, "fused", profile=device.type == "cuda")
+                               device, "fused")
+        if device.type == "cuda":  # where its time goes, each kernel's own: a second Runner without PDL
+            with pdl_off():
+                prof = spec_step_phases(target, head, "chain", 1, sizes["context"], 3, 2, device, "fused", profile=True)
+            out["profile"], out["whole_ms_pdl_off"] = prof.get("profile"), prof["whole_ms"]
     except Exception as e:
         return {"weights": label, "error": f"{type(e).__name__}: {e}"[:500]}
     step = out["whole_ms"]
     row = {"weights": label, "shape": "chain (3, 1, 4)", "batch": 1, "step_ms": step, "decode_step_ms": decode_ms,
            "step_over_decode": step / decode_ms, "measured_accept_length": out["accept_length"],
            "projected_tok_s": {str(a): a / (step / 1e3) for a in (2, 3)}}
-    if out.get("profile"):  # where the step's time goes, per kernel (profiled after the timing)
-        row["profile"] = out["profile"]
+    if out.get("profile"):
+        row["profile"], row["step_ms_pdl_off"] = out["profile"], out["whole_ms_pdl_off"]
     log(f"{label} EAGLE-3 chain step {step:.3f} ms = {row['step_over_decode']:.2f}x its decode step; "
         f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3")
     return row
