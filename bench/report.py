@@ -918,7 +918,8 @@ def _spec_profiles(data: dict) -> list[str]:
     for row in data.get("speculative", []):
         if row.get("profile") and "error" not in row:
             off = row.get("step_ms_pdl_off")
-            lines += [f"Where the EAGLE-3 chain step's time goes on the {row['weights']} target ({row['step_ms']:.3f} ms "
+            where = f"the {row['weights']} target" if row["weights"] in ("bf16", "fp8") else f"the {row['weights']}"
+            lines += [f"Where the EAGLE-3 chain step's time goes on {where} ({row['step_ms']:.3f} ms "
                       f"a step, {row['step_over_decode']:.2f}x its {row['decode_step_ms']:.3f} ms decode step), each "
                       "kernel's own: torch.profiler over the steps of a Runner captured without PDL"
                       + (f" ({off:.3f} ms a step)" if off else "") + ".", "",
