@@ -11,13 +11,20 @@ from testcluster import wait_for
 def test_a_resource_to_ready_and_a_refusal_are_a_few_lines(kube_cluster, kube_namespace, operator_process,
                                                            hub_secret, manifest, sdd_of, capsys):
     operator = operator_process(metrics_interval_s=0)
-    wait_for(lambda: "starting:" in operator.logs(), timeout_s=30, what="the operator's first line")
+
+    def wait_log(text: str, what: str) -> None:
+        try:
+            wait_for(lambda: text in operator.logs(), timeout_s=30, what=what)
+        except TimeoutError as err:  # the log so far says which line is missing and what came instead
+            raise AssertionError(f"{err}\n--- operator log ---\n{operator.logs()}") from err
+
+    wait_log("starting:", "the operator's first line")
     kube_cluster.apply(manifest("tidy", replicas=1), namespace=kube_namespace)
     sdd_of("tidy").wait_ready()
     kube_cluster.apply(manifest("wrongpair", draft={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}),
                        namespace=kube_namespace)
-    wait_for(lambda: "DraftIncompatible" in operator.logs(), timeout_s=30, what="the refusal in the log")
-    wait_for(lambda: "-> Ready (" in operator.logs(), timeout_s=30, what="the phase line")
+    wait_log("DraftIncompatible", "the refusal in the log")
+    wait_log("-> Ready (", "the phase line")
     logs = operator.logs()
     with capsys.disabled():
         print("\n" + logs)
