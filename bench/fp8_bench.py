@@ -51,10 +51,12 @@ from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environ
 from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top,  # noqa: E402
                      random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
+from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
 
 from specdeploy.engine.models import fp8  # noqa: E402
 
 FORMAT = fp8.FP8Format("block", "weight_scale_inv", (128, 128))
+CHAIN = SPEC_SHAPES["chain"]  # (steps, topk, draft tokens) of the EAGLE-3 step timed
 SIZES = {
     "device": dict(config=LLAMA_31_8B, batches=(1, 16, 64, 256), context=1024, warmup=5, reps=30, runner_steps=20,
                    runner_warmup=5, spec_steps=20, spec_warmup=5, draft_vocab=32000, gpu="h200"),
@@ -118,25 +120,20 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
                                device, "fused")
     except Exception as e:
         return {"weights": label, "error": f"{type(e).__name__}: {e}"[:500]}
+    step = out["whole_ms"]
+    row = {"weights": label, "shape": f"chain {CHAIN}", "batch": 1, "step_ms": step, "decode_step_ms": decode_ms,
+           "step_over_decode": step / decode_ms, "measured_accept_length": out["accept_length"],
+           "projected_tok_s": {str(a): a / (step / 1e3) for a in (2, 3)}}
     if device.type == "cuda":  # where its time goes, each kernel's own: a second Runner without PDL
         try:
             with pdl_off():
                 prof = spec_step_phases(target, head, "chain", 1, sizes["context"], 3, 2, device, "fused", profile=True)
-            out["profile"], out["whole_ms_pdl_off"] = prof.get("profile"), prof["whole_ms"]
+            row["profile"], row["step_ms_pdl_off"] = prof.get("profile"), prof["whole_ms"]
         except Exception as e:  # evidence, not the figure: the timing above stands
-            out["profile"], out["whole_ms_pdl_off"] = {"error": f"{type(e).__name__}: {e}"[:300]}, None
-    step = out["whole_ms"]
-    row = {"weights": label, "shape": "chain (3, 1, 4)", "batch": 1, "step_ms": step, "decode_step_ms": decode_ms,
-           "step_over_decode": step / decode_ms, "measured_accept_length": out["accept_length"],
-           "projected_tok_s": {str(a): a / (step / 1e3) for a in (2, 3)}}
-    if out.get("profile"):
-        row["profile"], row["step_ms_pdl_off"] = out["profile"], out["whole_ms_pdl_off"]
+            row["profile"], row["step_ms_pdl_off"] = {"error": f"{type(e).__name__}: {e}"[:300]}, None
     row["launch_ahead"] = launch_ahead_multiple(target, head, sizes, device)
-    la = row["launch_ahead"]
     log(f"{label} EAGLE-3 chain step {step:.3f} ms = {row['step_over_decode']:.2f}x its decode step; "
-        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3; with launch-ahead "
-        + (f"{la['step_ms']:.3f} ms = {la['step_over_decode']:.2f}x its {la['decode_step_ms']:.3f} ms decode step"
-           if "error" not in la else f"failed ({la['error']})"))
+        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3; {launch_ahead_text(row['launch_ahead'])}")
     return row
 
 
@@ -149,7 +146,7 @@ def launch_ahead_multiple(target, head, sizes, device) -> dict:
     steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
     out = {}
     try:
-        for key, kw in (("step_ms", dict(head=head, shape=(3, 1, 4))), ("decode_step_ms", {})):
+        for key, kw in (("step_ms", dict(head=head, shape=CHAIN)), ("decode_step_ms", {})):
             runner = decode_runner(target, 1, sizes["context"], steps + warmup + 12, device, graph_mode,
                                    overlap=False, launch_ahead=True, **kw)
             out[key] = loop_ms(runner, steps, warmup, device)
@@ -159,6 +156,13 @@ def launch_ahead_multiple(target, head, sizes, device) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     out["step_over_decode"] = out["step_ms"] / out["decode_step_ms"]
     return out
+
+
+def launch_ahead_text(la: dict) -> str:
+    if "step_ms" not in la:
+        return f"with launch-ahead: failed ({la.get('error')})"
+    return (f"with launch-ahead {la['step_ms']:.3f} ms = {la['step_over_decode']:.2f}x its "
+            f"{la['decode_step_ms']:.3f} ms decode step")
 
 
 def planner_truth(sizes, device, smoke: bool) -> dict:
@@ -283,13 +287,11 @@ def markdown(result: dict) -> str:
         if "error" in row:
             lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
             continue
-        lines.append(f"- EAGLE-3 chain (3, 1, 4) step on the {row['weights']} target: {row['step_ms']:.3f} ms = "
+        lines.append(f"- EAGLE-3 {row['shape']} step on the {row['weights']} target: {row['step_ms']:.3f} ms = "
                      f"{row['step_over_decode']:.2f}x its decode step; projected {row['projected_tok_s']['2']:.0f} / "
                      f"{row['projected_tok_s']['3']:.0f} tok/s at accept length 2 / 3 (random heads: measured "
                      f"{row['measured_accept_length']:.2f})"
-                     + (f"; with launch-ahead {row['launch_ahead']['step_ms']:.3f} ms = "
-                        f"{row['launch_ahead']['step_over_decode']:.2f}x its {row['launch_ahead']['decode_step_ms']:.3f} ms "
-                        "decode step" if "step_ms" in row.get("launch_ahead", {}) else ""))
+                     + (f"; {launch_ahead_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else ""))
     truth = result.get("planner_truth", {})
     if truth.get("terms"):
         lines += ["", "Planner truth, FP8 plan (EAGLE-3 chain, 16 requests x 2K):", "",
