@@ -33,6 +33,7 @@ prints one line per figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, kernel_env, pdl_mode, pdl_off, profile_top,  # noqa: E402
                      random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
@@ -91,24 +92,41 @@ def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
     return rows
 
 
-PDL_MODES = ("1", "all", "0")
+PDL_MODES = ("1", "tail", "all", "0", "1+epi", "tail+epi", "0+epi")
 PDL_BATCHES = (1, 64, 256)
+EPILOGUE_BATCHES = (1,)  # the one-row epilogues change nothing at other batches
+
+
+def mode_env(mode: str):
+    """A PDL_MODES entry's settings: SPECDEPLOY_PDL = the part before "+", "+epi" with the
+    one-row epilogues on (SPECDEPLOY_EPILOGUES=1), else off."""
+    from specdeploy.engine.kernels import launch
+
+    pdl, _, extra = mode.partition("+")
+    stack = contextlib.ExitStack()
+    stack.enter_context(pdl_mode(pdl))
+    stack.enter_context(kernel_env(launch.EPILOGUES_ENV, "1" if extra == "epi" else "0"))
+    return stack
 
 
 def pdl_rows(target, sizes, device, label: str) -> list[dict]:
     """The graphed decode call's median under each PDL mode (harness.pdl_mode: "1" the engine's,
-    "all" PDL after library GEMMs too, "0" none), side by side at PDL_BATCHES."""
+    "tail" the small-M linear letting its dependents launch at its end, "all" PDL after library
+    GEMMs too, "0" none; "+epi" the same with the one-row epilogues on), side by side at
+    PDL_BATCHES (the "+epi" modes at EPILOGUE_BATCHES)."""
     rows = []
     for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
         row = {"weights": label, "batch": b}
         for mode in PDL_MODES:
-            with pdl_mode(mode):
+            if "+" in mode and b not in EPILOGUE_BATCHES:
+                continue
+            with mode_env(mode):
                 call = EngineDecode(target, b, sizes["context"], graph=True)
                 row[f"pdl_{mode}_ms"] = time_ms(call, device, warmup=sizes["warmup"], reps=sizes["reps"])["median_ms"]
                 del call
             free_device_memory()
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
-                                                                  for m in PDL_MODES))
+                                                                  for m in PDL_MODES if f"pdl_{m}_ms" in row))
         rows.append(row)
     return rows
 
@@ -277,7 +295,9 @@ def markdown(result: dict) -> str:
     pdl = result.get("pdl", [])
     if pdl:
         lines += ["Decode call (ms) by PDL mode, side by side: `1` the engine's (no PDL right after a cuBLAS "
-                  "GEMM), `all` PDL after it too, `0` none (engine/kernels/launch.py):", "",
+                  "GEMM), `tail` the small-M linear letting the next kernel launch only at its end, `all` PDL "
+                  "after cuBLAS too, `0` none; `+epi` with the one-row epilogues on (SPECDEPLOY_EPILOGUES=1; "
+                  "engine/kernels/launch.py):", "",
                   "| weights | batch | " + " | ".join(PDL_MODES) + " |", "|---|---|" + "---|" * len(PDL_MODES)]
         for r in pdl:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in PDL_MODES]

@@ -27,6 +27,17 @@ H200, Llama-3.1-8B shape, batch 1, graphed decode call: bf16 226.8 -> 234.6 tok/
 319.9 tok/s; docs/benchmarks.md); off on CPU, under Triton's interpreter and on older GPUs. Every kernel that takes them declares
 `USE_GDC: tl.constexpr` and calls `gdc()` first.
 
+SPECDEPLOY_PDL=tail: PDL as by default, except that the small-M linear (gemv.py, the kernels that
+stream the weights) lets its dependents launch only at its end (`pdl_args(t, tail=True)`, the
+kernel's `gdc(USE_GDC, GDC_TAIL)` first and `gdc_tail(USE_GDC, GDC_TAIL)` last): the next
+kernel's programs are then not parked on the SMs while the linear streams, and its launch still
+overlaps the linear's last programs (bench/fp8_bench.py's pdl_rows compare the modes).
+
+SPECDEPLOY_EPILOGUES (default EPILOGUES = "0"): "1" lets one-row linears on one GPU run their
+epilogues (gemv.py: silu(gate) * up inside the gate/up launch, the residual add and the next
+RMSNorm inside o_proj's and down_proj's), so a batch-1 Llama step launches no norm or activation
+kernel; "0" keeps those kernels separate (measured side by side in bench/fp8_bench.py).
+
 SPECDEPLOY_PREFETCH (bytes, default PREFETCH_BYTES = 0): how much of each weight row the small-M
 linear pulls into L2 before its wait, while the previous kernel drains (bench/prefetch_sweep.py
 measures it; on an H200 no size made the decode step faster, docs/engine.md).
@@ -43,6 +54,8 @@ import triton.language as tl
 
 PDL_ENV = "SPECDEPLOY_PDL"
 PREFETCH_ENV = "SPECDEPLOY_PREFETCH"
+EPILOGUES_ENV = "SPECDEPLOY_EPILOGUES"
+EPILOGUES = "0"  # one-row linear epilogues off by default (docs/engine.md: slower under PDL, measured)
 PREFETCH_BYTES = 0  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row (measured: no gain on an H200, docs/engine.md)
 
 
@@ -69,6 +82,23 @@ def pdl_after_library() -> bool:
 
 
 @functools.cache
+def pdl_tail() -> bool:
+    """Whether the kernels that ask for it let their dependents launch at their end
+    (SPECDEPLOY_PDL=tail); read once."""
+    return os.environ.get(PDL_ENV, "1") == "tail"
+
+
+@functools.cache
+def epilogues() -> bool:
+    """Whether one-row linears fold the activation, residual add and norm after them
+    (SPECDEPLOY_EPILOGUES, EPILOGUES unless set); read once."""
+    value = os.environ.get(EPILOGUES_ENV, "").strip() or EPILOGUES
+    if value not in ("0", "1"):
+        raise ValueError(f"{EPILOGUES_ENV}={value!r}: 1 or 0")
+    return value == "1"
+
+
+@functools.cache
 def prefetch_bytes() -> int:
     """How much of each weight row a weight-streaming kernel launched with PDL pulls into L2
     before its griddepcontrol.wait (gemv.py): SPECDEPLOY_PREFETCH bytes, PREFETCH_BYTES unless
@@ -82,10 +112,12 @@ def prefetch_bytes() -> int:
 
 
 def reset() -> None:
-    """Forget the cached PDL settings (SPECDEPLOY_PDL and SPECDEPLOY_PREFETCH are read again)
+    """Forget the cached settings (SPECDEPLOY_PDL, _EPILOGUES and _PREFETCH are read again)
     and any pending after_library_gemm flag: for tests and benchmarks that change the mode."""
     _pdl_on.cache_clear()
     pdl_after_library.cache_clear()
+    pdl_tail.cache_clear()
+    epilogues.cache_clear()
     prefetch_bytes.cache_clear()
     _AFTER_LIBRARY.clear()
 
@@ -99,20 +131,33 @@ def after_library_gemm(t: torch.Tensor) -> None:
         _AFTER_LIBRARY.add(index)
 
 
-def pdl_args(t: torch.Tensor) -> dict:
-    """Launch keyword arguments: {"USE_GDC": True, "launch_pdl": True} or {"USE_GDC": False}."""
+def pdl_args(t: torch.Tensor, tail: bool = False) -> dict:
+    """Launch keyword arguments: {"USE_GDC": True, "launch_pdl": True} or {"USE_GDC": False};
+    tail (a kernel that declares `GDC_TAIL: tl.constexpr` and ends with gdc_tail): also
+    "GDC_TAIL": True under SPECDEPLOY_PDL=tail."""
     if t.is_cuda and _pdl_on(index := _index(t)):
         if index in _AFTER_LIBRARY:
             _AFTER_LIBRARY.discard(index)
             return {"USE_GDC": False}
+        if tail and pdl_tail():
+            return {"USE_GDC": True, "GDC_TAIL": True, "launch_pdl": True}
         return {"USE_GDC": True, "launch_pdl": True}
     return {"USE_GDC": False}
 
 
 @triton.jit
-def gdc(USE_GDC: tl.constexpr):
+def gdc(USE_GDC: tl.constexpr, TAIL: tl.constexpr = False):
     """First statement of a kernel launched with `pdl_args`: wait for the previous kernel, then
-    let the next one launch."""
+    let the next one launch (TAIL: not yet, gdc_tail does)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        if not TAIL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def gdc_tail(USE_GDC: tl.constexpr, TAIL: tl.constexpr):
+    """Last statement of a kernel launched with `pdl_args(t, tail=True)`: under TAIL the program
+    lets the next kernel launch only now, its work done."""
+    if USE_GDC and TAIL:
         tl.extra.cuda.gdc_launch_dependents()

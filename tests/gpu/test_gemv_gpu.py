@@ -171,3 +171,47 @@ def test_graph_replays_equal_eager():
         want = step()
         for got, ref in zip(outs, want):
             assert torch.equal(got, ref), i
+
+
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+def test_one_row_epilogues_equal_the_separate_kernels(weights):
+    """At batch 1 the engine fuses silu(gate) * up into the gate/up launch and the residual add +
+    RMSNorm into o_proj's and down_proj's (gemv.gated_linear, gemv.linear_add_norm, with the
+    launch table's configurations): at the 8B shapes each equals the linear followed by the
+    separate kernel (elementwise.silu_mul / add_rms_norm) within one bf16 rounding, eager, and
+    three replays of a CUDA graph equal the eager result."""
+    from specdeploy.engine.kernels import elementwise
+    make = _fp8_weights if weights == "fp8" else _bf16_weights
+
+    def unpack(w):
+        return (w[0], w[1], 128) if weights == "fp8" else (w[0] if isinstance(w, tuple) else w, None, 1)
+
+    def linear(x, w, s, sn):
+        y = gemv.fp8_linear(x, w, s, sn) if s is not None else gemv.plain_linear(x, w)
+        return y if y is not None else F.linear(x, w)
+
+    def near(got, want):  # one bf16 rounding apart at most (a float32 sum taken in another order)
+        return ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(1, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    w, s, sn = unpack(make(28672, 4096))
+    y = linear(x, w, s, sn)
+    want = elementwise.silu_mul(y[:, :14336], y[:, 14336:])
+    got = gemv.gated_linear(x, w, s, sn)
+    assert got is not None and near(got, want)
+    for n, k in ((4096, 4096), (4096, 14336)):
+        w, s, sn = unpack(make(n, k, seed=k))
+        xk = torch.randn(1, k, device=DEV, generator=g).to(torch.bfloat16)
+        residual = torch.randn(1, n, device=DEV, generator=g).to(torch.bfloat16)
+        norm_w = (torch.rand(n, device=DEV, generator=g) + 0.5).to(torch.bfloat16)
+        want_sum, want_norm = elementwise.add_rms_norm(residual, linear(xk, w, s, sn), norm_w, 1e-5)
+        got_sum, got_norm = gemv.linear_add_norm(xk, w, s, sn, None, residual, norm_w, 1e-5)
+        assert near(got_sum, want_sum) and near(got_norm, want_norm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = gemv.linear_add_norm(xk, w, s, sn, None, residual, norm_w, 1e-5)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[0], got_sum) and torch.equal(outs[1], got_norm)

@@ -176,3 +176,68 @@ print("ok")
 
 def test_gemv_kernel_matches_torch_interpreted(run_interpreted):
     run_interpreted(SCRIPT)
+
+
+EPILOGUES = FP8_CAST + r"""
+import torch.nn.functional as F
+
+from specdeploy.engine.kernels import gemv
+from specdeploy.engine.models import fp8
+
+torch.manual_seed(0)
+
+def weights(kind, n, k, dtype):
+    w = torch.randn(n, k) * 0.05
+    if kind == "block":
+        codes, grid = fp8.quantize_fp8_block(w, (128, 128))
+        return codes, grid, 128, codes.float() * fp8.expand_scale(grid, (n, k), 128, 128)
+    if kind == "channel":
+        codes, per_row = fp8.quantize_fp8_channel(w)
+        per_row = per_row.reshape(-1).contiguous()
+        return codes, per_row, 1, codes.float() * per_row[:, None]
+    w = w.to(dtype)
+    return w, None, 1, w.float()
+
+def close(got, want, dtype, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= (0 if dtype == torch.bfloat16 else 1e-5 * want.abs().max().item()), (what, err)
+
+for dtype in (torch.bfloat16, torch.float32):
+    for kind in ("block", "channel", "plain"):
+        # GATED: I = 80 and 72 (BLOCK_N 16 does not divide 72: the up slab starts inside a scale block)
+        for i_size, cfg in ((80, ("fma", 8, 256, 1, 4, 2)), (72, ("fma", 16, 128, 1, 4, 2))):
+            codes, scale, scale_n, wd = weights(kind, 2 * i_size, 384, dtype)
+            x, bias = torch.randn(1, 384).to(dtype), torch.randn(2 * i_size).to(dtype)
+            got = gemv.gated_linear(x, codes, scale, scale_n, bias, config=cfg)
+            y = F.linear(x.float(), wd, bias.float()).to(dtype)   # the unfused path's roundings
+            want = (F.silu(y[:, :i_size].float()).to(dtype).float() * y[:, i_size:].float()).to(dtype)
+            close(got, want, dtype, ("gated", kind, dtype, cfg))
+        assert gemv.gated_linear(torch.randn(2, 384).to(dtype), codes, scale, scale_n) is None  # two rows
+        # ADD_NORM: split-K 1 and 2 and a dot launch; called twice (a graph replay: counters back at 0)
+        for cfg in (("fma", 8, 256, 1, 4, 2), ("fma", 8, 128, 2, 4, 2), ("dot", 16, 128, 4, 4, 2)):
+            if kind != "plain" and cfg[0] == "dot":
+                cfg = ("dot16", 16, 128, 4, 4, 2)
+            codes, scale, scale_n, wd = weights(kind, 72, 320, dtype)
+            x, residual = torch.randn(1, 320).to(dtype), torch.randn(1, 72).to(dtype)
+            norm_w = (torch.rand(72) + 0.5).to(dtype)
+            for _ in range(2):
+                total, normed = gemv.linear_add_norm(x, codes, scale, scale_n, None, residual, norm_w, 1e-5, config=cfg)
+            want_total = (residual.float() + F.linear(x.float(), wd).to(dtype).float()).to(dtype)
+            t = want_total.float()
+            want_norm = norm_w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+            close(total, want_total, dtype, ("add_norm sum", kind, dtype, cfg))
+            # the norm's float32 sum of squares is taken in another order: one rounding apart at most
+            err = (normed.float() - want_norm.float()).abs().max().item()
+            assert err <= 2 ** -7 * want_norm.abs().max().item(), ("add_norm", kind, dtype, cfg, err)
+            assert all(int(c.abs().sum()) == 0 for _, c in gemv._WORKSPACES.values()), (kind, cfg)
+print("ok")
+"""
+
+
+def test_one_row_epilogues_match_the_unfused_path_interpreted(run_interpreted):
+    """The batch-1 epilogues of the small-M kernel: gate/up with silu(gate) * up, and a linear
+    with the residual add and the next RMSNorm, against the linear followed by the separate
+    steps with their roundings (bitwise in bf16 for the projections and the sum), every scale
+    layout and plain weights, split-K 1 and 2."""
+    run_interpreted(EPILOGUES)
