@@ -92,33 +92,35 @@ def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
     return rows
 
 
-PDL_MODES = ("1", "tail", "all", "0", "1+epi", "tail+epi", "0+epi")
+PDL_MODES = ("1", "tail", "all", "0", "1+epi", "tail+epi", "0+epi", "1+apf", "tail+epi+apf")
 PDL_BATCHES = (1, 64, 256)
 EPILOGUE_BATCHES = (1,)  # the one-row epilogues change nothing at other batches
 
 
 def mode_env(mode: str):
-    """A PDL_MODES entry's settings: SPECDEPLOY_PDL = the part before "+", "+epi" with the
-    one-row epilogues on (SPECDEPLOY_EPILOGUES=1), else off."""
+    """A PDL_MODES entry's settings: SPECDEPLOY_PDL = the part before the first "+"; "+epi" the
+    one-row epilogues on (SPECDEPLOY_EPILOGUES=1), "+apf" attention's pre-wait prefetch on
+    (SPECDEPLOY_ATTN_PREFETCH=1); each off unless named."""
     from specdeploy.engine.kernels import launch
 
-    pdl, _, extra = mode.partition("+")
+    pdl, *extras = mode.split("+")
     stack = contextlib.ExitStack()
     stack.enter_context(pdl_mode(pdl))
-    stack.enter_context(kernel_env(launch.EPILOGUES_ENV, "1" if extra == "epi" else "0"))
+    stack.enter_context(kernel_env(launch.EPILOGUES_ENV, "1" if "epi" in extras else "0"))
+    stack.enter_context(kernel_env(launch.ATTN_PREFETCH_ENV, "1" if "apf" in extras else "0"))
     return stack
 
 
 def pdl_rows(target, sizes, device, label: str) -> list[dict]:
     """The graphed decode call's median under each PDL mode (harness.pdl_mode: "1" the engine's,
     "tail" the small-M linear letting its dependents launch at its end, "all" PDL after library
-    GEMMs too, "0" none; "+epi" the same with the one-row epilogues on), side by side at
-    PDL_BATCHES (the "+epi" modes at EPILOGUE_BATCHES)."""
+    GEMMs too, "0" none; "+epi" with the one-row epilogues on, "+apf" with attention's pre-wait
+    prefetch), side by side at PDL_BATCHES (the "+epi" modes at EPILOGUE_BATCHES)."""
     rows = []
     for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
         row = {"weights": label, "batch": b}
         for mode in PDL_MODES:
-            if "+" in mode and b not in EPILOGUE_BATCHES:
+            if "epi" in mode and b not in EPILOGUE_BATCHES:
                 continue
             with mode_env(mode):
                 call = EngineDecode(target, b, sizes["context"], graph=True)
@@ -296,7 +298,8 @@ def markdown(result: dict) -> str:
     if pdl:
         lines += ["Decode call (ms) by PDL mode, side by side: `1` the engine's (no PDL right after a cuBLAS "
                   "GEMM), `tail` the small-M linear letting the next kernel launch only at its end, `all` PDL "
-                  "after cuBLAS too, `0` none; `+epi` with the one-row epilogues on (SPECDEPLOY_EPILOGUES=1; "
+                  "after cuBLAS too, `0` none; `+epi` with the one-row epilogues on (SPECDEPLOY_EPILOGUES=1), "
+                  "`+apf` with attention's pre-wait L2 prefetch (SPECDEPLOY_ATTN_PREFETCH=1; "
                   "engine/kernels/launch.py):", "",
                   "| weights | batch | " + " | ".join(PDL_MODES) + " |", "|---|---|" + "---|" * len(PDL_MODES)]
         for r in pdl:

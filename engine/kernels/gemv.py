@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels.launch import after_library_gemm, epilogues, gdc, gdc_tail, pdl_args, prefetch_bytes  # noqa: F401 (epilogues: the models ask it here)
+from specdeploy.engine.kernels.launch import (after_library_gemm, epilogues, gdc, gdc_tail, pdl_args,  # noqa: F401 (epilogues: the models ask it here)
+                                              prefetch_bytes, prefetch_l2)
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N, gemv_counters
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
@@ -109,9 +110,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         # elements, a prefetch) while the previous kernel drains, and its stream below starts there.
         pf_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
         pf_cols = tl.minimum(tl.program_id(1) * K_SPLIT + tl.arange(0, PF_COLS // PF_STEP) * PF_STEP, K - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l",
-                                  [w_ptr + pf_rows[:, None] * stride_wn + pf_cols[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2(w_ptr + pf_rows[:, None] * stride_wn + pf_cols[None, :])
     gdc(USE_GDC, GDC_TAIL)  # nothing else is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -38,6 +38,12 @@ epilogues (gemv.py: silu(gate) * up inside the gate/up launch, the residual add 
 RMSNorm inside o_proj's and down_proj's), so a batch-1 Llama step launches no norm or activation
 kernel; "0" keeps those kernels separate (measured side by side in bench/fp8_bench.py).
 
+SPECDEPLOY_ATTN_PREFETCH (default ATTN_PREFETCH = "0"): "1" has the split attention kernel,
+launched with PDL, pull its first block of committed prefix keys and values into L2 before its
+wait (attention.py): those were written by earlier steps, and the slot table before the step, so
+the prefetch overlaps the kernels in front (rope and the K/V write) instead of following them.
+Only hints are issued before the wait, so what the kernel computes is unchanged.
+
 SPECDEPLOY_PREFETCH (bytes, default PREFETCH_BYTES = 0): how much of each weight row the small-M
 linear pulls into L2 before its wait, while the previous kernel drains (bench/prefetch_sweep.py
 measures it; on an H200 no size made the decode step faster, docs/engine.md).
@@ -56,6 +62,8 @@ PDL_ENV = "SPECDEPLOY_PDL"
 PREFETCH_ENV = "SPECDEPLOY_PREFETCH"
 EPILOGUES_ENV = "SPECDEPLOY_EPILOGUES"
 EPILOGUES = "0"  # one-row linear epilogues off by default (docs/engine.md: slower under PDL, measured)
+ATTN_PREFETCH_ENV = "SPECDEPLOY_ATTN_PREFETCH"
+ATTN_PREFETCH = "0"  # attention's pre-wait L2 prefetch off by default (measured: docs/engine.md)
 PREFETCH_BYTES = 0  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row (measured: no gain on an H200, docs/engine.md)
 
 
@@ -88,14 +96,25 @@ def pdl_tail() -> bool:
     return os.environ.get(PDL_ENV, "1") == "tail"
 
 
+def _switch(name: str, default: str) -> bool:
+    value = os.environ.get(name, "").strip() or default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: 1 or 0")
+    return value == "1"
+
+
 @functools.cache
 def epilogues() -> bool:
     """Whether one-row linears fold the activation, residual add and norm after them
     (SPECDEPLOY_EPILOGUES, EPILOGUES unless set); read once."""
-    value = os.environ.get(EPILOGUES_ENV, "").strip() or EPILOGUES
-    if value not in ("0", "1"):
-        raise ValueError(f"{EPILOGUES_ENV}={value!r}: 1 or 0")
-    return value == "1"
+    return _switch(EPILOGUES_ENV, EPILOGUES)
+
+
+@functools.cache
+def attention_prefetch() -> bool:
+    """Whether the split attention kernel pulls its first block of prefix keys and values into
+    L2 before its wait (SPECDEPLOY_ATTN_PREFETCH, ATTN_PREFETCH unless set); read once."""
+    return _switch(ATTN_PREFETCH_ENV, ATTN_PREFETCH)
 
 
 @functools.cache
@@ -112,12 +131,13 @@ def prefetch_bytes() -> int:
 
 
 def reset() -> None:
-    """Forget the cached settings (SPECDEPLOY_PDL, _EPILOGUES and _PREFETCH are read again)
+    """Forget the cached settings (SPECDEPLOY_PDL, _EPILOGUES, _ATTN_PREFETCH and _PREFETCH are read again)
     and any pending after_library_gemm flag: for tests and benchmarks that change the mode."""
     _pdl_on.cache_clear()
     pdl_after_library.cache_clear()
     pdl_tail.cache_clear()
     epilogues.cache_clear()
+    attention_prefetch.cache_clear()
     prefetch_bytes.cache_clear()
     _AFTER_LIBRARY.clear()
 
@@ -143,6 +163,13 @@ def pdl_args(t: torch.Tensor, tail: bool = False) -> dict:
             return {"USE_GDC": True, "GDC_TAIL": True, "launch_pdl": True}
         return {"USE_GDC": True, "launch_pdl": True}
     return {"USE_GDC": False}
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """A hint: the 32-byte sector at each of `ptrs` pulled into L2 (no value, no wait)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit

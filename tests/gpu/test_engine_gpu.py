@@ -404,15 +404,16 @@ def _count_fused_epilogues(monkeypatch) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("pdl,epilogues", [("1", "0"), ("tail", "0"), ("1", "1"), ("tail", "1")])
+@pytest.mark.parametrize("pdl,epilogues,prefetch", [("1", "0", "0"), ("tail", "0", "0"), ("1", "1", "0"),
+                                                    ("tail", "1", "0"), ("1", "0", "1"), ("tail", "1", "1")])
 @pytest.mark.parametrize("algorithm,hc_mult,topk,n", [("EAGLE", 1, 2, 5), ("MTP", 4, 3, 6)])
 def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mult, topk, n, pdl, epilogues,
-                                                                monkeypatch):
+                                                                prefetch, monkeypatch):
     """Every Triton kernel of the step launched with PDL (engine/kernels/launch.py; "tail": the
     small-M linear lets its dependents launch at its end), with and without the one-row
-    epilogues (SPECDEPLOY_EPILOGUES), eager and inside captured graphs: target-only and
-    speculative output equal eager target-only decoding without PDL or epilogues, token for
-    token."""
+    epilogues (SPECDEPLOY_EPILOGUES) and attention's pre-wait prefetch (SPECDEPLOY_ATTN_PREFETCH),
+    eager and inside captured graphs: target-only and speculative output equal eager
+    target-only decoding without any of them, token for token."""
     from specdeploy.engine.kernels import launch
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -433,15 +434,18 @@ def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mu
                 monkeypatch.setitem(gemv.GEMV_TABLE, ("plain", *w.shape, 1), ("fma", 8, 128, 1, 2, 2))
     monkeypatch.setenv(launch.PDL_ENV, "0")
     monkeypatch.setenv(launch.EPILOGUES_ENV, "0")
+    monkeypatch.setenv(launch.ATTN_PREFETCH_ENV, "0")
     launch.reset()
     assert not launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
     want = plain(graph_mode="off")
     monkeypatch.setenv(launch.PDL_ENV, pdl)
     monkeypatch.setenv(launch.EPILOGUES_ENV, epilogues)
+    monkeypatch.setenv(launch.ATTN_PREFETCH_ENV, prefetch)
     launch.reset()
     try:
         assert launch.pdl_args(target.embed_tokens.weight, tail=True).get("GDC_TAIL", False) is (pdl == "tail")
         assert launch.epilogues() is (epilogues == "1")
+        assert launch.attention_prefetch() is (prefetch == "1")
         fused = _count_fused_epilogues(monkeypatch)
         assert launch.pdl_args(target.embed_tokens.weight)["USE_GDC"]
         assert plain(graph_mode="off") == want
@@ -456,6 +460,7 @@ def test_graphs_with_programmatic_dependent_launch_are_lossless(algorithm, hc_mu
     finally:
         monkeypatch.delenv(launch.PDL_ENV)
         monkeypatch.delenv(launch.EPILOGUES_ENV)
+        monkeypatch.delenv(launch.ATTN_PREFETCH_ENV)
         launch.reset()
 
 

@@ -46,6 +46,18 @@ def test_tail_trigger_and_epilogue_settings(fresh):
     assert launch.epilogues() is (launch.EPILOGUES == "0")
 
 
+def test_attention_prefetch_setting(fresh):
+    fresh.delenv(launch.ATTN_PREFETCH_ENV, raising=False)
+    assert launch.attention_prefetch() is (launch.ATTN_PREFETCH == "1")
+    fresh.setenv(launch.ATTN_PREFETCH_ENV, "1" if launch.ATTN_PREFETCH == "0" else "0")
+    launch.reset()
+    assert launch.attention_prefetch() is (launch.ATTN_PREFETCH == "0")
+    fresh.setenv(launch.ATTN_PREFETCH_ENV, "true")
+    launch.reset()
+    with pytest.raises(ValueError, match=launch.ATTN_PREFETCH_ENV):
+        launch.attention_prefetch()
+
+
 def test_empty_epilogues_setting_is_the_default(fresh):
     fresh.setenv(launch.EPILOGUES_ENV, " ")
     assert launch.epilogues() is (launch.EPILOGUES == "1")

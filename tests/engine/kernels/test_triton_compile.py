@@ -84,13 +84,40 @@ def test_silu_mul_compiles(act):
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("splits", [1, 8])
-def test_split_attention_compiles(act, splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_split_attention_compiles(act, splits, prefetch):
     # attend() casts queries to the pool's dtype, so the kernel sees one dtype for q, k and v.
     lower_to_ttir(attention_triton._split_attention_kernel,
                   {"*": act, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
                    "part_l_ptr": "*fp32"},
                   {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": splits,
-                   "PRECISION": "ieee" if act == "*fp32" else "tf32"})
+                   "PRECISION": "ieee" if act == "*fp32" else "tf32", "PREFETCH": prefetch,
+                   "PF_STEP": 16 if act == "*bf16" else 8})
+
+
+@pytest.mark.parametrize("pool,step", [("*bf16", 16), ("*fp8e4nv", 32)])
+def test_attention_prefetch_is_issued_before_the_wait(pool, step):
+    """SPECDEPLOY_ATTN_PREFETCH=1 (launch.py): through the whole compiler for sm_90, the split
+    kernel's L2 prefetches of its first block (BLOCK_K rows x HEAD_DIM / PF_STEP sectors, K and V)
+    come before griddepcontrol.wait, and every real K/V load after it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = attention_triton._split_attention_kernel
+    constexprs = {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 32, "NUM_SPLITS": 32, "PRECISION": "tf32",
+                  "USE_GDC": True, "PREFETCH": True, "PF_STEP": step}
+    pointers = {"k_ptr": pool, "v_ptr": pool, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
+    signature = {name: "constexpr" if name in constexprs else
+                 ("*i64" if name in INDEX_PTRS else "*i1" if name == "new_mask_ptr" else pointers.get(name, "*bf16"))
+                 if name.endswith("_ptr") else "fp32" if name in FLOAT_SCALARS else "i32" for name in kernel.arg_names}
+    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    hints = [i for i in range(len(ptx)) if ptx.startswith("prefetch.global.L2", i)]
+    assert len(hints) * 4 * 32 >= 2 * 32 * (128 // step)  # 4 warps of 32 threads cover K's and V's sectors
+    assert max(hints) < wait
+    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
+    assert sum(i < wait for i in loads) <= 3  # before the wait: the length and slot loads only
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -152,7 +179,7 @@ def test_split_attention_over_an_fp8_pool_compiles(act):
                   {"*": act, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "part_acc_ptr": "*fp32",
                    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
                   {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": 4,
-                   "PRECISION": "ieee" if act == "*fp32" else "tf32"})
+                   "PRECISION": "ieee" if act == "*fp32" else "tf32", "PREFETCH": True, "PF_STEP": 32})
 
 
 def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True):
