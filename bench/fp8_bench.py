@@ -15,9 +15,8 @@
    bandwidth). Goals: FP8 batch 1 >= 1.8x bf16 tok/s and >= 85% of the FP8 roofline; FP8 >= bf16
    at every batch.
    Then, at batch 1 / 64 / 256, the decode call under each PDL mode side by side (pdl_rows):
-   the engine's, the small-M linear's trigger at its end, PDL right after the cuBLAS GEMMs too,
-   none; at batch 1 also with the one-row epilogues and attention's pre-wait prefetch; all
-   graphs over one KV pool, timed in interleaved rounds.
+   the engine's, PDL right after the cuBLAS GEMMs too, and none; the graphs over one KV pool,
+   timed in interleaved rounds.
 2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
    tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step.
    Random heads accept little, so tok/s is projected for accept lengths 2 and 3 (tokens per
@@ -35,7 +34,6 @@ prints one line per figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -52,7 +50,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, kernel_env, pdl_mode, pdl_off, profile_top,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top,  # noqa: E402
                      random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
@@ -95,51 +93,34 @@ def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
     return rows
 
 
-PDL_MODES = ("1", "tail", "all", "0", "1+epi", "tail+epi", "0+epi", "1+apf", "tail+epi+apf")
+PDL_MODES = ("1", "all", "0")
 PDL_BATCHES = (1, 64, 256)
-EPILOGUE_BATCHES = (1,)  # the one-row epilogues change nothing at other batches
 PDL_ROUNDS = 5
-
-
-def mode_env(mode: str):
-    """A PDL_MODES entry's settings: SPECDEPLOY_PDL = the part before the first "+"; "+epi" the
-    one-row epilogues on (SPECDEPLOY_EPILOGUES=1), "+apf" attention's pre-wait prefetch on
-    (SPECDEPLOY_ATTN_PREFETCH=1); each off unless named."""
-    from specdeploy.engine.kernels import launch
-
-    pdl, *extras = mode.split("+")
-    stack = contextlib.ExitStack()
-    stack.enter_context(pdl_mode(pdl))
-    stack.enter_context(kernel_env(launch.EPILOGUES_ENV, "1" if "epi" in extras else "0"))
-    stack.enter_context(kernel_env(launch.ATTN_PREFETCH_ENV, "1" if "apf" in extras else "0"))
-    return stack
 
 
 def pdl_rows(target, sizes, device, label: str) -> list[dict]:
     """The graphed decode call's median under each PDL mode (harness.pdl_mode: "1" the engine's,
-    "tail" the small-M linear letting its dependents launch at its end, "all" PDL after library
-    GEMMs too, "0" none; "+epi" with the one-row epilogues on, "+apf" with attention's pre-wait
-    prefetch), side by side at PDL_BATCHES (the "+epi" modes at EPILOGUE_BATCHES): every mode's
-    graph captured over one KV pool and input, then timed in PDL_ROUNDS interleaved rounds, the
-    median of the rounds' medians (a graph timed alone drifts by a few percent between captures)."""
+    "all" PDL after library GEMMs too, "0" none), side by side at PDL_BATCHES: every mode's graph
+    captured over one KV pool and input, then timed in PDL_ROUNDS interleaved rounds, the median
+    of the rounds' medians (one graph timed alone drifts by a few percent between captures)."""
     rows = []
     for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
-        modes = [m for m in PDL_MODES if "epi" not in m or b in EPILOGUE_BATCHES]
         calls: dict[str, EngineDecode] = {}
-        for mode in modes:
-            with mode_env(mode):
+        for mode in PDL_MODES:
+            with pdl_mode(mode):
                 calls[mode] = EngineDecode(target, b, sizes["context"], graph=True,
                                            share=next(iter(calls.values()), None))
-        times: dict[str, list[float]] = {m: [] for m in modes}
+        times: dict[str, list[float]] = {m: [] for m in PDL_MODES}
         for _ in range(PDL_ROUNDS):
-            for mode in modes:
+            for mode in PDL_MODES:
                 times[mode].append(time_ms(calls[mode], device, warmup=2,
                                            reps=max(3, sizes["reps"] // PDL_ROUNDS))["median_ms"])
         del calls
         free_device_memory()
         row = {"weights": label, "batch": b, "rounds": PDL_ROUNDS,
                **{f"pdl_{m}_ms": statistics.median(t) for m, t in times.items()}}
-        log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms" for m in modes))
+        log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
+                                                                  for m in PDL_MODES))
         rows.append(row)
     return rows
 
@@ -308,10 +289,8 @@ def markdown(result: dict) -> str:
     pdl = result.get("pdl", [])
     if pdl:
         lines += ["Decode call (ms) by PDL mode, side by side: `1` the engine's (no PDL right after a cuBLAS "
-                  "GEMM), `tail` the small-M linear letting the next kernel launch only at its end, `all` PDL "
-                  "after cuBLAS too, `0` none; `+epi` with the one-row epilogues on (SPECDEPLOY_EPILOGUES=1), "
-                  "`+apf` with attention's pre-wait L2 prefetch (SPECDEPLOY_ATTN_PREFETCH=1; "
-                  "engine/kernels/launch.py):", "",
+                  "GEMM), `all` PDL after it too, `0` none (engine/kernels/launch.py); graphs over one KV pool, "
+                  "timed in interleaved rounds:", "",
                   "| weights | batch | " + " | ".join(PDL_MODES) + " |", "|---|---|" + "---|" * len(PDL_MODES)]
         for r in pdl:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in PDL_MODES]

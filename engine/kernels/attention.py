@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels.launch import attention_prefetch, gdc, pdl_args, prefetch_l2
+from specdeploy.engine.kernels.launch import gdc, pdl_args
 
 
 class SlotBatch(Protocol):
@@ -74,22 +74,7 @@ def _split_attention_kernel(
     num_queries, num_heads, prefix_width, num_new, group, num_row_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PF_STEP: tl.constexpr = 16,
 ):
-    if PREFETCH:
-        # Launched early by PDL: the committed prefix is no output of the kernels in front (the
-        # slot table and lengths were filled before the step, the keys and values by earlier
-        # steps), so before the wait the program pulls its first block's K and V rows into L2,
-        # one 32-byte sector (PF_STEP elements) at a time. Hints only: every value the program
-        # uses is loaded again after the wait.
-        pf_len = tl.load(prefix_lens_ptr + tl.program_id(0))
-        pf_lo = tl.program_id(2) * (tl.cdiv(tl.cdiv(pf_len, NUM_SPLITS), BLOCK_K) * BLOCK_K)
-        pf_k = pf_lo + tl.arange(0, BLOCK_K)
-        pf_slots = tl.load(prefix_slots_ptr + tl.program_id(0) * prefix_width + pf_k, mask=pf_k < pf_len, other=0)
-        pf_off = (pf_slots[:, None] * stride_ks + (tl.program_id(1) // num_row_blocks) * stride_kh
-                  + (tl.arange(0, HEAD_DIM // PF_STEP) * PF_STEP)[None, :])
-        prefetch_l2(k_ptr + pf_off)
-        prefetch_l2(v_ptr + pf_off)
     gdc(USE_GDC)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // num_row_blocks
@@ -289,8 +274,6 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         part_acc = torch.empty(b, num_splits, num_q, hq, d, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # not touched by the kernel
-    pdl = pdl_args(q)
-    prefetch = pdl["USE_GDC"] and attention_prefetch() and d % (32 // k_cache.element_size()) == 0
     _split_attention_kernel[(b, hkv * row_blocks, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         prefix_slots, batch.prefix_lens, new_slots, new_mask, scale,
@@ -300,8 +283,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits,
         # float32 models get float32 products (TF32 would round away the reference's precision).
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl,
-        PREFETCH=prefetch, PF_STEP=32 // k_cache.element_size(),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1:

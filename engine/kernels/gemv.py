@@ -60,15 +60,13 @@ in-process); shapes not in it get `heuristic_config`. For plain weights an entry
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels.launch import (after_library_gemm, epilogues, gdc, gdc_tail, pdl_args,  # noqa: F401 (epilogues: the models ask it here)
-                                              prefetch_bytes, prefetch_l2)
-from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N, gemv_counters
+from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args, prefetch_bytes
+from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
 M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
@@ -78,23 +76,10 @@ MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
 CTAS_PER_SM = 4  # the heuristic's target occupancy: programs per SM
 PREFETCH_SECTOR = 32  # bytes one L2 prefetch asks for (a sector)
-ADD_NORM_MAX_N = 8192  # the add_norm epilogue's last program holds the whole row in registers
-
-
-@dataclass(frozen=True)
-class AddNorm:
-    """The add_norm epilogue's operands: residual [1, N] in, residual_out [1, N] (residual + y)
-    out, the norm's weight [N] and eps."""
-
-    residual: torch.Tensor
-    residual_out: torch.Tensor
-    weight: torch.Tensor
-    eps: float
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-                 resid_ptr, resid_out_ptr, norm_w_ptr, row_cnt_ptr, eps,
                  M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
                  SCALE_MODE: tl.constexpr, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
@@ -102,16 +87,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
                  QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
                  ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0, PF_COLS: tl.constexpr = 0,
-                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False, GATED: tl.constexpr = False,
-                 ADD_NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, GDC_TAIL: tl.constexpr = False):
+                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False):
     if PF_COLS > 0:
         # The weights are no kernel's output, so they need not wait: launched early by PDL, the
         # program pulls the first PF_COLS columns of its rows into L2 (one 32-byte sector, PF_STEP
         # elements, a prefetch) while the previous kernel drains, and its stream below starts there.
         pf_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
         pf_cols = tl.minimum(tl.program_id(1) * K_SPLIT + tl.arange(0, PF_COLS // PF_STEP) * PF_STEP, K - 1)
-        prefetch_l2(w_ptr + pf_rows[:, None] * stride_wn + pf_cols[None, :])
-    gdc(USE_GDC, GDC_TAIL)  # nothing else is read or written before the previous kernel is done (launch.py)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l",
+                                  [w_ptr + pf_rows[:, None] * stride_wn + pf_cols[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    gdc(USE_GDC)  # nothing else is read or written before the previous kernel is done (launch.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -128,12 +114,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     w_base = w_ptr + rows_n[:, None] * stride_wn                        # [BLOCK_N, 1]
     s_rows = s_ptr + (rows_n // SCALE_N) * stride_sn                    # [BLOCK_N]
     s_tile = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn           # scalar (SCALE_MODE 1)
-    # GATED (fma, one row): weight rows [0, N) are the gate's, [N, 2N) the up projection's; each
-    # program streams both slabs of its BLOCK_N outputs (acc for the gate, acc_up for up)
-    w_up = w_ptr + (rows_n + N)[:, None] * stride_wn
-    s_rows_up = s_ptr + ((rows_n + N) // SCALE_N) * stride_sn
-    s_tile_up = s_ptr + ((pid_n * BLOCK_N + N) // SCALE_N) * stride_sn
-    acc_up = tl.zeros((BLOCK_N, SUB_K), dtype=tl.float32)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     elif USE_DOT:
@@ -259,25 +239,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 xf = xv.to(tl.float32)
                 wf = wv.to(tl.float32)
                 if SCALE_MODE == 1:
-                    xs = xf * tl.load(s_tile + kg * stride_sk)
-                else:
-                    xs = xf
-                if SCALE_MODE == 3:
+                    xf = xf * tl.load(s_tile + kg * stride_sk)
+                elif SCALE_MODE == 3:
                     wf = wf * tl.load(s_rows + kg * stride_sk)[:, None]
                 if BLOCK_M == 1:
-                    acc += wf * xs[None, :]                              # [BLOCK_N, SUB_K]
+                    acc += wf * xf[None, :]                              # [BLOCK_N, SUB_K]
                 else:
-                    acc += xs[:, None, :] * wf[None, :, :]               # [BLOCK_M, BLOCK_N, SUB_K]
-                if GATED:
-                    if EVEN_K:
-                        wu = tl.load(w_up + k[None, :]).to(tl.float32)
-                    else:
-                        wu = tl.load(w_up + k[None, :], mask=(k < k_hi)[None, :], other=0.0).to(tl.float32)
-                    if SCALE_MODE == 1:
-                        xf = xf * tl.load(s_tile_up + kg * stride_sk)
-                    elif SCALE_MODE == 3:
-                        wu = wu * tl.load(s_rows_up + kg * stride_sk)[:, None]
-                    acc_up += wu * xf[None, :]
+                    acc += xf[:, None, :] * wf[None, :, :]               # [BLOCK_M, BLOCK_N, SUB_K]
     if SWAP:
         y = tl.trans(acc)
     elif USE_DOT:
@@ -289,28 +257,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     if SCALE_MODE == 2:
         y = y * tl.load(s_rows)[None, :]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if GATED:
-        # silu(gate) * up with the unfused path's roundings: each projection rounded to the
-        # activation dtype (the linear's output), then elementwise.silu_mul's
-        y_up = tl.sum(acc_up, axis=1)[None, :]
-        if SCALE_MODE == 2:
-            y_up = y_up * tl.load(s_rows_up)[None, :]
+    if SPLIT_K == 1:
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
-            y_up += tl.load(bias_ptr + rows_n + N).to(tl.float32)[None, :]
-        g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = y_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        sg = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (sg * u).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
-    elif SPLIT_K == 1:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
-        if ADD_NORM:
-            _add_norm(y, offs_n, N, resid_ptr, resid_out_ptr, norm_w_ptr, out_ptr, row_cnt_ptr, eps, NORM_BLOCK)
-        else:
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-                     mask=out_mask)
     else:
         part_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]      # [BLOCK_M, BLOCK_N] of split 0
         tl.store(part_ptrs + pid_k * M * N, y, mask=out_mask)
@@ -322,40 +273,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
-            if ADD_NORM:
-                _add_norm(total, offs_n, N, resid_ptr, resid_out_ptr, norm_w_ptr, out_ptr, row_cnt_ptr, eps,
-                          NORM_BLOCK)
-            else:
-                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                         total.to(out_ptr.dtype.element_ty), mask=out_mask)
-    gdc_tail(USE_GDC, GDC_TAIL)
-
-
-@triton.jit
-def _add_norm(y, offs_n, N, resid_ptr, resid_out_ptr, norm_w_ptr, norm_out_ptr, row_cnt_ptr, eps,
-              NORM_BLOCK: tl.constexpr):
-    """ADD_NORM epilogue of a one-row launch: this tile's outputs y [BLOCK_M, BLOCK_N] (row 0 real,
-    float32 with the bias) added to the residual and stored (residual' = residual + y, rounded as
-    the linear's output and then the sum are: elementwise.add_rms_norm's roundings), then one
-    acq_rel increment of the row's counter; the program that sees the last tile reads the whole
-    residual' back through L2 (.cg), writes its RMSNorm and resets the counter. So the norm after
-    the linear costs one program's tail instead of a launch."""
-    n_ok = offs_n < N
-    delta = tl.sum(y, axis=0).to(resid_out_ptr.dtype.element_ty).to(tl.float32)   # [BLOCK_N]
-    total = tl.load(resid_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) + delta
-    tl.store(resid_out_ptr + offs_n, total.to(resid_out_ptr.dtype.element_ty), mask=n_ok)
-    tl.debug_barrier()  # every thread's slice is stored before the release below
-    done = tl.atomic_add(row_cnt_ptr, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:
-        cols = tl.arange(0, NORM_BLOCK)
-        ok = cols < N
-        x = tl.load(resid_out_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
-        xn = (x * rstd).to(resid_out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(norm_out_ptr + cols, (w * xn).to(norm_out_ptr.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(row_cnt_ptr, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,8 +394,8 @@ def _capturing(device: torch.device) -> bool:
 
 
 def workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(float32 partials [GEMV_MAX_SPLIT_K * GEMV_MAX_M * N], int32 counters (one per BLOCK_N = 4
-    tile, then the add_norm epilogue's row counter: plan.gemv_counters), zeros) for outputs N wide on `device`; made on first use, kept for the process. None when
+    """(float32 partials [GEMV_MAX_SPLIT_K * GEMV_MAX_M * N], int32 counters [ceil(N / 4)],
+    zeros) for outputs N wide on `device`; made on first use, kept for the process. None when
     none exists yet and the stream is capturing a graph (never allocate zeroed counters there)."""
     key = (str(device), n)
     found = _WORKSPACES.get(key)
@@ -483,7 +403,7 @@ def workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]
         if _capturing(device):
             return None
         found = (torch.empty(GEMV_MAX_SPLIT_K * GEMV_MAX_M * n, dtype=torch.float32, device=device),
-                 torch.zeros(gemv_counters(n), dtype=torch.int32, device=device))
+                 torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device))
         _WORKSPACES[key] = found
     return found
 
@@ -511,38 +431,25 @@ def _scale_layout(scale: torch.Tensor, scale_n: int, block_n: int) -> tuple[int,
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
            bias: torch.Tensor | None, out: torch.Tensor, variant: str, block_n: int, block_k: int,
-           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False, gated: bool = False,
-           add_norm: AddNorm | None = None) -> None:
+           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False) -> None:
     """One launch into `out` [M, N] with explicit parameters. x [M, K] (unit stride along K),
     weight [N, K] (unit stride along K), scale as engine/kernels/fp8.py (None: plain weights).
-    round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints).
-    gated (fma, one row): weight [2N, K] is [gate; up] and out gets silu(gate) * up.
-    add_norm (one row): out gets the RMSNorm of residual + y and add_norm.residual_out the sum
-    (needs the width's workspace: its row counter)."""
+    round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints)."""
     m, k = x.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    n = weight.shape[0]
     if scale is not None and weight.dtype != torch.float8_e4m3fn:
         raise ValueError("gemv: scales come with e4m3 codes")
     mode, s_n, sn, sk = (0, 1, 0, 0) if scale is None else _scale_layout(scale, scale_n, block_n)
-    if gated and mode == 1 and n % block_n:
-        mode = 3  # the up slab starts inside a scale block: one scale row per output row
-    # any eager call at a width makes its workspace (gated launches never split: none for I)
-    ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N and not gated else None
-    if add_norm is not None and ws is None:
-        raise ValueError("gemv: add_norm needs the output width's workspace (made by an eager call)")
-    pdl = pdl_args(out, tail=True)
+    ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None  # any eager call at a width makes it
+    pdl = pdl_args(out)
     grid, constexprs = launch_constexprs("plain" if scale is None else "fp8", x.dtype, m, n, k, mode, s_n,
                                          bias is not None, ws is not None, variant, block_n, block_k, split_k,
                                          num_stages, round_scale, prefetch_bytes() if pdl["USE_GDC"] else 0,
-                                         weight.element_size(), gated, add_norm is not None)
-    row_cnt = ws[1][-1:] if add_norm is not None else out
+                                         weight.element_size())
     if constexprs["SPLIT_K"] == 1:
         ws = (out, out)
-    resid, resid_out, norm_w, eps = (add_norm.residual, add_norm.residual_out, add_norm.weight, add_norm.eps) \
-        if add_norm is not None else (out, out, out, 0.0)
     _gemv_kernel[grid](
         x, weight, scale if scale is not None else out, bias if bias is not None else out, out, ws[0], ws[1],
-        resid, resid_out, norm_w, row_cnt, eps,
         m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl)
 
@@ -550,8 +457,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
 def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k: int, mode: int, scale_n: int,
                       has_bias: bool, has_workspace: bool, variant: str, block_n: int, block_k: int, split_k: int,
                       num_stages: int, round_scale: bool = False, prefetch: int = 0,
-                      weight_bytes: int = 1, gated: bool = False,
-                      add_norm: bool = False) -> tuple[tuple[int, int], dict]:
+                      weight_bytes: int = 1) -> tuple[tuple[int, int], dict]:
     """(grid, the kernel's constexprs plus K_SPLIT) of one launch: pure, so that a CPU test can
     put every launch the table and the heuristic make through the whole compiler. prefetch:
     bytes of each weight row (weight_bytes an element) pulled into L2 before the kernel's PDL
@@ -572,14 +478,8 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
     block_m = 64 if variant in ("wg8", "wg16") else 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
-    if gated and (use_dot or m != 1):
-        raise ValueError("gemv: the gated epilogue is the one-row fma launch's")
-    if add_norm and (m != 1 or n > ADD_NORM_MAX_N):
-        raise ValueError(f"gemv: the add_norm epilogue takes one row of at most {ADD_NORM_MAX_N} outputs")
     k_blocks = triton.cdiv(k, block_k)
     split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K)) if n <= GEMV_SPLIT_MAX_N and has_workspace else 1
-    if gated:
-        split_k = 1  # silu needs whole sums: no partials
     k_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_split)  # no empty splits
     grid = (triton.cdiv(n, block_n), split_k)
@@ -592,8 +492,7 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
         X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
         PRECISION="ieee" if x_dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
-        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap, GATED=gated, ADD_NORM=add_norm,
-        NORM_BLOCK=triton.next_power_of_2(n) if add_norm else 16)
+        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -634,60 +533,6 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     launch(rows, weight, None, 1, bias, out, *cfg)
     return out.view(*x.shape[:-1], n)
-
-
-def _weight_kind(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str | None:
-    """"fp8" (codes with scales), "plain" (weights in x's dtype), None: not the kernel's weights."""
-    if weight.stride(-1) != 1:
-        return None
-    if scale is not None:
-        return "fp8" if weight.dtype == torch.float8_e4m3fn else None
-    return "plain" if weight.dtype == x.dtype else None
-
-
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, scale_n: int = 1,
-                 bias: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor | None:
-    """silu(x @ W_gate^T) * (x @ W_up^T) for one row, one launch: weight [2I, K] is [gate; up]
-    (e4m3 codes with `scale`, or plain weights in x's dtype), the result [..., I] in x's dtype,
-    rounded as the linear followed by elementwise.silu_mul rounds it. None where the fused launch
-    does not apply (more than one row, odd rows, a launch table entry for the [2I, K] linear that
-    is not the fma loop): the caller runs the linear and silu_mul."""
-    rows = _rows(x)
-    kind = _weight_kind(x, weight, scale)
-    n2, k = weight.shape
-    if rows.shape[0] != 1 or kind is None or n2 % 2:
-        return None
-    cfg = config or config_for(kind, n2, k, 1, x.device)
-    if cfg[0] != "fma":
-        return None
-    out = torch.empty((1, n2 // 2), dtype=x.dtype, device=x.device)
-    launch(rows, weight, scale, scale_n, bias, out, "fma", cfg[1], cfg[2], 1, cfg[4], cfg[5], gated=True)
-    return out.view(*x.shape[:-1], n2 // 2)
-
-
-def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
-                    bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, config: tuple | None = None,
-                    round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(residual + y, rms_norm(residual + y)) with y = x @ W^T (+ bias) for one row, one launch
-    (the ADD_NORM epilogue): what elementwise.add_rms_norm(residual, linear(x)) computes, with its
-    roundings. None where it does not apply (more than one row, N over ADD_NORM_MAX_N, a residual
-    of another dtype, a table entry saying cuBLAS, or no workspace for N yet while a graph is
-    being captured): the caller runs the linear and the norm."""
-    rows = _rows(x)
-    kind = _weight_kind(x, weight, scale)
-    n, k = weight.shape
-    if (rows.shape[0] != 1 or kind is None or n > ADD_NORM_MAX_N or residual.dtype != x.dtype
-            or residual.numel() != n):
-        return None
-    cfg = config or config_for(kind, n, k, 1, x.device)
-    if cfg[0] == "cublas" or workspace(x.device, n) is None:
-        return None
-    residual_out = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
-    normed = torch.empty(residual.shape, dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
-    launch(rows, weight, scale, scale_n, bias, normed.view(1, n), *cfg, round_scale=round_scale,
-           add_norm=AddNorm(residual.reshape(1, n).contiguous(), residual_out.view(1, n), norm_weight, eps))
-    return residual_out, normed
 
 
 def library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

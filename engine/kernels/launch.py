@@ -27,23 +27,6 @@ H200, Llama-3.1-8B shape, batch 1, graphed decode call: bf16 226.8 -> 234.6 tok/
 319.9 tok/s; docs/benchmarks.md); off on CPU, under Triton's interpreter and on older GPUs. Every kernel that takes them declares
 `USE_GDC: tl.constexpr` and calls `gdc()` first.
 
-SPECDEPLOY_PDL=tail: PDL as by default, except that the small-M linear (gemv.py, the kernels that
-stream the weights) lets its dependents launch only at its end (`pdl_args(t, tail=True)`, the
-kernel's `gdc(USE_GDC, GDC_TAIL)` first and `gdc_tail(USE_GDC, GDC_TAIL)` last): the next
-kernel's programs are then not parked on the SMs while the linear streams, and its launch still
-overlaps the linear's last programs (bench/fp8_bench.py's pdl_rows compare the modes).
-
-SPECDEPLOY_EPILOGUES (default EPILOGUES = "0"): "1" lets one-row linears on one GPU run their
-epilogues (gemv.py: silu(gate) * up inside the gate/up launch, the residual add and the next
-RMSNorm inside o_proj's and down_proj's), so a batch-1 Llama step launches no norm or activation
-kernel; "0" keeps those kernels separate (measured side by side in bench/fp8_bench.py).
-
-SPECDEPLOY_ATTN_PREFETCH (default ATTN_PREFETCH = "0"): "1" has the split attention kernel,
-launched with PDL, pull its first block of committed prefix keys and values into L2 before its
-wait (attention.py): those were written by earlier steps, and the slot table before the step, so
-the prefetch overlaps the kernels in front (rope and the K/V write) instead of following them.
-Only hints are issued before the wait, so what the kernel computes is unchanged.
-
 SPECDEPLOY_PREFETCH (bytes, default PREFETCH_BYTES = 0): how much of each weight row the small-M
 linear pulls into L2 before its wait, while the previous kernel drains (bench/prefetch_sweep.py
 measures it; on an H200 no size made the decode step faster, docs/engine.md).
@@ -60,10 +43,6 @@ import triton.language as tl
 
 PDL_ENV = "SPECDEPLOY_PDL"
 PREFETCH_ENV = "SPECDEPLOY_PREFETCH"
-EPILOGUES_ENV = "SPECDEPLOY_EPILOGUES"
-EPILOGUES = "0"  # one-row linear epilogues off by default (docs/engine.md: slower under PDL, measured)
-ATTN_PREFETCH_ENV = "SPECDEPLOY_ATTN_PREFETCH"
-ATTN_PREFETCH = "0"  # attention's pre-wait L2 prefetch off by default (measured: docs/engine.md)
 PREFETCH_BYTES = 0  # a weight-streaming program's L2 prefetch before its wait, bytes per weight row (measured: no gain on an H200, docs/engine.md)
 
 
@@ -90,34 +69,6 @@ def pdl_after_library() -> bool:
 
 
 @functools.cache
-def pdl_tail() -> bool:
-    """Whether the kernels that ask for it let their dependents launch at their end
-    (SPECDEPLOY_PDL=tail); read once."""
-    return os.environ.get(PDL_ENV, "1") == "tail"
-
-
-def _switch(name: str, default: str) -> bool:
-    value = os.environ.get(name, "").strip() or default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: 1 or 0")
-    return value == "1"
-
-
-@functools.cache
-def epilogues() -> bool:
-    """Whether one-row linears fold the activation, residual add and norm after them
-    (SPECDEPLOY_EPILOGUES, EPILOGUES unless set); read once."""
-    return _switch(EPILOGUES_ENV, EPILOGUES)
-
-
-@functools.cache
-def attention_prefetch() -> bool:
-    """Whether the split attention kernel pulls its first block of prefix keys and values into
-    L2 before its wait (SPECDEPLOY_ATTN_PREFETCH, ATTN_PREFETCH unless set); read once."""
-    return _switch(ATTN_PREFETCH_ENV, ATTN_PREFETCH)
-
-
-@functools.cache
 def prefetch_bytes() -> int:
     """How much of each weight row a weight-streaming kernel launched with PDL pulls into L2
     before its griddepcontrol.wait (gemv.py): SPECDEPLOY_PREFETCH bytes, PREFETCH_BYTES unless
@@ -131,13 +82,10 @@ def prefetch_bytes() -> int:
 
 
 def reset() -> None:
-    """Forget the cached settings (SPECDEPLOY_PDL, _EPILOGUES, _ATTN_PREFETCH and _PREFETCH are read again)
+    """Forget the cached PDL settings (SPECDEPLOY_PDL and SPECDEPLOY_PREFETCH are read again)
     and any pending after_library_gemm flag: for tests and benchmarks that change the mode."""
     _pdl_on.cache_clear()
     pdl_after_library.cache_clear()
-    pdl_tail.cache_clear()
-    epilogues.cache_clear()
-    attention_prefetch.cache_clear()
     prefetch_bytes.cache_clear()
     _AFTER_LIBRARY.clear()
 
@@ -151,40 +99,20 @@ def after_library_gemm(t: torch.Tensor) -> None:
         _AFTER_LIBRARY.add(index)
 
 
-def pdl_args(t: torch.Tensor, tail: bool = False) -> dict:
-    """Launch keyword arguments: {"USE_GDC": True, "launch_pdl": True} or {"USE_GDC": False};
-    tail (a kernel that declares `GDC_TAIL: tl.constexpr` and ends with gdc_tail): also
-    "GDC_TAIL": True under SPECDEPLOY_PDL=tail."""
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch keyword arguments: {"USE_GDC": True, "launch_pdl": True} or {"USE_GDC": False}."""
     if t.is_cuda and _pdl_on(index := _index(t)):
         if index in _AFTER_LIBRARY:
             _AFTER_LIBRARY.discard(index)
             return {"USE_GDC": False}
-        if tail and pdl_tail():
-            return {"USE_GDC": True, "GDC_TAIL": True, "launch_pdl": True}
         return {"USE_GDC": True, "launch_pdl": True}
     return {"USE_GDC": False}
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """A hint: the 32-byte sector at each of `ptrs` pulled into L2 (no value, no wait)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def gdc(USE_GDC: tl.constexpr, TAIL: tl.constexpr = False):
+def gdc(USE_GDC: tl.constexpr):
     """First statement of a kernel launched with `pdl_args`: wait for the previous kernel, then
-    let the next one launch (TAIL: not yet, gdc_tail does)."""
+    let the next one launch."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        if not TAIL:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def gdc_tail(USE_GDC: tl.constexpr, TAIL: tl.constexpr):
-    """Last statement of a kernel launched with `pdl_args(t, tail=True)`: under TAIL the program
-    lets the next kernel launch only now, its work done."""
-    if USE_GDC and TAIL:
         tl.extra.cuda.gdc_launch_dependents()

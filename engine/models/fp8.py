@@ -184,20 +184,16 @@ def _kernels_run_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def _kernel_scale(scale: torch.Tensor, block_k: int) -> bool:
-    """Whether the kernels take this scale: float32, and a 128-wide grid (a scale per row or per
-    tensor covers all of K whatever block_k says)."""
-    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
-    return scale.dtype == torch.float32 and (block_k == KERNEL_BLOCK_K or per_row)
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int = 128,
                block_k: int = 128, bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight * scale)^T (+ bias) -> [..., N] in x's dtype; weight e4m3 [N, K];
     scale in the engine layout (module docstring), covering scale_n rows x block_k columns."""
     fast = fused_kernels(x, ops=kernels.fp8_ops)
     rows = x.numel() // max(x.shape[-1], 1)
-    if fast is not None and rows and _kernel_scale(scale, block_k) and _kernels_run_on(x.device.index or 0):
+    # A scale per row or per tensor covers all of K whatever block_k says; a grid must be 128 wide.
+    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
+    if (fast is not None and rows and (block_k == KERNEL_BLOCK_K or per_row)
+            and scale.dtype == torch.float32 and _kernels_run_on(x.device.index or 0)):
         return fast.fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     w = (weight.float() * expand_scale(scale, tuple(weight.shape), scale_n, block_k)).to(x.dtype)
     return F.linear(x, w, bias)
@@ -270,16 +266,6 @@ class _FP8Parallel:
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.scale, self.scale_n, self.block_k, bias, self.fmt.round_scale)
 
-    def _small_m_kernels(self, x: torch.Tensor, *tensors: torch.Tensor):
-        """engine/kernels/gemv.py for the one-row epilogues where they are on (SPECDEPLOY_EPILOGUES)
-        and fp8_linear would run the kernels on these codes (CUDA, FP8-capable, a 128-wide grid
-        or per-row scales in float32), else None."""
-        fast = fused_kernels(x, *tensors, ops=kernels.gemv_ops)
-        if (fast is None or not fast.epilogues() or not _kernel_scale(self.scale, self.block_k)
-                or not _kernels_run_on(x.device.index or 0)):
-            return None
-        return fast
-
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.float() * expand_scale(self.scale, tuple(self.weight.shape), self.scale_n,
                                                    self.block_k)).to(dtype)
@@ -349,10 +335,6 @@ class FP8MergedColumnParallelLinear(_FP8Parallel, MergedColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
-        fast = self._small_m_kernels(x, self.weight)
-        return None if fast is None else fast.gated_linear(x, self.weight, self.scale, self.scale_n, self.bias)
-
     def load_part(self, part: int, name: str, full: torch.Tensor) -> None:
         if name != self.fmt.scale_name:
             return super().load_part(part, name, full)
@@ -393,13 +375,6 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
         if self.bias is not None and self.tp_rank == 0:  # once in the sum over ranks
             y = y + self.bias
         return parallel.all_reduce(y) if self.tp_size > 1 else y
-
-    def _fused_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm):
-        fast = self._small_m_kernels(x, self.weight, residual, norm.weight)
-        if fast is None:
-            return None
-        return fast.linear_add_norm(x, self.weight, self.scale, self.scale_n, self.bias, residual, norm.weight,
-                                    norm.eps, round_scale=self.fmt.round_scale)
 
     def load_param(self, name: str, full: torch.Tensor) -> None:
         if name == self.fmt.scale_name:

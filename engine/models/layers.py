@@ -126,13 +126,6 @@ class MergedColumnParallelLinear(nn.Module):
         """x [..., in] -> [..., sum_i out_i / tp], the parts side by side (`split` cuts them)."""
         return linear(x, self.weight, self.bias)
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(part 0) * part 1 of a two-part [gate; up] layer in one kernel on CUDA at one row
-        (gemv.gated_linear) where the epilogues are on (SPECDEPLOY_EPILOGUES, launch.py); None
-        elsewhere (the caller splits the output and runs silu_mul)."""
-        fast = fused_kernels(x, self.weight, ops=kernels.gemv_ops)
-        return None if fast is None or not fast.epilogues() else fast.gated_linear(x, self.weight, bias=self.bias)
-
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[..., sum_i out_i / tp] -> one view [..., out_i / tp] per part."""
         return y.split(self.local_sizes, dim=-1)
@@ -190,24 +183,6 @@ class RowParallelLinear(nn.Module):
         # The bias joins on rank 0 only, so that the sum over ranks adds it once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return parallel.all_reduce(y) if self.tp_size > 1 else y
-
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                         norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
-        """norm.add_forward(residual, self(x)): (residual + y, norm(residual + y)). On one GPU at
-        one row the add and the norm run inside the linear's kernel (gemv.linear_add_norm) where
-        the epilogues are on (SPECDEPLOY_EPILOGUES, launch.py);
-        across ranks the sum comes first, so the norm stays a kernel of its own."""
-        if self.tp_size == 1:
-            fused = self._fused_add_norm(x, residual, norm)
-            if fused is not None:
-                return fused
-        return norm.add_forward(residual, self(x))
-
-    def _fused_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm"):
-        fast = fused_kernels(x, self.weight, residual, norm.weight, ops=kernels.gemv_ops)
-        if fast is None or not fast.epilogues():
-            return None
-        return fast.linear_add_norm(x, self.weight, None, 1, self.bias, residual, norm.weight, norm.eps)
 
     def load_param(self, name: str, full) -> None:
         if name == "weight":
@@ -321,18 +296,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
         register_fused_parts(self, {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
 
-    def forward(self, x: torch.Tensor, then: tuple[torch.Tensor, "RMSNorm"] | None = None):
-        """x [..., H] -> the MLP's output; with then = (residual, norm): (residual + output,
-        norm(residual + output)), the add and the norm inside down_proj's kernel where it can
-        (RowParallelLinear.add_norm_forward)."""
-        h = self.gate_up_proj.gated(x)
-        if h is None:
-            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))   # [..., I / tp] each
-            fused = fused_kernels(x, self.gate_up_proj.weight)
-            h = fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up
-        if then is None:
-            return self.down_proj(h)
-        return self.down_proj.add_norm_forward(h, *then)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))   # [..., I / tp] each
+        fused = fused_kernels(x, self.gate_up_proj.weight)
+        return self.down_proj(fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

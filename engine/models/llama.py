@@ -165,11 +165,8 @@ class Attention(nn.Module):
             getattr(self, name).copy_(full.float().reshape(()))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-                then: tuple[torch.Tensor, RMSNorm] | None = None):
-        """x [B, Q, in]; cos/sin [B, Q, D]; caches [slots, Hkv_local, D] -> [B, Q, H]; with
-        then = (residual, norm): (residual + that, norm(residual + that)), the add and the norm
-        inside o_proj's kernel where it can (RowParallelLinear.add_norm_forward)."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        """x [B, Q, in]; cos/sin [B, Q, D]; caches [slots, Hkv_local, D] -> [B, Q, H]."""
         b, q_len, _ = x.shape
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # [B, Q, (Hq + 2 Hkv) D]
@@ -193,8 +190,6 @@ class Attention(nn.Module):
             k_cache[batch.out_slots] = store_kv(k, k_cache.dtype, self.kv_scales[0])
             v_cache[batch.out_slots] = store_kv(v, v_cache.dtype, self.kv_scales[1])
         out = attend(q, k_cache, v_cache, batch, self.scale, self.kv_scales if fp8_kv else None)
-        if then is not None:
-            return self.o_proj.add_norm_forward(out.reshape(b, q_len, -1), *then)
         return self.o_proj(out.reshape(b, q_len, -1))
 
 
@@ -239,16 +234,6 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(h, cos, sin, k_cache, v_cache, batch)
         residual, h = self.post_attention_layernorm.add_forward(residual, attn)
         return residual, self.mlp(h)
-
-    def forward_normed(self, residual: torch.Tensor, h: torch.Tensor, cos, sin, k_cache, v_cache, batch,
-                       next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """hc_mult = 1 block on (residual, h = its input norm of residual) -> (residual', the
-        next norm of residual'), residual' the block's output: each residual add and the norm
-        after it run inside the linear before them where the kernel can (o_proj, down_proj), so a
-        batch-1 step launches no norm kernel."""
-        residual, h = self.self_attn(h, cos, sin, k_cache, v_cache, batch,
-                                     then=(residual, self.post_attention_layernorm))
-        return self.mlp(h, then=(residual, next_norm))
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
@@ -317,15 +302,14 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         aux = {}
         if hc_mult == 1:
-            # The residual stream and its next norm carried across blocks: every add happens
-            # with the norm after it (DecoderLayer.forward_normed).
-            h = self.layers[0].input_layernorm(x)
+            # Residual stream kept as (residual, delta) across blocks: every add happens inside
+            # the norm after it (engine/models/layers.py RMSNorm.add_forward).
+            delta = None
             for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                x, h = layer.forward_normed(x, h, cos, sin, kv.k[i], kv.v[i], batch, nxt)
+                x, delta = layer.forward_plain(x, delta, cos, sin, kv.k[i], kv.v[i], batch)
                 if i in self.aux_layers:
-                    aux[i] = x                                            # [B, Q, H]
-            prenorm, hidden = x, h
+                    aux[i] = x + delta                                    # [B, Q, H]
+            prenorm, hidden = self.norm.add_forward(x, delta)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)

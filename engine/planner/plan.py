@@ -96,7 +96,6 @@ __all__ = [
     "cuda_graph_batch_sizes",
     "gemv_width_bytes",
     "group_sizes",
-    "gemv_counters",
     "gemv_workspace_bytes",
     "plan",
     "plan_from_configs",
@@ -164,7 +163,7 @@ FP8_ACTIVATION_GROUP = 128
 
 # The small-M linear kernel (engine/kernels/gemv.py): decode and verify calls of at most
 # GEMV_MAX_M rows, split-K over at most GEMV_MAX_SPLIT_K ranges finished in-kernel through a
-# float32 workspace [GEMV_MAX_SPLIT_K, GEMV_MAX_M, N] and int32 counters [N / GEMV_MIN_BLOCK_N + 1]
+# float32 workspace [GEMV_MAX_SPLIT_K, GEMV_MAX_M, N] and int32 counters [N / GEMV_MIN_BLOCK_N]
 # kept per distinct output width N (outputs wider than GEMV_SPLIT_MAX_N never split).
 GEMV_MAX_M = 16
 GEMV_MAX_SPLIT_K = 8
@@ -684,13 +683,7 @@ def gemv_workspace_bytes(models: list[ModelShapes], tp: int) -> int:
 
 def gemv_width_bytes(n: int) -> int:
     """One output width's split-K workspace (float32) and counters (int32)."""
-    return GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + gemv_counters(n) * 4
-
-
-def gemv_counters(n: int) -> int:
-    """The int32 counters of one output width: one per narrowest tile (split-K), then one for the
-    row (the fused residual add + norm epilogue)."""
-    return -(-n // GEMV_MIN_BLOCK_N) + 1
+    return GEMV_MAX_SPLIT_K * GEMV_MAX_M * n * 4 + -(-n // GEMV_MIN_BLOCK_N) * 4
 
 
 def _extend_graph_pool_bytes(target_shapes: ModelShapes, buffers: BufferPlan, tp: int, context_length: int,

@@ -1,5 +1,4 @@
-"""engine/kernels/launch.py's settings on CPU: the weight prefetch size, the PDL trigger and the
-one-row epilogues, read from the environment."""
+"""engine/kernels/launch.py's settings on CPU: the weight prefetch size read from the environment."""
 
 import pytest
 
@@ -32,39 +31,3 @@ def test_prefetch_bytes_refuses_what_is_not_a_byte_count(fresh, value):
 def test_pdl_is_off_on_cpu(fresh):
     import torch
     assert launch.pdl_args(torch.zeros(1)) == {"USE_GDC": False}
-
-
-def test_tail_trigger_and_epilogue_settings(fresh):
-    fresh.delenv(launch.PDL_ENV, raising=False)
-    fresh.delenv(launch.EPILOGUES_ENV, raising=False)
-    assert not launch.pdl_tail()
-    assert launch.epilogues() is (launch.EPILOGUES == "1")
-    fresh.setenv(launch.PDL_ENV, "tail")
-    fresh.setenv(launch.EPILOGUES_ENV, "1" if launch.EPILOGUES == "0" else "0")
-    launch.reset()
-    assert launch.pdl_tail()
-    assert launch.epilogues() is (launch.EPILOGUES == "0")
-
-
-def test_attention_prefetch_setting(fresh):
-    fresh.delenv(launch.ATTN_PREFETCH_ENV, raising=False)
-    assert launch.attention_prefetch() is (launch.ATTN_PREFETCH == "1")
-    fresh.setenv(launch.ATTN_PREFETCH_ENV, "1" if launch.ATTN_PREFETCH == "0" else "0")
-    launch.reset()
-    assert launch.attention_prefetch() is (launch.ATTN_PREFETCH == "0")
-    fresh.setenv(launch.ATTN_PREFETCH_ENV, "true")
-    launch.reset()
-    with pytest.raises(ValueError, match=launch.ATTN_PREFETCH_ENV):
-        launch.attention_prefetch()
-
-
-def test_empty_epilogues_setting_is_the_default(fresh):
-    fresh.setenv(launch.EPILOGUES_ENV, " ")
-    assert launch.epilogues() is (launch.EPILOGUES == "1")
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "on"])
-def test_epilogues_setting_refuses_other_values(fresh, value):
-    fresh.setenv(launch.EPILOGUES_ENV, value)
-    with pytest.raises(ValueError, match=launch.EPILOGUES_ENV):
-        launch.epilogues()

@@ -84,40 +84,13 @@ def test_silu_mul_compiles(act):
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("splits", [1, 8])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_split_attention_compiles(act, splits, prefetch):
+def test_split_attention_compiles(act, splits):
     # attend() casts queries to the pool's dtype, so the kernel sees one dtype for q, k and v.
     lower_to_ttir(attention_triton._split_attention_kernel,
                   {"*": act, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
                    "part_l_ptr": "*fp32"},
                   {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": splits,
-                   "PRECISION": "ieee" if act == "*fp32" else "tf32", "PREFETCH": prefetch,
-                   "PF_STEP": 16 if act == "*bf16" else 8})
-
-
-@pytest.mark.parametrize("pool,step", [("*bf16", 16), ("*fp8e4nv", 32)])
-def test_attention_prefetch_is_issued_before_the_wait(pool, step):
-    """SPECDEPLOY_ATTN_PREFETCH=1 (launch.py): through the whole compiler for sm_90, the split
-    kernel's L2 prefetches of its first block (BLOCK_K rows x HEAD_DIM / PF_STEP sectors, K and V)
-    come before griddepcontrol.wait, and every real K/V load after it."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = attention_triton._split_attention_kernel
-    constexprs = {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 32, "NUM_SPLITS": 32, "PRECISION": "tf32",
-                  "USE_GDC": True, "PREFETCH": True, "PF_STEP": step}
-    pointers = {"k_ptr": pool, "v_ptr": pool, "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in constexprs else
-                 ("*i64" if name in INDEX_PTRS else "*i1" if name == "new_mask_ptr" else pointers.get(name, "*bf16"))
-                 if name.endswith("_ptr") else "fp32" if name in FLOAT_SCALARS else "i32" for name in kernel.arg_names}
-    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    hints = [i for i in range(len(ptx)) if ptx.startswith("prefetch.global.L2", i)]
-    assert len(hints) * 4 * 32 >= 2 * 32 * (128 // step)  # 4 warps of 32 threads cover K's and V's sectors
-    assert max(hints) < wait
-    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
-    assert sum(i < wait for i in loads) <= 3  # before the wait: the length and slot loads only
+                   "PRECISION": "ieee" if act == "*fp32" else "tf32"})
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -179,7 +152,7 @@ def test_split_attention_over_an_fp8_pool_compiles(act):
                   {"*": act, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "part_acc_ptr": "*fp32",
                    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
                   {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_K": 64, "NUM_SPLITS": 4,
-                   "PRECISION": "ieee" if act == "*fp32" else "tf32", "PREFETCH": True, "PF_STEP": 32})
+                   "PRECISION": "ieee" if act == "*fp32" else "tf32"})
 
 
 def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True):
@@ -189,11 +162,10 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
 
     from specdeploy.engine.kernels import gemv as gemv_triton
     kernel = gemv_triton._gemv_kernel
-    constexprs = {"USE_GDC": True, "GDC_TAIL": False, "SUB_K": gemv_triton.GROUP_K, **constexprs}
-    pointers = {"w_ptr": weight, "s_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "row_cnt_ptr": "*i32"}
+    constexprs = {"USE_GDC": True, "SUB_K": gemv_triton.GROUP_K, **constexprs}
+    pointers = {"w_ptr": weight, "s_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     signature = {name: "constexpr" if name in constexprs else
-                 pointers.get(name, act) if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
-                 for name in kernel.arg_names}
+                 pointers.get(name, act) if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if divisible and signature[name] != "constexpr" and name != "M"}
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -205,8 +177,7 @@ def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
             "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16, "ONE_ROW": one_row,
-            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False, "GATED": False, "ADD_NORM": False,
-            "NORM_BLOCK": 16, "GDC_TAIL": False}
+            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
@@ -342,75 +313,6 @@ def test_every_launch_the_table_and_heuristic_make_compiles():
         weight = "*fp8e4nv" if kind == "fp8" else "*bf16"
         triton.compile(_gemv_source(weight, "*bf16", const), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": const["STAGES"]})
-
-
-@pytest.mark.parametrize("kind", ["fp8", "plain"])
-def test_the_one_row_epilogues_compile(kind):
-    """The batch-1 launches with an epilogue, through the whole compiler: gate/up with silu(gate)
-    * up (GATED, both slabs streamed by one program) and o_proj / down_proj with the residual add
-    and the next RMSNorm (ADD_NORM: the row counter's acq_rel increment, the last program's
-    whole-row norm), split-K 1 and 2, at the Llama-3.1-8B table's launches."""
-    from triton.backends.compiler import GPUTarget
-
-    import torch
-    from specdeploy.engine.kernels import gemv as gemv_triton
-    weight = "*fp8e4nv" if kind == "fp8" else "*bf16"
-    launches = []
-    variant, block_n, block_k, _, warps, stages = gemv_triton.config_for(kind, 28672, 4096, 1, torch.device("cpu"))
-    _, const = gemv_triton.launch_constexprs(kind, torch.bfloat16, 1, 14336, 4096, 1 if kind == "fp8" else 0,
-                                             128 if kind == "fp8" else 1, False, True, variant, block_n, block_k, 4,
-                                             stages, gated=True)
-    assert const["GATED"] and const["SPLIT_K"] == 1  # silu needs whole sums
-    launches.append((const, warps))
-    for n, k, split in ((4096, 4096, 1), (4096, 14336, 2)):
-        variant, block_n, block_k, _, warps, stages = gemv_triton.config_for(kind, n, k, 1, torch.device("cpu"))
-        _, const = gemv_triton.launch_constexprs(kind, torch.bfloat16, 1, n, k, 1 if kind == "fp8" else 0,
-                                                 128 if kind == "fp8" else 1, False, True, variant, block_n, block_k,
-                                                 split, stages, add_norm=True)
-        assert const["ADD_NORM"] and const["NORM_BLOCK"] == n and const["SPLIT_K"] == split
-        launches.append((const, warps))
-    for const, warps in launches:
-        const.pop("K_SPLIT")
-        ptx = triton.compile(_gemv_source(weight, "*bf16", const), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": warps, "num_stages": const["STAGES"]}).asm["ptx"]
-        if const["ADD_NORM"]:
-            assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
-    with pytest.raises(ValueError):  # more rows: the separate kernels serve
-        gemv_triton.launch_constexprs(kind, torch.bfloat16, 4, 14336, 4096, 0, 1, False, True, "fma", 16, 512, 1, 3,
-                                      gated=True)
-    with pytest.raises(ValueError):
-        gemv_triton.launch_constexprs(kind, torch.bfloat16, 1, 16384, 4096, 0, 1, False, True, "fma", 16, 512, 1, 3,
-                                      add_norm=True)
-
-
-@pytest.mark.parametrize("add_norm", [False, True])
-def test_tail_trigger_lets_dependents_launch_only_at_the_end(add_norm):
-    """SPECDEPLOY_PDL=tail (launch.py): the small-M linear waits first, as always, but its
-    griddepcontrol.launch_dependents comes after every store (and, with the add_norm epilogue,
-    after the last program's row norm), where by default it follows the wait at once."""
-    from triton.backends.compiler import GPUTarget
-
-    import torch
-    from specdeploy.engine.kernels import gemv as gemv_triton
-    variant, block_n, block_k, _, warps, stages = gemv_triton.config_for("fp8", 4096, 14336, 1, torch.device("cpu"))
-    _, const = gemv_triton.launch_constexprs("fp8", torch.bfloat16, 1, 4096, 14336, 1, 128, False, True, variant,
-                                             block_n, block_k, 2, stages, add_norm=add_norm)
-    const.pop("K_SPLIT")
-
-    def ptx(tail: bool) -> str:
-        return triton.compile(_gemv_source("*fp8e4nv", "*bf16", {**const, "GDC_TAIL": tail}),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": const["STAGES"]}).asm["ptx"]
-
-    for tail in (False, True):
-        text = ptx(tail)
-        wait, trigger = text.index("griddepcontrol.wait"), text.index("griddepcontrol.launch_dependents")
-        stores = [i for i in range(len(text)) if text.startswith("st.global", i)]
-        assert wait < trigger and text.count("griddepcontrol.launch_dependents") == 1
-        if tail:
-            assert trigger > max(stores)  # after the last store: the program's work is done
-        else:
-            assert trigger < min(stores)
 
 
 @pytest.mark.parametrize("gathered,act,weighted", [(True, True, False), (True, False, True), (False, True, False),

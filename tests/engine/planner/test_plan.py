@@ -79,15 +79,15 @@ def test_llama8b_eagle3_every_term():
 
 
 def test_gemv_split_k_workspaces_are_in_the_workspace_term():
-    """One float32 [GEMV_MAX_SPLIT_K, GEMV_MAX_M, N] workspace and N / 4 + 1 int32 counters (the
-    tiles', then the fused add + norm's row counter) per distinct output width the small-M kernel may split (engine/kernels/gemv.py): for
+    """One float32 [GEMV_MAX_SPLIT_K, GEMV_MAX_M, N] workspace and N / 4 int32 counters per
+    distinct output width the small-M kernel may split (engine/kernels/gemv.py): for
     Llama-3.1-8B + EAGLE-3 at TP 1 the fused qkv (6144), hidden (4096), fused gate/up (28672) and
     the draft's 32000-token vocabulary; the target's 128256 is above GEMV_SPLIT_MAX_N."""
     target = derive_shapes(load("llama-3.1-8b-instruct"))
     draft = derive_shapes(load("eagle3-llama3.1-instruct-8b"), dtype="bfloat16")
     per_width = planmod.GEMV_MAX_SPLIT_K * planmod.GEMV_MAX_M * 4
     widths = (6144, 4096, 28672, 32000)
-    want = sum(per_width * n + (n // planmod.GEMV_MIN_BLOCK_N + 1) * 4 for n in widths)
+    want = sum(per_width * n + n // planmod.GEMV_MIN_BLOCK_N * 4 for n in widths)
     assert want == sum(planmod.gemv_width_bytes(n) for n in widths)
     assert planmod.gemv_workspace_bytes([target, draft], 1) == want
     assert want < 64 * MIB
@@ -95,7 +95,7 @@ def test_gemv_split_k_workspaces_are_in_the_workspace_term():
     # which brings the target's lm_head slice (64128) under GEMV_SPLIT_MAX_N
     tp2 = (3072, 4096, 14336, 16000, 64128)
     assert planmod.gemv_workspace_bytes([target, draft], 2) == sum(
-        per_width * n + (n // planmod.GEMV_MIN_BLOCK_N + 1) * 4 for n in tp2)
+        per_width * n + n // planmod.GEMV_MIN_BLOCK_N * 4 for n in tp2)
 
 
 def test_buffer_shapes_follow_the_seed():
