@@ -143,38 +143,45 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
             row["profile"], row["step_ms_pdl_off"] = prof.get("profile"), prof["whole_ms"]
         except Exception as e:  # evidence, not the figure: the timing above stands
             row["profile"], row["step_ms_pdl_off"] = {"error": f"{type(e).__name__}: {e}"[:300]}, None
-    row["launch_ahead"] = launch_ahead_multiple(target, head, sizes, device)
+    row["launch_ahead"] = runner_multiple(target, head, sizes, device, launch_ahead=True)
+    row["runner"] = runner_multiple(target, head, sizes, device, launch_ahead=False)
     log(f"{label} EAGLE-3 chain step {step:.3f} ms = {row['step_over_decode']:.2f}x its decode step; "
-        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3; {launch_ahead_text(row['launch_ahead'])}")
+        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3; {launch_ahead_text(row['launch_ahead'])}; "
+        f"Runner.step interleaved {launch_ahead_text(row['runner'], 'without launch-ahead')}")
     return row
 
 
-def launch_ahead_multiple(target, head, sizes, device) -> dict:
-    """The same EAGLE-3 chain step and the plain decode step with launch-ahead (`--launch-ahead`:
-    the next step launched before this one is waited for, so the device does not idle for the
-    host between the step's graphs), back-to-back Runner.step() (harness.loop_ms), batch 1."""
+def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
+    """The same EAGLE-3 chain step and the plain decode step as back-to-back Runner.step()
+    (harness.loop_ms), batch 1, both runners alive and timed in PDL_ROUNDS interleaved rounds
+    (the medians: a figure timed minutes after the other drifts by a few percent); with
+    launch-ahead (`--launch-ahead`: the next step launched before this one is waited for, so the
+    device does not idle for the host between the step's graphs) or without."""
     from harness import decode_runner, loop_ms
     graph_mode = "capture" if device.type == "cuda" else "padded"
     steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
-    out = {}
+    times: dict[str, list[float]] = {"step_ms": [], "decode_step_ms": []}
     try:
-        for key, kw in (("step_ms", dict(head=head, shape=CHAIN)), ("decode_step_ms", {})):
-            runner = decode_runner(target, 1, sizes["context"], steps + warmup + 12, device, graph_mode,
-                                   overlap=False, launch_ahead=True, **kw)
-            out[key] = loop_ms(runner, steps, warmup, device)
-            del runner
-            free_device_memory()
+        runners = {key: decode_runner(target, 1, sizes["context"], PDL_ROUNDS * (steps + warmup) + 12, device,
+                                      graph_mode, overlap=False, launch_ahead=launch_ahead, **kw)
+                   for key, kw in (("step_ms", dict(head=head, shape=CHAIN)), ("decode_step_ms", {}))}
+        for _ in range(PDL_ROUNDS):
+            for key, runner in runners.items():
+                times[key].append(loop_ms(runner, steps, warmup, device))
+        del runners
+        free_device_memory()
     except Exception as e:  # evidence beside the figure, not the figure
         return {"error": f"{type(e).__name__}: {e}"[:300]}
+    out = {key: statistics.median(t) for key, t in times.items()}
+    out["rounds"] = PDL_ROUNDS
     out["step_over_decode"] = out["step_ms"] / out["decode_step_ms"]
     return out
 
 
-def launch_ahead_text(la: dict) -> str:
+def launch_ahead_text(la: dict, what: str = "with launch-ahead") -> str:
     if "step_ms" not in la:
-        return f"with launch-ahead: failed ({la.get('error')})"
-    return (f"with launch-ahead {la['step_ms']:.3f} ms = {la['step_over_decode']:.2f}x its "
-            f"{la['decode_step_ms']:.3f} ms decode step")
+        return f"{what}: failed ({la.get('error')})"
+    return f"{what} {la['step_ms']:.3f} ms = {la['step_over_decode']:.2f}x its {la['decode_step_ms']:.3f} ms decode step"
 
 
 def planner_truth(sizes, device, smoke: bool) -> dict:
@@ -304,7 +311,9 @@ def markdown(result: dict) -> str:
                      f"{row['step_over_decode']:.2f}x its decode step; projected {row['projected_tok_s']['2']:.0f} / "
                      f"{row['projected_tok_s']['3']:.0f} tok/s at accept length 2 / 3 (random heads: measured "
                      f"{row['measured_accept_length']:.2f})"
-                     + (f"; {launch_ahead_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else ""))
+                     + (f"; {launch_ahead_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else "")
+                     + (f"; Runner.step, interleaved rounds: {launch_ahead_text(row['runner'], 'without launch-ahead')}"
+                        if "step_ms" in row.get("runner", {}) else ""))
     truth = result.get("planner_truth", {})
     if truth.get("terms"):
         lines += ["", "Planner truth, FP8 plan (EAGLE-3 chain, 16 requests x 2K):", "",
@@ -434,6 +443,9 @@ def main() -> int:
         ahead = {row["weights"]: (row.get("launch_ahead") or {}).get("step_over_decode") for row in spec}
         if ahead.get("bf16") and ahead.get("fp8"):  # the same ratio with launch-ahead: evidence, not the goal
             result["eagle3_multiple_fp8_over_bf16_launch_ahead"] = ahead["fp8"] / ahead["bf16"]
+        plain = {row["weights"]: (row.get("runner") or {}).get("step_over_decode") for row in spec}
+        if plain.get("bf16") and plain.get("fp8"):  # Runner.step both, interleaved: evidence beside the goal
+            result["eagle3_multiple_fp8_over_bf16_runner"] = plain["fp8"] / plain["bf16"]
         del target, head
         free_device_memory()
     except Exception:
