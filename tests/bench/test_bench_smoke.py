@@ -127,9 +127,28 @@ def test_fp8_bench_smoke(tmp_path):
     kept = result["goals"]["eagle3_multiple_fp8_over_bf16"]
     assert kept["better"] == "lower" and kept["measured"] == pytest.approx(
         result["speculative"][1]["step_over_decode"] / result["speculative"][0]["step_over_decode"])
+    runner = {s["weights"]: s["runner"] for s in result["speculative"]}
+    assert all(r["rounds"] >= 3 and r["step_ms"] > 0 for r in runner.values()), runner
+    assert result["eagle3_multiple_fp8_over_bf16_runner"] == pytest.approx(
+        runner["fp8"]["step_over_decode"] / runner["bf16"]["step_over_decode"])
     terms = result["planner_truth"]["terms"]
     assert terms["weights"]["measured_over_predicted"] == pytest.approx(1.0, abs=0.05)
     assert result["planner_truth"]["plan"]["target"]["weight_source"] == "quantization_config"
+
+
+def test_skinny_gemm_probe_smoke(tmp_path):
+    """bench/skinny_gemm_probe.py (batch-64 linears, cuBLAS against a Triton GEMM) runs on CPU
+    under the interpreter: every Triton launch checked against the float32 product, both the
+    stored (one split) and the atomic (split-K) form."""
+    proc = subprocess.run([sys.executable, "-P", "bench/skinny_gemm_probe.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "skinny_gemm_probe.json").read_text())
+    launches = [r for row in result["rows"] for r in row["all"] if r["kernel"] == "triton"]
+    assert launches and all("error" not in r and r["relative_error"] < 1e-4 for r in launches), launches
+    assert {r["split"] for r in launches} == {1, 2}
+    assert result["step_linears_us"]["saving"] >= 0
+    assert (tmp_path / "skinny_gemm_probe.md").read_text().startswith("# Batch-64")
 
 
 def test_gemv_sweep_smoke(tmp_path):
