@@ -18,7 +18,10 @@
    the engine's, PDL right after the cuBLAS GEMMs too, and none; the graphs over one KV pool,
    timed in interleaved rounds.
 2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
-   tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step.
+   tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step. The
+   goal (FP8's multiple within 5% of bf16's) is judged on Runner.step loops of the speculative
+   and the plain runner timed in interleaved rounds (runner_multiple); the fused step over the
+   graphed decode call and the same loops with launch-ahead stand beside it.
    Random heads accept little, so tok/s is projected for accept lengths 2 and 3 (tokens per
    step / step time) rather than measured. Each step is then profiled per kernel in a second
    Runner captured without PDL (each kernel's own time; under PDL a kernel books its wait).
@@ -435,17 +438,19 @@ def main() -> int:
                            "fp8_over_bf16_every_batch_min": {"goal": 1.0, "measured": min(
                                line["fp8_over_bf16_call"] for line in summary)}}
         multiples = {row["weights"]: row.get("step_over_decode") for row in spec}
-        if multiples.get("bf16") and multiples.get("fp8"):
-            # "keeps its step multiple": the FP8 target's EAGLE-3 step over its decode step, against
-            # the bf16 target's, within the ~5% the multiples move between runs
-            result["goals"]["eagle3_multiple_fp8_over_bf16"] = {
-                "goal": 1.05, "better": "lower", "measured": multiples["fp8"] / multiples["bf16"]}
+        if multiples.get("bf16") and multiples.get("fp8"):  # a Runner step over a graphed call: evidence
+            result["eagle3_multiple_fp8_over_bf16_call"] = multiples["fp8"] / multiples["bf16"]
         ahead = {row["weights"]: (row.get("launch_ahead") or {}).get("step_over_decode") for row in spec}
         if ahead.get("bf16") and ahead.get("fp8"):  # the same ratio with launch-ahead: evidence, not the goal
             result["eagle3_multiple_fp8_over_bf16_launch_ahead"] = ahead["fp8"] / ahead["bf16"]
         plain = {row["weights"]: (row.get("runner") or {}).get("step_over_decode") for row in spec}
-        if plain.get("bf16") and plain.get("fp8"):  # Runner.step both, interleaved: evidence beside the goal
+        if plain.get("bf16") and plain.get("fp8"):
+            # "keeps its step multiple": the FP8 target's EAGLE-3 step over its decode step, against
+            # the bf16 target's, each a Runner.step loop with both runners timed in interleaved
+            # rounds (the call-based ratio moved 1.00x-1.14x between runs of the same code)
             result["eagle3_multiple_fp8_over_bf16_runner"] = plain["fp8"] / plain["bf16"]
+            result["goals"]["eagle3_multiple_fp8_over_bf16"] = {
+                "goal": 1.05, "better": "lower", "measured": plain["fp8"] / plain["bf16"]}
         del target, head
         free_device_memory()
     except Exception:
