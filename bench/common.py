@@ -161,6 +161,14 @@ def graph_replay_ms(calls, device, *, warmup: int = 3, reps: int = 20) -> float:
     return ms
 
 
+def calls_ms(calls, device, *, warmup: int, reps: int, cpu_reps: int = 2) -> float:
+    """Median ms of one replay of a CUDA graph holding `calls` (graph_replay_ms); on CPU the
+    calls timed directly, `cpu_reps` times after one warm-up (smoke runs under the interpreter)."""
+    if torch.device(device).type != "cuda":
+        return time_ms(lambda: [c() for c in calls], device, warmup=1, reps=cpu_reps)["median_ms"]
+    return graph_replay_ms(calls, device, warmup=warmup, reps=reps)
+
+
 def cuda_time_ms(fn, *, warmup: int = 3, reps: int = 20) -> float:
     """Median wall time of `fn()` on the current stream in milliseconds, timed with CUDA events."""
     return time_ms(fn, "cuda", warmup=warmup, reps=reps)["median_ms"]

@@ -41,7 +41,7 @@ bootstrap_specdeploy()
 
 import torch  # noqa: E402
 
-from common import copy_bandwidth_bytes_per_s, environment, graph_replay_ms, log, time_ms, write_json  # noqa: E402
+from common import calls_ms, copy_bandwidth_bytes_per_s, environment, log, write_json  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim, prefix, batches, layers
     "device": dict(hidden=4096, inter=14336, hq=32, hkv=8, d=128, prefix=1024, batches=(1, 64), layers=32),
@@ -54,15 +54,8 @@ REPS, WARMUP = 30, 5
 PREVIOUS_LAUNCH = {1: (16, 32), 64: (1, 32)}
 
 
-def _time_calls(calls, device) -> float:
-    """Median ms of one replay of a CUDA graph of `calls` (CPU: the calls, timed directly)."""
-    if device.type != "cuda":
-        return time_ms(lambda: [c() for c in calls], device, warmup=1, reps=2)["median_ms"]
-    return graph_replay_ms(calls, device, warmup=WARMUP, reps=REPS)
-
-
 def _row(name: str, batch: int, form: str, calls, nbytes: int, bandwidth: float, device) -> dict:
-    us = 1e3 * _time_calls(calls, device) / len(calls)
+    us = 1e3 * calls_ms(calls, device, warmup=WARMUP, reps=REPS) / len(calls)
     floor = 1e6 * nbytes / bandwidth
     row = {"kernel": name, "batch": batch, "form": form, "us": round(us, 3), "bytes": nbytes,
            "floor_us": round(floor, 3), "fraction_of_floor": round(floor / us, 3) if us else None}

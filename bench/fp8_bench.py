@@ -98,13 +98,13 @@ def decode_rows(target, sizes, device, bandwidth, label: str) -> list[dict]:
 
 PDL_MODES = ("1", "all", "0")
 PDL_BATCHES = (1, 64, 256)
-PDL_ROUNDS = 5
+ROUNDS = 5  # interleaved timing rounds of the figures compared side by side (PDL modes, Runner multiples)
 
 
 def pdl_rows(target, sizes, device, label: str) -> list[dict]:
     """The graphed decode call's median under each PDL mode (harness.pdl_mode: "1" the engine's,
     "all" PDL after library GEMMs too, "0" none), side by side at PDL_BATCHES: every mode's graph
-    captured over one KV pool and input, then timed in PDL_ROUNDS interleaved rounds, the median
+    captured over one KV pool and input, then timed in ROUNDS interleaved rounds, the median
     of the rounds' medians (one graph timed alone drifts by a few percent between captures)."""
     rows = []
     for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
@@ -114,13 +114,13 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
                 calls[mode] = EngineDecode(target, b, sizes["context"], graph=True,
                                            share=next(iter(calls.values()), None))
         times: dict[str, list[float]] = {m: [] for m in PDL_MODES}
-        for _ in range(PDL_ROUNDS):
+        for _ in range(ROUNDS):
             for mode in PDL_MODES:
                 times[mode].append(time_ms(calls[mode], device, warmup=2,
-                                           reps=max(3, sizes["reps"] // PDL_ROUNDS))["median_ms"])
+                                           reps=max(3, sizes["reps"] // ROUNDS))["median_ms"])
         del calls
         free_device_memory()
-        row = {"weights": label, "batch": b, "rounds": PDL_ROUNDS,
+        row = {"weights": label, "batch": b, "rounds": ROUNDS,
                **{f"pdl_{m}_ms": statistics.median(t) for m, t in times.items()}}
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
@@ -149,14 +149,14 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
     row["launch_ahead"] = runner_multiple(target, head, sizes, device, launch_ahead=True)
     row["runner"] = runner_multiple(target, head, sizes, device, launch_ahead=False)
     log(f"{label} EAGLE-3 chain step {step:.3f} ms = {row['step_over_decode']:.2f}x its decode step; "
-        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3; {launch_ahead_text(row['launch_ahead'])}; "
-        f"Runner.step interleaved {launch_ahead_text(row['runner'], 'without launch-ahead')}")
+        f"projected {row['projected_tok_s']['3']:.0f} tok/s at accept length 3; {multiple_text(row['launch_ahead'])}; "
+        f"Runner.step interleaved {multiple_text(row['runner'], 'without launch-ahead')}")
     return row
 
 
 def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
     """The same EAGLE-3 chain step and the plain decode step as back-to-back Runner.step()
-    (harness.loop_ms), batch 1, both runners alive and timed in PDL_ROUNDS interleaved rounds
+    (harness.loop_ms), batch 1, both runners alive and timed in ROUNDS interleaved rounds
     (the medians: a figure timed minutes after the other drifts by a few percent); with
     launch-ahead (`--launch-ahead`: the next step launched before this one is waited for, so the
     device does not idle for the host between the step's graphs) or without."""
@@ -165,10 +165,10 @@ def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
     steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
     times: dict[str, list[float]] = {"step_ms": [], "decode_step_ms": []}
     try:
-        runners = {key: decode_runner(target, 1, sizes["context"], PDL_ROUNDS * (steps + warmup) + 12, device,
+        runners = {key: decode_runner(target, 1, sizes["context"], ROUNDS * (steps + warmup) + 12, device,
                                       graph_mode, overlap=False, launch_ahead=launch_ahead, **kw)
                    for key, kw in (("step_ms", dict(head=head, shape=CHAIN)), ("decode_step_ms", {}))}
-        for _ in range(PDL_ROUNDS):
+        for _ in range(ROUNDS):
             for key, runner in runners.items():
                 times[key].append(loop_ms(runner, steps, warmup, device))
         del runners
@@ -176,12 +176,13 @@ def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
     except Exception as e:  # evidence beside the figure, not the figure
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     out = {key: statistics.median(t) for key, t in times.items()}
-    out["rounds"] = PDL_ROUNDS
+    out["rounds"] = ROUNDS
     out["step_over_decode"] = out["step_ms"] / out["decode_step_ms"]
     return out
 
 
-def launch_ahead_text(la: dict, what: str = "with launch-ahead") -> str:
+def multiple_text(la: dict, what: str = "with launch-ahead") -> str:
+    """One runner_multiple result as a log phrase."""
     if "step_ms" not in la:
         return f"{what}: failed ({la.get('error')})"
     return f"{what} {la['step_ms']:.3f} ms = {la['step_over_decode']:.2f}x its {la['decode_step_ms']:.3f} ms decode step"
@@ -314,8 +315,8 @@ def markdown(result: dict) -> str:
                      f"{row['step_over_decode']:.2f}x its decode step; projected {row['projected_tok_s']['2']:.0f} / "
                      f"{row['projected_tok_s']['3']:.0f} tok/s at accept length 2 / 3 (random heads: measured "
                      f"{row['measured_accept_length']:.2f})"
-                     + (f"; {launch_ahead_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else "")
-                     + (f"; Runner.step, interleaved rounds: {launch_ahead_text(row['runner'], 'without launch-ahead')}"
+                     + (f"; {multiple_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else "")
+                     + (f"; Runner.step, interleaved rounds: {multiple_text(row['runner'], 'without launch-ahead')}"
                         if "step_ms" in row.get("runner", {}) else ""))
     truth = result.get("planner_truth", {})
     if truth.get("terms"):

@@ -40,7 +40,7 @@ bootstrap_specdeploy()
 
 import torch  # noqa: E402
 
-from common import copy_bandwidth_bytes_per_s, environment, free_device_memory, graph_replay_ms, log, time_ms, write_json  # noqa: E402
+from common import calls_ms, copy_bandwidth_bytes_per_s, environment, free_device_memory, log, write_json  # noqa: E402
 
 # (name, N, K, weight kinds): Llama-3.1-8B's fused qkv, o, fused gate/up, down; lm_head (bf16 only)
 SHAPES = {
@@ -172,13 +172,6 @@ def precompile(jobs: list, workers: int) -> float:
     return time.time() - t0
 
 
-def _time_graph(calls, device) -> float:
-    """Median ms of one replay of a CUDA graph holding `calls` (CPU: the calls, timed directly)."""
-    if device.type != "cuda":
-        return time_ms(lambda: [c() for c in calls], device, warmup=1, reps=3)["median_ms"]
-    return graph_replay_ms(calls, device, warmup=WARMUP, reps=REPS)
-
-
 def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int | None = None,
           budget_s: float = BUDGET_S) -> dict:
     """Time the configuration space at every shape; returns {"rows": [...], "table": {...}} with the
@@ -215,7 +208,7 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
         for cfg in [baseline_cfg] + cands:
             calls = [lambda w=w, s=s, y=y, cfg=cfg: _call(kind, x, w, s, y, cfg) for (w, s), y in zip(weights, ys)]
             try:
-                ms = _time_graph(calls, device) / copies
+                ms = calls_ms(calls, device, warmup=WARMUP, reps=REPS, cpu_reps=3) / copies
             except Exception as e:  # a configuration the compiler or the device refuses
                 results.append({"config": list(cfg), "error": str(e)[:200]})
                 continue

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from common import copy_bandwidth_bytes_per_s, environment, free_device_memory, graph_replay_ms, log, time_ms, write_json  # noqa: E402
+from common import calls_ms, copy_bandwidth_bytes_per_s, environment, free_device_memory, log, write_json  # noqa: E402
 
 # (name, N, K, times in a step): Llama-3.1-8B's fused qkv, o, fused gate/up, down, lm_head
 SHAPES = {
@@ -110,12 +110,6 @@ def triton_call(x, w, y32, y16, tile, split):
     return call
 
 
-def _time(calls, device) -> float:
-    if device.type != "cuda":
-        return time_ms(lambda: [c() for c in calls], device, warmup=1, reps=2)["median_ms"]
-    return graph_replay_ms(calls, device, warmup=WARMUP, reps=REPS)
-
-
 def run(device, smoke: bool) -> dict:
     size = "smoke" if smoke else "device"
     m = M_ROWS[size]
@@ -125,7 +119,7 @@ def run(device, smoke: bool) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for name, n, k, times in SHAPES[size]:
-        w_bytes = n * k * 2
+        w_bytes = n * k * dtype.itemsize
         copies = max(1, -(-L2_MULTIPLE_BYTES // w_bytes)) if device.type == "cuda" else 1
         w0 = (torch.randn(n, k, device=device, generator=g) * 0.02).to(dtype)
         weights = [w0] + [w0.clone() for _ in range(copies - 1)]
@@ -133,9 +127,10 @@ def run(device, smoke: bool) -> dict:
         y16 = [torch.empty(m, n, device=device, dtype=dtype) for _ in range(copies)]
         y32 = [torch.empty(m, n, device=device, dtype=torch.float32) for _ in range(copies)]
         want = (x.float() @ w0.float().t())
-        moved = w_bytes + 2 * m * k + 2 * m * n
+        moved = w_bytes + dtype.itemsize * m * (k + n)
         results = []
-        ms = _time([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(weights, y16)], device) / copies
+        ms = calls_ms([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(weights, y16)], device,
+                      warmup=WARMUP, reps=REPS) / copies
         results.append({"kernel": "cublas", "us": ms * 1e3})
         for tile in TILES[size]:
             split = split_for(n, k, tile[0], tile[1], num_sms)
@@ -146,8 +141,8 @@ def run(device, smoke: bool) -> dict:
                 err = ((got - want).norm() / want.norm()).item()
                 if err > 1e-2:
                     raise RuntimeError(f"wrong result: relative error {err:.2e}")
-                ms = _time([triton_call(x, w, a, b, tile, split) for w, a, b in zip(weights, y32, y16)],
-                           device) / copies
+                ms = calls_ms([triton_call(x, w, a, b, tile, split) for w, a, b in zip(weights, y32, y16)],
+                              device, warmup=WARMUP, reps=REPS) / copies
             except Exception as e:  # a launch the compiler or the device refuses: recorded
                 results.append({"kernel": "triton", "tile": list(tile), "split": split, "error": str(e)[:200]})
                 continue
