@@ -246,6 +246,18 @@ def source_commit() -> str | None:
         return None
 
 
+# The planner's GPU catalog entry for a device name (engine/planner/plan.py GPUS): a plan made for
+# another card's memory sizes the KV pools wrong and its planner-truth rows mean nothing.
+CATALOG_BY_NAME = (("H100", "h100"), ("H200", "h200"), ("A100", "a100-80g"), ("L40S", "l40s"))
+
+
+def catalog_gpu(device, default: str = "h200") -> str:
+    """The catalog name of the GPU `device` is (the first CATALOG_BY_NAME substring of its name),
+    `default` where none matches."""
+    name = torch.cuda.get_device_name(device)
+    return next((entry for part, entry in CATALOG_BY_NAME if part in name), default)
+
+
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     env = {

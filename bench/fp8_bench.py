@@ -51,9 +51,9 @@ bootstrap_specdeploy()
 
 import torch  # noqa: E402
 
-from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
+from common import (LLAMA_31_8B, TINY_LLAMA, catalog_gpu, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top, small_m_kernel,  # noqa: E402
                      random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
@@ -124,6 +124,37 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
                **{f"pdl_{m}_ms": statistics.median(t) for m, t in times.items()}}
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
+        rows.append(row)
+    return rows
+
+
+KERNEL_MODES = ("mma", "triton")
+KERNEL_BATCHES = (1, 4, 8)  # decode at 4 and 8 rows: the widths of an EAGLE-3 verify
+
+
+def small_m_rows(target, sizes, device) -> list[dict]:
+    """The FP8 graphed decode call with the small-M linears on the CUDA mma kernel (the engine's
+    default where usable) and on the Triton kernel's launches (harness.small_m_kernel), side by
+    side at KERNEL_BATCHES: both graphs over one KV pool, timed in ROUNDS interleaved rounds."""
+    rows = []
+    for b in KERNEL_BATCHES:
+        calls: dict[str, EngineDecode] = {}
+        for mode in KERNEL_MODES:
+            with small_m_kernel(mode == "mma"):
+                calls[mode] = EngineDecode(target, b, sizes["context"], graph=True,
+                                           share=next(iter(calls.values()), None))
+        times: dict[str, list[float]] = {m: [] for m in KERNEL_MODES}
+        for _ in range(ROUNDS):
+            for mode in KERNEL_MODES:
+                times[mode].append(time_ms(calls[mode], device, warmup=2,
+                                           reps=max(3, sizes["reps"] // ROUNDS))["median_ms"])
+        del calls
+        free_device_memory()
+        row = {"weights": "fp8", "batch": b, "rounds": ROUNDS,
+               **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
+        row["triton_over_mma"] = row["triton_ms"] / row["mma_ms"]
+        log(f"fp8 decode bs={b:<3} small-M linears on the mma kernel {row['mma_ms']:.3f} ms, on Triton "
+            f"{row['triton_ms']:.3f} ms ({row['triton_over_mma']:.3f}x)")
         rows.append(row)
     return rows
 
@@ -307,6 +338,15 @@ def markdown(result: dict) -> str:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in PDL_MODES]
             lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(cells) + " |")
         lines.append("")
+    small = result.get("small_m_kernel", [])
+    if small:
+        lines += ["FP8 decode call (ms) with the small-M linears (1-8 rows) on the CUDA mma kernel "
+                  "(engine/kernels/fp8_mma.py, the engine's default) and on the Triton kernel's launches "
+                  "(`SPECDEPLOY_FP8_MMA=0`); graphs over one KV pool, timed in interleaved rounds:", "",
+                  "| batch | mma | Triton | Triton / mma |", "|---|---|---|---|"]
+        for r in small:
+            lines.append(f"| {r['batch']} | {r['mma_ms']:.3f} | {r['triton_ms']:.3f} | {r['triton_over_mma']:.3f}x |")
+        lines.append("")
     for row in result.get("speculative", []):
         if "error" in row:
             lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
@@ -318,6 +358,10 @@ def markdown(result: dict) -> str:
                      + (f"; {multiple_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else "")
                      + (f"; Runner.step, interleaved rounds: {multiple_text(row['runner'], 'without launch-ahead')}"
                         if "step_ms" in row.get("runner", {}) else ""))
+    triton = result.get("eagle3_runner_fp8_triton_small_m", {})
+    if "step_ms" in triton:
+        lines.append(f"- EAGLE-3 {CHAIN} on the fp8 target with the Triton small-M linears: Runner.step, interleaved "
+                     f"rounds: {multiple_text(triton, 'without launch-ahead')}")
     truth = result.get("planner_truth", {})
     if truth.get("terms"):
         lines += ["", "Planner truth, FP8 plan (EAGLE-3 chain, 16 requests x 2K):", "",
@@ -350,7 +394,9 @@ def main() -> int:
                         help="only section 3, its figures to planner_truth.json (what the full run spawns)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    sizes = SIZES["smoke" if args.smoke else "device"]
+    sizes = dict(SIZES["smoke" if args.smoke else "device"])
+    if device.type == "cuda":
+        sizes["gpu"] = catalog_gpu(device)
     if args.planner_only:
         write_json("planner_truth.json", planner_truth(sizes, device, args.smoke), args.out)
         return 0
@@ -415,6 +461,15 @@ def main() -> int:
             result["pdl"] += pdl_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
+        if device.type == "cuda":  # the CUDA small-M kernel against the Triton launches it replaces
+            from specdeploy.engine.kernels import fp8_mma
+            if fp8_mma.available(device):
+                result["small_m_kernel"] = small_m_rows(target, sizes, device)
+                with small_m_kernel(False):
+                    triton_runner = runner_multiple(target, head, sizes, device, launch_ahead=False)
+                result["eagle3_runner_fp8_triton_small_m"] = triton_runner
+                log(f"fp8 (Triton small-M linears) EAGLE-3 Runner.step interleaved "
+                    f"{multiple_text(triton_runner, 'without launch-ahead')}")
         # A probe, not an engine path: the head's own linears in FP8 too (its lm_head and the
         # target's stay bf16), to see how much of the step multiple the head's bytes explain.
         fp8.quantize_model_linears(head, FORMAT)
@@ -452,6 +507,9 @@ def main() -> int:
             result["eagle3_multiple_fp8_over_bf16_runner"] = plain["fp8"] / plain["bf16"]
             result["goals"]["eagle3_multiple_fp8_over_bf16"] = {
                 "goal": 1.05, "better": "lower", "measured": plain["fp8"] / plain["bf16"]}
+            triton = result.get("eagle3_runner_fp8_triton_small_m", {}).get("step_over_decode")
+            if triton:  # evidence beside the goal: the same multiple with the Triton small-M launches
+                result["eagle3_multiple_fp8_triton_small_m_over_bf16_runner"] = triton / plain["bf16"]
         del target, head
         free_device_memory()
     except Exception:

@@ -107,6 +107,30 @@ def candidates(kind: str, n: int, k: int, m: int, num_sms: int, smoke: bool = Fa
             if not 2 * num_sms <= tiles * s <= 8 * num_sms and not (s == 1 and tiles > 8 * num_sms):
                 continue
             out.append((variant, bn, b, s, w, st))
+    if kind == "fp8" and m <= MMA_MAX_M:
+        out += mma_candidates(n, k, num_sms)
+    return out
+
+
+MMA_MAX_M = 8  # engine/kernels/fp8_mma.py's MAX_M (not imported here: candidates() is called before torch loads)
+# (BLOCK_N rows a CTA, BLOCK_K k a warp's step, warps, weight buffers) of the CUDA mma kernel;
+# 32-row CTAs only single-buffered (two buffers of 32 x 512 codes a lane would spill).
+MMA_BASE = [(16, 256, 8, 2), (16, 256, 4, 2), (16, 128, 8, 2), (16, 512, 8, 1), (16, 256, 8, 1),
+            (16, 512, 4, 2), (32, 256, 8, 1), (32, 256, 4, 1)]
+
+
+def mma_candidates(n: int, k: int, num_sms: int) -> list[tuple]:
+    """The mma kernel's launches worth timing: MMA_BASE times the splits that give at least one
+    CTA per SM without leaving a warp of a CTA no k step (k_split >= warps x BLOCK_K)."""
+    out = []
+    for bn, bk, w, st in MMA_BASE:
+        tiles = -(-n // bn)
+        for s in (1, 2, 4):
+            if s > 1 and (tiles * s > 8 * num_sms or k // s < w * bk or (k // s) % 128):
+                continue
+            if tiles * s < num_sms and s < 4:
+                continue
+            out.append(("mma", bn, bk, s, w, st))
     return out
 
 
@@ -144,6 +168,38 @@ def _call(kind, x, w, s, y, cfg):
         gemv.launch(x, w, s, 128, None, y, *cfg)
 
 
+def _reference(kind, x, w, s):
+    """x @ W^T in float32 over the dequantized weights: what every launch is checked against."""
+    from specdeploy.engine.models import fp8
+    wd = fp8.dequantize_fp8(w, s, (128, 128), torch.float32) if kind == "fp8" else w.float()
+    return torch.nn.functional.linear(x.float(), wd)
+
+
+def _relative_error(got, want) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def _tolerance(cfg) -> float:
+    """Relative L2 a launch may be off: 2^-7 for the weight-only product (bf16 output rounding,
+    f16 x), 0.04 where the kernel quantizes x to e4m3 (3 mantissa bits)."""
+    from specdeploy.engine.kernels import gemv
+    return 0.04 if cfg[0] in gemv.QUANTIZING_VARIANTS else 2**-7
+
+
+def _time_without_early_loads(calls_for, cfg, device, copies) -> float | None:
+    """µs of the mma launch `cfg` with its first weight loads after the PDL wait instead of before
+    (fp8_mma.EARLY_LOADS off), to say whether the early loads pay."""
+    from specdeploy.engine.kernels import fp8_mma
+    saved = fp8_mma.EARLY_LOADS
+    fp8_mma.EARLY_LOADS = False
+    try:
+        return calls_ms(calls_for(tuple(cfg)), device, warmup=WARMUP, reps=REPS) / copies * 1e3
+    except Exception:  # noqa: BLE001 - recorded as not measured
+        return None
+    finally:
+        fp8_mma.EARLY_LOADS = saved
+
+
 def _compile_jobs(jobs: list, device) -> None:
     """Launch each (kind, k, m, cfg) once on a narrow weight (256 rows: the same specialization as
     the real N) so that Triton compiles and caches it."""
@@ -173,7 +229,7 @@ def precompile(jobs: list, workers: int) -> float:
 
 
 def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int | None = None,
-          budget_s: float = BUDGET_S) -> dict:
+          budget_s: float = BUDGET_S, kinds: tuple[str, ...] = ("fp8", "plain"), m_values: tuple[int, ...] | None = None) -> dict:
     """Time the configuration space at every shape; returns {"rows": [...], "table": {...}} with the
     best launch per (kind, N, K, M bucket) (bucket 8 takes bucket 16's winner where M 8 is not timed). Past `budget_s`
     the remaining shapes time only the baseline and the heuristic's launch (the row says so)."""
@@ -183,12 +239,12 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     bandwidth = copy_bandwidth_bytes_per_s(device=device) if device.type == "cuda" else 1e11
     plan = []  # FP8 shapes first: past the budget only the plain-weight (cuBLAS-or-not) rows are cut
-    for kind in ("fp8", "plain"):
-        for name, n, k, kinds in SHAPES[size]:
-            for m in M_VALUES[size] if kind in kinds else ():
+    for kind in kinds:
+        for name, n, k, shape_kinds in SHAPES[size]:
+            for m in (m_values or M_VALUES[size]) if kind in shape_kinds else ():
                 plan.append((name, n, k, kind, m, candidates(kind, n, k, m, num_sms, smoke)))
     if device.type == "cuda":
-        jobs = [(kind, k, m, _effective(c, k)) for _, n, k, kind, m, cands in plan for c in cands]
+        jobs = [(kind, k, m, _effective(c, k)) for _, n, k, kind, m, cands in plan for c in cands if c[0] != "mma"]
         jobs += [("fp8", k, m, ("w8a16",)) for _, n, k, kind, m, _ in plan if kind == "fp8"]
         secs = precompile([(a, b, c, tuple(d)) for a, b, c, d in jobs], workers or min(16, os.cpu_count() or 1))
         log(f"compiled {len(set(jobs))} launches in {secs:.0f} s")
@@ -200,34 +256,52 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
         x = torch.randn(m, k, device=device).to(torch.bfloat16)
         ys = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(copies)]
         moved = w_bytes + (weights[0][1].numel() * 4 if kind == "fp8" else 0) + 2 * m * (k + n)
+        want = _reference(kind, x, *weights[0])
         results = []
         baseline_cfg = ("w8a16",) if kind == "fp8" else ("cublas",)
         over_budget = time.time() - t0 > budget_s
         if over_budget:
             cands = [tuple(gemv.heuristic_config("fp8", n, k, m, num_sms))]
+        def make_calls(cfg, kind=kind, x=x, weights=weights, ys=ys):
+            return [lambda w=w, s=s, y=y: _call(kind, x, w, s, y, cfg) for (w, s), y in zip(weights, ys)]
+
         for cfg in [baseline_cfg] + cands:
-            calls = [lambda w=w, s=s, y=y, cfg=cfg: _call(kind, x, w, s, y, cfg) for (w, s), y in zip(weights, ys)]
+            calls = make_calls(cfg)
             try:
+                ys[0].fill_(float("nan"))
+                calls[0]()
+                err = _relative_error(ys[0], want)
+                # judged on the device; under the smoke run's interpreter the w8a16 baseline reads
+                # garbage at one row (the GPU tests hold it to the weight-only bound)
+                if device.type == "cuda" and not err <= _tolerance(cfg):
+                    results.append({"config": list(cfg), "relative_error": err, "error": "wrong result"})
+                    continue
                 ms = calls_ms(calls, device, warmup=WARMUP, reps=REPS, cpu_reps=3) / copies
             except Exception as e:  # a configuration the compiler or the device refuses
                 results.append({"config": list(cfg), "error": str(e)[:200]})
                 continue
             results.append({"config": list(cfg), "us": ms * 1e3, "tb_s": moved / (ms / 1e3) / 1e12,
-                            "fraction_of_copy_bandwidth": moved / (ms / 1e3) / bandwidth})
+                            "fraction_of_copy_bandwidth": moved / (ms / 1e3) / bandwidth, "relative_error": err})
         ok = [r for r in results if "us" in r]
         base = next((r for r in ok if tuple(r["config"]) == baseline_cfg), None)
-        kernel = [r for r in ok if r["config"][0] not in ("cublas", "w8a16")]
+        kernel = [r for r in ok if r["config"][0] not in ("cublas", "w8a16", "mma")]
         best = min(kernel, key=lambda r: r["us"]) if kernel else None
+        mma = [r for r in ok if r["config"][0] == "mma"]
+        best_mma = min(mma, key=lambda r: r["us"]) if mma else None
+        early_off = (_time_without_early_loads(make_calls, best_mma["config"], device, copies)
+                     if best_mma and device.type == "cuda" else None)
         choice = best
         if kind == "plain" and base is not None and (best is None or base["us"] <= best["us"]):
             choice = {"config": ["cublas", 0, 0, 1, 0, 0], "us": base["us"]}
-        if choice is not None:
-            table[(kind, n, k, gemv.m_bucket(m))] = tuple(choice["config"])
-            if m == 16 and 8 not in M_VALUES[size]:
-                table[(kind, n, k, 8)] = tuple(choice["config"])
+        for key_kind, pick in ((kind, choice), ("mma", best_mma if best_mma and (best is None or best_mma["us"] < best["us"]) else None)):
+            if pick is not None:
+                table[(key_kind, n, k, gemv.m_bucket(m))] = tuple(pick["config"])
+                if m == 16 and 8 not in (m_values or M_VALUES[size]) and key_kind != "mma":
+                    table[(key_kind, n, k, 8)] = tuple(pick["config"])
         default = gemv.config_for(kind, n, k, m, device) if not gemv.GEMV_TABLE else None
         row = {"name": name, "n": n, "k": k, "m": m, "weights": kind, "bytes": moved, "copies": copies,
-               "baseline": base, "best": best, "chosen": list(choice["config"]) if choice else None,
+               "baseline": base, "best": best, "best_mma": best_mma, "best_mma_us_without_early_loads": early_off,
+               "chosen": list(choice["config"]) if choice else None,
                "heuristic": list(default) if default else None, "over_budget": over_budget, "all": results}
         rows.append(row)
         speedup = base["us"] / best["us"] if base and best else float("nan")
@@ -237,8 +311,11 @@ def sweep(device, out_dir: Path | None = None, smoke: bool = False, workers: int
             f"{best['us'] if best else float('nan'):7.1f} us {best['tb_s'] if best else float('nan'):.2f} TB/s "
             f"= {100 * (best['fraction_of_copy_bandwidth'] if best else float('nan')):.1f}% of copy | "
             f"{speedup:.2f}x {baseline_cfg[0]} | table {tuple(choice['config']) if choice else None}"
+            + (f" | mma {tuple(best_mma['config'])} {best_mma['us']:7.1f} us = "
+               f"{100 * best_mma['fraction_of_copy_bandwidth']:.1f}% of copy (without early loads "
+               f"{early_off if early_off is None else round(early_off, 1)} us)" if best_mma else "")
             + (" (over budget: heuristic only)" if over_budget else ""))
-        del weights, ys
+        del weights, ys, make_calls
         free_device_memory()
     result = {"environment": environment(), "bandwidth_bytes_per_s": bandwidth, "num_sms": num_sms,
               "rows": rows, "table": {repr(k): list(v) for k, v in table.items()},
@@ -285,6 +362,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=None, help="compile processes (default: min(16, cores))")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="seconds after which the remaining shapes time only the heuristic launch")
+    parser.add_argument("--weights", default="fp8,plain", help="weight kinds to sweep (comma-separated: fp8, plain)")
+    parser.add_argument("--m", default=None, help="rows to sweep (comma-separated; default 1,4,8,16)")
     parser.add_argument("--compile-worker", nargs=3, metavar=("JOBS", "INDEX", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_worker:
@@ -295,7 +374,8 @@ def main() -> int:
     if args.out is None:
         parser.error("--out is required")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    result = sweep(device, args.out, smoke=args.smoke, workers=args.workers, budget_s=args.budget_s)
+    result = sweep(device, args.out, smoke=args.smoke, workers=args.workers, budget_s=args.budget_s,
+                   kinds=tuple(args.weights.split(",")), m_values=tuple(int(v) for v in args.m.split(",")) if args.m else None)
     return 0 if result["rows"] and all(r["best"] for r in result["rows"]) else 1
 
 

@@ -463,14 +463,15 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
 @contextlib.contextmanager
 def kernel_env(name: str, value: str):
     """Kernels launched (and graphs captured) inside run with the environment variable `name`
-    (one of engine/kernels/launch.py's, read once and cached there) set to `value`."""
+    (one of engine/kernels/launch.py's or fp8_mma.py's, read once and cached there) set to `value`."""
     import os
 
-    from specdeploy.engine.kernels import launch
+    from specdeploy.engine.kernels import fp8_mma, launch
 
     old = os.environ.get(name)
     os.environ[name] = value
     launch.reset()
+    fp8_mma.reset()
     try:
         yield
     finally:
@@ -479,6 +480,7 @@ def kernel_env(name: str, value: str):
         else:
             os.environ[name] = old
         launch.reset()
+        fp8_mma.reset()
 
 
 def pdl_mode(value: str):
@@ -487,6 +489,14 @@ def pdl_mode(value: str):
     from specdeploy.engine.kernels import launch
 
     return kernel_env(launch.PDL_ENV, value)
+
+
+def small_m_kernel(mma: bool):
+    """FP8 linears of 1-8 rows on the CUDA mma kernel (engine/kernels/fp8_mma.py, where usable:
+    the engine's default) or, mma=False, on the Triton kernel's launches (SPECDEPLOY_FP8_MMA=0)."""
+    from specdeploy.engine.kernels import fp8_mma
+
+    return kernel_env(fp8_mma.SWITCH_ENV, "1" if mma else "0")
 
 
 def pdl_off():

@@ -38,7 +38,7 @@ bootstrap_specdeploy()
 
 import torch  # noqa: E402
 
-from common import (LLAMA_31_8B, TINY_LLAMA, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
+from common import (LLAMA_31_8B, TINY_LLAMA, catalog_gpu, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, write_json)
 
 SECTIONS = {
@@ -119,6 +119,8 @@ class Context:
         self.smoke = args.smoke
         self.device = torch.device("cpu" if args.smoke else args.device)
         self.profile = dict(PROFILES["smoke" if args.smoke else "device"])
+        if self.profile["gpu"] and self.device.type == "cuda":
+            self.profile["gpu"] = catalog_gpu(self.device)
         self.profile.update(_overrides(args))
         self.dtype = torch.bfloat16
         self.args = args

@@ -51,10 +51,17 @@ programmatic dependent launch like the others (engine/kernels/launch.py); with P
 prefetch the first launch.prefetch_bytes() of each weight row into L2 before its wait (off by
 default: measured no faster, docs/engine.md).
 
+FP8 weights with 1-8 rows of bf16/f16 x have a fourth loop outside this kernel: "mma", the CUDA
+kernel of engine/kernels/fp8_mma.py (the codes widened in registers straight into mma.sync
+fragments, x the mma's N), which `launch` hands such a launch to where it is usable, else the
+launch the table gives the Triton kernel.
+
 Launch parameters come from GEMV_TABLE, keyed by (weight kind, N, K, M bucket), where
 bench/gemv_sweep.py puts what it measures (`install_table` puts a just-measured table in place
 in-process); shapes not in it get `heuristic_config`. For plain weights an entry may say
-"cublas": the caller then runs F.linear (`plain_linear` returns None).
+"cublas": the caller then runs F.linear (`plain_linear` returns None). The kind "mma" keys the
+FP8 launches of the CUDA kernel, taken before the kind "fp8" (the Triton kernel's) wherever
+that kernel is usable and measured faster.
 """
 
 from __future__ import annotations
@@ -65,12 +72,14 @@ import torch
 import triton
 import triton.language as tl
 
+from specdeploy.engine.kernels import fp8_mma
 from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args, prefetch_bytes
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
 M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
-VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "sw8", "cublas")
+VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "sw8", "mma", "cublas")
+TRITON_VARIANTS = VARIANTS[:7]  # the loops of _gemv_kernel; "mma" is engine/kernels/fp8_mma.py's CUDA kernel
 QUANTIZING_VARIANTS = ("dot8", "wg8", "sw8")  # activations rounded to e4m3 in the kernel
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
@@ -287,12 +296,15 @@ def m_bucket(m: int) -> int:
 
 
 # (kind, N, K, M bucket) -> (variant, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); kind
-# "fp8" (e4m3 codes, any scale layout) or "plain" (bf16/fp16/fp32 weights). bench/gemv_sweep.py
-# prints a measured table in this format; paste it here. Measured on an H200 (132 SMs, `python3
-# bench/gemv_sweep.py --out DIR`: the Llama-3.1-8B shapes, bf16 activations, graphs of back-to-back
-# launches): the plain rows 2026-12-01 12:22 UTC, the fp8 rows 2026-12-02 20:19 UTC (commit 48cc106,
-# docs/benchmarks/runs/2026-12-02-48cc106/gemv_sweep.json, M 8 timed); other GPUs run these launches
-# too, only perhaps not the fastest ones.
+# "fp8" (e4m3 codes, any scale layout), "plain" (bf16/fp16/fp32 weights) or "mma" (e4m3 codes on
+# engine/kernels/fp8_mma.py's CUDA kernel, taken first where it is usable). bench/gemv_sweep.py
+# prints a measured table in this format; paste it here. Measured with `python3
+# bench/gemv_sweep.py --out DIR` (the Llama-3.1-8B shapes, bf16 activations, graphs of back-to-back
+# launches): the plain rows on an H200 2026-12-01 12:22 UTC, the fp8 rows on an H200 2026-12-02
+# 20:19 UTC (commit 48cc106, docs/benchmarks/runs/2026-12-02-48cc106/gemv_sweep.json, M 8 timed),
+# the mma rows on an H100 2026-12-06 11:14 UTC (`--weights fp8 --m 1,4,8`,
+# docs/benchmarks/runs/2026-12-06-mma/gemv_sweep.json: an mma row where the kernel beat that run's
+# best Triton launch); other GPUs run these launches too, only perhaps not the fastest ones.
 GEMV_TABLE: dict[tuple[str, int, int, int], tuple[str, int, int, int, int, int]] = {
     ('fp8', 4096, 4096, 1): ('fma', 8, 512, 1, 2, 3),
     ('fp8', 4096, 4096, 4): ('dot8', 64, 256, 8, 4, 3),
@@ -330,6 +342,16 @@ GEMV_TABLE: dict[tuple[str, int, int, int], tuple[str, int, int, int, int, int]]
     ('plain', 128256, 4096, 4): ('dot', 64, 128, 1, 4, 4),
     ('plain', 128256, 4096, 8): ('dot', 64, 128, 1, 4, 3),
     ('plain', 128256, 4096, 16): ('dot', 64, 128, 1, 4, 3),
+    # the CUDA mma kernel (engine/kernels/fp8_mma.py), where it beat the Triton launches above
+    ('mma', 4096, 4096, 1): ('mma', 16, 512, 1, 8, 1),
+    ('mma', 4096, 4096, 4): ('mma', 16, 256, 1, 8, 1),
+    ('mma', 4096, 4096, 8): ('mma', 32, 256, 2, 8, 1),
+    ('mma', 4096, 14336, 1): ('mma', 16, 256, 1, 8, 2),
+    ('mma', 4096, 14336, 4): ('mma', 32, 256, 4, 4, 1),
+    ('mma', 6144, 4096, 1): ('mma', 16, 256, 1, 8, 1),
+    ('mma', 6144, 4096, 4): ('mma', 32, 256, 1, 8, 1),
+    ('mma', 28672, 4096, 1): ('mma', 16, 256, 1, 8, 1),
+    ('mma', 28672, 4096, 4): ('mma', 32, 256, 1, 4, 1),
 }
 
 
@@ -337,7 +359,8 @@ def install_table(table: dict) -> None:
     """Put measured entries in place in this process (bench/gemv_sweep.py after a sweep)."""
     for key, cfg in table.items():
         kind, n, k, mb = key
-        if (kind not in ("fp8", "plain") or mb not in M_BUCKETS or cfg[0] not in VARIANTS or len(cfg) != 6
+        if (kind not in ("fp8", "plain", "mma") or mb not in M_BUCKETS or cfg[0] not in VARIANTS or len(cfg) != 6
+                or (kind == "mma") != (cfg[0] == "mma") or (kind == "mma" and mb > fp8_mma.MAX_M)
                 or (kind == "fp8" and cfg[0] == "cublas")
                 or (kind == "plain" and cfg[0] in ("dot16", "wg16", *QUANTIZING_VARIANTS))):
             raise ValueError(f"gemv table entry {key}: {cfg} is not a launch configuration")
@@ -349,16 +372,22 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int) -> tuple[str, int, int, int, int, int]:
-    """A launch for shapes not in GEMV_TABLE: "dot16" at every M (counted in PTX: one cvt per two
-    codes, where fma spends ~2.5 instructions per code and the bf16 dot ~1.5), BLOCK_K 256.
-    Each program converts and scales its [16, BLOCK_K] x tile whatever BLOCK_N is, so BLOCK_N
-    starts at 64 (x's work under ~2.5x the codes') and widens to 128 while >= CTAS_PER_SM
-    programs per SM remain; split-K makes up the rest, keeping >= MIN_K_BLOCKS_PER_SPLIT k
-    blocks per split. Plain weights default to cuBLAS (the sweep decides where the kernel beats
-    it)."""
+def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int, mma: bool = False) -> tuple[str, int, int, int, int, int]:
+    """A launch for shapes not in GEMV_TABLE. FP8 weights at up to 8 rows where the CUDA kernel is
+    usable (`mma`): "mma" with 16-row CTAs of 8 warps stepping 256 k, split along K while fewer
+    than two CTAs per SM remain (16-row tiles make >= 2 per SM from N = 4224 on 132 SMs).
+    Otherwise "dot16" at every M (counted in PTX: one cvt per two codes, where fma spends ~2.5
+    instructions per code and the bf16 dot ~1.5), BLOCK_K 256. Each program converts and scales
+    its [16, BLOCK_K] x tile whatever BLOCK_N is, so BLOCK_N starts at 64 (x's work under ~2.5x
+    the codes') and widens to 128 while >= CTAS_PER_SM programs per SM remain; split-K makes up
+    the rest, keeping >= MIN_K_BLOCKS_PER_SPLIT k blocks per split. Plain weights default to
+    cuBLAS (the sweep decides where the kernel beats it)."""
     if kind == "plain":
         return ("cublas", 0, 0, 1, 0, 0)
+    if mma and m <= fp8_mma.MAX_M:
+        tiles = triton.cdiv(n, fp8_mma.TILE_N)
+        split = max(1, min(triton.cdiv(2 * num_sms, tiles), k // (2 * 256), GEMV_MAX_SPLIT_K))
+        return ("mma", fp8_mma.TILE_N, 256, split, 8, 2)
     block_k = 256
     target = CTAS_PER_SM * num_sms
     block_n = 64
@@ -375,10 +404,24 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device.index or 0) if device.type == "cuda" else 132
 
 
-def config_for(kind: str, n: int, k: int, m: int, device: torch.device) -> tuple:
+def _mma_usable(device: torch.device) -> bool:
+    return device.type == "cuda" and fp8_mma.available(device)
+
+
+def config_for(kind: str, n: int, k: int, m: int, device: torch.device, mma: bool | None = None) -> tuple:
+    """The launch for this shape: for FP8 weights at up to 8 rows the CUDA kernel's ("mma" entries,
+    else its heuristic) where it is usable on `device` (mma=None: probe it) and the table has no
+    faster Triton launch; otherwise the Triton kernel's entry, else its heuristic."""
+    mma = _mma_usable(device) if mma is None and kind == "fp8" and m <= fp8_mma.MAX_M else bool(mma)
+    if kind == "fp8" and mma and m <= fp8_mma.MAX_M:
+        cfg = GEMV_TABLE.get(("mma", n, k, m_bucket(m)))
+        if cfg is not None:
+            return cfg
+        if ("fp8", n, k, m_bucket(m)) in GEMV_TABLE:  # measured, and no mma launch beat it
+            return GEMV_TABLE[("fp8", n, k, m_bucket(m))]
     cfg = GEMV_TABLE.get((kind, n, k, m_bucket(m)))
     if cfg is None:
-        cfg = heuristic_config(kind, n, k, m, _sms(device))
+        cfg = heuristic_config(kind, n, k, m, _sms(device), mma=mma)
     return cfg
 
 
@@ -439,6 +482,17 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     n = weight.shape[0]
     if scale is not None and weight.dtype != torch.float8_e4m3fn:
         raise ValueError("gemv: scales come with e4m3 codes")
+    if variant == "mma":
+        if scale is None:
+            raise ValueError("gemv: the mma launch multiplies e4m3 codes (FP8 weights only)")
+        if _mma_usable(x.device) and fp8_mma.supports(x, weight, scale, scale_n, out):
+            ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None
+            fp8_mma.launch(x, weight, scale, scale_n, bias, out, block_n, block_k, split_k, num_warps, num_stages,
+                           ws, bool(pdl_args(out)["USE_GDC"]))
+            return
+        # not a call that kernel computes (float32 x, more than 8 rows, a scale layout it does not
+        # read) or no NVRTC here: the Triton kernel's launch for the shape
+        variant, block_n, block_k, split_k, num_warps, num_stages = config_for("fp8", n, k, m, x.device, mma=False)
     mode, s_n, sn, sk = (0, 1, 0, 0) if scale is None else _scale_layout(scale, scale_n, block_n)
     ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None  # any eager call at a width makes it
     pdl = pdl_args(out)
@@ -465,7 +519,7 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
     the program's k range; 0 none."""
     if not 0 < m <= GEMV_MAX_M:
         raise ValueError(f"gemv: {m} rows (1..{GEMV_MAX_M})")
-    if variant not in VARIANTS[:-1] or block_k % GROUP_K or block_n < MIN_BLOCK_N:
+    if variant not in TRITON_VARIANTS or block_k % GROUP_K or block_n < MIN_BLOCK_N:
         raise ValueError(f"gemv: launch {variant, block_n, block_k} is not a kernel configuration")
     swap = variant == "sw8"
     quant_x = variant in ("dot8", "wg8")

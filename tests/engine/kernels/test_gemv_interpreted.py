@@ -164,7 +164,21 @@ for i, (kind, n, k, m, dtype, cfg) in enumerate([
     got = gemv.fp8_linear(x, codes, scale, scale_n, bias, config=cfg)
     check(got, reference(x, codes, scale, scale_n, bias.float() if bias is not None else None), dtype, (kind, cfg))
     assert counters_zero(), (kind, cfg)
-for variant in ("dot16", "wg16", *gemv.QUANTIZING_VARIANTS):  # e4m3 codes only
+# "mma", the CUDA kernel of engine/kernels/fp8_mma.py, is not usable here: a forced mma launch
+# runs the Triton kernel's launch for the shape; mma entries are mma launches of at most 8 rows
+codes, scale, scale_n = weights("block", 40, 512)
+x = torch.randn(3, 512).to(torch.bfloat16)
+assert torch.equal(gemv.fp8_linear(x, codes, scale, scale_n, config=("mma", 16, 256, 1, 8, 2)),
+                   gemv.fp8_linear(x, codes, scale, scale_n))
+assert gemv.config_for("fp8", 40, 512, 3, x.device)[0] != "mma"
+for bad in [{("mma", 72, 512, 4): ("fma", 8, 128, 2, 4, 2)}, {("fp8", 72, 512, 4): ("mma", 16, 256, 1, 8, 2)},
+            {("mma", 72, 512, 16): ("mma", 16, 256, 1, 8, 2)}]:
+    try:
+        gemv.install_table(bad)
+        raise AssertionError(f"{bad} was accepted")
+    except ValueError:
+        pass
+for variant in ("dot16", "wg16", "mma", *gemv.QUANTIZING_VARIANTS):  # e4m3 codes only
     try:
         gemv.plain_linear(torch.randn(1, 512), torch.randn(40, 512), config=(variant, 64, 256, 1, 4, 2))
         raise AssertionError(f"{variant} ran over plain weights")
