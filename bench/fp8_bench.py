@@ -185,6 +185,37 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
     return row
 
 
+def small_m_runner_multiples(target, head, sizes, device) -> dict:
+    """The FP8 target's EAGLE-3 step multiple (runner_multiple's figure, without launch-ahead)
+    with the small-M linears on the mma kernel and on the Triton launches: four runners (step and
+    decode under each kernel, graphs captured under its switch) alive together and timed in ROUNDS
+    interleaved rounds, so the two multiples compare within one stretch of time."""
+    from harness import decode_runner, loop_ms
+    steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
+    keys = [(mode, kind) for mode in KERNEL_MODES for kind in ("step_ms", "decode_step_ms")]
+    times: dict[tuple, list[float]] = {key: [] for key in keys}
+    try:
+        runners = {}
+        for mode, kind in keys:
+            with small_m_kernel(mode == "mma"):
+                runners[(mode, kind)] = decode_runner(
+                    target, 1, sizes["context"], ROUNDS * (steps + warmup) + 12, device, "capture", overlap=False,
+                    launch_ahead=False, **(dict(head=head, shape=CHAIN) if kind == "step_ms" else {}))
+        for _ in range(ROUNDS):
+            for key, runner in runners.items():
+                times[key].append(loop_ms(runner, steps, warmup, device))
+        del runners
+        free_device_memory()
+    except Exception as e:  # evidence beside the figure, not the figure
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    out: dict = {"rounds": ROUNDS}
+    for mode in KERNEL_MODES:
+        row = {kind: statistics.median(times[(mode, kind)]) for kind in ("step_ms", "decode_step_ms")}
+        row["step_over_decode"] = row["step_ms"] / row["decode_step_ms"]
+        out[mode] = row
+    return out
+
+
 def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
     """The same EAGLE-3 chain step and the plain decode step as back-to-back Runner.step()
     (harness.loop_ms), batch 1, both runners alive and timed in ROUNDS interleaved rounds
@@ -358,10 +389,11 @@ def markdown(result: dict) -> str:
                      + (f"; {multiple_text(row['launch_ahead'])}" if "step_ms" in row.get("launch_ahead", {}) else "")
                      + (f"; Runner.step, interleaved rounds: {multiple_text(row['runner'], 'without launch-ahead')}"
                         if "step_ms" in row.get("runner", {}) else ""))
-    triton = result.get("eagle3_runner_fp8_triton_small_m", {})
-    if "step_ms" in triton:
-        lines.append(f"- EAGLE-3 {CHAIN} on the fp8 target with the Triton small-M linears: Runner.step, interleaved "
-                     f"rounds: {multiple_text(triton, 'without launch-ahead')}")
+    both = result.get("eagle3_runner_fp8_by_small_m_kernel", {})
+    for mode in KERNEL_MODES:
+        if "step_ms" in both.get(mode, {}):
+            lines.append(f"- EAGLE-3 {CHAIN} on the fp8 target, small-M linears on {mode}: Runner.step, the two "
+                         f"kernels' runners in interleaved rounds: {multiple_text(both[mode], 'without launch-ahead')}")
     truth = result.get("planner_truth", {})
     if truth.get("terms"):
         lines += ["", "Planner truth, FP8 plan (EAGLE-3 chain, 16 requests x 2K):", "",
@@ -465,11 +497,11 @@ def main() -> int:
             from specdeploy.engine.kernels import fp8_mma
             if fp8_mma.available(device):
                 result["small_m_kernel"] = small_m_rows(target, sizes, device)
-                with small_m_kernel(False):
-                    triton_runner = runner_multiple(target, head, sizes, device, launch_ahead=False)
-                result["eagle3_runner_fp8_triton_small_m"] = triton_runner
-                log(f"fp8 (Triton small-M linears) EAGLE-3 Runner.step interleaved "
-                    f"{multiple_text(triton_runner, 'without launch-ahead')}")
+                both = small_m_runner_multiples(target, head, sizes, device)
+                result["eagle3_runner_fp8_by_small_m_kernel"] = both
+                for mode in KERNEL_MODES:
+                    log(f"fp8 (small-M linears on {mode}) EAGLE-3 Runner.step, the two kernels interleaved: "
+                        f"{multiple_text(both.get(mode, both), 'without launch-ahead')}")
         # A probe, not an engine path: the head's own linears in FP8 too (its lm_head and the
         # target's stay bf16), to see how much of the step multiple the head's bytes explain.
         fp8.quantize_model_linears(head, FORMAT)
@@ -507,9 +539,10 @@ def main() -> int:
             result["eagle3_multiple_fp8_over_bf16_runner"] = plain["fp8"] / plain["bf16"]
             result["goals"]["eagle3_multiple_fp8_over_bf16"] = {
                 "goal": 1.05, "better": "lower", "measured": plain["fp8"] / plain["bf16"]}
-            triton = result.get("eagle3_runner_fp8_triton_small_m", {}).get("step_over_decode")
-            if triton:  # evidence beside the goal: the same multiple with the Triton small-M launches
-                result["eagle3_multiple_fp8_triton_small_m_over_bf16_runner"] = triton / plain["bf16"]
+            both = result.get("eagle3_runner_fp8_by_small_m_kernel", {})
+            for mode in KERNEL_MODES:  # evidence beside the goal: the multiple under each small-M kernel
+                if "step_over_decode" in both.get(mode, {}):
+                    result[f"eagle3_multiple_fp8_{mode}_small_m_over_bf16_runner"] = both[mode]["step_over_decode"] / plain["bf16"]
         del target, head
         free_device_memory()
     except Exception:
