@@ -101,27 +101,32 @@ PDL_BATCHES = (1, 64, 256)
 ROUNDS = 5  # interleaved timing rounds of the figures compared side by side (PDL modes, Runner multiples)
 
 
+def interleaved_call_ms(target, batch: int, sizes, device, modes: dict) -> dict[str, float]:
+    """The graphed decode call's median under each mode ({name: a context manager factory the
+    graph is captured under}): every mode's graph captured over one KV pool and input, then
+    timed in ROUNDS interleaved rounds, the median of the rounds' medians (one graph timed alone
+    drifts by a few percent between captures)."""
+    calls: dict[str, EngineDecode] = {}
+    for name, under in modes.items():
+        with under():
+            calls[name] = EngineDecode(target, batch, sizes["context"], graph=True,
+                                       share=next(iter(calls.values()), None))
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(ROUNDS):
+        for name in modes:
+            times[name].append(time_ms(calls[name], device, warmup=2, reps=max(3, sizes["reps"] // ROUNDS))["median_ms"])
+    del calls
+    free_device_memory()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def pdl_rows(target, sizes, device, label: str) -> list[dict]:
-    """The graphed decode call's median under each PDL mode (harness.pdl_mode: "1" the engine's,
-    "all" PDL after library GEMMs too, "0" none), side by side at PDL_BATCHES: every mode's graph
-    captured over one KV pool and input, then timed in ROUNDS interleaved rounds, the median
-    of the rounds' medians (one graph timed alone drifts by a few percent between captures)."""
+    """The graphed decode call under each PDL mode (harness.pdl_mode: "1" the engine's, "all"
+    PDL after library GEMMs too, "0" none), side by side at PDL_BATCHES (interleaved_call_ms)."""
     rows = []
     for b in (b for b in PDL_BATCHES if b in sizes["batches"]):
-        calls: dict[str, EngineDecode] = {}
-        for mode in PDL_MODES:
-            with pdl_mode(mode):
-                calls[mode] = EngineDecode(target, b, sizes["context"], graph=True,
-                                           share=next(iter(calls.values()), None))
-        times: dict[str, list[float]] = {m: [] for m in PDL_MODES}
-        for _ in range(ROUNDS):
-            for mode in PDL_MODES:
-                times[mode].append(time_ms(calls[mode], device, warmup=2,
-                                           reps=max(3, sizes["reps"] // ROUNDS))["median_ms"])
-        del calls
-        free_device_memory()
-        row = {"weights": label, "batch": b, "rounds": ROUNDS,
-               **{f"pdl_{m}_ms": statistics.median(t) for m, t in times.items()}}
+        ms = interleaved_call_ms(target, b, sizes, device, {m: lambda m=m: pdl_mode(m) for m in PDL_MODES})
+        row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"pdl_{m}_ms": ms[m] for m in PDL_MODES}}
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
         rows.append(row)
@@ -135,23 +140,11 @@ KERNEL_BATCHES = (1, 4, 8)  # decode at 4 and 8 rows: the widths of an EAGLE-3 v
 def small_m_rows(target, sizes, device) -> list[dict]:
     """The FP8 graphed decode call with the small-M linears on the CUDA mma kernel (the engine's
     default where usable) and on the Triton kernel's launches (harness.small_m_kernel), side by
-    side at KERNEL_BATCHES: both graphs over one KV pool, timed in ROUNDS interleaved rounds."""
+    side at KERNEL_BATCHES (interleaved_call_ms)."""
     rows = []
     for b in KERNEL_BATCHES:
-        calls: dict[str, EngineDecode] = {}
-        for mode in KERNEL_MODES:
-            with small_m_kernel(mode == "mma"):
-                calls[mode] = EngineDecode(target, b, sizes["context"], graph=True,
-                                           share=next(iter(calls.values()), None))
-        times: dict[str, list[float]] = {m: [] for m in KERNEL_MODES}
-        for _ in range(ROUNDS):
-            for mode in KERNEL_MODES:
-                times[mode].append(time_ms(calls[mode], device, warmup=2,
-                                           reps=max(3, sizes["reps"] // ROUNDS))["median_ms"])
-        del calls
-        free_device_memory()
-        row = {"weights": "fp8", "batch": b, "rounds": ROUNDS,
-               **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
+        ms = interleaved_call_ms(target, b, sizes, device, {m: lambda m=m: small_m_kernel(m == "mma") for m in KERNEL_MODES})
+        row = {"weights": "fp8", "batch": b, "rounds": ROUNDS, **{f"{m}_ms": ms[m] for m in KERNEL_MODES}}
         row["triton_over_mma"] = row["triton_ms"] / row["mma_ms"]
         log(f"fp8 decode bs={b:<3} small-M linears on the mma kernel {row['mma_ms']:.3f} ms, on Triton "
             f"{row['triton_ms']:.3f} ms ({row['triton_over_mma']:.3f}x)")
@@ -185,32 +178,40 @@ def spec_row(target, head, sizes, device, decode_ms: float, label: str) -> dict:
     return row
 
 
+def interleaved_loops_ms(runners: dict, steps: int, warmup: int, device) -> dict:
+    """Each runner's Runner.step loop (harness.loop_ms) timed in ROUNDS interleaved rounds, the
+    median per runner; the runners are released after."""
+    from harness import loop_ms
+    times: dict = {key: [] for key in runners}
+    for _ in range(ROUNDS):
+        for key, runner in runners.items():
+            times[key].append(loop_ms(runner, steps, warmup, device))
+    runners.clear()
+    free_device_memory()
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def small_m_runner_multiples(target, head, sizes, device) -> dict:
     """The FP8 target's EAGLE-3 step multiple (runner_multiple's figure, without launch-ahead)
     with the small-M linears on the mma kernel and on the Triton launches: four runners (step and
     decode under each kernel, graphs captured under its switch) alive together and timed in ROUNDS
     interleaved rounds, so the two multiples compare within one stretch of time."""
-    from harness import decode_runner, loop_ms
+    from harness import decode_runner
     steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
-    keys = [(mode, kind) for mode in KERNEL_MODES for kind in ("step_ms", "decode_step_ms")]
-    times: dict[tuple, list[float]] = {key: [] for key in keys}
     try:
         runners = {}
-        for mode, kind in keys:
-            with small_m_kernel(mode == "mma"):
-                runners[(mode, kind)] = decode_runner(
-                    target, 1, sizes["context"], ROUNDS * (steps + warmup) + 12, device, "capture", overlap=False,
-                    launch_ahead=False, **(dict(head=head, shape=CHAIN) if kind == "step_ms" else {}))
-        for _ in range(ROUNDS):
-            for key, runner in runners.items():
-                times[key].append(loop_ms(runner, steps, warmup, device))
-        del runners
-        free_device_memory()
+        for mode in KERNEL_MODES:
+            for kind in ("step_ms", "decode_step_ms"):
+                with small_m_kernel(mode == "mma"):
+                    runners[(mode, kind)] = decode_runner(
+                        target, 1, sizes["context"], ROUNDS * (steps + warmup) + 12, device, "capture", overlap=False,
+                        launch_ahead=False, **(dict(head=head, shape=CHAIN) if kind == "step_ms" else {}))
+        medians = interleaved_loops_ms(runners, steps, warmup, device)
     except Exception as e:  # evidence beside the figure, not the figure
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     out: dict = {"rounds": ROUNDS}
     for mode in KERNEL_MODES:
-        row = {kind: statistics.median(times[(mode, kind)]) for kind in ("step_ms", "decode_step_ms")}
+        row = {kind: medians[(mode, kind)] for kind in ("step_ms", "decode_step_ms")}
         row["step_over_decode"] = row["step_ms"] / row["decode_step_ms"]
         out[mode] = row
     return out
@@ -222,22 +223,16 @@ def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
     (the medians: a figure timed minutes after the other drifts by a few percent); with
     launch-ahead (`--launch-ahead`: the next step launched before this one is waited for, so the
     device does not idle for the host between the step's graphs) or without."""
-    from harness import decode_runner, loop_ms
+    from harness import decode_runner
     graph_mode = "capture" if device.type == "cuda" else "padded"
     steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
-    times: dict[str, list[float]] = {"step_ms": [], "decode_step_ms": []}
     try:
         runners = {key: decode_runner(target, 1, sizes["context"], ROUNDS * (steps + warmup) + 12, device,
                                       graph_mode, overlap=False, launch_ahead=launch_ahead, **kw)
                    for key, kw in (("step_ms", dict(head=head, shape=CHAIN)), ("decode_step_ms", {}))}
-        for _ in range(ROUNDS):
-            for key, runner in runners.items():
-                times[key].append(loop_ms(runner, steps, warmup, device))
-        del runners
-        free_device_memory()
+        out = interleaved_loops_ms(runners, steps, warmup, device)
     except Exception as e:  # evidence beside the figure, not the figure
         return {"error": f"{type(e).__name__}: {e}"[:300]}
-    out = {key: statistics.median(t) for key, t in times.items()}
     out["rounds"] = ROUNDS
     out["step_over_decode"] = out["step_ms"] / out["decode_step_ms"]
     return out
