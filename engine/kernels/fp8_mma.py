@@ -141,11 +141,14 @@ def scale_mode(scale: torch.Tensor, scale_n: int) -> tuple[int, int, int] | None
     return None
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int, out: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int, out: torch.Tensor,
+             bias: torch.Tensor | None = None) -> bool:
     """Whether a launch of the kernel computes this call: CUDA, 1-8 rows of bf16/f16 x with unit
     stride along K, e4m3 weights [N, K] with 16-byte aligned rows, K a multiple of 128, a scale
-    layout of `scale_mode`."""
+    layout of `scale_mode`, a bias (if any) of x's dtype with unit stride."""
     m, k = x.shape
+    if bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1):
+        return False
     return (x.is_cuda and 0 < m <= MAX_M and x.dtype in (torch.bfloat16, torch.float16) and out.dtype == x.dtype
             and weight.dtype == torch.float8_e4m3fn and k % GROUP_K == 0 and x.stride(1) == 1 and weight.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0

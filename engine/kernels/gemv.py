@@ -485,7 +485,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     if variant == "mma":
         if scale is None:
             raise ValueError("gemv: the mma launch multiplies e4m3 codes (FP8 weights only)")
-        if _mma_usable(x.device) and fp8_mma.supports(x, weight, scale, scale_n, out):
+        if _mma_usable(x.device) and fp8_mma.supports(x, weight, scale, scale_n, out, bias):
             ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None
             fp8_mma.launch(x, weight, scale, scale_n, bias, out, block_n, block_k, split_k, num_warps, num_stages,
                            ws, bool(pdl_args(out)["USE_GDC"]))

@@ -175,12 +175,12 @@ def test_the_route_takes_it_and_falls_back():
         got = gemv.fp8_linear(x, codes, scale, scale_n)
         _within(got, F.linear(x.float(), wd))
     assert gemv.config_for("fp8", n, k, 16, dev)[0] != "mma"
-    # float32 x and 9+ rows: not the kernel's calls; a forced "mma" launch runs the Triton one
-    for x in (_x(2, k).float(), _x(12, k)):
-        got = gemv.fp8_linear(x, codes, scale, scale_n, config=("mma", 16, 256, 1, 8, 2))
+    # float32 x, 9+ rows, a float32 bias: not the kernel's calls; a forced "mma" launch runs the Triton one
+    for x, bias in ((_x(2, k).float(), None), (_x(12, k), None), (_x(3, k), torch.randn(n, device=DEV))):
+        got = gemv.fp8_linear(x, codes, scale, scale_n, bias, config=("mma", 16, 256, 1, 8, 2))
         triton_cfg = gemv.config_for("fp8", n, k, x.shape[0], dev, mma=False)
         assert triton_cfg[0] != "mma"
-        assert torch.equal(got, gemv.fp8_linear(x, codes, scale, scale_n, config=triton_cfg))
+        assert torch.equal(got, gemv.fp8_linear(x, codes, scale, scale_n, bias, config=triton_cfg))
 
 
 def test_the_switch_turns_it_off(monkeypatch):
