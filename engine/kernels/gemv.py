@@ -374,8 +374,9 @@ def _num_sms(device_index: int) -> int:
 
 def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int, mma: bool = False) -> tuple[str, int, int, int, int, int]:
     """A launch for shapes not in GEMV_TABLE. FP8 weights at up to 8 rows where the CUDA kernel is
-    usable (`mma`): "mma" with 16-row CTAs of 8 warps stepping 256 k, split along K while fewer
-    than two CTAs per SM remain (16-row tiles make >= 2 per SM from N = 4224 on 132 SMs).
+    usable (`mma`): "mma" with CTAs of 8 warps stepping 256 k, 16 rows and two weight buffers
+    up to 2 rows of x, 32 rows and one buffer above (what the 8B shapes' sweep chose at 1 and at
+    4-8 rows, docs/engine.md), split along K while fewer than two CTAs per SM remain.
     Otherwise "dot16" at every M (counted in PTX: one cvt per two codes, where fma spends ~2.5
     instructions per code and the bf16 dot ~1.5), BLOCK_K 256. Each program converts and scales
     its [16, BLOCK_K] x tile whatever BLOCK_N is, so BLOCK_N starts at 64 (x's work under ~2.5x
@@ -385,9 +386,10 @@ def heuristic_config(kind: str, n: int, k: int, m: int, num_sms: int, mma: bool 
     if kind == "plain":
         return ("cublas", 0, 0, 1, 0, 0)
     if mma and m <= fp8_mma.MAX_M:
-        tiles = triton.cdiv(n, fp8_mma.TILE_N)
+        block_n, buffers = (fp8_mma.TILE_N, 2) if m <= 2 else (2 * fp8_mma.TILE_N, 1)
+        tiles = triton.cdiv(n, block_n)
         split = max(1, min(triton.cdiv(2 * num_sms, tiles), k // (2 * 256), GEMV_MAX_SPLIT_K))
-        return ("mma", fp8_mma.TILE_N, 256, split, 8, 2)
+        return ("mma", block_n, 256, split, 8, buffers)
     block_k = 256
     target = CTAS_PER_SM * num_sms
     block_n = 64

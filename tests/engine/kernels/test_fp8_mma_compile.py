@@ -120,9 +120,9 @@ def test_configurations_and_layouts():
 
 def test_the_heuristic_keeps_two_ctas_per_sm():
     for n, k in SHAPES:
-        for m in (1, 8):
+        for m in (1, 2, 3, 8):
             variant, block_n, block_k, split, warps, stages = gemv.heuristic_config("fp8", n, k, m, 132, mma=True)
-            assert variant == "mma" and block_n == 16
+            assert variant == "mma" and (block_n, stages) == ((16, 2) if m <= 2 else (32, 1))
             tiles = -(-n // block_n)
             assert tiles * split >= 2 * 132 or k // split < 2 * block_k * 2, (n, k, split)
     assert gemv.heuristic_config("fp8", 4096, 4096, 9, 132, mma=True)[0] != "mma"
