@@ -62,7 +62,7 @@ def defines(block_n: int, block_k: int, split_k: int, num_warps: int, num_stages
             or num_stages not in (1, 2) or scale_mode not in (1, 2) or split_k < 1:
         raise ValueError(f"fp8_mma: {('mma', block_n, block_k, split_k, num_warps, num_stages)} is not a launch configuration")
     return tuple(sorted({
-        "TILES": block_n // TILE_N, "WARPS": num_warps, "CHUNKS": block_k // CHUNK_K, "SPLIT": min(split_k, 2),
+        "TILES": block_n // TILE_N, "WARPS": num_warps, "CHUNKS": block_k // CHUNK_K, "SPLIT": min(split_k, 2),  # the kernel asks only 1 or more
         "SCALE_MODE": scale_mode, "X_F16": int(x_f16), "HAS_BIAS": int(has_bias), "USE_GDC": int(use_gdc),
         "EARLY": int(EARLY_LOADS and use_gdc), "PIPE": int(num_stages == 2)}.items()))
 
@@ -156,17 +156,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int, bias: torch.Tensor | None,
-           out: torch.Tensor, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
+           out: torch.Tensor, block_n: int, block_k: int, split: int, k_split: int, num_warps: int, num_stages: int,
            workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool) -> None:
-    """One launch into out [M, N] (`supports` holds). split_k > 1 needs gemv's workspace for N
-    (float32 partials, int32 counters at zero); without one the launch runs unsplit."""
+    """One launch into out [M, N] (`supports` holds): `split` CTAs along K, each `k_split` wide (a
+    multiple of GROUP_K: gemv.k_splits). split > 1 needs gemv's workspace for N (float32 partials,
+    int32 counters at zero)."""
     m, k = x.shape
     n = weight.shape[0]
     mode, stride_sn, stride_sk = scale_mode(scale, scale_n)
-    k_blocks = k // GROUP_K
-    split = max(1, min(split_k, k_blocks)) if workspace is not None else 1
-    k_split = -(-k_blocks // split) * GROUP_K
-    split = -(-k // k_split)  # no empty splits
     defs = defines(block_n, block_k, split, num_warps, num_stages, mode, x.dtype == torch.float16, bias is not None, pdl)
     kern = _kernel(x.device, defs)
     ws, cnt = workspace if split > 1 else (out, out)

@@ -78,8 +78,8 @@ from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MI
 
 GROUP_K = 128  # scale tile width along K; also the inner step of the k loop
 M_BUCKETS = (1, 4, 8, 16)  # a call with M rows uses the first bucket >= M
-VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "sw8", "mma", "cublas")
-TRITON_VARIANTS = VARIANTS[:7]  # the loops of _gemv_kernel; "mma" is engine/kernels/fp8_mma.py's CUDA kernel
+TRITON_VARIANTS = ("fma", "dot", "dot16", "wg16", "dot8", "wg8", "sw8")  # the loops of _gemv_kernel
+VARIANTS = (*TRITON_VARIANTS, "mma", "cublas")  # "mma": engine/kernels/fp8_mma.py's CUDA kernel
 QUANTIZING_VARIANTS = ("dot8", "wg8", "sw8")  # activations rounded to e4m3 in the kernel
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N
 MIN_K_BLOCKS_PER_SPLIT = 4  # the heuristic keeps each split's k range this many BLOCK_Ks long
@@ -414,17 +414,11 @@ def config_for(kind: str, n: int, k: int, m: int, device: torch.device, mma: boo
     """The launch for this shape: for FP8 weights at up to 8 rows the CUDA kernel's ("mma" entries,
     else its heuristic) where it is usable on `device` (mma=None: probe it) and the table has no
     faster Triton launch; otherwise the Triton kernel's entry, else its heuristic."""
-    mma = _mma_usable(device) if mma is None and kind == "fp8" and m <= fp8_mma.MAX_M else bool(mma)
-    if kind == "fp8" and mma and m <= fp8_mma.MAX_M:
-        cfg = GEMV_TABLE.get(("mma", n, k, m_bucket(m)))
-        if cfg is not None:
-            return cfg
-        if ("fp8", n, k, m_bucket(m)) in GEMV_TABLE:  # measured, and no mma launch beat it
-            return GEMV_TABLE[("fp8", n, k, m_bucket(m))]
-    cfg = GEMV_TABLE.get((kind, n, k, m_bucket(m)))
-    if cfg is None:
-        cfg = heuristic_config(kind, n, k, m, _sms(device), mma=mma)
-    return cfg
+    use_mma = kind == "fp8" and m <= fp8_mma.MAX_M and (_mma_usable(device) if mma is None else mma)
+    mb = m_bucket(m)
+    # with mma: its entry, else a measured Triton launch (no mma launch beat it), else its heuristic
+    cfg = (use_mma and GEMV_TABLE.get(("mma", n, k, mb))) or GEMV_TABLE.get((kind, n, k, mb))
+    return cfg or heuristic_config(kind, n, k, m, _sms(device), mma=use_mma)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,8 +483,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
             raise ValueError("gemv: the mma launch multiplies e4m3 codes (FP8 weights only)")
         if _mma_usable(x.device) and fp8_mma.supports(x, weight, scale, scale_n, out, bias):
             ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None
-            fp8_mma.launch(x, weight, scale, scale_n, bias, out, block_n, block_k, split_k, num_warps, num_stages,
-                           ws, bool(pdl_args(out)["USE_GDC"]))
+            split, k_split = k_splits(k, fp8_mma.GROUP_K, split_k, ws is not None)
+            fp8_mma.launch(x, weight, scale, scale_n, bias, out, block_n, block_k, split, k_split, num_warps,
+                           num_stages, ws, bool(pdl_args(out)["USE_GDC"]))
             return
         # not a call that kernel computes (float32 x, more than 8 rows, a scale layout it does not
         # read) or no NVRTC here: the Triton kernel's launch for the shape
@@ -508,6 +503,16 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
         x, weight, scale if scale is not None else out, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk,
         **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl)
+
+
+def k_splits(k: int, unit: int, split_k: int, may_split: bool) -> tuple[int, int]:
+    """(splits, k range of one split) of a launch asking for `split_k` ranges of K in whole
+    `unit`s: at most GEMV_MAX_SPLIT_K (the workspace's depth), none without a workspace
+    (may_split False), no empty split."""
+    k_units = triton.cdiv(k, unit)
+    split = max(1, min(split_k, k_units, GEMV_MAX_SPLIT_K)) if may_split else 1
+    k_split = triton.cdiv(k_units, split) * unit
+    return triton.cdiv(k, k_split), k_split
 
 
 def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k: int, mode: int, scale_n: int,
@@ -534,10 +539,7 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
     block_m = 64 if variant in ("wg8", "wg16") else 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
-    k_blocks = triton.cdiv(k, block_k)
-    split_k = max(1, min(split_k, k_blocks, GEMV_MAX_SPLIT_K)) if n <= GEMV_SPLIT_MAX_N and has_workspace else 1
-    k_split = triton.cdiv(k_blocks, split_k) * block_k
-    split_k = triton.cdiv(k, k_split)  # no empty splits
+    split_k, k_split = k_splits(k, block_k, split_k, n <= GEMV_SPLIT_MAX_N and has_workspace)
     grid = (triton.cdiv(n, block_n), split_k)
     step = max(1, PREFETCH_SECTOR // weight_bytes)
     sectors = min(prefetch // weight_bytes, k_split) // step
