@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from typing import Any
+from typing import Any, NoReturn
 
 from specdeploy.engine.planner.options import DEFAULTS, default_context_length, options_from_args
 from specdeploy.engine.runtime.group import GroupError, PodGroup, pod_group
@@ -487,10 +487,10 @@ def tp_worker(rank: int, spec: RankSpec) -> None:
         logging.shutdown()
         os._exit(1)
     log.info("tensor-parallel rank %d: exiting", rank)
-    leave_tp_group()
+    end_group_process(0)
 
 
-def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
+def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> NoReturn:
     """A worker pod of a LeaderWorkerSet group (LWS_WORKER_INDEX > 0): its ranks of the plan,
     no HTTP. Joins the leader, starts its other local ranks, builds its Runner and follows rank
     0's steps until the leader ends the group (exit 0); a lost leader or a failed rank exits 1,
@@ -535,24 +535,39 @@ def serve_worker_pod(args: argparse.Namespace, group: PodGroup) -> int:
         ranks.pods = None
     if ranks.workers is not None:
         ranks.workers.stop()
-    leave_tp_group()
-    return 0
+    end_group_process(0)
 
 
-def leave_tp_group() -> None:
+def leave_tp_group() -> bool:
     """Tear down this process's tensor-parallel group before the interpreter exits: a gloo
     group still alive at exit aborts the process (std::terminate from its threads), which
-    would turn a clean shutdown into SIGABRT."""
-    import sys
-
+    would turn a clean shutdown into SIGABRT. True when this process was in a group."""
     if "torch" not in sys.modules:
-        return
+        return False
     from specdeploy.engine import parallel
 
+    if parallel.current() is None:
+        return False
     try:
         parallel.destroy_tp()
     except Exception as e:  # noqa: BLE001 - a peer already gone: exit anyway
         log.debug("tensor-parallel group teardown: %s", e)
+    return True
+
+
+def end_group_process(code: int) -> NoReturn:
+    """End a process that was in a tensor-parallel group with `code`, now: its group is torn
+    down and its logs flushed, and the interpreter's finalization is skipped. Torch's gloo and
+    store threads can still be joinable when C++ statics are destroyed, and std::terminate
+    then turns a clean exit 0 into SIGABRT (rarely, under load)."""
+    leave_tp_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class TensorParallelRanks:

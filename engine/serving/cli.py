@@ -17,7 +17,8 @@ from specdeploy.engine.planner.options import add_arguments
 from specdeploy.engine.planner.plan import SERVER_ROLES
 from specdeploy.engine.planner.shapes import ALGORITHMS, COMPUTE_DTYPES
 from specdeploy.engine.runtime.group import GROUP_PORT, RENDEZVOUS_TIMEOUT_S, GroupError, pod_group
-from specdeploy.engine.serving.boot import QUEUE_PER_RUNNING_REQUEST, boot, configure_logging, leave_tp_group, log, serve_worker_pod
+from specdeploy.engine.serving.boot import (QUEUE_PER_RUNNING_REQUEST, boot, configure_logging, end_group_process,
+                                            leave_tp_group, log, serve_worker_pod)
 from specdeploy.engine.serving.limits import (CONCURRENT_PER_SCHEDULED_REQUEST, DEFAULT_BODY_TIMEOUT_S,
                                               DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                               DEFAULT_STALL_TIMEOUT_S, MIN_CONCURRENT_REQUESTS)
@@ -151,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
         booted.server.run()
     finally:
         booted.ranks.stop()
-        leave_tp_group()
+        grouped = leave_tp_group()
+    if grouped:
+        end_group_process(booted.server.exit_code)
     return booted.server.exit_code
 
 
