@@ -810,7 +810,10 @@ def script_goal_rows(scripts: dict) -> list[tuple[list, dict]]:
         names = {"batch1_fp8_over_bf16": ("FP8 / bf16 decode call at batch 1 (Llama-3.1-8B shape)", "x"),
                  "batch1_fraction_of_fp8_roofline": ("FP8 decode call at batch 1, share of the FP8 roofline", "%"),
                  "fp8_over_bf16_every_batch_min": ("FP8 / bf16 decode call, worst batch of 1-256", "x"),
-                 "eagle3_multiple_fp8_over_bf16": ("EAGLE-3 chain step multiple, FP8 target / bf16 target", "x")}
+                 "eagle3_multiple_fp8_over_bf16": ("EAGLE-3 chain step multiple, FP8 target / bf16 target", "x"),
+                 "eagle3_multiple_fp8_draft_fp8_over_bf16": (
+                     "EAGLE-3 chain step multiple, FP8 target with the head quantized at load (--draft-quantization "
+                     "fp8) / bf16 target", "x")}
         for key, g in (fp8["data"].get("goals") or {}).items():
             figure, unit = names.get(key, (key, "x"))
             lower = g.get("better") == "lower"

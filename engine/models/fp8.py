@@ -40,6 +40,7 @@ from specdeploy.engine.models.layers import (
     fused_kernels,
     materialize,
 )
+from specdeploy.engine.planner.shapes import DRAFT_QUANTIZATION_BLOCK
 from torch import nn
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -498,10 +499,25 @@ def quantization_config(fmt: FP8Format) -> dict:
                                                                 "strategy": "token", "dynamic": True}}}}
 
 
+# The engine's draft quantization at load (planner SpecSettings.draft_quantization "fp8"): the
+# block layout of DeepSeek's and Qwen's FP8 checkpoints, which every FP8 kernel path serves.
+DRAFT_FP8_FORMAT = FP8Format("block", "weight_scale_inv", (DRAFT_QUANTIZATION_BLOCK, DRAFT_QUANTIZATION_BLOCK))
+
+
+def quantize_draft(draft: nn.Module, quantization: str) -> list[str]:
+    """A loaded draft head's linears quantized in place as the plan says (DRAFT_QUANTIZATIONS):
+    "fp8" converts every projection of its layers and its input projection to DRAFT_FP8_FORMAT;
+    lm_head, embeddings and norms stay. -> the converted paths."""
+    if quantization != "fp8":
+        raise ValueError(f"draft quantization {quantization!r}: the engine quantizes drafts to fp8 only")
+    return quantize_model_linears(draft, DRAFT_FP8_FORMAT)
+
+
 @torch.no_grad()
 def quantize_model_linears(model: nn.Module, fmt: FP8Format, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
     """Quantize a built model's parallel linears in place, as an FP8 checkpoint of its current
-    weights would be loaded (benchmarks of FP8 against bf16 on the same weights): each becomes
+    weights would be loaded (a draft quantized at load, quantize_draft; benchmarks of FP8 against
+    bf16 on the same weights): each becomes
     its FP8 variant holding e4m3 codes and scales; the high-precision weights are dropped. Fused
     parts are quantized part by part, as a checkpoint stores them. -> the converted paths."""
     converted = []

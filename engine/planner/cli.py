@@ -27,7 +27,8 @@ from specdeploy.engine.planner.shapes import ALGORITHMS, ConfigError
 from specdeploy.engine.planner.weights import UNUSED_HEAD_TENSORS, CheckpointWeights, load_model
 
 # The EngineOptions a plan depends on (the others are the engine's own).
-PLAN_OPTIONS = ("num_steps", "topk", "num_draft_tokens", "max_running_requests", "context_length", "kv_cache_dtype")
+PLAN_OPTIONS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization", "max_running_requests", "context_length",
+                "kv_cache_dtype")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -129,10 +130,10 @@ def _plan(args: argparse.Namespace) -> Plan:
                                    if args.draft else (None, None))
     gpu = custom_gpu(args.gpu_memory_gib) if args.gpu_memory_gib is not None else GPUS[args.gpu]
     if args.algorithm == "NONE":
-        spec = SpecSettings("NONE", 0, 0, 0)
+        spec = SpecSettings("NONE", 0, 0, 0, args.draft_quantization)
     else:
         draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None else args.num_steps + 1
-        spec = SpecSettings(args.algorithm, args.num_steps, args.topk, draft_tokens)
+        spec = SpecSettings(args.algorithm, args.num_steps, args.topk, draft_tokens, args.draft_quantization)
     limits = Limits(args.max_running_requests, _context_length(args, target_config), args.max_running_requests)
     return plan_from_configs(
         target_config, draft_config, spec, gpu, limits,
@@ -186,7 +187,9 @@ def format_plan(p: Plan) -> str:
             continue
         rows += [
             (label, f"{t.architecture or t.model_type} as {t.role}, {t.dtype}, {t.num_layers} layer{'s' if t.num_layers != 1 else ''}, {t.attention} attention"),
-            ("  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}), {_gib(t.weight_bytes_per_gpu)} per GPU"),
+            ("  params / weights", f"{t.num_params / 1e9:.3f} B / {_gib(t.weight_bytes)} (from {t.weight_source}"
+                                   + (f", linears quantized to {t.quantized_at_load} at load" if t.quantized_at_load != "none" else "")
+                                   + f"), {_gib(t.weight_bytes_per_gpu)} per GPU"),
             ("  KV bytes per token", f"{t.kv_cache_bytes_per_token} ({t.kv_cache_bytes_per_token_per_gpu} per GPU)"
                                      + (f", {t.kv_cache_dtype}" if t.kv_cache_dtype != "auto" else "")),
         ]

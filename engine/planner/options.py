@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from specdeploy.engine.planner.shapes import KV_CACHE_DTYPES
+from specdeploy.engine.planner.shapes import DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ class EngineOptions:
     kv_cache_dtype: str = _option(
         "auto", "KV cache storage: auto (the compute dtype) or fp8_e4m3 (e4m3 codes with per-layer scales: half "
         "the bytes per token of bf16)", choices=tuple(KV_CACHE_DTYPES), resource="engine.kvCacheDtype")
+    draft_quantization: str = _option(
+        "none", "the draft head's weights: none (as its checkpoint stores them) or fp8 (its linears quantized to "
+        "e4m3 with 128 x 128 block scales as they load: about half the bytes a draft step reads; lm_head, "
+        "embeddings and norms stay; the target still verifies every token)", choices=DRAFT_QUANTIZATIONS,
+        resource="speculative.draftQuantization")
     prefix_cache: bool = _option(
         True, "reuse the KV of shared prompt prefixes (system prompts, chat history) held in the KV pool's "
         "unused slots", resource="engine.prefixCache")

@@ -71,11 +71,15 @@ from specdeploy.engine.planner.errors import UncomputedDtypeError
 from specdeploy.engine.planner.shapes import (
     ALGORITHMS,
     COMPUTE_DTYPES,
+    DRAFT_QUANTIZATIONS,
     ConfigError,
     ModelShapes,
     derive_draft_shapes,
     derive_shapes,
     draft_input_hidden_size,
+    draft_linears,
+    draft_quantization_refusal,
+    fp8_block_bytes,
     kv_cache_bytes_per_token_per_gpu,
     kv_heads_per_gpu,
     tensor_parallel_params,
@@ -384,16 +388,27 @@ class SpecSettings:
     num_steps: int = DEFAULTS.num_steps
     topk: int = DEFAULTS.topk
     num_draft_tokens: int = DEFAULTS.num_steps + 1
+    # how the engine quantizes the draft head's weights as it loads them (DRAFT_QUANTIZATIONS)
+    draft_quantization: str = DEFAULTS.draft_quantization
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """PlanError for an unknown algorithm, or (unless NONE) a shape SpecShape.validate refuses."""
+        """PlanError for an unknown algorithm, or (unless NONE) a shape SpecShape.validate refuses,
+        or a draft quantization the algorithm has no head for."""
         if self.algorithm not in ALGORITHMS:
             raise PlanError("InvalidSpeculativeSettings", f"algorithm: unknown {self.algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
         if self.algorithm != "NONE":
             SpecShape(self.num_steps, self.topk, self.num_draft_tokens).validate()
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise PlanError("InvalidSpeculativeSettings", f"draft_quantization: unknown {self.draft_quantization!r}; "
+                            f"expected one of {', '.join(DRAFT_QUANTIZATIONS)}")
+        if self.draft_quantization != "none" and self.algorithm not in ("EAGLE", "EAGLE3"):
+            why = ("it has no draft" if self.algorithm == "NONE" else
+                   "its layers are part of the target checkpoint and load as it stores them")
+            raise PlanError("InvalidSpeculativeSettings", f"draft_quantization {self.draft_quantization}: applies to "
+                            f"EAGLE and EAGLE3 heads, not algorithm {self.algorithm} ({why})")
 
     @property
     def shape(self) -> SpecShape:
@@ -449,6 +464,9 @@ class ModelTerms:
     kv_cache_bytes_per_request_per_gpu: int
     kv_cache_bytes_per_in_flight_token_per_gpu: int
     kv_cache_dtype: str = "auto"  # "auto": K/V in `dtype`; "fp8_e4m3": e4m3 codes + per-layer scales
+    # "fp8": the engine quantizes this draft's linears as it loads them (SpecSettings.draft_quantization);
+    # weight_bytes and weight_bytes_per_gpu count them in FP8
+    quantized_at_load: str = "none"
 
 
 @dataclass(frozen=True)
@@ -757,9 +775,24 @@ def _weight_bytes_per_gpu(shapes: ModelShapes, weights: int, weight_source: str,
     return weights - (whole - part) * shapes.dtype_bytes
 
 
+def _quantized_at_load(shapes: ModelShapes, weights: int, per_gpu: int, tp: int,
+                       target_spec_hidden_size: int) -> tuple[int, int]:
+    """(weights, weights per GPU) of a draft whose linears the engine quantizes to FP8 as it
+    loads them: their stored bytes (the compute dtype's) replaced by their e4m3 codes and block
+    scales (draft_linears, fp8_block_bytes). plan() refused the drafts it cannot quantize."""
+    def saved(ranks: int) -> int:
+        linears = draft_linears(shapes, ranks, target_spec_hidden_size) or []
+        return sum(sum(parts) * k * shapes.dtype_bytes - fp8_block_bytes(kind, parts, k) for kind, parts, k in linears)
+
+    return weights - saved(1), per_gpu - saved(tp)
+
+
 def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | None, tp: int,
-                 target_spec_hidden_size: int) -> ModelTerms:
+                 target_spec_hidden_size: int, quantize: str = "none") -> ModelTerms:
     weights, weight_source = _weights(shapes, weight_bytes, source)
+    per_gpu = _weight_bytes_per_gpu(shapes, weights, weight_source, tp, target_spec_hidden_size)
+    if quantize != "none":
+        weights, per_gpu = _quantized_at_load(shapes, weights, per_gpu, tp, target_spec_hidden_size)
     return ModelTerms(
         model_type=shapes.model_type,
         architecture=shapes.architecture,
@@ -776,7 +809,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | No
         num_params=shapes.num_params,
         weight_bytes=weights,
         weight_source=weight_source,
-        weight_bytes_per_gpu=_weight_bytes_per_gpu(shapes, weights, weight_source, tp, target_spec_hidden_size),
+        weight_bytes_per_gpu=per_gpu,
         kv_cache_bytes_per_token=shapes.kv_cache_bytes_per_token,
         kv_cache_dtype=shapes.kv_cache_dtype,
         kv_cache_bytes_per_token_per_gpu=kv_cache_bytes_per_token_per_gpu(shapes, tp),
@@ -784,6 +817,7 @@ def _model_terms(shapes: ModelShapes, weight_bytes: int | None, source: str | No
         # replicated on every rank
         kv_cache_bytes_per_request_per_gpu=shapes.kv_cache_bytes_per_request,
         kv_cache_bytes_per_in_flight_token_per_gpu=shapes.kv_cache_bytes_per_in_flight_token,
+        quantized_at_load=quantize,
     )
 
 
@@ -940,6 +974,9 @@ def plan(
     if role not in SERVER_ROLES:
         raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(SERVER_ROLES)}")
     check_servable(target.v4 is not None, spec.algorithm)
+    if draft is not None and spec.draft_quantization != "none" and draft.quantization:
+        raise PlanError("InvalidSpeculativeSettings", f"draft_quantization {spec.draft_quantization}: the draft "
+                        f"checkpoint is already quantized ({draft.quantization}); it loads as it is stored")
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
     if not 1 <= max_nodes <= MAX_NODES:
@@ -947,13 +984,15 @@ def plan(
     refusals: list[str] = []  # TP sizes that cannot split the heads, and why
     last: tuple[int, int, MemoryTerms] | None = None
     for tp, nodes in group_sizes(gpus_per_node, max_nodes, tensor_parallel_size):
-        refusal = _tp_refusal(target, tp) or (draft and _tp_refusal(draft, tp))
+        refusal = _tp_refusal(target, tp) or (draft and _tp_refusal(draft, tp)) or (
+            draft and spec.draft_quantization != "none"
+            and draft_quantization_refusal(draft, tp, target.spec_hidden_size))
         if refusal:
             refusals.append(f"TP {tp}: {refusal}")
             continue
         target_terms = _model_terms(target, target_weight_bytes, target_weight_source, tp, target.spec_hidden_size)
-        draft_terms = (_model_terms(draft, draft_weight_bytes, draft_weight_source, tp, target.spec_hidden_size)
-                       if draft else None)
+        draft_terms = (_model_terms(draft, draft_weight_bytes, draft_weight_source, tp, target.spec_hidden_size,
+                                    spec.draft_quantization) if draft else None)
         memory = _memory_terms(target_terms, draft_terms, target, draft, spec, gpu, limits, buffers, tp, role)
         max_total_tokens = memory.kv_cache_bytes // memory.kv_cache_bytes_per_token
         last = (tp, nodes, memory)

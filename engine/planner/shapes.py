@@ -51,6 +51,11 @@ DTYPE_ALIASES = {
 # fp8_e4m3: K and V stored as e4m3 codes with one float32 scale per layer for each (from the
 # checkpoint's k_scale / v_scale where it has them, else 1); the scales are not per token.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": 1}
+# How the engine may quantize a draft head's weights as it loads them: none (as the checkpoint
+# stores them), fp8 (e4m3 codes, one float32 scale per 128 x 128 block: every projection of the
+# head's layers and its input projection; lm_head, embeddings and norms stay as stored).
+DRAFT_QUANTIZATIONS = ("none", "fp8")
+DRAFT_QUANTIZATION_BLOCK = 128
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NONE")
 DRAFT_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "NONE")
@@ -152,6 +157,58 @@ def draft_input_hidden_size(algorithm: str, target: ModelShapes) -> int:
 def kv_heads_per_gpu(num_kv_heads: int, tensor_parallel_size: int) -> int:
     """KV heads one GPU holds: split across TP ranks, replicated when there are fewer than ranks."""
     return max(1, num_kv_heads // tensor_parallel_size)
+
+
+def draft_linears(shapes: ModelShapes, tensor_parallel_size: int,
+                  target_spec_hidden_size: int | None = None) -> list[tuple[str, tuple[int, ...], int]] | None:
+    """One rank's linears that a draft quantized at load converts (DRAFT_QUANTIZATIONS), as
+    (kind, output rows of each fused part, input columns K): per layer the fused q/k/v
+    ("merged"), o ("row"), the fused gate/up ("merged") and down ("row") as engine/models shards
+    them, and the head's input projection ("row": EAGLE fc [Hs, H + Hs], EAGLE-3 fc [H, 3H], split
+    by input columns). None for a model that is not a dense GQA EAGLE or EAGLE-3 head."""
+    if shapes.role not in ("EAGLE", "EAGLE3") or shapes.attention != "gqa" or shapes.num_routed_experts:
+        return None
+    tp, h, hd = tensor_parallel_size, shapes.hidden_size, shapes.head_dim
+    q = shapes.num_heads * hd // tp
+    kv = kv_heads_per_gpu(shapes.num_kv_heads, tp) * hd
+    i = shapes.intermediate_size // tp
+    attn_in = 2 * h if shapes.role == "EAGLE3" else h
+    layer = [("merged", (q, kv, kv), attn_in), ("row", (h,), q), ("merged", (i, i), h), ("row", (h,), i)]
+    if shapes.role == "EAGLE":
+        hs = target_spec_hidden_size or shapes.spec_hidden_size
+        fc = ("row", (hs,), (h + hs) // tp)
+    else:
+        fc = ("row", (h,), EAGLE3_AUX_LAYERS * h // tp)
+    return layer * shapes.num_layers + [fc]
+
+
+def fp8_block_bytes(kind: str, parts: tuple[int, ...], k: int) -> int:
+    """Bytes of one rank's linear (draft_linears) in e4m3 with float32 scales per
+    DRAFT_QUANTIZATION_BLOCK square, laid out as engine/models/fp8.py does: fused parts keep the
+    block grid when every part but the last fills whole blocks, else one scale row per output row."""
+    b, n = DRAFT_QUANTIZATION_BLOCK, sum(parts)
+    grid = kind != "merged" or all(p % b == 0 for p in parts[:-1])
+    return n * k + 4 * (-(-n // b) if grid else n) * -(-k // b)
+
+
+def draft_quantization_refusal(shapes: ModelShapes, tensor_parallel_size: int,
+                               target_spec_hidden_size: int | None = None) -> str | None:
+    """Why the engine cannot quantize this draft's linears at `tensor_parallel_size`, or None: a
+    head that is not a dense GQA EAGLE / EAGLE-3 one, or a rank's slice that would cut a scale
+    block (every split width a multiple of DRAFT_QUANTIZATION_BLOCK)."""
+    linears = draft_linears(shapes, tensor_parallel_size, target_spec_hidden_size)
+    if linears is None:
+        return f"{shapes.role} head ({shapes.model_type}, {shapes.attention} attention) is not a dense GQA head"
+    if tensor_parallel_size == 1:
+        return None
+    b = DRAFT_QUANTIZATION_BLOCK
+    for kind, parts, k in linears:
+        split = parts if kind == "merged" else (k,)
+        if any(width % b for width in split):
+            what = "output rows" if kind == "merged" else "input columns"
+            return (f"{shapes.role} head at TP {tensor_parallel_size}: a rank's {what} "
+                    f"({', '.join(map(str, split))}) would cut its {b}-wide FP8 scale blocks")
+    return None
 
 
 def tensor_parallel_params(shapes: ModelShapes, tensor_parallel_size: int,

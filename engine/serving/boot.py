@@ -112,10 +112,12 @@ def _spec_settings(args: argparse.Namespace):
     from specdeploy.engine.planner.plan import SpecSettings
 
     algorithm = args.algorithm or "NONE"
+    quantization = args.draft_quantization or DEFAULTS.draft_quantization
     if algorithm == "NONE":
-        return SpecSettings("NONE", 0, 0, 0)
+        return SpecSettings("NONE", 0, 0, 0, quantization)
     steps = args.num_steps or DEFAULTS.num_steps
-    return SpecSettings(algorithm, steps, args.topk or DEFAULTS.topk, args.num_draft_tokens or steps + 1)
+    return SpecSettings(algorithm, steps, args.topk or DEFAULTS.topk, args.num_draft_tokens or steps + 1,
+                        quantization)
 
 
 def resolve_model_path(name: str, revision: str = "main") -> Path:
@@ -191,6 +193,10 @@ def make_plan(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None
         if args.kv_cache_dtype is not None and args.kv_cache_dtype != plan.target.kv_cache_dtype:
             log.warning("plan: kv_cache_dtype is %s in the plan and %s on the command line; using the plan's",
                         plan.target.kv_cache_dtype, args.kv_cache_dtype)
+        planned = plan.draft.quantized_at_load if plan.draft else "none"
+        if args.draft_quantization is not None and args.draft_quantization != planned:
+            log.warning("plan: draft_quantization is %s in the plan and %s on the command line; using the plan's",
+                        planned, args.draft_quantization)
     else:
         target_config, target_weight_bytes = load_model_path(target_dir)
         draft_config, draft_weight_bytes = (load_model_path(draft_dir, UNUSED_HEAD_TENSORS)
@@ -426,6 +432,13 @@ def _load_pair(spec: RankSpec, plan, target_dir: Path, draft_dir: Path | None, d
         else:
             draft = (_random_draft(spec, draft_dir, plan, target, dtype, device, rank) if spec.random_weights
                      else load_draft(str(draft_dir), plan.algorithm, target, dtype, device))
+        if plan.draft.quantized_at_load != "none":
+            from specdeploy.engine.models import fp8
+
+            converted = fp8.quantize_draft(draft, plan.draft.quantized_at_load)
+            log.info("draft: %d linears quantized to %s as planned (e4m3, %s block scales); its other weights stay %s",
+                     len(converted), plan.draft.quantized_at_load, "x".join(map(str, fp8.DRAFT_FP8_FORMAT.block)),
+                     str(dtype).removeprefix("torch."))
         weight_bytes += _param_bytes(draft)
         log.info("draft loaded: %d layer(s), %s in %.1f s", draft.cfg.num_layers,
                  human_bytes(_param_bytes(draft)), time.monotonic() - t1)

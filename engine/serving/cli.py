@@ -45,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="hub revision (branch, tag or commit sha) of an HF-id --draft (default: main)")
     # Defaults are None so that, with --plan, only what was really given is compared with the plan.
     p.add_argument("--algorithm", choices=ALGORITHMS, help="default: the plan's, else NONE")
-    add_arguments(p, ("num_steps", "topk", "num_draft_tokens", "adaptive_speculation"), defaults=False, note=WITH_PLAN)
+    add_arguments(p, ("num_steps", "topk", "num_draft_tokens", "adaptive_speculation", "draft_quantization"),
+                  defaults=False, note=WITH_PLAN)
     p.add_argument("--plan", help="plan.json from the operator; without it the plan is computed here")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     add_arguments(p, ("kv_cache_dtype", "max_running_requests", "context_length"), defaults=False, note=WITH_PLAN)

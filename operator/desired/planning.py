@@ -108,6 +108,7 @@ def _plan_engine(
             num_steps=settings.get("num_steps", 0),
             topk=settings.get("topk", 0),
             num_draft_tokens=settings.get("num_draft_tokens", 0),
+            draft_quantization=settings.get("draft_quantization", "none"),
         )
         limits = planner.Limits(
             max_running_requests=settings["max_running_requests"],

@@ -274,6 +274,9 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
         )
         if speculative.get("adaptive"):  # absent when off: existing pods keep their config hash
             settings["adaptive"] = True
+    quantization = speculative.get("draftQuantization", DEFAULTS.draft_quantization)
+    if quantization != DEFAULTS.draft_quantization:  # absent when none: existing pods keep their config hash
+        settings["draft_quantization"] = quantization
     if engine.get("dtype"):
         settings["dtype"] = engine["dtype"]
     if engine.get("kvCacheDtype", DEFAULTS.kv_cache_dtype) != "auto":
@@ -307,6 +310,8 @@ def engine_args(settings: dict[str, Any]) -> list[str]:
         ]
         if settings.get("adaptive"):
             args.append("--adaptive-speculation")
+        if settings.get("draft_quantization", DEFAULTS.draft_quantization) != DEFAULTS.draft_quantization:
+            args += ["--draft-quantization", settings["draft_quantization"]]
     # Always the planned dtype: the engine's own default (auto) means bf16 on GPU, which is not
     # what a float16 or float32 plan sized.
     args += ["--plan", PLAN_PATH, "--dtype", settings["dtype"]]

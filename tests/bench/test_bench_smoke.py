@@ -122,13 +122,17 @@ def test_fp8_bench_smoke(tmp_path):
     fp8_b1 = next(r for r in result["decode"] if r["weights"] == "fp8" and r["batch"] == 1)
     bf16_b1 = next(r for r in result["decode"] if r["weights"] == "bf16" and r["batch"] == 1)
     assert fp8_b1["bytes_per_step"] < bf16_b1["bytes_per_step"]  # the FP8 roofline counts e4m3 codes
-    assert [s["weights"] for s in result["speculative"]] == ["bf16", "fp8", "fp8 target, fp8 head (probe)"]
+    quantized_head = "fp8 target, head quantized at load (--draft-quantization fp8)"
+    assert [s["weights"] for s in result["speculative"]] == ["bf16", "fp8", quantized_head]
     assert all("error" not in s for s in result["speculative"]), result["speculative"]
     runner = {s["weights"]: s["runner"] for s in result["speculative"]}
     assert all(r["rounds"] >= 3 and r["step_ms"] > 0 for r in runner.values()), runner
     kept = result["goals"]["eagle3_multiple_fp8_over_bf16"]
     assert kept["better"] == "lower" and kept["measured"] == pytest.approx(
         runner["fp8"]["step_over_decode"] / runner["bf16"]["step_over_decode"])
+    quantized = result["goals"]["eagle3_multiple_fp8_draft_fp8_over_bf16"]
+    assert quantized["measured"] == pytest.approx(
+        runner[quantized_head]["step_over_decode"] / runner["bf16"]["step_over_decode"])
     assert result["eagle3_multiple_fp8_over_bf16_call"] == pytest.approx(
         result["speculative"][1]["step_over_decode"] / result["speculative"][0]["step_over_decode"])
     terms = result["planner_truth"]["terms"]

@@ -42,6 +42,13 @@ INVALID = {
         spec(draft=None, speculative={"algorithm": "NONE", "adaptive": True}),
         "adaptive speculation needs a draft",
     ),
+    "draft-quantization-without-draft": (
+        spec(draft=None, speculative={"algorithm": "NONE", "draftQuantization": "fp8"}),
+        "draftQuantization applies to EAGLE and EAGLE3 heads",
+    ),
+    "unknown-draft-quantization": (
+        spec(speculative={"algorithm": "EAGLE3", "draftQuantization": "int4"}), "Unsupported value: \"int4\"",
+    ),
     "zero-steps": (spec(speculative={"algorithm": "EAGLE3", "numSteps": 0, "topk": 1}), "spec.speculative.numSteps"),
     "two-config-sources": (
         spec(target={**LLAMA, "config": {"hidden_size": 1}, "configMapRef": {"name": "c"}}),

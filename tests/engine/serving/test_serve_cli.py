@@ -93,3 +93,34 @@ def test_serve_an_fp8_checkpoint_with_an_fp8_kv_cache(model_dirs, tmp_path, capl
     # where the checkpoint has one per block; real models' parts fill whole blocks.
     for line in checks:
         assert abs(float(re.search(r"\(([-+][0-9.]+)%\)", line).group(1))) < 5.0, line
+
+
+def test_serve_a_draft_quantized_at_load(model_dirs, server, caplog):
+    """--draft-quantization fp8: the head's linears become e4m3 as they load, the plan counts
+    exactly the bytes the engine then holds, and greedy output is the unquantized server's."""
+    import torch
+
+    from engine_server import serve_argv
+
+    caplog.set_level(logging.INFO, logger="specdeploy")
+    running = ServerThread(serve_argv(*model_dirs, free_port(), "--draft-quantization", "fp8")).start(timeout_s=120)
+    prompts = ["def ", "import torch\n", "class Plan"]
+    try:
+        runner = running.state.scheduler.runner
+        assert runner.draft.fc.weight.dtype == torch.float8_e4m3fn
+        assert runner.draft.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        assert runner.draft.layers[0].post_attention_layernorm.weight.dtype == torch.float32
+        outputs = {}
+        for name, url in (("fp8", running.base_url), ("none", server.url)):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            outputs[name] = [client.completions.create(model=server.model, prompt=p, max_tokens=24, temperature=0,
+                                                       extra_body={"ignore_eos": True}).choices[0].text
+                             for p in prompts]
+        assert outputs["fp8"] == outputs["none"]
+    finally:
+        running.stop()
+    logs = caplog.text
+    assert "draft: 5 linears quantized to fp8 as planned (e4m3, 128x128 block scales); its other weights stay float32" in logs
+    assert "linears quantized to fp8 at load" in logs  # the plan's table
+    check = next(line for line in logs.splitlines() if "plan check: weights" in line)
+    assert check.endswith("(+0.0%)"), check

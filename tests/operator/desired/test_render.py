@@ -127,6 +127,21 @@ def test_extend_graphs_are_on_unless_the_spec_turns_them_off(children):
     assert build_parser().parse_args(["engine", "serve", *args]).extend_graphs is False
 
 
+def test_draft_quantization_reaches_the_plan_and_the_engine_and_none_changes_nothing(children):
+    sdd = make_sdd(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "draftQuantization": "fp8"})
+    planned = planned_for(sdd)
+    assert planned.plan["draft"]["quantized_at_load"] == "fp8"
+    args = engine_container(render.render_children(sdd, planned, DEFAULTS))["args"]
+    assert args[args.index("--draft-quantization") + 1] == "fp8"
+    from specdeploy.cli import build_parser
+    assert build_parser().parse_args(["engine", "serve", *args]).draft_quantization == "fp8"
+    none = make_sdd(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "draftQuantization": "none"})
+    rendered = render.render_children(none, planned_for(none), DEFAULTS)
+    # The settings (and so the pods' config hash) of a resource without it are as before.
+    assert "draft_quantization" not in render.engine_settings(none["spec"])
+    assert engine_container(rendered)["args"] == engine_container(children)["args"]
+
+
 def test_adaptive_speculation_reaches_the_engine_and_off_changes_nothing(children):
     sdd = make_sdd(speculative={"algorithm": "EAGLE3", "numSteps": 3, "topk": 1, "adaptive": True})
     args = engine_container(render.render_children(sdd, planned_for(sdd), DEFAULTS))["args"]
