@@ -71,6 +71,11 @@ def test_bench_smoke(tmp_path):
     assert {"engine target-only", "engine EAGLE chain", "transformers", "transformers assisted"} <= systems
     chain = next(r for r in accept["rows"] if r["system"] == "engine EAGLE chain")
     assert chain["accept_length"] >= 1.0
+    # the same head quantized at load: greedy output still the target's, never the headline
+    fp8_head = next(r for r in accept["rows"] if r["system"].startswith("engine EAGLE chain, head quantized"))
+    same = fp8_head["same_output_as_engine_target_only"]
+    assert same["equal_outputs"] == same["of"] and fp8_head["accept_length"] >= 1.0
+    assert accept["goal"]["system"] != fp8_head["system"]
     # trained for fixed steps from a fixed seed, and cached for the next run
     assert accept["recipe"]["mode"] == "fixed steps" and accept["recipe"]["seed"] == 0
     assert accept["pair_cache"]["hit"] is False and Path(accept["pair_cache"]["path"]).parent == cache
