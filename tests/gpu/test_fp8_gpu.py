@@ -306,6 +306,26 @@ def test_fp8_target_graphs_and_speculation_are_lossless(tmp_path):
     assert 0.1 < rate < 0.95, rate  # both accepted and rejected drafts were exercised
 
 
+def test_a_draft_quantized_at_load_graphs_and_stays_lossless(tmp_path):
+    """--draft-quantization fp8 on the device: the head's linears run the FP8 kernels inside the
+    captured speculative step, and the output is still the target's own (float32, greedy)."""
+    target, perm = _fp8_target(tmp_path, torch.float32)
+
+    def reqs():
+        return random_requests((5, 12, 1, 9), 16, 64)
+
+    eager = run_to_completion(Runner(target, max_total_tokens=512, max_running_requests=4, device=DEV,
+                                     graph_mode="off"), reqs())
+    draft = copy_draft("EAGLE", target, perm, layer_scale=0.2)
+    assert len(fp8.quantize_draft(draft, "fp8")) == 5
+    assert draft.fc.weight.dtype == draft.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    spec = Runner(target, draft, SpecSettings("EAGLE", 3, 1, 4), max_total_tokens=512, max_running_requests=4,
+                  device=DEV, cuda_graph_batch_sizes=(1, 2, 4))
+    assert run_to_completion(spec, reqs()) == eager
+    rate = spec.num_draft_tokens_accepted / spec.num_draft_tokens_proposed
+    assert 0.1 < rate < 0.95, rate
+
+
 def test_boot_warms_the_library_gemms_of_an_fp8_runner(tmp_path, caplog):
     """The server's boot pass over a runner's FP8 block linears (boot._warm_library_gemms): at
     bf16, the tiny target's one library-readable shape at every library size up to the chunk,
