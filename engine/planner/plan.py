@@ -974,9 +974,11 @@ def plan(
     if role not in SERVER_ROLES:
         raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(SERVER_ROLES)}")
     check_servable(target.v4 is not None, spec.algorithm)
-    if draft is not None and spec.draft_quantization != "none" and draft.quantization:
-        raise PlanError("InvalidSpeculativeSettings", f"draft_quantization {spec.draft_quantization}: the draft "
-                        f"checkpoint is already quantized ({draft.quantization}); it loads as it is stored")
+    if draft is not None and spec.draft_quantization != "none":
+        refusal = (f"the draft checkpoint is already quantized ({draft.quantization}); it loads as it is stored"
+                   if draft.quantization else draft_quantization_refusal(draft, 1, target.spec_hidden_size))
+        if refusal:
+            raise PlanError("InvalidSpeculativeSettings", f"draft_quantization {spec.draft_quantization}: {refusal}")
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
     if not 1 <= max_nodes <= MAX_NODES:
