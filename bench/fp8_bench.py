@@ -37,6 +37,8 @@ prints one line per figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import statistics
 import sys
@@ -210,30 +212,43 @@ def interleaved_loops_ms(runners: dict, steps: int, warmup: int, device) -> dict
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def small_m_runner_multiples(target, head, sizes, device) -> dict:
+def interleaved_runner_multiples(target, variants: dict, sizes, device) -> dict:
     """The FP8 target's EAGLE-3 step multiple (runner_multiple's figure, without launch-ahead)
-    with the small-M linears on the mma kernel and on the Triton launches: four runners (step and
-    decode under each kernel, graphs captured under its switch) alive together and timed in ROUNDS
-    interleaved rounds, so the two multiples compare within one stretch of time."""
+    under each variant ({name: (head, a context manager factory the graphs are captured under)}):
+    a step and a decode runner per variant, all alive together and timed in ROUNDS interleaved
+    rounds, so the multiples compare within one stretch of time."""
     from harness import decode_runner
     steps, warmup = sizes["spec_steps"], sizes["spec_warmup"]
     try:
         runners = {}
-        for mode in KERNEL_MODES:
+        for name, (head, under) in variants.items():
             for kind in ("step_ms", "decode_step_ms"):
-                with small_m_kernel(mode == "mma"):
-                    runners[(mode, kind)] = decode_runner(
+                with under():
+                    runners[(name, kind)] = decode_runner(
                         target, 1, sizes["context"], ROUNDS * (steps + warmup) + 12, device, "capture", overlap=False,
                         launch_ahead=False, **(dict(head=head, shape=CHAIN) if kind == "step_ms" else {}))
         medians = interleaved_loops_ms(runners, steps, warmup, device)
     except Exception as e:  # evidence beside the figure, not the figure
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     out: dict = {"rounds": ROUNDS}
-    for mode in KERNEL_MODES:
-        row = {kind: medians[(mode, kind)] for kind in ("step_ms", "decode_step_ms")}
+    for name in variants:
+        row = {kind: medians[(name, kind)] for kind in ("step_ms", "decode_step_ms")}
         row["step_over_decode"] = row["step_ms"] / row["decode_step_ms"]
-        out[mode] = row
+        out[name] = row
     return out
+
+
+def small_m_runner_multiples(target, head, sizes, device) -> dict:
+    """interleaved_runner_multiples with the small-M linears on the mma kernel and on the Triton
+    launches."""
+    return interleaved_runner_multiples(target, {mode: (head, lambda mode=mode: small_m_kernel(mode == "mma"))
+                                                 for mode in KERNEL_MODES}, sizes, device)
+
+
+def head_runner_multiples(target, stored, quantized, sizes, device) -> dict:
+    """interleaved_runner_multiples with the head as stored (bf16) and quantized at load."""
+    return interleaved_runner_multiples(target, {"stored": (stored, contextlib.nullcontext),
+                                                 "fp8": (quantized, contextlib.nullcontext)}, sizes, device)
 
 
 def runner_multiple(target, head, sizes, device, launch_ahead: bool) -> dict:
@@ -418,6 +433,11 @@ def markdown(result: dict) -> str:
         if "step_ms" in both.get(mode, {}):
             lines.append(f"- EAGLE-3 {CHAIN} on the fp8 target, small-M linears on {mode}: Runner.step, the two "
                          f"kernels' runners in interleaved rounds: {multiple_text(both[mode], 'without launch-ahead')}")
+    heads = result.get("eagle3_runner_fp8_by_head", {})
+    for name, what in (("stored", "the head as stored (bf16)"), ("fp8", "the head quantized at load")):
+        if "step_ms" in heads.get(name, {}):
+            lines.append(f"- EAGLE-3 {CHAIN} on the fp8 target, {what}: Runner.step, the two heads' runners in "
+                         f"interleaved rounds: {multiple_text(heads[name], 'without launch-ahead')}")
     truth = result.get("planner_truth", {})
     if truth.get("terms"):
         lines += ["", "Planner truth, FP8 plan (EAGLE-3 chain, 16 requests x 2K):", "",
@@ -530,9 +550,17 @@ def main() -> int:
                         f"{multiple_text(both.get(mode, both), 'without launch-ahead')}")
         # The head quantized as it loads (engine serve --draft-quantization fp8): its linears in
         # FP8 too, its lm_head and the target's stay bf16.
+        stored = copy.deepcopy(head)  # as published, for the side-by-side below
         fp8.quantize_draft(head, "fp8")
         free_device_memory()
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, DRAFT_FP8_LABEL))
+        if device.type == "cuda":  # the two heads' steps within one stretch of time
+            both = result["eagle3_runner_fp8_by_head"] = head_runner_multiples(target, stored, head, sizes, device)
+            if "fp8" in both:
+                log(f"fp8 target EAGLE-3 Runner.step, head as stored {both['stored']['step_ms']:.3f} ms "
+                    f"({both['stored']['step_over_decode']:.2f}x), quantized at load {both['fp8']['step_ms']:.3f} ms "
+                    f"({both['fp8']['step_over_decode']:.2f}x), interleaved")
+        del stored
         result["decode"] = bf16_rows + fp8_rows
         result["speculative"] = spec
         summary = []
