@@ -1123,7 +1123,7 @@ def render_repository(scan: dict, repo: Path) -> str:
              "## Goals", "", goals_table(repository_goals(scan)), "",
              "## GPU tests", "",
              "Each log's summary line, newest first. From 2026-12-01 19:54 UTC the whole suite in one call: "
-             "`python3 -P -m pytest -q -n 8 tests/gpu` (pytest-xdist, one H200); earlier logs ran subsets "
+             "`python3 -P -m pytest -q -n 8 tests/gpu` (pytest-xdist, one H100 or H200); earlier logs ran subsets "
              "under a time cap (the history says which).", "",
              _table(["date", "commit", "result", "log"],
                     [[t["date"] or "—", t["commit"] or "—", t["summary"], f"`{t['log']}`"]
