@@ -18,8 +18,7 @@ that wait as its own time). Rows:
 - attention over a 1024-token prefix (split kernel, then the combine kernel when it splits): the
   engine's launch (row `engine_launch`: `attention.chosen_launch`) next to the launch
   it replaced (row `previous_launch`: batch 1 16 splits, batch 64 BLOCK_K 32; PREVIOUS_LAUNCH),
-  then other split counts, BLOCK_K and pipelining depths (what to tune next), and the engine's
-  launch with each program's first keys loaded before its PDL wait (`early`).
+  then other split counts, BLOCK_K and pipelining depths (what to tune next).
 
 Bytes are what a kernel must move (reads + writes); `floor_us` is bytes over the measured copy
 bandwidth. Writes decode_kernels.json (with an "environment" block) into RESULTS_DIR.
@@ -136,21 +135,16 @@ def _attention_rows(s, batch, bandwidth, device) -> list[dict]:
     nbytes = kv_layer + 2 * q_bytes + batch * prefix * 8
     chosen = (*attention_triton.chosen_launch(batch, 1, hq, hkv, prefix, device), None)
     rows = []
-    configs = [(*c, False) for c in _attention_configs(chosen, batch, device.type == "cuda")]
-    for splits, block_k, stages, early in configs + [(*chosen, True)]:
+    for splits, block_k, stages in _attention_configs(chosen, batch, device.type == "cuda"):
         form = (f"{splits} split" + ("s, combine kernel (2)" if splits > 1 else " (1)")
-                + f", BLOCK_K {block_k}" + ("" if stages is None else f", {stages} stages")
-                + (", first keys before the PDL wait" if early else ""))
-        calls = [lambda q=q, bt=bt, sp=splits, bk=block_k, st=stages, e=early: attention_triton.attend(
-            q, k, v, bt, d ** -0.5, num_splits=sp, block_k=bk, num_stages=st, early=e)
+                + f", BLOCK_K {block_k}" + ("" if stages is None else f", {stages} stages"))
+        calls = [lambda q=q, bt=bt, sp=splits, bk=block_k, st=stages: attention_triton.attend(
+            q, k, v, bt, d ** -0.5, num_splits=sp, block_k=bk, num_stages=st)
             for q, bt in zip(qs, batches)]
         rows.append(_row("attention", batch, form, calls, nbytes, bandwidth, device))
-        rows[-1].update(splits=splits, block_k=block_k, num_stages=stages, early_kv_loads=early,
-                        layers_in_graph=layers,
-                        engine_launch=(splits, block_k, stages) == chosen
-                        and early == attention_triton.EARLY_KV_LOADS,
-                        previous_launch=(splits, block_k, stages) == _previous(batch, device.type == "cuda")
-                        and not early)
+        rows[-1].update(splits=splits, block_k=block_k, num_stages=stages, layers_in_graph=layers,
+                        engine_launch=(splits, block_k, stages) == chosen,
+                        previous_launch=(splits, block_k, stages) == _previous(batch, device.type == "cuda"))
     return rows
 
 

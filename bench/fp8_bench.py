@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, catalog_gpu, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, early_kv_loads, pdl_mode, pdl_off, profile_top, small_m_kernel,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top, small_m_kernel,  # noqa: E402
                      random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
@@ -132,24 +132,6 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
         row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"pdl_{m}_ms": ms[m] for m in PDL_MODES}}
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
-        rows.append(row)
-    return rows
-
-
-EARLY_BATCHES = (1, 64)
-
-
-def early_rows(target, sizes, device, label: str) -> list[dict]:
-    """The graphed decode call with the attention's first keys loaded before its PDL wait and
-    without (harness.early_kv_loads), side by side at EARLY_BATCHES (interleaved_call_ms)."""
-    rows = []
-    for b in (b for b in EARLY_BATCHES if b in sizes["batches"]):
-        ms = interleaved_call_ms(target, b, sizes, device, {m: lambda m=m: early_kv_loads(m == "early")
-                                                            for m in ("early", "after_wait")})
-        row = {"weights": label, "batch": b, "rounds": ROUNDS, "early_ms": ms["early"],
-               "after_wait_ms": ms["after_wait"], "after_wait_over_early": ms["after_wait"] / ms["early"]}
-        log(f"{label} decode bs={b:<3} attention's first keys before the PDL wait {row['early_ms']:.3f} ms, "
-            f"after it {row['after_wait_ms']:.3f} ms ({row['after_wait_over_early']:.3f}x)")
         rows.append(row)
     return rows
 
@@ -407,16 +389,6 @@ def markdown(result: dict) -> str:
         for r in small:
             lines.append(f"| {r['batch']} | {r['mma_ms']:.3f} | {r['triton_ms']:.3f} | {r['triton_over_mma']:.3f}x |")
         lines.append("")
-    early = result.get("early_kv_loads", [])
-    if early:
-        lines += ["Decode call (ms) with each attention program's first committed keys and values loaded before "
-                  "its PDL wait and after it (engine/kernels/attention.py `EARLY_KV_LOADS`); graphs over one KV "
-                  "pool, timed in interleaved rounds:", "",
-                  "| weights | batch | before the wait | after it | after / before |", "|---|---|---|---|---|"]
-        for r in early:
-            lines.append(f"| {r['weights']} | {r['batch']} | {r['early_ms']:.3f} | {r['after_wait_ms']:.3f} | "
-                         f"{r['after_wait_over_early']:.3f}x |")
-        lines.append("")
     for row in result.get("speculative", []):
         if "error" in row:
             lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
@@ -521,7 +493,6 @@ def main() -> int:
             result["attributed_bf16"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                             sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] = pdl_rows(target, sizes, device, "bf16")
-            result["early_kv_loads"] = early_rows(target, sizes, device, "bf16")
         spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
                          "bf16")]
         converted = fp8.quantize_model_linears(target, FORMAT)
@@ -536,7 +507,6 @@ def main() -> int:
             result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] += pdl_rows(target, sizes, device, "fp8")
-            result["early_kv_loads"] += early_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         if device.type == "cuda":  # the CUDA small-M kernel against the Triton launches it replaces

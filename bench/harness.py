@@ -499,20 +499,6 @@ def small_m_kernel(mma: bool):
     return kernel_env(fp8_mma.SWITCH_ENV, "1" if mma else "0")
 
 
-@contextlib.contextmanager
-def early_kv_loads(on: bool):
-    """Attention launches made inside load their first committed keys before the PDL wait
-    (engine/kernels/attention.py EARLY_KV_LOADS) or not; the engine's setting after."""
-    from specdeploy.engine.kernels import attention as attention_triton
-
-    saved = attention_triton.EARLY_KV_LOADS
-    attention_triton.EARLY_KV_LOADS = on
-    try:
-        yield
-    finally:
-        attention_triton.EARLY_KV_LOADS = saved
-
-
 def pdl_off():
     """Without PDL each kernel starts once its predecessor is done: a profiler's µs per kernel
     are then its own (with PDL a kernel waits in griddepcontrol.wait, booked as its own time),

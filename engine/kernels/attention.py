@@ -61,23 +61,6 @@ MIN_KEYS_PER_SPLIT = 64     # a split shorter than this costs more in the combin
 # combine kernel). Narrower tables were not measured and keep MIN_KEYS_PER_SPLIT.
 WIDE_PREFIX = 1024
 WIDE_MIN_KEYS_PER_SPLIT = 32
-# Load each program's first BLOCK_K committed keys and values before its PDL wait (the kernel's
-# EARLY): what bench/decode_kernels.py's "early KV loads" rows measure against the plain launch.
-EARLY_KV_LOADS = False
-
-
-@triton.jit
-def _prefix_scores(q, k, k_valid, m_i, qk_scale, PRECISION: tl.constexpr):
-    """One step over committed keys: (p, alpha, new running max) of the online softmax."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = tl.where(k_valid[None, :], s, float("-inf"))                    # [BLOCK_M, BLOCK_K]
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a valid key
-    return tl.exp2(s - m_new[:, None]), tl.exp2(m_i - m_new), m_new
-
-
-@triton.jit
-def _accumulate(p, alpha, v, l_i, acc, PRECISION: tl.constexpr):
-    return l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
 @triton.jit
@@ -91,15 +74,8 @@ def _split_attention_kernel(
     num_queries, num_heads, prefix_width, num_new, group, num_row_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
 ):
-    # EARLY: this program's first BLOCK_K committed keys and values are loaded before the PDL
-    # wait, while the previous kernel drains. Nothing before that wait may read what the
-    # previous kernel writes: it is the layer's rope/KV store, which writes q and the in-flight
-    # keys' slots (new_slots), never a committed one, and every kernel before it has finished
-    # (each waited for its own predecessor). The slot table and lengths come from the host.
-    if not EARLY:
-        gdc(USE_GDC)
+    gdc(USE_GDC)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // num_row_blocks
     row_block = tl.program_id(1) % num_row_blocks
@@ -109,6 +85,11 @@ def _split_attention_kernel(
     head = kv_head * group + rows % group                   # [BLOCK_M] query head
     row_valid = q_idx < num_queries
     offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + q_idx[:, None] * stride_qq + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_valid[:, None], other=0.0)      # [BLOCK_M, D]
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # exp2
     kv_off = kv_head * stride_kh
 
@@ -117,36 +98,22 @@ def _split_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_K) * BLOCK_K
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    if EARLY:
-        first_keys = lo + tl.arange(0, BLOCK_K)
-        first_valid = first_keys < hi
-        first_slots = tl.load(prefix_slots_ptr + b * prefix_width + first_keys, mask=first_valid, other=0)
-        first_k = tl.load(k_ptr + first_slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                          mask=first_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        first_v = tl.load(v_ptr + first_slots[:, None] * stride_ks + kv_off + offs_d[None, :],
-                          mask=first_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        gdc(USE_GDC)
-    q = tl.load(q_ptr + b * stride_qb + q_idx[:, None] * stride_qq + head[:, None] * stride_qh
-                + offs_d[None, :], mask=row_valid[:, None], other=0.0)      # [BLOCK_M, D]
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    first = lo
-    if EARLY:
-        if lo < hi:
-            p, alpha, m_i = _prefix_scores(q, first_k, first_valid, m_i, qk_scale, PRECISION)
-            l_i, acc = _accumulate(p, alpha, first_v, l_i, acc, PRECISION)
-        first = lo + BLOCK_K
-    for start in range(first, hi, BLOCK_K):
+    for start in range(lo, hi, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         k_valid = offs_k < hi
         slots = tl.load(prefix_slots_ptr + b * prefix_width + offs_k, mask=k_valid, other=0)
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)   # [BLOCK_K, D]
-        p, alpha, m_i = _prefix_scores(q, k, k_valid, m_i, qk_scale, PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(k_valid[None, :], s, float("-inf"))                # [BLOCK_M, BLOCK_K]
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every step has a valid key
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :],
                     mask=k_valid[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        l_i, acc = _accumulate(p, alpha, v, l_i, acc, PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
 
     # The in-flight keys belong to the last split (a loop bound, not a branch).
     new_end = tl.where(split == NUM_SPLITS - 1, num_new, 0)
@@ -263,13 +230,12 @@ def launch_block_k(num_splits: int, block_m: int) -> int:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SlotBatch,
            scale: float, num_splits: int | None = None,
            kv_scales: tuple[float, float] | None = None, block_k: int | None = None,
-           num_stages: int | None = None, early: bool | None = None) -> torch.Tensor:
+           num_stages: int | None = None) -> torch.Tensor:
     """Same contract as attention.reference: q [B, Q, Hq, D] -> [B, Q, Hq, D].
     num_splits (a power of two) overrides the choice of `num_kv_splits` (tests).
-    block_k (keys per inner step, a power of two >= 16) overrides `launch_block_k`'s choice,
-    num_stages (Triton's software pipelining depth; None: its default) is passed to the launch
-    and early (None: EARLY_KV_LOADS) loads the first keys before the PDL wait: the options
-    bench/decode_kernels.py sweeps.
+    block_k (keys per inner step, a power of two >= 16) overrides `launch_block_k`'s choice and
+    num_stages (Triton's software pipelining depth; None: its default) is passed to the launch:
+    the options bench/decode_kernels.py sweeps.
     An e4m3 pool's codes are widened to q's dtype as they are loaded; its k_scale folds into
     the softmax scale and its v_scale multiplies the output."""
     b, num_q, hq, d = q.shape
@@ -283,7 +249,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         # Autocast inference over a float32 pool hands bf16 queries: the kernel's dots need one
         # dtype, and the pool's is the wider one here.
         return attend(q.to(k_cache.dtype), k_cache, v_cache, batch, scale, num_splits,
-                      block_k=block_k, num_stages=num_stages, early=early).to(q.dtype)
+                      block_k=block_k, num_stages=num_stages).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused q/k projection (heads strided past k's): the kernel takes its
@@ -318,7 +284,6 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits,
         # float32 models get float32 products (TF32 would round away the reference's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
-        EARLY=EARLY_KV_LOADS if early is None else early,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1:
