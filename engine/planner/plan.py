@@ -164,6 +164,14 @@ EXTEND_GRAPH_POOL_BASE_BYTES = 32 * MIB
 # FP8 checkpoints the engine computes from with per-token-group (1 x 128) quantized activations.
 FP8_QUANT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 FP8_ACTIVATION_GROUP = 128
+# An FP8 target's CUDA-graph pool holds more than the activations the formula counts once
+# DeepGEMM serves its block linears inside the captured graphs: the FP8 EAGLE-3 plan of
+# bench/fp8_bench.py measured 763363328 B against 689177600 planned (+74.2 MB) in every run from
+# 40e26f9 on (DeepGEMM from 5 rows; H100 and H200), +36 MB at 71b629b (from 17 rows) and +5 MB at
+# 3971378 (before DeepGEMM took the route): it grows with the captured shapes DeepGEMM serves.
+# Reserved for every FP8 target: the planner does not know whether the serving image has
+# DeepGEMM, and per-channel FP8 (another route) over-reserves it, the safe side.
+FP8_LIBRARY_GRAPH_POOL_BYTES = 72 * MIB
 
 # The small-M linear kernel (engine/kernels/gemv.py): decode and verify calls of at most
 # GEMV_MAX_M rows, split-K over at most GEMV_MAX_SPLIT_K ranges finished in-kernel through a
@@ -659,17 +667,23 @@ def _v4_activation_bytes(shapes: ModelShapes, tokens: int, tp: int, prefix: int,
                          shared_intermediate_size=shapes.shared_expert_intermediate_size,
                          expert_quant=shapes.expert_quant)
     peak = max(v4_forward_peak_bytes(v4, shapes.role, dims, tokens, prefix, shapes.dtype_bytes, captured).values())
-    if shapes.quantization in FP8_QUANT_METHODS and shapes.quantized_weight_bytes:
+    if _fp8_target(shapes):
         width = max(v4.o_groups * v4.o_lora_rank, shapes.hidden_size)
         peak += tokens * (width + 4 * -(-width // FP8_ACTIVATION_GROUP))
     return peak
+
+
+def _fp8_target(shapes: ModelShapes) -> bool:
+    """An FP8 checkpoint whose linears the engine computes in FP8 (its bytes known from the
+    config's quantization)."""
+    return shapes.quantization in FP8_QUANT_METHODS and bool(shapes.quantized_weight_bytes)
 
 
 def _fp8_activation_copy(shapes: ModelShapes, tp: int) -> int:
     """Bytes per token of the e4m3 copy an FP8 checkpoint's prefill linears make of their input
     (engine/kernels/fp8.py act_quant), at the widest input, the MLP's down projection: one byte
     per element plus a float32 scale per 128."""
-    if shapes.quantization not in FP8_QUANT_METHODS or not shapes.quantized_weight_bytes:
+    if not _fp8_target(shapes):
         return 0
     width = _mlp_width_per_token(shapes) // tp
     return width + 4 * -(-width // FP8_ACTIVATION_GROUP)
@@ -843,6 +857,7 @@ def _memory_terms(
         + _activation_bytes(target_shapes, graph_rows, tp, prefix=limits.context_length, captured=True)
         + logits_copies * _logits_bytes(graph_rows, target_shapes.vocab_size, tp)
         + _extend_graph_pool_bytes(target_shapes, buffers, tp, limits.context_length, draft_shapes is not None)
+        + (FP8_LIBRARY_GRAPH_POOL_BYTES if _fp8_target(target_shapes) else 0)
     )
     # Eager prefill of one chunk through the target (the draft's extend over the same chunk is
     # narrower and runs after it); logits only for the last token of each request in the chunk.

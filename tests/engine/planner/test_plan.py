@@ -378,3 +378,22 @@ def test_fp8_kv_cache_is_one_byte_per_element():
     assert Plan.from_dict(old) == auto
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         derive_shapes(load("llama-3.1-8b-instruct"), kv_cache_dtype="int4")
+
+
+def test_an_fp8_targets_graph_pool_holds_what_deepgemm_adds():
+    """The CUDA-graph pool of an FP8 target: the same activations as bf16 plus the e4m3 copy of
+    the widest input, and FP8_LIBRARY_GRAPH_POOL_BYTES (what fp8_bench's planner truth measured
+    beyond them with DeepGEMM serving the captured linears)."""
+    spec, limits = SpecSettings("EAGLE3", 3, 1, 4), Limits(16, 2048, 16)
+    config = load("llama-3.1-8b-instruct")
+    fp8_config = {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    plain = plan_from_configs(config, load("eagle3-llama3.1-instruct-8b"), spec, GPUS["h100"], limits)
+    fp8 = plan_from_configs(fp8_config, load("eagle3-llama3.1-instruct-8b"), spec, GPUS["h100"], limits)
+    rows = limits.cuda_graph_max_bs * spec.num_draft_tokens
+    copy = 14336 + 4 * 14336 // 128  # down_proj's input in e4m3, a float32 scale per 128
+    extend_rows = planmod.EXTEND_GRAPH_TOKENS[-1]
+    assert (fp8.memory_per_gpu.cuda_graph_pool_bytes - plain.memory_per_gpu.cuda_graph_pool_bytes
+            == planmod.FP8_LIBRARY_GRAPH_POOL_BYTES + (rows + extend_rows) * copy)
+    # the figure it is calibrated on: fp8_bench's FP8 EAGLE-3 plan (16 x 2048, buckets 1-16)
+    # measured 763363328 B of graph pool on H100 and H200 alike
+    assert fp8.memory_per_gpu.cuda_graph_pool_bytes == pytest.approx(763363328, rel=0.01)
