@@ -467,7 +467,7 @@ def run(ctx) -> dict:
     # need compute capability 8.9 on CUDA): what its acceptance keeps. Evidence, not the goal.
     fp8_head = None
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9):
-        fp8_head = copy.deepcopy(head)
+        fp8_head = copy.deepcopy(head, {id(target): target})  # the target shared, not copied
         fp8.quantize_draft(fp8_head, "fp8")
     for name, draft, shape, temp in [("engine target-only", None, None, 0.0)] + \
             [(f"engine EAGLE {k}", head, k, 0.0) for k in SPEC_SHAPES] + \

@@ -520,7 +520,7 @@ def main() -> int:
                         f"{multiple_text(both.get(mode, both), 'without launch-ahead')}")
         # The head quantized as it loads (engine serve --draft-quantization fp8): its linears in
         # FP8 too, its lm_head and the target's stay bf16.
-        stored = copy.deepcopy(head)  # as published, for the side-by-side below
+        stored = copy.deepcopy(head, {id(target): target})  # as published (the target shared), for below
         fp8.quantize_draft(head, "fp8")
         free_device_memory()
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, DRAFT_FP8_LABEL))

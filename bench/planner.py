@@ -59,8 +59,9 @@ def configurations(ctx) -> dict:
 def _gpu(ctx):
     if ctx["gpu"]:
         return GPUS[ctx["gpu"]]
-    # CPU smoke: room for the plan's fixed terms plus a small KV pool.
-    fixed = plan_mod.RESERVE_BYTES + plan_mod.CUDA_GRAPH_POOL_BASE_BYTES
+    # CPU smoke: room for the plan's fixed terms (an FP8 target's graph-pool reserve too) plus a
+    # small KV pool.
+    fixed = plan_mod.RESERVE_BYTES + plan_mod.CUDA_GRAPH_POOL_BASE_BYTES + plan_mod.FP8_LIBRARY_GRAPH_POOL_BYTES
     return custom_gpu((fixed + (96 << 20)) / plan_mod.GIB)
 
 
