@@ -990,10 +990,11 @@ def plan(
         raise PlanError("InvalidRole", f"role {role!r}: use one of {', '.join(SERVER_ROLES)}")
     check_servable(target.v4 is not None, spec.algorithm)
     if draft is not None and spec.draft_quantization != "none":
-        refusal = (f"the draft checkpoint is already quantized ({draft.quantization}); it loads as it is stored"
-                   if draft.quantization else draft_quantization_refusal(draft, 1, target.spec_hidden_size))
-        if refusal:
-            raise PlanError("InvalidSpeculativeSettings", f"draft_quantization {spec.draft_quantization}: {refusal}")
+        unquantizable = (f"the draft checkpoint is already quantized ({draft.quantization}); it loads as it is stored"
+                         if draft.quantization else draft_quantization_refusal(draft, 1, target.spec_hidden_size))
+        if unquantizable:
+            raise PlanError("InvalidSpeculativeSettings",
+                            f"draft_quantization {spec.draft_quantization}: {unquantizable}")
     buffers = buffer_plan(target, spec, limits, role)
     required = limits.context_length * limits.max_running_requests
     if not 1 <= max_nodes <= MAX_NODES:
