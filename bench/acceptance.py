@@ -268,6 +268,38 @@ def head_agreement(target, head, stream: torch.Tensor, windows: int, seq_len: in
     """Teacher-forced, on held-out text: the share of positions where the head's first draft
     token (from the target's own feature) equals the target's greedy next token. Unlike the
     generation rows, this cannot be inflated by a target that repeats itself."""
+    want, out = _teacher_forced(target, head, stream, windows, seq_len)
+    return (head.logits(out).argmax(-1) == want).float().mean().item()
+
+
+@torch.no_grad()
+def fp8_lm_head_agreement(target, head, stream: torch.Tensor, windows: int, seq_len: int) -> dict:
+    """What `--draft-quantization fp8` does to a head's own lm_head (an EAGLE-3 head's, quantized
+    with its linears), measured on this trained EAGLE head, whose logits go through the target's
+    lm_head: that lm_head copied and quantized as quantize_draft quantizes one (e4m3, a scale per
+    128 x 128 block), the head's draft logits taken through it and through the stored one on the
+    same teacher-forced held-out positions as head_agreement. -> the head's first-token agreement
+    with the target's greedy token either way, and the share of positions where the two lm_heads
+    pick the same draft token (a chain's acceptance can fall by at most the rest)."""
+    want, out = _teacher_forced(target, head, stream, windows, seq_len)
+    stored = head.logits(out).argmax(-1)
+    holder = torch.nn.Module()
+    holder.lm_head = copy.deepcopy(target.lm_head)
+    fp8.quantize_model_linears(holder, fp8.DRAFT_FP8_FORMAT, skip=())
+    kept, target.lm_head = target.lm_head, holder.lm_head
+    try:
+        quantized = head.logits(out).argmax(-1)
+    finally:
+        target.lm_head = kept
+    return {"positions": want.numel(), "lm_head_shape": list(kept.weight.shape),
+            "first_token_agreement_stored": (stored == want).float().mean().item(),
+            "first_token_agreement_fp8": (quantized == want).float().mean().item(),
+            "same_draft_token": (quantized == stored).float().mean().item()}
+
+
+def _teacher_forced(target, head, stream: torch.Tensor, windows: int, seq_len: int):
+    """(the target's greedy next tokens [W, T-1], the head's outputs for them) over `windows`
+    held-out windows of seq_len tokens."""
     dev = target.embed_tokens.weight.device
     starts = torch.linspace(0, stream.numel() - seq_len - 2, windows).long().tolist()
     ids = torch.stack([stream[st:st + seq_len] for st in starts]).to(dev)            # [W, T]
@@ -275,8 +307,7 @@ def head_agreement(target, head, stream: torch.Tensor, windows: int, seq_len: in
     feature = _prefill(target, ids, ids).feature                                     # [W, T, H]
     want = target.logits(feature[:, 1:]).argmax(-1)                                  # [W, T-1]
     # Row j: token j+1 with the target's feature j, as the head is trained and as it drafts.
-    out = _prefill(head, ids[:, 1:], ids[:, 1:], feature[:, :-1])
-    return (head.logits(out).argmax(-1) == want).float().mean().item()
+    return want, _prefill(head, ids[:, 1:], ids[:, 1:], feature[:, :-1])
 
 
 def _prefill(model, shape_ids: torch.Tensor, *args):
@@ -469,6 +500,11 @@ def run(ctx) -> dict:
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9):
         fp8_head = copy.deepcopy(head, {id(target): target})  # the target shared, not copied
         fp8.quantize_draft(fp8_head, "fp8")
+        result["fp8_lm_head"] = fp8_lm_head_agreement(target, head, held, s["eval_windows"], s["seq_len"])
+        log("draft logits through an FP8 lm_head: first token = target's "
+            f"{100 * result['fp8_lm_head']['first_token_agreement_stored']:.1f}% stored -> "
+            f"{100 * result['fp8_lm_head']['first_token_agreement_fp8']:.1f}% FP8, same draft token at "
+            f"{100 * result['fp8_lm_head']['same_draft_token']:.2f}% of positions")
     for name, draft, shape, temp in [("engine target-only", None, None, 0.0)] + \
             [(f"engine EAGLE {k}", head, k, 0.0) for k in SPEC_SHAPES] + \
             ([(FP8_HEAD_ROW, fp8_head, "chain", 0.0)] if fp8_head is not None else []) + \

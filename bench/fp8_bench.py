@@ -519,7 +519,7 @@ def main() -> int:
                     log(f"fp8 (small-M linears on {mode}) EAGLE-3 Runner.step, the two kernels interleaved: "
                         f"{multiple_text(both.get(mode, both), 'without launch-ahead')}")
         # The head quantized as it loads (engine serve --draft-quantization fp8): its linears in
-        # FP8 too, its lm_head and the target's stay bf16.
+        # FP8 too, its own (draft-vocabulary) lm_head included; the target's lm_head stays bf16.
         stored = copy.deepcopy(head, {id(target): target})  # as published (the target shared), for below
         fp8.quantize_draft(head, "fp8")
         free_device_memory()

@@ -20,6 +20,10 @@ run to max_tokens (no stop token). Three measurements, each with the cache on an
     unique      the same with a different random "system prompt" per request (no hit can happen):
                 what the cache's bookkeeping costs when it never helps. Goal: never lower.
 
+shared and unique run `rounds` times, cache off then on in each round (a fresh system prompt, or
+fresh prompts, per round: the same for both sides of a round); each side's record is its
+median round's (by tok/s), and the ratio is on's median tok/s over off's.
+
 Greedy outputs are compared between the two runs of each workload: equal in float32 (the
 tests prove it); in bfloat16 a cached K/V was computed in another forward (another batch
 composition, other roundings), so an output may drift after a near-tie, as it may under any
@@ -49,9 +53,11 @@ from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 PROFILES = {
     "device": {"config": LLAMA_31_8B, "system_tokens": 4096, "question_tokens": (16, 96), "max_tokens": 64,
-               "ttft_reps": 6, "requests": 24, "running": 16, "draft_vocab": 32000, "graph_batches": (1, 2, 4, 8, 16)},
+               "ttft_reps": 6, "requests": 24, "running": 16, "draft_vocab": 32000, "graph_batches": (1, 2, 4, 8, 16),
+               "rounds": 3},
     "smoke": {"config": TINY_LLAMA, "system_tokens": 256, "question_tokens": (4, 12), "max_tokens": 8,
-              "ttft_reps": 2, "requests": 6, "running": 3, "draft_vocab": 128, "graph_batches": (1, 2, 3)},
+              "ttft_reps": 2, "requests": 6, "running": 3, "draft_vocab": 128, "graph_batches": (1, 2, 3),
+              "rounds": 2},
 }
 SHAPE = (3, 1, 4)   # EAGLE-3 chain: steps, topk, draft tokens
 
@@ -103,6 +109,11 @@ def drive(runner: Runner, reqs: list[Request]) -> dict:
             "ttft_median_ms": 1e3 * statistics.median(first_s.values()),
             "cached_tokens": sum(cached.values()), "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
             "tokens": tokens}
+
+
+def median_record(records: list[dict]) -> dict:
+    """The record of the round with the median tok/s (the lower middle of an even count)."""
+    return sorted(records, key=lambda r: r.get("tok_s", 0.0))[(len(records) - 1) // 2]
 
 
 def ttft(runner: Runner, p: dict, seed: int, extend_graphs: bool) -> dict:
@@ -167,22 +178,32 @@ def main() -> int:
     results = {"environment": environment(), "profile": {k: v for k, v in p.items() if k != "config"},
                "shape": SHAPE, "attention": backend}
     t_run = time.perf_counter()
-    for name, fn in (("ttft", lambda r: ttft(r, p, seed=1, extend_graphs=True)),
-                     ("ttft_no_extend_graphs", lambda r: ttft(r, p, seed=4, extend_graphs=False)),
-                     ("shared", lambda r: drive(r, [Request(f"s{i}", t, p["max_tokens"]) for i, t in
-                                                    enumerate(prompts(p, p["requests"], True, seed=2))])),
-                     ("unique", lambda r: drive(r, [Request(f"u{i}", t, p["max_tokens"]) for i, t in
-                                                    enumerate(prompts(p, p["requests"], False, seed=3))]))):
-        row = {}
-        for cache in (False, True):
-            rec = fn(runners[cache])
-            row["on" if cache else "off"] = rec
-            log(f"{name} cache {'on ' if cache else 'off'}: " + ", ".join(
-                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()
-                if not isinstance(v, (dict, list))))
+
+    def workload(tag: str, shared: bool, seed: int):
+        return lambda r: drive(r, [Request(f"{tag}{i}", t, p["max_tokens"]) for i, t in
+                                   enumerate(prompts(p, p["requests"], shared, seed=seed))])
+
+    for name, fns in (("ttft", [lambda r: ttft(r, p, seed=1, extend_graphs=True)]),
+                      ("ttft_no_extend_graphs", [lambda r: ttft(r, p, seed=4, extend_graphs=False)]),
+                      ("shared", [workload("s", True, 2 + 10 * i) for i in range(p["rounds"])]),
+                      ("unique", [workload("u", False, 3 + 10 * i) for i in range(p["rounds"])])):
+        rounds = []
+        for i, fn in enumerate(fns):  # each round: off, then on, over the same prompts
+            rec = {}
+            for cache in (False, True):
+                rec["on" if cache else "off"] = fn(runners[cache])
+                log(f"{name}{f' round {i + 1}' if len(fns) > 1 else ''} cache {'on ' if cache else 'off'}: "
+                    + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in rec["on" if cache else "off"].items() if not isinstance(v, (dict, list))))
+            rounds.append(rec)
         outputs = "first_tokens" if name.startswith("ttft") else "tokens"
-        on, off = row["on"].pop(outputs), row["off"].pop(outputs)
-        pairs = list(zip(on, off)) if name.startswith("ttft") else [(on[k], off[k]) for k in off]
+        pairs = []
+        for rec in rounds:
+            on, off = rec["on"].pop(outputs), rec["off"].pop(outputs)
+            pairs += list(zip(on, off)) if name.startswith("ttft") else [(on[k], off[k]) for k in off]
+        row = {side: median_record([rec[side] for rec in rounds]) for side in ("off", "on")}
+        if len(rounds) > 1:
+            row["rounds"] = [{side: rec[side]["tok_s"] for side in ("off", "on")} for rec in rounds]
         row["requests_with_equal_outputs"] = sum(a == b for a, b in pairs)
         row["requests"] = len(pairs)
         results[name] = row
@@ -268,8 +289,9 @@ def markdown(results: dict) -> str:
         f"weights, EAGLE-3 chain {SHAPE}, {'CUDA graphs' if env['device'] != 'cpu' else 'no graphs (CPU)'}, "
         f"attention {results['attention']}; {env['device']}, torch {env['torch']}. System prompt {p['system_tokens']} "
         f"tokens + a question of {p['question_tokens'][0]}-{p['question_tokens'][1]} tokens, {p['max_tokens']} "
-        f"output tokens; throughput: {p['requests']} requests at once, {p['running']} running "
-        f"(`python3 bench/prefix_cache_bench.py`).", "",
+        f"output tokens; throughput: {p['requests']} requests at once, {p['running']} running"
+        + (f", the median of {p['rounds']} rounds, cache off then on in each" if p.get("rounds", 1) > 1 else "")
+        + " (`python3 bench/prefix_cache_bench.py`).", "",
         "| measure | cache off | cache on | change | goal |", "|---|---|---|---|---|", *rows, "",
         "Requests whose greedy output is the same with the cache on and off: " + ", ".join(
             f"{k} {results[k]['requests_with_equal_outputs']}/{results[k]['requests']}"

@@ -36,6 +36,7 @@ from specdeploy.engine import parallel
 from specdeploy.engine.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    ParallelLMHead,
     RowParallelLinear,
     fused_kernels,
     materialize,
@@ -389,6 +390,27 @@ class FP8RowParallelLinear(_FP8Parallel, RowParallelLinear):
         super().load_param(name, full)
 
 
+class FP8ParallelLMHead(_FP8Parallel, ParallelLMHead):
+    """A vocabulary-parallel lm_head over e4m3 codes, made only by quantizing a loaded head
+    (quantize_model_linears with lm_head not skipped: an EAGLE-3 head's own lm_head under
+    quantize_draft). Each rank quantizes its own padded slice of ceil(V / tp) rows on a grid that
+    starts at its first row, so no TP size cuts a block; checkpoints never load into it."""
+
+    def __init__(self, layer: ParallelLMHead, fmt: FP8Format):
+        nn.Module.__init__(self)
+        self.vocab_size, self.tp_size, self.rows, self.weight = layer.vocab_size, layer.tp_size, layer.rows, layer.weight
+        self._make_fp8_scaled(fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x, None)
+        if self.tp_size == 1:
+            return y
+        return parallel.all_gather(y)[..., :self.vocab_size]
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        raise ValueError(f"lm_head.{name}: an FP8 lm_head is made by quantizing a loaded one, not loaded from a checkpoint")
+
+
 def block_scaled_linears(*models: nn.Module | None) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
     """(weight, scale, scale_n, round_scale) of every FP8 linear with a block grid in the models
     (None skipped): what kernels.fp8.warm_library_gemms compiles library GEMMs for."""
@@ -506,11 +528,12 @@ DRAFT_FP8_FORMAT = FP8Format("block", "weight_scale_inv", (DRAFT_QUANTIZATION_BL
 
 def quantize_draft(draft: nn.Module, quantization: str) -> list[str]:
     """A loaded draft head's linears quantized in place as the plan says (DRAFT_QUANTIZATIONS):
-    "fp8" converts every projection of its layers and its input projection to DRAFT_FP8_FORMAT;
-    lm_head, embeddings and norms stay. -> the converted paths."""
+    "fp8" converts every projection of its layers, its input projection and, on an EAGLE-3 head,
+    its own vocabulary lm_head to DRAFT_FP8_FORMAT; embeddings and norms stay (an EAGLE head's
+    embedding and lm_head are the target's). -> the converted paths."""
     if quantization != "fp8":
         raise ValueError(f"draft quantization {quantization!r}: the engine quantizes drafts to fp8 only")
-    return quantize_model_linears(draft, DRAFT_FP8_FORMAT)
+    return quantize_model_linears(draft, DRAFT_FP8_FORMAT, skip=())
 
 
 @torch.no_grad()
@@ -524,7 +547,7 @@ def quantize_model_linears(model: nn.Module, fmt: FP8Format, skip: tuple[str, ..
     for path, module in list(model.named_modules()):
         if isinstance(module, _FP8Parallel) or any(path == s or path.endswith("." + s) for s in skip):
             continue
-        for plain, fp8_cls in _FP8_CLASSES:
+        for plain, fp8_cls in _FP8_CLASSES + ((ParallelLMHead, FP8ParallelLMHead),):
             if not isinstance(module, plain):
                 continue
             parent_path, _, child = path.rpartition(".")

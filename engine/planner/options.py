@@ -64,8 +64,8 @@ class EngineOptions:
         "the bytes per token of bf16)", choices=tuple(KV_CACHE_DTYPES), resource="engine.kvCacheDtype")
     draft_quantization: str = _option(
         "none", "the draft head's weights: none (as its checkpoint stores them) or fp8 (its linears quantized to "
-        "e4m3 with 128 x 128 block scales as they load, half their bytes: Llama-3.1-8B's EAGLE-3 head 0.79 -> "
-        "0.52 GiB; lm_head, embeddings and norms stay; the target still verifies every token)", choices=DRAFT_QUANTIZATIONS,
+        "e4m3 with 128 x 128 block scales as they load, EAGLE-3's own lm_head too: Llama-3.1-8B's EAGLE-3 head "
+        "0.79 -> 0.40 GiB; embeddings and norms stay; the target still verifies every token)", choices=DRAFT_QUANTIZATIONS,
         resource="speculative.draftQuantization")
     prefix_cache: bool = _option(
         True, "reuse the KV of shared prompt prefixes (system prompts, chat history) held in the KV pool's "

@@ -53,7 +53,8 @@ DTYPE_ALIASES = {
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": 1}
 # How the engine may quantize a draft head's weights as it loads them: none (as the checkpoint
 # stores them), fp8 (e4m3 codes, one float32 scale per 128 x 128 block: every projection of the
-# head's layers and its input projection; lm_head, embeddings and norms stay as stored).
+# head's layers, its input projection and an EAGLE-3 head's own lm_head; embeddings and norms
+# stay as stored).
 DRAFT_QUANTIZATIONS = ("none", "fp8")
 DRAFT_QUANTIZATION_BLOCK = 128
 
@@ -164,8 +165,10 @@ def draft_linears(shapes: ModelShapes, tensor_parallel_size: int,
     """One rank's linears that a draft quantized at load converts (DRAFT_QUANTIZATIONS), as
     (kind, output rows of each fused part, input columns K): per layer the fused q/k/v
     ("merged"), o ("row"), the fused gate/up ("merged") and down ("row") as engine/models shards
-    them, and the head's input projection ("row": EAGLE fc [Hs, H + Hs], EAGLE-3 fc [H, 3H], split
-    by input columns). None for a model that is not a dense GQA EAGLE or EAGLE-3 head."""
+    them, the head's input projection ("row": EAGLE fc [Hs, H + Hs], EAGLE-3 fc [H, 3H], split
+    by input columns) and EAGLE-3's own lm_head ("lm_head": ceil(V / tp) padded vocabulary rows
+    a rank, quantized on a grid of its own; an EAGLE head's lm_head is the target's). None for a
+    model that is not a dense GQA EAGLE or EAGLE-3 head."""
     if shapes.role not in ("EAGLE", "EAGLE3") or shapes.attention != "gqa" or shapes.num_routed_experts:
         return None
     tp, h, hd = tensor_parallel_size, shapes.hidden_size, shapes.head_dim
@@ -179,6 +182,7 @@ def draft_linears(shapes: ModelShapes, tensor_parallel_size: int,
         fc = ("row", (hs,), (h + hs) // tp)
     else:
         fc = ("row", (h,), EAGLE3_AUX_LAYERS * h // tp)
+        return layer * shapes.num_layers + [fc, ("lm_head", (-(-shapes.draft_vocab_size // tp),), h)]
     return layer * shapes.num_layers + [fc]
 
 
@@ -195,7 +199,8 @@ def draft_quantization_refusal(shapes: ModelShapes, tensor_parallel_size: int,
                                target_spec_hidden_size: int | None = None) -> str | None:
     """Why the engine cannot quantize this draft's linears at `tensor_parallel_size`, or None: a
     head that is not a dense GQA EAGLE / EAGLE-3 one, or a rank's slice that would cut a scale
-    block (every split width a multiple of DRAFT_QUANTIZATION_BLOCK)."""
+    block (every split width a multiple of DRAFT_QUANTIZATION_BLOCK; an lm_head's rows are
+    quantized a rank at a time, so any TP size suits it)."""
     linears = draft_linears(shapes, tensor_parallel_size, target_spec_hidden_size)
     if linears is None:
         return f"{shapes.role} head ({shapes.model_type}, {shapes.attention} attention) is not a dense GQA head"
@@ -203,6 +208,8 @@ def draft_quantization_refusal(shapes: ModelShapes, tensor_parallel_size: int,
         return None
     b = DRAFT_QUANTIZATION_BLOCK
     for kind, parts, k in linears:
+        if kind == "lm_head":
+            continue
         split = parts if kind == "merged" else (k,)
         if any(width % b for width in split):
             what = "output rows" if kind == "merged" else "input columns"

@@ -76,6 +76,11 @@ def test_bench_smoke(tmp_path):
     same = fp8_head["same_output_as_engine_target_only"]
     assert same["equal_outputs"] == same["of"] and fp8_head["accept_length"] >= 1.0
     assert accept["goal"]["system"] != fp8_head["system"]
+    # the head's draft logits through an FP8 copy of its lm_head, on held-out positions
+    lm = accept["fp8_lm_head"]
+    assert lm["positions"] > 0 and lm["lm_head_shape"][0] == accept["corpus"]["vocab_size"]
+    assert 0.5 < lm["same_draft_token"] <= 1.0
+    assert 0.0 <= lm["first_token_agreement_fp8"] <= 1.0
     # trained for fixed steps from a fixed seed, and cached for the next run
     assert accept["recipe"]["mode"] == "fixed steps" and accept["recipe"]["seed"] == 0
     assert accept["pair_cache"]["hit"] is False and Path(accept["pair_cache"]["path"]).parent == cache

@@ -25,3 +25,9 @@ def test_prefix_cache_bench_smoke(tmp_path):
         assert res[name]["requests_with_equal_outputs"] == res[name]["requests"]
     for name in ("shared", "unique"):
         assert res[name]["on"]["tok_s"] > 0 and res[name]["off"]["tok_s"] > 0
+        # rounds of off then on: each side's record is its median round's
+        rounds = res[name]["rounds"]
+        assert len(rounds) == res["profile"]["rounds"] > 1
+        for side in ("off", "on"):
+            assert res[name][side]["tok_s"] == sorted(r[side] for r in rounds)[(len(rounds) - 1) // 2]
+        assert res[name]["requests"] == res["profile"]["requests"] * len(rounds)

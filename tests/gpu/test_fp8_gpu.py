@@ -37,7 +37,8 @@ from specdeploy.engine.planner.plan import SpecSettings  # noqa: E402
 
 DEV = "cuda"
 # (N, K) of Llama-3.1-8B's fused qkv, o, fused gate/up and down projections
-LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+            (32000, 4096)]  # the 8B EAGLE-3 head's own lm_head (--draft-quantization fp8)
 
 
 def _weights(n, k, scheme, seed=0):

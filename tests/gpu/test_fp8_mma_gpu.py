@@ -29,7 +29,8 @@ from specdeploy.engine.kernels import fp8_mma, gemv, launch  # noqa: E402
 from specdeploy.engine.models import fp8  # noqa: E402
 
 DEV = "cuda"
-LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+            (32000, 4096)]  # the 8B EAGLE-3 head's own lm_head (--draft-quantization fp8)
 
 
 def _weights(n, k, scheme="block", seed=0):

@@ -19,7 +19,7 @@ def held_bytes(module: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_the_head_linears_convert_and_lm_head_stays(algorithm):
+def test_the_head_linears_convert_and_embeddings_and_norms_stay(algorithm):
     target, perm = predictable_target(tiny_config(num_layers=2), seed=0)
     head = copy_draft(algorithm, target, perm)
     converted = fp8.quantize_draft(head, "fp8")
@@ -27,15 +27,31 @@ def test_the_head_linears_convert_and_lm_head_stays(algorithm):
                                         "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"]
                                        if algorithm == "EAGLE" else
                                        ["fc", "midlayer.self_attn.qkv_proj", "midlayer.self_attn.o_proj",
-                                        "midlayer.mlp.gate_up_proj", "midlayer.mlp.down_proj"])
+                                        "midlayer.mlp.gate_up_proj", "midlayer.mlp.down_proj", "lm_head"])
     for path in converted:
         module = head.get_submodule(path)
         assert module.weight.dtype == torch.float8_e4m3fn and module.fmt == fp8.DRAFT_FP8_FORMAT
-    lm_head = getattr(head, "lm_head", None)
-    if lm_head is not None:  # EAGLE-3's own vocabulary head stays in the compute dtype
-        assert lm_head.weight.dtype == torch.float32
+    # an EAGLE head's lm_head and embedding are the target's: not the head's to quantize
+    assert target.lm_head.weight.dtype == target.embed_tokens.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for name, p in head.named_parameters() if "norm" in name)
     with pytest.raises(ValueError, match="fp8 only"):
         fp8.quantize_draft(head, "int4")
+
+
+def test_an_eagle3_lm_head_in_fp8_gives_the_logits_of_its_dequantized_weights():
+    """The quantized lm_head computes with its codes and scales, as a dequantized copy would; its
+    padded rows (ceil(V / tp) a rank) quantize too, and it refuses checkpoint tensors."""
+    target, perm = predictable_target(tiny_config(num_layers=2), seed=0)
+    head = copy_draft("EAGLE3", target, perm)
+    stored = head.lm_head.weight.detach().clone()
+    fp8.quantize_draft(head, "fp8")
+    x = torch.randn(3, stored.shape[1], generator=torch.Generator().manual_seed(0))
+    dequantized = head.lm_head.dequantized(torch.float32)
+    torch.testing.assert_close(head.lm_head(x), x @ dequantized.T)
+    # e4m3 with a scale per 128 x 128 block: each weight within ~1/16 of its block's largest
+    assert (dequantized - stored).abs().max() <= stored.abs().max() / 16
+    with pytest.raises(ValueError, match="not loaded from a checkpoint"):
+        head.lm_head.load_param("weight", stored)
 
 
 def _acceptance(runner) -> float:
