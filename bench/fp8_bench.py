@@ -393,7 +393,7 @@ def markdown(result: dict) -> str:
         if "error" in row:
             lines.append(f"- EAGLE-3 on {row['weights']}: failed ({row['error'][:200]})")
             continue
-        lines.append(f"- EAGLE-3 {row['shape']} step on the {row['weights']} target: {row['step_ms']:.3f} ms = "
+        lines.append(f"- EAGLE-3 {row['shape']} step on the {row['weights'] if 'target' in row['weights'] else row['weights'] + ' target'}: {row['step_ms']:.3f} ms = "
                      f"{row['step_over_decode']:.2f}x its decode step; projected {row['projected_tok_s']['2']:.0f} / "
                      f"{row['projected_tok_s']['3']:.0f} tok/s at accept length 2 / 3 (random heads: measured "
                      f"{row['measured_accept_length']:.2f})"

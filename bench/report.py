@@ -259,6 +259,14 @@ def s5(r: dict, spec_rows: list | None = None) -> str:
                      _f(x.get("distinct_4gram_share"), 2)])
     lines.append(_table(["system", "accept length", "tok/s", "vs engine target-only", "vs transformers",
                          "vs transformers assisted", "same tokens as engine target-only", "distinct 4-grams"], rows))
+    lm = r.get("fp8_lm_head")
+    if lm:
+        lines += ["", f"The head's draft logits through an FP8 lm_head (the trained target's {lm['lm_head_shape'][0]} x "
+                      f"{lm['lm_head_shape'][1]} lm_head quantized as `--draft-quantization fp8` quantizes an EAGLE-3 "
+                      f"head's own, e4m3 with a scale per 128 x 128 block), {lm['positions']} teacher-forced held-out "
+                      f"positions: the draft token is the stored lm_head's at {100 * lm['same_draft_token']:.2f}% of "
+                      f"them, and equals the target's greedy token at {100 * lm['first_token_agreement_stored']:.1f}% "
+                      f"stored, {100 * lm['first_token_agreement_fp8']:.1f}% FP8."]
     par = r.get("hf_parity")
     if par:
         lines += ["", f"Engine vs transformers on the trained target: logits differ by {par['rel_l2_logits']:.2e}, "
