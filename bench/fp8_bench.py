@@ -16,9 +16,7 @@
    at every batch.
    Then, at batch 1 / 64 / 256, the decode call under each PDL mode side by side (pdl_rows):
    the engine's, PDL right after the cuBLAS GEMMs too, and none; the graphs over one KV pool,
-   timed in interleaved rounds. The same at batch 1 / 16 (split-KV attention launches) with the
-   attention partials combined in the split kernel (the engine's) and by the separate combine
-   kernel (combine_rows).
+   timed in interleaved rounds.
 2. EAGLE-3 on the FP8 target: one fused speculative step (chain: steps 3, topk 1, draft
    tokens 4) at batch 1, on bf16 and FP8 targets, as a multiple of each one's decode step. The
    goal (FP8's multiple within 5% of bf16's) is judged on Runner.step loops of the speculative
@@ -57,7 +55,7 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, catalog_gpu, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attention_combine, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top, small_m_kernel,  # noqa: E402
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top, small_m_kernel,  # noqa: E402
                      random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
@@ -134,26 +132,6 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
         row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"pdl_{m}_ms": ms[m] for m in PDL_MODES}}
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
-        rows.append(row)
-    return rows
-
-
-COMBINE_MODES = ("fused", "kernel")
-COMBINE_BATCHES = (1, 16)  # the decode calls whose attention splits the 1K prefix (the combine runs)
-
-
-def combine_rows(target, sizes, device, label: str) -> list[dict]:
-    """The graphed decode call with split-KV attention's partials combined by the split
-    kernel's last program (the engine's default) and by the separate combine kernel
-    (harness.attention_combine), side by side at COMBINE_BATCHES (interleaved_call_ms)."""
-    rows = []
-    for b in (b for b in COMBINE_BATCHES if b in sizes["batches"]):
-        ms = interleaved_call_ms(target, b, sizes, device,
-                                 {m: lambda m=m: attention_combine(m == "fused") for m in COMBINE_MODES})
-        row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"{m}_ms": ms[m] for m in COMBINE_MODES}}
-        row["kernel_over_fused"] = row["kernel_ms"] / row["fused_ms"]
-        log(f"{label} decode bs={b:<3} attention combined in the split kernel {row['fused_ms']:.3f} ms, by the "
-            f"combine kernel {row['kernel_ms']:.3f} ms ({row['kernel_over_fused']:.3f}x)")
         rows.append(row)
     return rows
 
@@ -402,16 +380,6 @@ def markdown(result: dict) -> str:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in PDL_MODES]
             lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(cells) + " |")
         lines.append("")
-    combine = result.get("attention_combine", [])
-    if combine:
-        lines += ["Decode call (ms) with split-KV attention's partials combined by the split kernel's last "
-                  "program (the engine's) and by the separate combine kernel (`SPECDEPLOY_ATTENTION_COMBINE=kernel`); "
-                  "graphs over one KV pool, timed in interleaved rounds:", "",
-                  "| weights | batch | fused | combine kernel | kernel / fused |", "|---|---|---|---|---|"]
-        for r in combine:
-            lines.append(f"| {r['weights']} | {r['batch']} | {r['fused_ms']:.3f} | {r['kernel_ms']:.3f} | "
-                         f"{r['kernel_over_fused']:.3f}x |")
-        lines.append("")
     small = result.get("small_m_kernel", [])
     if small:
         lines += ["FP8 decode call (ms) with the small-M linears (1-8 rows) on the CUDA mma kernel "
@@ -525,7 +493,6 @@ def main() -> int:
             result["attributed_bf16"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                             sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] = pdl_rows(target, sizes, device, "bf16")
-            result["attention_combine"] = combine_rows(target, sizes, device, "bf16")
         spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
                          "bf16")]
         converted = fp8.quantize_model_linears(target, FORMAT)
@@ -540,7 +507,6 @@ def main() -> int:
             result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] += pdl_rows(target, sizes, device, "fp8")
-            result["attention_combine"] += combine_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         if device.type == "cuda":  # the CUDA small-M kernel against the Triton launches it replaces

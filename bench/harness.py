@@ -463,17 +463,15 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
 @contextlib.contextmanager
 def kernel_env(name: str, value: str):
     """Kernels launched (and graphs captured) inside run with the environment variable `name`
-    (one of engine/kernels/launch.py's, fp8_mma.py's or attention.py's, read once and cached
-    there) set to `value`."""
+    (one of engine/kernels/launch.py's or fp8_mma.py's, read once and cached there) set to `value`."""
     import os
 
-    from specdeploy.engine.kernels import attention, fp8_mma, launch
+    from specdeploy.engine.kernels import fp8_mma, launch
 
     old = os.environ.get(name)
     os.environ[name] = value
     launch.reset()
     fp8_mma.reset()
-    attention.reset()
     try:
         yield
     finally:
@@ -483,7 +481,6 @@ def kernel_env(name: str, value: str):
             os.environ[name] = old
         launch.reset()
         fp8_mma.reset()
-        attention.reset()
 
 
 def pdl_mode(value: str):
@@ -500,15 +497,6 @@ def small_m_kernel(mma: bool):
     from specdeploy.engine.kernels import fp8_mma
 
     return kernel_env(fp8_mma.SWITCH_ENV, "1" if mma else "0")
-
-
-def attention_combine(fused: bool):
-    """Split-KV attention launches with their partials combined in the split kernel (the
-    engine's default) or, fused=False, by the separate combine kernel after it
-    (SPECDEPLOY_ATTENTION_COMBINE=kernel)."""
-    from specdeploy.engine.kernels import attention
-
-    return kernel_env(attention.COMBINE_ENV, "fused" if fused else "kernel")
 
 
 def pdl_off():

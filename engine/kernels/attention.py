@@ -12,15 +12,8 @@ Split-KV ("flash-decoding") layout, built for small batches, where one program p
   splits); each program streams its chunk straight from the pool through the slot table, and the
   last split also reads the in-flight keys under `new_mask` (causal, tree or ancestor mask).
 - each program keeps an online softmax in float32 and writes its unnormalised partial
-  (running max m, sum l, accumulator acc); the partials are rescaled and added in the same
-  launch: after its stores each split program takes a ticket (an acq_rel atomic increment of its
-  (request, kv head, row block)'s counter) and the one holding the last ticket reads every
-  split's partial back through L2 (`.cg`), combines them into the output and puts the counter
-  back to 0 (atomic_xchg), so each CUDA-graph replay starts from zeros. The counters are made
-  once per device on the first eager launch and kept (ATTENTION_COMBINE_TICKETS, counted by the
-  planner); a capture that meets no counters yet, or a launch needing more, runs the separate
-  `_combine_kernel` after the split kernel instead, as does SPECDEPLOY_ATTENTION_COMBINE=kernel
-  (comparisons). With one split the first kernel normalises and writes the output itself.
+  (running max m, sum l, accumulator acc); `_combine_kernel` rescales and adds the partials.
+  With one split the first kernel normalises and writes the output itself.
 
 CUDA graphs: the split count and the partials' shapes depend only on tensor shapes (batch,
 queries, heads, prefix width: the graph's static buffers), never on the lengths inside them, so a
@@ -30,7 +23,6 @@ captured graph replays for any lengths. Nothing is read back to the host.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Protocol
 
 import torch
@@ -38,9 +30,6 @@ import triton
 import triton.language as tl
 
 from specdeploy.engine.kernels.launch import gdc, pdl_args
-from specdeploy.engine.planner.plan import ATTENTION_COMBINE_TICKETS
-
-COMBINE_ENV = "SPECDEPLOY_ATTENTION_COMBINE"  # "fused" (the default) or "kernel": the separate launch
 
 
 class SlotBatch(Protocol):
@@ -82,10 +71,9 @@ def _split_attention_kernel(
     stride_qb, stride_qq, stride_qh,
     stride_ks, stride_kh,
     stride_ob, stride_oq, stride_oh,
-    num_queries, num_heads, prefix_width, num_new, group, num_row_blocks, tickets_ptr,
+    num_queries, num_heads, prefix_width, num_new, group, num_row_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     gdc(USE_GDC)
     b = tl.program_id(0)
@@ -162,32 +150,6 @@ def _split_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_valid[:, None])
-        if FUSED_COMBINE:
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            ticket = tickets_ptr + b * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(ticket, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                # The last split: _combine_kernel's sums for this program's rows.
-                first = (b * NUM_SPLITS * num_queries + q_idx) * num_heads + head       # split 0's [BLOCK_M]
-                step = num_queries * num_heads
-                m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for s in range(NUM_SPLITS):
-                    m_max = tl.maximum(m_max, tl.load(part_m_ptr + first + s * step, mask=row_valid,
-                                                      other=float("-inf"), cache_modifier=".cg"))
-                shift = tl.where(m_max == float("-inf"), 0.0, m_max)
-                den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                for s in range(NUM_SPLITS):
-                    w = tl.exp2(tl.load(part_m_ptr + first + s * step, mask=row_valid, other=float("-inf"),
-                                        cache_modifier=".cg") - shift)
-                    den += w * tl.load(part_l_ptr + first + s * step, mask=row_valid, other=0.0,
-                                       cache_modifier=".cg")
-                    out += w[:, None] * tl.load(part_acc_ptr + (first + s * step)[:, None] * HEAD_DIM
-                                                + offs_d[None, :], mask=row_valid[:, None], other=0.0,
-                                                cache_modifier=".cg")
-                out = out / tl.where(den == 0.0, 1.0, den)[:, None]
-                tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh
-                         + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-                tl.atomic_xchg(ticket, 0)  # zero again for the next launch (and graph replay)
 
 
 @triton.jit
@@ -216,37 +178,6 @@ def _combine_kernel(
     head = qh % num_heads
     tl.store(out_ptr + b * stride_ob + q_idx * stride_oq + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
-
-
-@functools.cache
-def fused_combine() -> bool:
-    """Whether split launches combine their partials in-kernel (SPECDEPLOY_ATTENTION_COMBINE:
-    fused, the default, or kernel); read once, `reset` reads it again."""
-    value = os.environ.get(COMBINE_ENV, "fused").strip()
-    if value not in ("fused", "kernel"):
-        raise ValueError(f"{COMBINE_ENV}={value!r}: fused (the default) or kernel")
-    return value == "fused"
-
-
-def reset() -> None:
-    fused_combine.cache_clear()
-
-
-_TICKETS: dict[str, torch.Tensor] = {}
-
-
-def combine_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's int32 combine counters (ATTENTION_COMBINE_TICKETS, zeros), made on first
-    use and kept for the process (graphs hold their pointer). None where a launch needs more,
-    fused combining is off, or none exist yet while the stream captures a graph (never allocate
-    zeroed counters there)."""
-    if needed > ATTENTION_COMBINE_TICKETS or not fused_combine():
-        return None
-    key = str(device)
-    found = _TICKETS.get(key)
-    if found is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        found = _TICKETS[key] = torch.zeros(ATTENTION_COMBINE_TICKETS, dtype=torch.int32, device=device)
-    return found
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -337,12 +268,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         block_k = launch_block_k(num_splits, block_m)
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} is not a power of two >= 16")
-    tickets = None
     if num_splits > 1:
         part_m = torch.empty(b, num_splits, num_q, hq, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(b, num_splits, num_q, hq, d, dtype=torch.float32, device=q.device)
-        tickets = combine_tickets(q.device, b * hkv * row_blocks)
     else:
         part_m = part_l = part_acc = out  # not touched by the kernel
     _split_attention_kernel[(b, hkv * row_blocks, num_splits)](
@@ -352,13 +281,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         num_q, hq, prefix_slots.shape[1], new_slots.shape[1], group, row_blocks,
-        tickets if tickets is not None else batch.prefix_lens,  # not touched without FUSED_COMBINE
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits, FUSED_COMBINE=tickets is not None,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_K=block_k, NUM_SPLITS=num_splits,
         # float32 models get float32 products (TF32 would round away the reference's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_args(q),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    if num_splits > 1 and tickets is None:
+    if num_splits > 1:
         _combine_kernel[(b, num_q * hq)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
             num_q, hq, HEAD_DIM=d, NUM_SPLITS=num_splits, **pdl_args(q))

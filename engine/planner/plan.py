@@ -181,11 +181,6 @@ GEMV_MAX_M = 16
 GEMV_MAX_SPLIT_K = 8
 GEMV_SPLIT_MAX_N = 65536
 GEMV_MIN_BLOCK_N = 4
-# The split-KV attention kernel (engine/kernels/attention.py) finishes its splits in-kernel: the
-# last split program of each (request, kv head, row block) combines the partials, counted in
-# int32 tickets kept per device. Split launches have under 2 programs per SM before splitting,
-# so this many cover a 2048-SM device; a launch that needs more runs the separate combine kernel.
-ATTENTION_COMBINE_TICKETS = 4096
 
 # Logits are computed in float32 for sampling and verification.
 LOGITS_DTYPE_BYTES = 4
@@ -878,10 +873,8 @@ def _memory_terms(
         features = chunk * buffers.draft_extend_hidden_states_shape[1] * target_shapes.dtype_bytes
         workspace = max(workspace, _activation_bytes(draft_shapes, chunk, tp, prefix) + features)
     workspace = math.ceil(workspace * (1 + PREFILL_ALLOCATOR_SLACK))
-    # The small-M linear kernel's split-K workspaces, made on the first (eager) decode call and
-    # kept, and the attention kernel's combine tickets.
+    # The small-M linear kernel's split-K workspaces, made on the first (eager) decode call and kept.
     workspace += gemv_workspace_bytes([target_shapes] + ([draft_shapes] if draft_shapes is not None else []), tp)
-    workspace += ATTENTION_COMBINE_TICKETS * 4
     budget = (
         gpu.memory_bytes - weights - graph_pool - workspace - buffers.static_bytes - per_request - RESERVE_BYTES
     )
