@@ -39,15 +39,16 @@ def test_every_goal_figure_comes_from_a_committed_json(report, scan):
     figures = [row[0] for row in rows]
     assert len(figures) == len(set(figures)), "a goal appears twice"
     tracked = _tracked()
-    for figure, _goal, measured, verdict, date, _commit, source in rows:
+    for figure, _goal, measured, verdict, date, _commit, gpu, source in rows:
         assert source.startswith("docs/benchmarks/runs/") and source.endswith(".json"), (figure, source)
+        assert gpu in ("H100", "H200"), (figure, gpu)  # every committed run names its card
         assert (ROOT / source).is_file(), source
         if tracked is not None:
             assert source in tracked, f"{source} is not committed"
         assert measured not in ("", "—") and verdict in ("met", "**missed**", "—"), (figure, measured)
         assert date != "—", (figure, source)
     # A figure read straight from its file, not through the report: section 7's goals.
-    for figure, _goal, measured, verdict, _date, _commit, source in rows:
+    for figure, _goal, measured, verdict, _date, _commit, _gpu, source in rows:
         data = json.loads((ROOT / source).read_text())
         for g in (data.get("results") or {}).get("goals") or []:
             if isinstance(g, dict) and g.get("metric") == figure:
@@ -73,7 +74,8 @@ def test_each_goal_is_taken_from_its_latest_run(report, tmp_path):
             "step_linears": [{"m": 2048, "us": {"bf16": 2.0, "engine": 2.0 / value},
                               "speedup_vs_bf16": {"bf16": 1.0, "engine": value}}]}))
     rows = report.repository_goals(report.scan_runs(tmp_path / "runs", tmp_path))
-    assert len(rows) == 2 and all(row[5] == "c0ffeeb" and row[6] == "runs/b/fp8_crossover.json" for row in rows)
+    assert len(rows) == 2 and all(row[5] == "c0ffeeb" and row[6] == "—" and row[7] == "runs/b/fp8_crossover.json"
+                                  for row in rows)
     assert rows[0][2] == "0.90×" and rows[0][3] == "**missed**"
 
 
@@ -93,7 +95,7 @@ def test_a_self_describing_script_brings_its_goals_and_section(report, tmp_path)
     rows = {row[0]: row for row in report.repository_goals(scan)}
     assert rows["probe speed-up"][1:4] == ["≥ 1.3×", "1.25×", "**missed**"]
     assert rows["probe latency"][1:4] == ["≤ 5.00 ms", "4.00 ms", "met"]
-    assert rows["probe latency"][5:] == ["abc1234", "runs/a/probe.json"]
+    assert rows["probe latency"][5:] == ["abc1234", "GPU X", "runs/a/probe.json"]
     text = "\n".join(report.described_sections(scan["scripts"]))
     assert "## A probe" in text and "| 1 | 2 |" in text and "title line" not in text
     assert "`python3 bench/probe.py --out OUT` (2026-12-02 07:00 UTC, commit abc1234" in text
