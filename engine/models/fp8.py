@@ -401,11 +401,8 @@ class FP8ParallelLMHead(_FP8Parallel, ParallelLMHead):
         self.vocab_size, self.tp_size, self.rows, self.weight = layer.vocab_size, layer.tp_size, layer.rows, layer.weight
         self._make_fp8_scaled(fmt)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x, None)
-        if self.tp_size == 1:
-            return y
-        return parallel.all_gather(y)[..., :self.vocab_size]
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, None)
 
     def load_param(self, name: str, full: torch.Tensor) -> None:
         raise ValueError(f"lm_head.{name}: an FP8 lm_head is made by quantizing a loaded one, not loaded from a checkpoint")

@@ -227,10 +227,14 @@ class ParallelLMHead(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = self.local_logits(x)
         if self.tp_size == 1:
             return y
         return parallel.all_gather(y)[..., :self.vocab_size]
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits [..., ceil(V / tp)]."""
+        return linear(x, self.weight)
 
     def load_param(self, name: str, full) -> None:
         _copy(self.weight, _rows(full, *self.rows, self.vocab_size), "lm_head")

@@ -179,11 +179,10 @@ def draft_linears(shapes: ModelShapes, tensor_parallel_size: int,
     layer = [("merged", (q, kv, kv), attn_in), ("row", (h,), q), ("merged", (i, i), h), ("row", (h,), i)]
     if shapes.role == "EAGLE":
         hs = target_spec_hidden_size or shapes.spec_hidden_size
-        fc = ("row", (hs,), (h + hs) // tp)
+        head = [("row", (hs,), (h + hs) // tp)]
     else:
-        fc = ("row", (h,), EAGLE3_AUX_LAYERS * h // tp)
-        return layer * shapes.num_layers + [fc, ("lm_head", (-(-shapes.draft_vocab_size // tp),), h)]
-    return layer * shapes.num_layers + [fc]
+        head = [("row", (h,), EAGLE3_AUX_LAYERS * h // tp), ("lm_head", (-(-shapes.draft_vocab_size // tp),), h)]
+    return layer * shapes.num_layers + head
 
 
 def fp8_block_bytes(kind: str, parts: tuple[int, ...], k: int) -> int:
