@@ -463,15 +463,17 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
 @contextlib.contextmanager
 def kernel_env(name: str, value: str):
     """Kernels launched (and graphs captured) inside run with the environment variable `name`
-    (one of engine/kernels/launch.py's or fp8_mma.py's, read once and cached there) set to `value`."""
+    (one of engine/kernels/launch.py's, fp8_mma.py's or the package's, read once and cached
+    there) set to `value`."""
     import os
 
-    from specdeploy.engine.kernels import fp8_mma, launch
+    from specdeploy.engine.kernels import fp8_mma, launch, reset_prologues
 
     old = os.environ.get(name)
     os.environ[name] = value
     launch.reset()
     fp8_mma.reset()
+    reset_prologues()
     try:
         yield
     finally:
@@ -481,6 +483,15 @@ def kernel_env(name: str, value: str):
             os.environ[name] = old
         launch.reset()
         fp8_mma.reset()
+        reset_prologues()
+
+
+def prologues(on: bool):
+    """The small-M linears computing the norms and the SwiGLU on their input where they can
+    (the engine's default), or, on=False, those as kernels of their own (SPECDEPLOY_PROLOGUE=0)."""
+    from specdeploy.engine.kernels import PROLOGUE_ENV
+
+    return kernel_env(PROLOGUE_ENV, "1" if on else "0")
 
 
 def pdl_mode(value: str):

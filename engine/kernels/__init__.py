@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from types import ModuleType
+from typing import NamedTuple
 
 
 @functools.cache
@@ -92,3 +94,65 @@ def gemv_ops() -> ModuleType | None:
     from specdeploy.engine.kernels import gemv
 
     return gemv
+
+
+class Prologue(NamedTuple):
+    """What the small-M linear (engine/kernels/gemv.py, fp8_mma_gemv.cu) computes on its input
+    before the product, in place of a kernel of its own before it (a decode step's norms and
+    SwiGLU are a third of its launches at batch 1):
+
+    - "silu_mul": x [M, 2K] is a gate/up matmul's output; the input is silu(gate) * up, with the
+      SiLU rounded to x's dtype as elementwise.silu_mul rounds it (the same input, bit for bit).
+    - "rms_norm": x [M, K] is the residual stream; the input is rms_norm(x + delta) * weight
+      (delta None: no add) and x + delta, rounded to x's dtype, is written to residual_out. The
+      product runs on weight * (x + delta) and is scaled by 1 / rms at the end, so the normed
+      input is not rounded to x's dtype first: the result equals rms_norm-then-linear up to that
+      one rounding. One row only, and one program along K (the sum of squares is the program's
+      own): launches that are not take the two kernels.
+    """
+
+    kind: str
+    delta: object = None  # torch.Tensor | None
+    weight: object = None
+    eps: float = 0.0
+    residual_out: object = None
+
+
+PROLOGUE_ENV = "SPECDEPLOY_PROLOGUE"  # "0": every prologue runs as its own kernel (for comparisons)
+
+
+@functools.cache
+def prologues_enabled() -> bool:
+    """SPECDEPLOY_PROLOGUE, read once (reset_prologues() reads it again): unless "0", the small-M
+    linear computes the prologues its launches can."""
+    value = os.environ.get(PROLOGUE_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{PROLOGUE_ENV}={value!r}: 1 (the default) or 0")
+    return value == "1"
+
+
+def reset_prologues() -> None:
+    prologues_enabled.cache_clear()
+
+
+PROLOGUE_CODES = {"silu_mul": 1, "rms_norm": 2}  # the kernels' PRO: rms_norm without a delta is 3
+
+
+def prologue_code(prologue: Prologue | None) -> int:
+    if prologue is None:
+        return 0
+    if prologue.kind not in PROLOGUE_CODES:
+        raise ValueError(f"prologue {prologue.kind!r} (one of {sorted(PROLOGUE_CODES)})")
+    return 3 if prologue.kind == "rms_norm" and prologue.delta is None else PROLOGUE_CODES[prologue.kind]
+
+
+def norm_args(prologue: Prologue | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(delta, norm weight, residual out, eps) of a norm prologue; x in place of each tensor a
+    launch does not read (no norm, or no delta)."""
+    if prologue is None or prologue.kind != "rms_norm":
+        return x, x, x, 0.0
+    if prologue.delta is not None and (prologue.residual_out is None or prologue.delta.shape != x.shape
+                                       or prologue.residual_out.shape != x.shape):
+        raise ValueError("a norm prologue's delta and residual_out are x's shape")
+    pick = lambda t: t if t is not None else x  # noqa: E731
+    return pick(prologue.delta), prologue.weight, pick(prologue.residual_out), float(prologue.eps)

@@ -190,3 +190,85 @@ print("ok")
 
 def test_gemv_kernel_matches_torch_interpreted(run_interpreted):
     run_interpreted(SCRIPT)
+
+
+PROLOGUE_SCRIPT = FP8_CAST + r"""
+import torch.nn.functional as F
+
+from specdeploy.engine.kernels import Prologue, gemv
+from specdeploy.engine.models import fp8
+
+torch.manual_seed(0)
+
+def silu_mul(gate_up):  # elementwise.silu_mul's roundings: the SiLU rounded to x's dtype, then times up
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return ((g / (1 + torch.exp(-g))).to(gate_up.dtype).float() * u).to(gate_up.dtype)
+
+def rms_norm(x, weight, eps):  # RMSNorm's torch code
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+def linear(x, codes, scale, bias):
+    wd = codes.float() if scale is None else codes.float() * fp8.expand_scale(scale, tuple(codes.shape), 128, 128)
+    return F.linear(x.float(), wd, bias)
+
+def close(got, want, what, rel):
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape, what
+    err = (got.float() - want).abs()
+    bound = rel * want.abs() + 2 ** -9 * want.abs().amax(-1, keepdim=True)
+    assert (err <= bound).all(), (what, err.max().item())
+
+# (weights, N, K, launch): plain bf16 weights on the fma loop, FP8 block codes on fma and on
+# dot16's one-row path; K = 384 with BLOCK_K 256 (a partial tile: the masked loads); silu_mul
+# with split-K (the SiLU needs no other program's k)
+for weights, n, k, cfg in [("plain", 40, 512, ("fma", 8, 256, 1, 4, 2)),
+                           ("plain", 72, 384, ("fma", 16, 256, 1, 4, 2)),
+                           ("block", 40, 512, ("fma", 8, 256, 1, 4, 2)),
+                           ("block", 72, 384, ("dot16", 16, 256, 1, 4, 2))]:
+    w = torch.randn(n, k) * 0.05
+    if weights == "plain":
+        codes, scale = w.to(torch.bfloat16), None
+    else:
+        codes, scale = fp8.quantize_fp8_block(w, (128, 128))
+    bias = torch.randn(n).to(torch.bfloat16)
+    # silu_mul: the same input as the two kernels, bit for bit: the product as theirs
+    gate_up = (torch.randn(1, 1, 2 * k) * 2).to(torch.bfloat16)
+    split_cfg = cfg[:3] + (2,) + cfg[4:]
+    for c in (cfg, split_cfg):
+        got = gemv.fused_linear(gate_up, codes, scale, 128, bias, Prologue("silu_mul"), config=c)
+        assert got.shape == (1, 1, n)
+        unfused = (gemv.plain_linear(silu_mul(gate_up), codes, bias, config=c) if scale is None
+                   else gemv.fp8_linear(silu_mul(gate_up), codes, scale, 128, bias, config=c))
+        assert torch.equal(got, unfused), (weights, c)
+    # rms_norm with and without the residual add
+    residual = (torch.randn(1, 1, k) * 4).to(torch.bfloat16)
+    delta = torch.randn(1, 1, k).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(k)).to(torch.bfloat16)
+    for d in (delta, None):
+        out = torch.full_like(residual, float("nan")) if d is not None else None
+        got = gemv.fused_linear(residual, codes, scale, 128, bias, Prologue("rms_norm", d, norm_w, 1e-5, out), config=cfg)
+        total = residual if d is None else (residual.float() + d.float()).to(torch.bfloat16)
+        if d is not None:
+            assert torch.equal(out, total), weights
+        want = linear(rms_norm(total, norm_w, 1e-5), codes, scale, bias.float())
+        # the normed input is not rounded to bf16 first: within that rounding and the output's
+        close(got, want, (weights, cfg, d is None), 2 ** -7)
+    # a norm over a split K, more than one row, a launch whose x is not one row: not fused
+    assert gemv.fused_linear(residual, codes, scale, 128, bias, Prologue("rms_norm", None, norm_w, 1e-5),
+                             config=split_cfg) is None
+    assert gemv.fused_linear(torch.cat([gate_up] * 2, 1), codes, scale, 128, bias, Prologue("silu_mul"), config=cfg) is None
+    assert gemv.fused_linear(gate_up, codes, scale, 128, bias, Prologue("silu_mul"), config=("dot", 16, 256, 1, 4, 2)) is None
+    assert gemv.fused_linear(residual, codes, scale, 128, bias, Prologue("silu_mul"), config=cfg) is None  # x too narrow
+# the split-K counters are back at zero
+assert all(int(c.abs().sum()) == 0 for _, c in gemv._WORKSPACES.values())
+try:
+    gemv.fused_linear(gate_up, codes, scale, 128, bias, Prologue("gelu"), config=cfg)
+    raise AssertionError("an unknown prologue ran")
+except ValueError:
+    pass
+print("ok")
+"""
+
+
+def test_prologues_match_the_separate_kernels_interpreted(run_interpreted):
+    run_interpreted(PROLOGUE_SCRIPT)
