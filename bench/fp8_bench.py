@@ -138,21 +138,20 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
     return rows
 
 
-PROLOGUE_MODES = ("fused", "separate")
+PROLOGUE_MODES = {"fused": "1", "norm": "rms_norm", "silu": "silu_mul", "separate": "0"}  # SPECDEPLOY_PROLOGUE
 PROLOGUE_BATCHES = (1,)  # the prologues run inside the linear at one row only
 
 
 def prologue_rows(target, sizes, device, label: str) -> list[dict]:
     """The graphed decode call with the norms and the SwiGLU computed by the small-M linear after
-    them (the engine's default: engine.kernels.Prologue) and as kernels of their own
-    (harness.prologues(False)), side by side at PROLOGUE_BATCHES (interleaved_call_ms)."""
+    them (the engine's default: engine.kernels.Prologue), only one of them, and both as kernels of
+    their own (harness.prologues), side by side at PROLOGUE_BATCHES (interleaved_call_ms)."""
     rows = []
     for b in (b for b in PROLOGUE_BATCHES if b in sizes["batches"]):
-        ms = interleaved_call_ms(target, b, sizes, device, {m: lambda m=m: prologues(m == "fused") for m in PROLOGUE_MODES})
+        ms = interleaved_call_ms(target, b, sizes, device, {m: lambda v=v: prologues(v) for m, v in PROLOGUE_MODES.items()})
         row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"{m}_ms": ms[m] for m in PROLOGUE_MODES}}
         row["separate_over_fused"] = row["separate_ms"] / row["fused_ms"]
-        log(f"{label} decode bs={b:<3} prologues in the linears {row['fused_ms']:.3f} ms, as kernels of their own "
-            f"{row['separate_ms']:.3f} ms ({row['separate_over_fused']:.3f}x)")
+        log(f"{label} decode bs={b:<3} by prologue: " + ", ".join(f"{m} {ms[m]:.3f} ms" for m in PROLOGUE_MODES))
         rows.append(row)
     return rows
 
@@ -404,12 +403,14 @@ def markdown(result: dict) -> str:
     pro = result.get("prologues", [])
     if pro:
         lines += ["Decode call (ms) with the norms and the SwiGLU computed by the linear after them (the "
-                  "engine's default at one row, engine.kernels.Prologue) and as kernels of their own "
-                  "(`SPECDEPLOY_PROLOGUE=0`); graphs over one KV pool, timed in interleaved rounds:", "",
-                  "| weights | batch | in the linears | own kernels | own / in the linears |", "|---|---|---|---|---|"]
+                  "engine's default at one row, engine.kernels.Prologue), only the norms, only the SwiGLU, and "
+                  "both as kernels of their own (`SPECDEPLOY_PROLOGUE=0`); graphs over one KV pool, timed in "
+                  "interleaved rounds:", "",
+                  "| weights | batch | " + " | ".join(PROLOGUE_MODES) + " | own / in the linears |",
+                  "|---|---|" + "---|" * (len(PROLOGUE_MODES) + 1)]
         for r in pro:
-            lines.append(f"| {r['weights']} | {r['batch']} | {r['fused_ms']:.3f} | {r['separate_ms']:.3f} | "
-                         f"{r['separate_over_fused']:.3f}x |")
+            lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(f"{r[f'{m}_ms']:.3f}" for m in PROLOGUE_MODES)
+                         + f" | {r['separate_over_fused']:.3f}x |")
         lines.append("")
     small = result.get("small_m_kernel", [])
     if small:
@@ -524,7 +525,6 @@ def main() -> int:
             result["attributed_bf16"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                             sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] = pdl_rows(target, sizes, device, "bf16")
-            result["prologues"] = prologue_rows(target, sizes, device, "bf16")
         spec = [spec_row(target, head, sizes, device, bf16_rows[0].get("runner_step_ms", bf16_rows[0]["median_ms"]),
                          "bf16")]
         converted = fp8.quantize_model_linears(target, FORMAT)
@@ -539,7 +539,7 @@ def main() -> int:
             result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] += pdl_rows(target, sizes, device, "fp8")
-            result["prologues"] += prologue_rows(target, sizes, device, "fp8")
+            result["prologues"] = prologue_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         if device.type == "cuda":  # the CUDA small-M kernel against the Triton launches it replaces

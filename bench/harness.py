@@ -486,12 +486,13 @@ def kernel_env(name: str, value: str):
         reset_prologues()
 
 
-def prologues(on: bool):
-    """The small-M linears computing the norms and the SwiGLU on their input where they can
-    (the engine's default), or, on=False, those as kernels of their own (SPECDEPLOY_PROLOGUE=0)."""
+def prologues(value: str):
+    """Under SPECDEPLOY_PROLOGUE=value: "1" the small-M linears compute the norms and the SwiGLU
+    on their input where they can (the engine's default), "0" those run as kernels of their own,
+    or a list of the kinds computed inside (engine/kernels/__init__.py prologue_kinds)."""
     from specdeploy.engine.kernels import PROLOGUE_ENV
 
-    return kernel_env(PROLOGUE_ENV, "1" if on else "0")
+    return kernel_env(PROLOGUE_ENV, value)
 
 
 def pdl_mode(value: str):

@@ -119,22 +119,6 @@ class Prologue(NamedTuple):
 
 
 PROLOGUE_ENV = "SPECDEPLOY_PROLOGUE"  # "0": every prologue runs as its own kernel (for comparisons)
-
-
-@functools.cache
-def prologues_enabled() -> bool:
-    """SPECDEPLOY_PROLOGUE, read once (reset_prologues() reads it again): unless "0", the small-M
-    linear computes the prologues its launches can."""
-    value = os.environ.get(PROLOGUE_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PROLOGUE_ENV}={value!r}: 1 (the default) or 0")
-    return value == "1"
-
-
-def reset_prologues() -> None:
-    prologues_enabled.cache_clear()
-
-
 PROLOGUE_CODES = {"silu_mul": 1, "rms_norm": 2}  # the kernels' PRO: rms_norm without a delta is 3
 
 
@@ -156,3 +140,19 @@ def norm_args(prologue: Prologue | None, x: torch.Tensor) -> tuple[torch.Tensor,
         raise ValueError("a norm prologue's delta and residual_out are x's shape")
     pick = lambda t: t if t is not None else x  # noqa: E731
     return pick(prologue.delta), prologue.weight, pick(prologue.residual_out), float(prologue.eps)
+
+
+@functools.cache
+def prologue_kinds() -> frozenset[str]:
+    """The prologues the small-M linear computes where its launch can, from SPECDEPLOY_PROLOGUE
+    (read once; reset_prologues() reads it again): "1" (the default) all, "0" none, or a
+    comma-separated list of kinds (comparisons)."""
+    value = os.environ.get(PROLOGUE_ENV, "1").strip()
+    kinds = set(PROLOGUE_CODES) if value == "1" else set() if value == "0" else {v.strip() for v in value.split(",")}
+    if not kinds <= set(PROLOGUE_CODES):
+        raise ValueError(f"{PROLOGUE_ENV}={value!r}: 1 (the default), 0 or kinds of {sorted(PROLOGUE_CODES)}")
+    return frozenset(kinds)
+
+
+def reset_prologues() -> None:
+    prologue_kinds.cache_clear()

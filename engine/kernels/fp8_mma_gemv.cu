@@ -161,7 +161,7 @@ __device__ __forceinline__ void stage_x(u16* xs, float* xe, const u16* x, i64 st
     float up[16];
     load16(up, x + m * stride_xm + pro.K + kb + kk, ok);
 #pragma unroll
-    for (int i = 0; i < 16; i++) f[i] = round_act(round_act(f[i] / (1.f + __expf(-f[i]))) * up[i]);
+    for (int i = 0; i < 16; i++) f[i] = round_act(round_act(__fdividef(f[i], 1.f + __expf(-f[i]))) * up[i]);
 #elif PRO >= 2
 #if PRO == 2
     float dv[16];

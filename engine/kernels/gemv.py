@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels import Prologue, fp8_mma, norm_args, prologue_code, prologues_enabled
+from specdeploy.engine.kernels import Prologue, fp8_mma, norm_args, prologue_code, prologue_kinds
 from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args, prefetch_bytes
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
@@ -552,13 +552,21 @@ def prologue_fits(prologue: Prologue, cfg: tuple, m: int, x_dtype: torch.dtype) 
     return m == 1 and one_row and (prologue.kind != "rms_norm" or split_k == 1)
 
 
+def engine_prologue(cfg: tuple) -> bool:
+    """Whether the engine hands a prologue to this launch (fused_linear): the mma kernel's only.
+    The Triton loops' programs are narrow (BLOCK_N 8-16 rows at one row of x), so each of their
+    many programs redoing the row's work costs more than the separate kernel (bf16 decode call at
+    batch 1, H100, 80d8cb7: 6.164 ms with it, 5.812 without; docs/engine.md)."""
+    return cfg[0] == "mma"
+
+
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
                  bias: torch.Tensor | None, prologue: Prologue, config: tuple | None = None) -> torch.Tensor | None:
     """prologue(x) @ W^T (+ bias) in one launch -> [..., N], where the launch the table gives this
     shape computes the prologue (`prologue_fits`); None otherwise (the caller runs the prologue's
     own kernel, then the linear). W plain (scale None, x's dtype) or e4m3 codes with `scale`."""
     prologue_code(prologue)  # a kind the kernels compute
-    if not prologues_enabled():
+    if prologue.kind not in prologue_kinds():
         return None
     n, k = weight.shape
     width = 2 * k if prologue.kind == "silu_mul" else k
@@ -577,7 +585,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     cfg = config or config_for(kind, n, k, m, x.device)
     if cfg[0] == "mma" and not fp8_mma.supports(rows[:, :k], weight, scale, scale_n, rows[:, :n], bias):
         cfg = config_for(kind, n, k, m, x.device, mma=False)  # what launch() will run instead
-    if cfg[0] == "cublas" or not prologue_fits(prologue, cfg, m, x.dtype):
+    if (config is None and not engine_prologue(cfg)) or cfg[0] == "cublas" or not prologue_fits(prologue, cfg, m, x.dtype):
         return None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     launch(rows, weight, scale, scale_n, bias, out, *cfg, prologue=prologue)
