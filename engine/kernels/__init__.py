@@ -25,7 +25,10 @@ import functools
 import importlib.util
 import os
 from types import ModuleType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 @functools.cache
