@@ -14,8 +14,6 @@
    a step reads, FP8 codes and scales included, plus the KV prefix, over the measured copy
    bandwidth). Goals: FP8 batch 1 >= 1.8x bf16 tok/s and >= 85% of the FP8 roofline; FP8 >= bf16
    at every batch.
-   At batch 1, the decode call with the norms and the SwiGLU inside the linears after them and
-   as kernels of their own, side by side (prologue_rows).
    Then, at batch 1 / 64 / 256, the decode call under each PDL mode side by side (pdl_rows):
    the engine's, PDL right after the cuBLAS GEMMs too, and none; the graphs over one KV pool,
    timed in interleaved rounds.
@@ -57,8 +55,8 @@ import torch  # noqa: E402
 
 from common import (LLAMA_31_8B, TINY_LLAMA, catalog_gpu, copy_bandwidth_bytes_per_s, environment,  # noqa: E402
                     free_device_memory, log, time_ms, write_json)
-from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top, prologues,  # noqa: E402
-                     random_head, small_m_kernel, random_target, runner_decode_ms, use_fast_attention)
+from harness import (EngineDecode, attributed_profile, eagle3_head_config, pdl_mode, pdl_off, profile_top, small_m_kernel,  # noqa: E402
+                     random_head, random_target, runner_decode_ms, use_fast_attention)
 from roofline import roofline_rows  # noqa: E402
 from spec_step import SHAPES as SPEC_SHAPES  # noqa: E402
 
@@ -134,24 +132,6 @@ def pdl_rows(target, sizes, device, label: str) -> list[dict]:
         row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"pdl_{m}_ms": ms[m] for m in PDL_MODES}}
         log(f"{label} decode bs={b:<3} by PDL mode: " + ", ".join(f"{m} {row[f'pdl_{m}_ms']:.3f} ms"
                                                                   for m in PDL_MODES))
-        rows.append(row)
-    return rows
-
-
-PROLOGUE_MODES = {"fused": "1", "norm": "rms_norm", "silu": "silu_mul", "separate": "0"}  # SPECDEPLOY_PROLOGUE
-PROLOGUE_BATCHES = (1,)  # the prologues run inside the linear at one row only
-
-
-def prologue_rows(target, sizes, device, label: str) -> list[dict]:
-    """The graphed decode call with the norms and the SwiGLU computed by the small-M linear after
-    them (the engine's default: engine.kernels.Prologue), only one of them, and both as kernels of
-    their own (harness.prologues), side by side at PROLOGUE_BATCHES (interleaved_call_ms)."""
-    rows = []
-    for b in (b for b in PROLOGUE_BATCHES if b in sizes["batches"]):
-        ms = interleaved_call_ms(target, b, sizes, device, {m: lambda v=v: prologues(v) for m, v in PROLOGUE_MODES.items()})
-        row = {"weights": label, "batch": b, "rounds": ROUNDS, **{f"{m}_ms": ms[m] for m in PROLOGUE_MODES}}
-        row["separate_over_fused"] = row["separate_ms"] / row["fused_ms"]
-        log(f"{label} decode bs={b:<3} by prologue: " + ", ".join(f"{m} {ms[m]:.3f} ms" for m in PROLOGUE_MODES))
         rows.append(row)
     return rows
 
@@ -400,18 +380,6 @@ def markdown(result: dict) -> str:
             cells = [f"{r[f'pdl_{m}_ms']:.3f}" if f"pdl_{m}_ms" in r else "—" for m in PDL_MODES]
             lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(cells) + " |")
         lines.append("")
-    pro = result.get("prologues", [])
-    if pro:
-        lines += ["Decode call (ms) with the norms and the SwiGLU computed by the linear after them (the "
-                  "engine's default at one row, engine.kernels.Prologue), only the norms, only the SwiGLU, and "
-                  "both as kernels of their own (`SPECDEPLOY_PROLOGUE=0`); graphs over one KV pool, timed in "
-                  "interleaved rounds:", "",
-                  "| weights | batch | " + " | ".join(PROLOGUE_MODES) + " | own / in the linears |",
-                  "|---|---|" + "---|" * (len(PROLOGUE_MODES) + 1)]
-        for r in pro:
-            lines.append(f"| {r['weights']} | {r['batch']} | " + " | ".join(f"{r[f'{m}_ms']:.3f}" for m in PROLOGUE_MODES)
-                         + f" | {r['separate_over_fused']:.3f}x |")
-        lines.append("")
     small = result.get("small_m_kernel", [])
     if small:
         lines += ["FP8 decode call (ms) with the small-M linears (1-8 rows) on the CUDA mma kernel "
@@ -539,7 +507,6 @@ def main() -> int:
             result["attributed_fp8"] = [attributed_profile(target, b, sizes["context"], device, sizes["warmup"],
                                                            sizes["reps"]) for b in (1, 64) if b in sizes["batches"]]
             result["pdl"] += pdl_rows(target, sizes, device, "fp8")
-            result["prologues"] = prologue_rows(target, sizes, device, "fp8")
         fp8_decode_ms = fp8_rows[0].get("runner_step_ms", fp8_rows[0]["median_ms"])
         spec.append(spec_row(target, head, sizes, device, fp8_decode_ms, "fp8"))
         if device.type == "cuda":  # the CUDA small-M kernel against the Triton launches it replaces

@@ -463,17 +463,15 @@ def runner_decode_ms(target, batch: int, context: int, steps: int, warmup: int, 
 @contextlib.contextmanager
 def kernel_env(name: str, value: str):
     """Kernels launched (and graphs captured) inside run with the environment variable `name`
-    (one of engine/kernels/launch.py's, fp8_mma.py's or the package's, read once and cached
-    there) set to `value`."""
+    (one of engine/kernels/launch.py's or fp8_mma.py's, read once and cached there) set to `value`."""
     import os
 
-    from specdeploy.engine.kernels import fp8_mma, launch, reset_prologues
+    from specdeploy.engine.kernels import fp8_mma, launch
 
     old = os.environ.get(name)
     os.environ[name] = value
     launch.reset()
     fp8_mma.reset()
-    reset_prologues()
     try:
         yield
     finally:
@@ -483,16 +481,6 @@ def kernel_env(name: str, value: str):
             os.environ[name] = old
         launch.reset()
         fp8_mma.reset()
-        reset_prologues()
-
-
-def prologues(value: str):
-    """Under SPECDEPLOY_PROLOGUE=value: "1" the small-M linears compute the norms and the SwiGLU
-    on their input where they can (the engine's default), "0" those run as kernels of their own,
-    or a list of the kinds computed inside (engine/kernels/__init__.py prologue_kinds)."""
-    from specdeploy.engine.kernels import PROLOGUE_ENV
-
-    return kernel_env(PROLOGUE_ENV, value)
 
 
 def pdl_mode(value: str):

@@ -23,12 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    import torch
 
 
 @functools.cache
@@ -97,65 +92,3 @@ def gemv_ops() -> ModuleType | None:
     from specdeploy.engine.kernels import gemv
 
     return gemv
-
-
-class Prologue(NamedTuple):
-    """What the small-M linear (engine/kernels/gemv.py, fp8_mma_gemv.cu) computes on its input
-    before the product, in place of a kernel of its own before it (a decode step's norms and
-    SwiGLU are a third of its launches at batch 1):
-
-    - "silu_mul": x [M, 2K] is a gate/up matmul's output; the input is silu(gate) * up, with the
-      SiLU rounded to x's dtype as elementwise.silu_mul rounds it (the same input, bit for bit).
-    - "rms_norm": x [M, K] is the residual stream; the input is rms_norm(x + delta) * weight
-      (delta None: no add) and x + delta, rounded to x's dtype, is written to residual_out. The
-      product runs on weight * (x + delta) and is scaled by 1 / rms at the end, so the normed
-      input is not rounded to x's dtype first: the result equals rms_norm-then-linear up to that
-      one rounding. One row only, and one program along K (the sum of squares is the program's
-      own): launches that are not take the two kernels.
-    """
-
-    kind: str
-    delta: object = None  # torch.Tensor | None
-    weight: object = None
-    eps: float = 0.0
-    residual_out: object = None
-
-
-PROLOGUE_ENV = "SPECDEPLOY_PROLOGUE"  # "0": every prologue runs as its own kernel (for comparisons)
-PROLOGUE_CODES = {"silu_mul": 1, "rms_norm": 2}  # the kernels' PRO: rms_norm without a delta is 3
-
-
-def prologue_code(prologue: Prologue | None) -> int:
-    if prologue is None:
-        return 0
-    if prologue.kind not in PROLOGUE_CODES:
-        raise ValueError(f"prologue {prologue.kind!r} (one of {sorted(PROLOGUE_CODES)})")
-    return 3 if prologue.kind == "rms_norm" and prologue.delta is None else PROLOGUE_CODES[prologue.kind]
-
-
-def norm_args(prologue: Prologue | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """(delta, norm weight, residual out, eps) of a norm prologue; x in place of each tensor a
-    launch does not read (no norm, or no delta)."""
-    if prologue is None or prologue.kind != "rms_norm":
-        return x, x, x, 0.0
-    if prologue.delta is not None and (prologue.residual_out is None or prologue.delta.shape != x.shape
-                                       or prologue.residual_out.shape != x.shape):
-        raise ValueError("a norm prologue's delta and residual_out are x's shape")
-    pick = lambda t: t if t is not None else x  # noqa: E731
-    return pick(prologue.delta), prologue.weight, pick(prologue.residual_out), float(prologue.eps)
-
-
-@functools.cache
-def prologue_kinds() -> frozenset[str]:
-    """The prologues the small-M linear computes where its launch can, from SPECDEPLOY_PROLOGUE
-    (read once; reset_prologues() reads it again): "1" (the default) all, "0" none, or a
-    comma-separated list of kinds (comparisons)."""
-    value = os.environ.get(PROLOGUE_ENV, "1").strip()
-    kinds = set(PROLOGUE_CODES) if value == "1" else set() if value == "0" else {v.strip() for v in value.split(",")}
-    if not kinds <= set(PROLOGUE_CODES):
-        raise ValueError(f"{PROLOGUE_ENV}={value!r}: 1 (the default), 0 or kinds of {sorted(PROLOGUE_CODES)}")
-    return frozenset(kinds)
-
-
-def reset_prologues() -> None:
-    prologue_kinds.cache_clear()

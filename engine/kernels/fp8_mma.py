@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specdeploy.engine.kernels import norm_args, nvrtc, prologue_code
+from specdeploy.engine.kernels import nvrtc
 
 log = logging.getLogger("specdeploy.engine.kernels.fp8_mma")
 
@@ -56,14 +56,12 @@ def source() -> str:
 
 
 def defines(block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, scale_mode: int,
-            x_f16: bool, has_bias: bool, use_gdc: bool, pro: int = 0) -> tuple[tuple[str, int], ...]:
-    """The kernel's macros for one launch configuration (sorted, hashable: the compile cache's key).
-    pro: the input's prologue (gemv.prologue_code; a norm needs one CTA along K)."""
+            x_f16: bool, has_bias: bool, use_gdc: bool) -> tuple[tuple[str, int], ...]:
+    """The kernel's macros for one launch configuration (sorted, hashable: the compile cache's key)."""
     if block_n not in (16, 32) or block_k % (2 * CHUNK_K) or not 0 < block_k <= 512 or num_warps not in (1, 2, 4, 8, 16) \
-            or num_stages not in (1, 2) or scale_mode not in (1, 2) or split_k < 1 or pro not in (0, 1, 2, 3) \
-            or (pro >= 2 and split_k > 1):
-        raise ValueError(f"fp8_mma: {('mma', block_n, block_k, split_k, num_warps, num_stages, pro)} is not a launch configuration")
-    return tuple(sorted({"PRO": pro,
+            or num_stages not in (1, 2) or scale_mode not in (1, 2) or split_k < 1:
+        raise ValueError(f"fp8_mma: {('mma', block_n, block_k, split_k, num_warps, num_stages)} is not a launch configuration")
+    return tuple(sorted({
         "TILES": block_n // TILE_N, "WARPS": num_warps, "CHUNKS": block_k // CHUNK_K, "SPLIT": min(split_k, 2),  # the kernel asks only 1 or more
         "SCALE_MODE": scale_mode, "X_F16": int(x_f16), "HAS_BIAS": int(has_bias), "USE_GDC": int(use_gdc),
         "EARLY": int(EARLY_LOADS and use_gdc), "PIPE": int(num_stages == 2)}.items()))
@@ -159,19 +157,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int, bias: torch.Tensor | None,
            out: torch.Tensor, block_n: int, block_k: int, split: int, k_split: int, num_warps: int, num_stages: int,
-           workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool, prologue=None) -> None:
+           workspace: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool) -> None:
     """One launch into out [M, N] (`supports` holds): `split` CTAs along K, each `k_split` wide (a
     multiple of GROUP_K: gemv.k_splits). split > 1 needs gemv's workspace for N (float32 partials,
-    int32 counters at zero). prologue: engine.kernels.Prologue, computed on x first (one row)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    pro = prologue_code(prologue)
-    if pro and m != 1:
-        raise ValueError(f"fp8_mma: a prologue takes one row of x, not {m}")
-    delta, norm_w, res_out, eps = norm_args(prologue, x)
+    int32 counters at zero)."""
+    m, k = x.shape
+    n = weight.shape[0]
     mode, stride_sn, stride_sk = scale_mode(scale, scale_n)
-    defs = defines(block_n, block_k, split, num_warps, num_stages, mode, x.dtype == torch.float16, bias is not None, pdl,
-                   pro)
+    defs = defines(block_n, block_k, split, num_warps, num_stages, mode, x.dtype == torch.float16, bias is not None, pdl)
     kern = _kernel(x.device, defs)
     ws, cnt = workspace if split > 1 else (out, out)
     c = ctypes
@@ -180,7 +173,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: 
             c.c_void_p(ws.data_ptr()), c.c_void_p(cnt.data_ptr()),
             c.c_int(m), c.c_int(n), c.c_int(k), c.c_int(k_split),
             c.c_longlong(x.stride(0)), c.c_longlong(weight.stride(0)), c.c_longlong(out.stride(0)),
-            c.c_longlong(stride_sn), c.c_longlong(stride_sk), c.c_int(scale_n),
-            c.c_void_p(delta.data_ptr()), c.c_void_p(norm_w.data_ptr()), c.c_void_p(res_out.data_ptr()),
-            c.c_float(eps)]
+            c.c_longlong(stride_sn), c.c_longlong(stride_sk), c.c_int(scale_n)]
     kern.launch((-(-n // block_n), split, 1), 32 * num_warps, shared_bytes(m, block_n, block_k, num_warps), args, pdl)

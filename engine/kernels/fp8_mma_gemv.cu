@@ -25,10 +25,7 @@
 // Macros: TILES (1, 2), WARPS, CHUNKS (even), SPLIT (1: no workspace), SCALE_MODE (1, 2),
 // X_F16 (x/y f16, else bf16), HAS_BIAS, USE_GDC (programmatic dependent launch, sm_90),
 // EARLY (the first weight loads before griddepcontrol.wait: weights are no kernel's output),
-// PIPE (the next step's weights loaded before this step's math), PRO (the input's prologue, one
-// row of x: 0 none; 1 silu_mul, x [1, 2K] a gate/up output; 2 rms_norm of x + d, written to
-// r_out by the CTAs of column 0 (the launch is one CTA along K); 3 rms_norm of x; the norm's
-// weight is applied as x is staged and 1 / rms to the sums at the end).
+// PIPE (the next step's weights loaded before this step's math).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -113,41 +110,10 @@ __device__ __forceinline__ void load_weights(WTile& w, const u8* const (&rows)[T
   }
 }
 
-// 16 consecutive activations (two 16-byte loads) as float32; zeros where !ok.
-__device__ __forceinline__ void load16(float (&f)[16], const u16* p, bool ok) {
-  u32 raw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-  if (ok) {
-    u32(&lo)[4] = *reinterpret_cast<u32(*)[4]>(raw);
-    u32(&hi)[4] = *reinterpret_cast<u32(*)[4]>(raw + 4);
-    ld_cg4(lo, p);
-    ld_cg4(hi, p + 8);
-  }
-#pragma unroll
-  for (int i = 0; i < 8; i++) {
-    f[2 * i] = act_to_f32((u16)(raw[i] & 0xFFFFu));
-    f[2 * i + 1] = act_to_f32((u16)(raw[i] >> 16));
-  }
-}
-
-__device__ __forceinline__ float round_act(float f) { return act_to_f32(f32_to_act(f)); }
-
-// The prologue's operands (PRO): the row's other half (silu_mul: up), the delta and the norm's
-// weight (rms_norm), where the residual sum goes and whether this CTA writes it, and the lane's
-// running sum of squares.
-struct Pro {
-  int K;
-  const u16* d;
-  const u16* gw;
-  u16* r_out;
-  bool writer;
-  float ss;
-};
-
 // x [M, kb .. kb + ITER_K) into this warp's shared rows as f16 scaled per 128-wide group, and
 // each group's 2^E into xe [M, GROUPS_PER_ITER]. A lane converts 16 values a pass (two 16-byte
 // loads); a group is 8 lanes, which agree on its largest |x| by shuffles.
-__device__ __forceinline__ void stage_x(u16* xs, float* xe, const u16* x, i64 stride_xm, int M, int kb, int k_hi, int lane,
-                                        Pro& pro) {
+__device__ __forceinline__ void stage_x(u16* xs, float* xe, const u16* x, i64 stride_xm, int M, int kb, int k_hi, int lane) {
   __syncwarp();  // every lane is done reading the previous step's rows
   const int passes = (M * ITER_K + 511) / 512;
   for (int p = 0; p < passes; p++) {
@@ -155,36 +121,19 @@ __device__ __forceinline__ void stage_x(u16* xs, float* xe, const u16* x, i64 st
     const int m = v / ITER_K;
     const int kk = v - m * ITER_K;
     const bool ok = m < M && kb + kk < k_hi;
+    u32 raw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+    if (ok) {
+      u32(&lo)[4] = *reinterpret_cast<u32(*)[4]>(raw);
+      u32(&hi)[4] = *reinterpret_cast<u32(*)[4]>(raw + 4);
+      ld_cg4(lo, x + m * stride_xm + kb + kk);
+      ld_cg4(hi, x + m * stride_xm + kb + kk + 8);
+    }
     float f[16];
-    load16(f, x + m * stride_xm + kb + kk, ok);
-#if PRO == 1
-    float up[16];
-    load16(up, x + m * stride_xm + pro.K + kb + kk, ok);
 #pragma unroll
-    for (int i = 0; i < 16; i++) f[i] = round_act(round_act(__fdividef(f[i], 1.f + __expf(-f[i]))) * up[i]);
-#elif PRO >= 2
-#if PRO == 2
-    float dv[16];
-    load16(dv, pro.d + kb + kk, ok);
-#pragma unroll
-    for (int i = 0; i < 16; i++) f[i] = round_act(f[i] + dv[i]);
-    if (pro.writer && ok) {
-      u32 sum[8];
-#pragma unroll
-      for (int i = 0; i < 8; i++) sum[i] = (u32)f32_to_act(f[2 * i]) | ((u32)f32_to_act(f[2 * i + 1]) << 16);
-      uint4* dst = reinterpret_cast<uint4*>(pro.r_out + kb + kk);
-      dst[0] = make_uint4(sum[0], sum[1], sum[2], sum[3]);
-      dst[1] = make_uint4(sum[4], sum[5], sum[6], sum[7]);
+    for (int i = 0; i < 8; i++) {
+      f[2 * i] = act_to_f32((u16)(raw[i] & 0xFFFFu));
+      f[2 * i + 1] = act_to_f32((u16)(raw[i] >> 16));
     }
-#endif
-    float gv[16];
-    load16(gv, pro.gw + kb + kk, ok);
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-      pro.ss += f[i] * f[i];
-      f[i] *= gv[i];
-    }
-#endif
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(f[i]));
@@ -256,8 +205,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 fp8_mma_gemv(const u16* __restrict__ x, const u8* __restrict__ w, const float* __restrict__ scale,
              const u16* __restrict__ bias, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ cnt,
              int M, int N, int K, int k_split, i64 stride_xm, i64 stride_wn, i64 stride_om, i64 stride_sn,
-             i64 stride_sk, int scale_n, const u16* __restrict__ d, const u16* __restrict__ gw,
-             u16* __restrict__ r_out, float eps) {
+             i64 stride_sk, int scale_n) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * (16 * TILES);
@@ -280,7 +228,6 @@ fp8_mma_gemv(const u16* __restrict__ x, const u8* __restrict__ w, const float* _
 #pragma unroll
   for (int r = 0; r < TILES; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
 
-  Pro pro = {K, d, gw, r_out, blockIdx.x == 0, 0.f};
   int kb = k_lo + warp * ITER_K;
   const int stride = WARPS * ITER_K;
   WTile wa;
@@ -299,19 +246,19 @@ fp8_mma_gemv(const u16* __restrict__ x, const u8* __restrict__ w, const float* _
   while (kb < k_hi) {
     int kn = kb + stride;
     if (kn < k_hi) load_weights(wb, rows, kn, k_hi);
-    stage_x(xs, xe, x, stride_xm, M, kb, k_hi, lane, pro);
+    stage_x(xs, xe, x, stride_xm, M, kb, k_hi, lane);
     step_math(acc, wa, xs, xe, scale, srow, stride_sk, M, kb, k_hi, g, t);
     if (kn >= k_hi) break;
     kb = kn;
     kn = kb + stride;
     if (kn < k_hi) load_weights(wa, rows, kn, k_hi);
-    stage_x(xs, xe, x, stride_xm, M, kb, k_hi, lane, pro);
+    stage_x(xs, xe, x, stride_xm, M, kb, k_hi, lane);
     step_math(acc, wb, xs, xe, scale, srow, stride_sk, M, kb, k_hi, g, t);
     kb = kn;
   }
 #else
   while (kb < k_hi) {
-    stage_x(xs, xe, x, stride_xm, M, kb, k_hi, lane, pro);
+    stage_x(xs, xe, x, stride_xm, M, kb, k_hi, lane);
     step_math(acc, wa, xs, xe, scale, srow, stride_sk, M, kb, k_hi, g, t);
     kb += stride;
     if (kb < k_hi) load_weights(wa, rows, kb, k_hi);
@@ -329,19 +276,7 @@ fp8_mma_gemv(const u16* __restrict__ x, const u8* __restrict__ w, const float* _
     row_g[64] = acc[r][2];  // row g + 8
     row_g[65] = acc[r][3];
   }
-#if PRO >= 2
-  __shared__ float ss_warp[WARPS];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) pro.ss += __shfl_xor_sync(0xffffffffu, pro.ss, o);
-  if (lane == 0) ss_warp[warp] = pro.ss;
-#endif
   __syncthreads();
-#if PRO >= 2
-  float ss = 0.f;
-#pragma unroll
-  for (int wp = 0; wp < WARPS; wp++) ss += ss_warp[wp];
-  const float rstd = 1.f / sqrtf(ss / (float)K + eps);
-#endif
   const int outputs = 16 * TILES * M;
   for (int o = threadIdx.x; o < outputs; o += THREADS) {
     const int row = o / M, m = o - row * M;
@@ -351,9 +286,6 @@ fp8_mma_gemv(const u16* __restrict__ x, const u8* __restrict__ w, const float* _
     const int n = n0 + row;
 #if SCALE_MODE == 2
     s *= __ldg(scale + (i64)(min(n, N - 1) / scale_n) * stride_sn);
-#endif
-#if PRO >= 2
-    s *= rstd;
 #endif
     if (n < N) {
 #if SPLIT == 1

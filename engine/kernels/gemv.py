@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdeploy.engine.kernels import Prologue, fp8_mma, norm_args, prologue_code, prologue_kinds
+from specdeploy.engine.kernels import fp8_mma
 from specdeploy.engine.kernels.launch import after_library_gemm, gdc, pdl_args, prefetch_bytes
 from specdeploy.engine.planner.plan import GEMV_MAX_M, GEMV_MAX_SPLIT_K, GEMV_MIN_BLOCK_N, GEMV_SPLIT_MAX_N
 
@@ -90,14 +90,13 @@ PREFETCH_SECTOR = 32  # bytes one L2 prefetch asks for (a sector)
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
-                 d_ptr, g_ptr, r_ptr, eps,
                  SCALE_MODE: tl.constexpr, SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
                  QUANT_X: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
                  ONE_ROW: tl.constexpr = False, X_ROWS: tl.constexpr = 0, PF_COLS: tl.constexpr = 0,
-                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False, PRO: tl.constexpr = 0):
+                 PF_STEP: tl.constexpr = 32, SWAP: tl.constexpr = False):
     if PF_COLS > 0:
         # The weights are no kernel's output, so they need not wait: launched early by PDL, the
         # program pulls the first PF_COLS columns of its rows into L2 (one 32-byte sector, PF_STEP
@@ -132,7 +131,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc = tl.zeros((BLOCK_N, SUB_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, SUB_K), dtype=tl.float32)
-    ss = tl.zeros((SUB_K,), dtype=tl.float32)  # PRO 2-3: the row's sum of squares
     # tl.range's num_stages: without it Triton pipelines only loads that feed a tl.dot, so the
     # fma loop would keep one tile in flight.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -144,33 +142,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                     xv = tl.load(x_ptr + k)
                 else:
                     xv = tl.load(x_ptr + k, mask=k < k_hi, other=0.0)
-                if PRO == 1:
-                    # silu_mul: xv is the gate, up sits K further along the row; the SiLU rounded
-                    # to x's dtype before the product, as elementwise.silu_mul does
-                    if EVEN_K:
-                        up = tl.load(x_ptr + K + k)
-                    else:
-                        up = tl.load(x_ptr + K + k, mask=k < k_hi, other=0.0)
-                    gf = xv.to(tl.float32)
-                    sg = (gf / (1.0 + tl.exp(-gf))).to(x_ptr.dtype.element_ty).to(tl.float32)
-                    xv = (sg * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                elif PRO >= 2:
-                    # rms_norm: the residual add rounded to x's dtype (program 0 writes it out),
-                    # its squares summed, the norm's weight applied here and 1 / rms at the end
-                    if PRO == 2:
-                        if EVEN_K:
-                            dv = tl.load(d_ptr + k)
-                        else:
-                            dv = tl.load(d_ptr + k, mask=k < k_hi, other=0.0)
-                        xv = (xv.to(tl.float32) + dv.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                        tl.store(r_ptr + k, xv, mask=(k < k_hi) & (k * 0 + pid_n == 0))
-                    tf = xv.to(tl.float32)
-                    ss += tf * tf
-                    if EVEN_K:
-                        gv = tl.load(g_ptr + k)
-                    else:
-                        gv = tl.load(g_ptr + k, mask=k < k_hi, other=0.0)
-                    xv = tf * gv.to(tl.float32)
             elif X_ROWS > 0:
                 # the real rows only (a power of two >= M), [X_ROWS, SUB_K]
                 offs_xr = tl.arange(0, X_ROWS)
@@ -294,8 +265,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         y = tl.sum(acc, axis=2)
     if SCALE_MODE == 2:
         y = y * tl.load(s_rows)[None, :]
-    if PRO >= 2:
-        y = y * (1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps))
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -501,15 +470,12 @@ def _scale_layout(scale: torch.Tensor, scale_n: int, block_n: int) -> tuple[int,
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
            bias: torch.Tensor | None, out: torch.Tensor, variant: str, block_n: int, block_k: int,
-           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False,
-           prologue: Prologue | None = None) -> None:
-    """One launch into `out` [M, N] with explicit parameters. x [M, K] (unit stride along K;
-    [M, 2K] under a silu_mul prologue), weight [N, K] (unit stride along K), scale as
-    engine/kernels/fp8.py (None: plain weights). round_scale: "dot8" activation scales rounded
-    up to powers of two (ue8m0 checkpoints). prologue: computed on x first (`prologue_fits` holds)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    pro = prologue_code(prologue)
+           split_k: int, num_warps: int, num_stages: int, round_scale: bool = False) -> None:
+    """One launch into `out` [M, N] with explicit parameters. x [M, K] (unit stride along K),
+    weight [N, K] (unit stride along K), scale as engine/kernels/fp8.py (None: plain weights).
+    round_scale: "dot8" activation scales rounded up to powers of two (ue8m0 checkpoints)."""
+    m, k = x.shape
+    n = weight.shape[0]
     if scale is not None and weight.dtype != torch.float8_e4m3fn:
         raise ValueError("gemv: scales come with e4m3 codes")
     if variant == "mma":
@@ -519,77 +485,24 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
             ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None
             split, k_split = k_splits(k, fp8_mma.GROUP_K, split_k, ws is not None)
             fp8_mma.launch(x, weight, scale, scale_n, bias, out, block_n, block_k, split, k_split, num_warps,
-                           num_stages, ws, bool(pdl_args(out)["USE_GDC"]), prologue)
+                           num_stages, ws, bool(pdl_args(out)["USE_GDC"]))
             return
         # not a call that kernel computes (float32 x, more than 8 rows, a scale layout it does not
         # read) or no NVRTC here: the Triton kernel's launch for the shape
         variant, block_n, block_k, split_k, num_warps, num_stages = config_for("fp8", n, k, m, x.device, mma=False)
-    if pro and not prologue_fits(prologue, (variant, block_n, block_k, split_k, num_warps, num_stages), m, x.dtype):
-        raise ValueError(f"gemv: launch {variant, block_n, block_k, split_k} does not compute a {prologue.kind} prologue")
     mode, s_n, sn, sk = (0, 1, 0, 0) if scale is None else _scale_layout(scale, scale_n, block_n)
     ws = workspace(x.device, n) if n <= GEMV_SPLIT_MAX_N else None  # any eager call at a width makes it
     pdl = pdl_args(out)
     grid, constexprs = launch_constexprs("plain" if scale is None else "fp8", x.dtype, m, n, k, mode, s_n,
                                          bias is not None, ws is not None, variant, block_n, block_k, split_k,
                                          num_stages, round_scale, prefetch_bytes() if pdl["USE_GDC"] else 0,
-                                         weight.element_size(), pro)
+                                         weight.element_size())
     if constexprs["SPLIT_K"] == 1:
         ws = (out, out)
-    delta, norm_w, res_out, eps = norm_args(prologue, x)
     _gemv_kernel[grid](
         x, weight, scale if scale is not None else out, bias if bias is not None else out, out, ws[0], ws[1],
         m, n, k, constexprs.pop("K_SPLIT"), x.stride(0), weight.stride(0), out.stride(0), sn, sk,
-        delta, norm_w, res_out, eps,
         **constexprs, num_warps=num_warps, num_stages=num_stages, **pdl)
-
-
-def prologue_fits(prologue: Prologue, cfg: tuple, m: int, x_dtype: torch.dtype) -> bool:
-    """Whether the launch `cfg` computes `prologue` on its input itself: one row of x, in a loop
-    that loads x as one row (the mma kernel; "fma", and "dot16" / "wg16" with 16-bit x), and for a
-    norm one program along K (its sum of squares is the program's own)."""
-    variant, split_k = cfg[0], cfg[3]
-    one_row = variant == "mma" or variant == "fma" or (variant in ("dot16", "wg16") and x_dtype != torch.float32)
-    return m == 1 and one_row and (prologue.kind != "rms_norm" or split_k == 1)
-
-
-def engine_prologue(cfg: tuple) -> bool:
-    """Whether the engine hands a prologue to this launch (fused_linear): the mma kernel's only.
-    The Triton loops' programs are narrow (BLOCK_N 8-16 rows at one row of x), so each of their
-    many programs redoing the row's work costs more than the separate kernel (bf16 decode call at
-    batch 1, H100, 80d8cb7: 6.164 ms with it, 5.812 without; docs/engine.md)."""
-    return cfg[0] == "mma"
-
-
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
-                 bias: torch.Tensor | None, prologue: Prologue, config: tuple | None = None) -> torch.Tensor | None:
-    """prologue(x) @ W^T (+ bias) in one launch -> [..., N], where the launch the table gives this
-    shape computes the prologue (`prologue_fits`); None otherwise (the caller runs the prologue's
-    own kernel, then the linear). W plain (scale None, x's dtype) or e4m3 codes with `scale`."""
-    prologue_code(prologue)  # a kind the kernels compute
-    if prologue.kind not in prologue_kinds():
-        return None
-    n, k = weight.shape
-    width = 2 * k if prologue.kind == "silu_mul" else k
-    if x.shape[-1] != width or weight.stride(-1) != 1:
-        return None
-    rows = _rows(x)
-    m = rows.shape[0]
-    kind = "plain" if scale is None else "fp8"
-    if m != 1 or (kind == "plain" and weight.dtype != x.dtype):
-        return None
-    if prologue.kind == "rms_norm":
-        if prologue.weight.dtype != x.dtype or (prologue.delta is not None and prologue.delta.dtype != x.dtype):
-            return None
-        if prologue.delta is not None:
-            prologue = prologue._replace(delta=_rows(prologue.delta), residual_out=prologue.residual_out.view(m, k))
-    cfg = config or config_for(kind, n, k, m, x.device)
-    if cfg[0] == "mma" and not fp8_mma.supports(rows[:, :k], weight, scale, scale_n, rows[:, :n], bias):
-        cfg = config_for(kind, n, k, m, x.device, mma=False)  # what launch() will run instead
-    if (config is None and not engine_prologue(cfg)) or cfg[0] == "cublas" or not prologue_fits(prologue, cfg, m, x.dtype):
-        return None
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch(rows, weight, scale, scale_n, bias, out, *cfg, prologue=prologue)
-    return out.view(*x.shape[:-1], n)
 
 
 def k_splits(k: int, unit: int, split_k: int, may_split: bool) -> tuple[int, int]:
@@ -605,7 +518,7 @@ def k_splits(k: int, unit: int, split_k: int, may_split: bool) -> tuple[int, int
 def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k: int, mode: int, scale_n: int,
                       has_bias: bool, has_workspace: bool, variant: str, block_n: int, block_k: int, split_k: int,
                       num_stages: int, round_scale: bool = False, prefetch: int = 0,
-                      weight_bytes: int = 1, pro: int = 0) -> tuple[tuple[int, int], dict]:
+                      weight_bytes: int = 1) -> tuple[tuple[int, int], dict]:
     """(grid, the kernel's constexprs plus K_SPLIT) of one launch: pure, so that a CPU test can
     put every launch the table and the heuristic make through the whole compiler. prefetch:
     bytes of each weight row (weight_bytes an element) pulled into L2 before the kernel's PDL
@@ -623,8 +536,6 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
     if x_f16 and x_dtype == torch.float32:
         x_f16 = False  # float32 activations keep the exact (ieee) dot; f16 would round them
     use_dot = variant != "fma"
-    if pro and (m != 1 or (use_dot and not x_f16) or (pro >= 2 and split_k > 1)):
-        raise ValueError(f"gemv: launch {variant, block_n, block_k, split_k} at {m} rows computes no prologue")
     block_m = 64 if variant in ("wg8", "wg16") else 16 if use_dot else triton.next_power_of_2(m)
     if use_dot and block_n < 16:
         raise ValueError("gemv: the dot variant needs BLOCK_N >= 16")
@@ -639,7 +550,7 @@ def launch_constexprs(weight_kind: str, x_dtype: torch.dtype, m: int, n: int, k:
         X_ROWS=triton.next_power_of_2(m) if x_f16 and 1 < m and triton.next_power_of_2(m) < block_m else 0,
         PRECISION="ieee" if x_dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=GROUP_K, STAGES=num_stages,
-        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap, PRO=pro)
+        PF_COLS=pf_cols, PF_STEP=step, SWAP=swap)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,6 @@ from specdeploy.engine.models.layers import (
     RowParallelLinear,
     fused_kernels,
     materialize,
-    prologue_linear,
 )
 from specdeploy.engine.planner.shapes import DRAFT_QUANTIZATION_BLOCK
 from torch import nn
@@ -187,21 +186,16 @@ def _kernels_run_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def _kernel_layout(x: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
-    """Whether the FP8 kernels read this scale layout on x's device: float32 scales per row or per
-    tensor (all of K whatever block_k says) or a 128-wide grid, on a GPU with e4m3 (>= 8.9)."""
-    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
-    return ((block_k == KERNEL_BLOCK_K or per_row) and scale.dtype == torch.float32
-            and _kernels_run_on(x.device.index or 0))
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: int = 128,
                block_k: int = 128, bias: torch.Tensor | None = None, round_scale: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight * scale)^T (+ bias) -> [..., N] in x's dtype; weight e4m3 [N, K];
     scale in the engine layout (module docstring), covering scale_n rows x block_k columns."""
     fast = fused_kernels(x, ops=kernels.fp8_ops)
     rows = x.numel() // max(x.shape[-1], 1)
-    if fast is not None and rows and _kernel_layout(x, scale, block_k):
+    # A scale per row or per tensor covers all of K whatever block_k says; a grid must be 128 wide.
+    per_row = scale.numel() == 1 or scale.dim() == 1 or scale.shape[-1] == 1
+    if (fast is not None and rows and (block_k == KERNEL_BLOCK_K or per_row)
+            and scale.dtype == torch.float32 and _kernels_run_on(x.device.index or 0)):
         return fast.fp8_linear(x, weight, scale, scale_n, bias, round_scale)
     w = (weight.float() * expand_scale(scale, tuple(weight.shape), scale_n, block_k)).to(x.dtype)
     return F.linear(x, w, bias)
@@ -273,11 +267,6 @@ class _FP8Parallel:
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.scale, self.scale_n, self.block_k, bias, self.fmt.round_scale)
-
-    def _prologue_matmul(self, x: torch.Tensor, bias: torch.Tensor | None, prologue) -> torch.Tensor | None:
-        if not x.is_cuda or not _kernel_layout(x, self.scale, self.block_k):
-            return None
-        return prologue_linear(x, self.weight, self.scale, self.scale_n, bias, prologue)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.float() * expand_scale(self.scale, tuple(self.weight.shape), self.scale_n,

@@ -83,28 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def prologue_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scale_n: int,
-                    bias: torch.Tensor | None, prologue: kernels.Prologue) -> torch.Tensor | None:
-    """prologue(x) @ W^T (+ bias) in one launch of the small-M kernel where its launch for this
-    call computes the prologue (engine/kernels/gemv.py fused_linear: CUDA, one row); None
-    otherwise, and always on CPU: the caller runs the prologue, then the linear."""
-    fast = fused_kernels(x, weight, ops=kernels.gemv_ops)
-    return None if fast is None else fast.fused_linear(x, weight, scale, scale_n, bias, prologue)
-
-
-class _Prologued:
-    """`forward_prologue` for the engine's linears: the layer's product over prologue(x) in one
-    launch, or None (the caller runs the prologue's kernel and `forward`). The FP8 layers
-    override `_prologue_matmul` (engine/models/fp8.py)."""
-
-    def _prologue_matmul(self, x, bias, prologue):
-        return prologue_linear(x, self.weight, None, 1, bias, prologue)
-
-    def forward_prologue(self, x: torch.Tensor, prologue: kernels.Prologue) -> torch.Tensor | None:
-        return self._prologue_matmul(x, self.bias, prologue)
-
-
-class ColumnParallelLinear(_Prologued, nn.Module):
+class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features / tp, in_features] on each rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -122,7 +101,7 @@ class ColumnParallelLinear(_Prologued, nn.Module):
         _copy(getattr(self, name), full.narrow(0, self.rows[0], self.rows[1] - self.rows[0]), name)
 
 
-class MergedColumnParallelLinear(_Prologued, nn.Module):
+class MergedColumnParallelLinear(nn.Module):
     """Column-parallel layers that read the same input, computed as one matmul
     (q/k/v, gate/up): W [sum_i out_i / tp, in_features]. Each part is sharded on its own, so rank
     r holds [part_0 rows of rank r; part_1 rows of rank r; ...], the rows the separate layers
@@ -182,7 +161,7 @@ def _split_fused_state(module: nn.Module, state: dict, prefix: str, local_metada
             state.pop(f"{prefix}{fused_name}.{pname}", None)
 
 
-class RowParallelLinear(_Prologued, nn.Module):
+class RowParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features / tp], summed over the ranks (all-reduce).
     input_is_parallel: x arrives sharded [..., in / tp] (after a column-parallel layer); False:
     x is replicated [..., in] and each rank multiplies its own columns of it (a draft head's fc
@@ -204,12 +183,6 @@ class RowParallelLinear(_Prologued, nn.Module):
         # The bias joins on rank 0 only, so that the sum over ranks adds it once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return parallel.all_reduce(y) if self.tp_size > 1 else y
-
-    def forward_prologue(self, x: torch.Tensor, prologue: kernels.Prologue) -> torch.Tensor | None:
-        if not self.input_is_parallel and self.tp_size > 1:
-            return None
-        y = self._prologue_matmul(x, self.bias if self.tp_rank == 0 else None, prologue)
-        return parallel.all_reduce(y) if y is not None and self.tp_size > 1 else y
 
     def load_param(self, name: str, full) -> None:
         if name == "weight":
@@ -328,34 +301,9 @@ class GatedMLP(nn.Module):
         register_fused_parts(self, {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up) of the gate/up output [..., 2I / tp]: one launch where the
-        down projection's kernel takes the SwiGLU as its prologue (one row on CUDA)."""
-        y = self.down_proj.forward_prologue(gate_up, kernels.Prologue("silu_mul"))
-        if y is not None:
-            return y
-        gate, up = self.gate_up_proj.split(gate_up)   # [..., I / tp] each
-        fused = fused_kernels(gate_up, self.gate_up_proj.weight)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))   # [..., I / tp] each
+        fused = fused_kernels(x, self.gate_up_proj.weight)
         return self.down_proj(fused.silu_mul(gate, up) if fused is not None else F.silu(gate) * up)
-
-
-def norm_linear(residual: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
-                proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + delta, proj(norm(residual + delta))) (delta None: residual as it is): a
-    pre-norm block's residual add, its norm and the projection after it. Where the projection's
-    kernel takes the norm as its prologue (an RMSNorm, one row on CUDA: batch-1 decode) that is
-    one launch, not two; otherwise the norm's kernel (the add in it) and then the projection."""
-    if isinstance(norm, RMSNorm):
-        out = torch.empty_like(residual) if delta is not None else None
-        y = proj.forward_prologue(residual, kernels.Prologue("rms_norm", delta, norm.weight, norm.eps, out))
-        if y is not None:
-            return (out if delta is not None else residual), y
-    if delta is None:
-        return residual, proj(norm(residual))
-    residual, h = norm.add_forward(residual, delta)
-    return residual, proj(h)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

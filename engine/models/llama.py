@@ -31,8 +31,7 @@ from specdeploy.engine.models.protocol import SLOT_ROWS
 from specdeploy.engine.models.layers import (GatedMLP, MergedColumnParallelLinear, ParallelLMHead,
                                       RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                                       apply_rope, fused_kernels, kv_head_range,
-                                      load_state, norm_linear, register_fused_parts,
-                                      rope_inv_freq)
+                                      load_state, register_fused_parts, rope_inv_freq)
 
 log = logging.getLogger("specdeploy.engine.load")
 
@@ -168,13 +167,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """x [B, Q, in]; cos/sin [B, Q, D]; caches [slots, Hkv_local, D] -> [B, Q, H]."""
-        return self.forward_qkv(self.qkv_proj(x), cos, sin, k_cache, v_cache, batch)
-
-    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-        """The layer after its q/k/v projection: qkv [B, Q, (Hq + 2 Hkv) D] -> [B, Q, H]."""
-        b, q_len, _ = qkv.shape
+        b, q_len, _ = x.shape
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                          # [B, Q, (Hq + 2 Hkv) D]
         # CUDA inference: rope on q and k and both K/V writes in one kernel (a power-of-two
         # head size, no q/k norm in between); elsewhere the torch code below.
         # An e4m3 pool holds codes of K / k_scale and V / v_scale, saturated (store_kv).
@@ -230,14 +225,15 @@ class DecoderLayer(nn.Module):
                       k_cache, v_cache, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """hc_mult = 1 block on a residual left unsummed: its input is residual + delta (delta
         None: residual alone), its output (residual', mlp output) sums to the block's output.
-        Each residual add is done by the norm that follows it (one kernel on CUDA; at one row the
-        projection after the norm computes both, layers.norm_linear), the last one by the next
-        block or the final norm."""
-        attn = self.self_attn
-        residual, qkv = norm_linear(residual, delta, self.input_layernorm, attn.qkv_proj)
-        out = attn.forward_qkv(qkv, cos, sin, k_cache, v_cache, batch)
-        residual, gate_up = norm_linear(residual, out, self.post_attention_layernorm, self.mlp.gate_up_proj)
-        return residual, self.mlp.down(gate_up)
+        Each residual add is done by the norm that follows it (one kernel on CUDA), the last one
+        by the next block or the final norm."""
+        if delta is None:
+            h = self.input_layernorm(residual)
+        else:
+            residual, h = self.input_layernorm.add_forward(residual, delta)
+        attn = self.self_attn(h, cos, sin, k_cache, v_cache, batch)
+        residual, h = self.post_attention_layernorm.add_forward(residual, attn)
+        return residual, self.mlp(h)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,

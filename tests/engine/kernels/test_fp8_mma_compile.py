@@ -49,10 +49,6 @@ def _engine_launches() -> set[tuple]:
                 for x_f16 in (False, True):
                     for gdc in (False, True):
                         seen.add(fp8_mma.defines(block_n, block_k, min(split, 2), warps, stages, mode, x_f16, mode == 2, gdc))
-            if m == 1:  # the prologues (silu_mul at any split, a norm at one CTA along K)
-                for pro in (1, 2, 3):
-                    if pro == 1 or split == 1:
-                        seen.add(fp8_mma.defines(block_n, block_k, min(split, 2), warps, stages, 1, False, False, True, pro))
     return seen
 
 
@@ -100,24 +96,6 @@ def test_only_weight_loads_come_before_the_pdl_wait(monkeypatch, early):
     no_pdl = nvrtc.compile_ptx(fp8_mma.source(), fp8_mma.KERNEL, "compute_90",
                                fp8_mma.defines(16, 256, 2, 8, 2, 1, False, True, False))
     assert "griddepcontrol" not in no_pdl
-
-
-@pytest.mark.parametrize("pro", [1, 2, 3])
-def test_the_prologues_read_nothing_before_the_pdl_wait(pro):
-    """A prologue's loads (the up half, the delta, the norm's weight) and the residual's store
-    all come after the wait; the norm's 1 / rms multiplies the sums before they are stored."""
-    defs = fp8_mma.defines(16, 256, 1, 8, 2, 1, False, False, True, pro)
-    ptx = nvrtc.compile_ptx(fp8_mma.source(), fp8_mma.KERNEL, "compute_90", defs)
-    before = ptx[:ptx.index("griddepcontrol.wait")]
-    memory = [line.strip() for line in before.splitlines() if re.search(r"\b(ld|st|atom|red|cp)\.", line)
-              and not line.strip().startswith("ld.param")]
-    assert all("ld.global.nc.L1::no_allocate.v4.u32" in line for line in memory)
-    if pro >= 2:
-        assert "sqrt.rn.f32" in ptx
-    if pro == 2:
-        assert "st.global.v4" in ptx  # the residual sum written out
-    with pytest.raises(ValueError):
-        fp8_mma.defines(16, 256, 2, 8, 2, 1, False, False, True, 2)  # a norm needs one CTA along K
 
 
 def test_ada_without_pdl_compiles():

@@ -164,7 +164,7 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
     kernel = gemv_triton._gemv_kernel
     constexprs = {"USE_GDC": True, "SUB_K": gemv_triton.GROUP_K, **constexprs}
     pointers = {"w_ptr": weight, "s_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    signature = {name: "constexpr" if name in constexprs else "fp32" if name == "eps" else
+    signature = {name: "constexpr" if name in constexprs else
                  pointers.get(name, act) if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if divisible and signature[name] != "constexpr" and name != "M"}
@@ -172,40 +172,12 @@ def _gemv_source(weight: str, act: str, constexprs: dict, divisible: bool = True
 
 
 def _gemv_constexprs(mode, dot, split, block_m, block_n, block_k, stages=3, even=True, act="*bf16",
-                     quant_x=False, round_scale=False, x_f16=False, one_row=False, x_rows=0, pro=0):
+                     quant_x=False, round_scale=False, x_f16=False, one_row=False, x_rows=0):
     return {"SCALE_MODE": mode, "SCALE_N": 128 if mode == 1 else 1, "HAS_BIAS": split != 2, "USE_DOT": dot,
             "PRECISION": "ieee" if act == "*fp32" else "tf32", "EVEN_K": even, "SPLIT_K": split,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
             "QUANT_X": quant_x, "ROUND_SCALE": round_scale, "X_F16": x_f16, "ONE_ROW": one_row,
-            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False, "PRO": pro}
-
-
-@pytest.mark.parametrize("pro,weight,mode,dot,x_f16,split", [
-    (pro, *launch) for pro in (1, 2, 3) for launch in [("*bf16", 0, False, False, 1), ("*fp8e4nv", 1, True, True, 1)]
-] + [(1, "*bf16", 0, False, False, 2)])
-def test_gemv_prologues_compile(pro, weight, mode, dot, x_f16, split):
-    """The one-row loops (fma; dot16 over e4m3 codes) with each prologue (engine.kernels.Prologue:
-    1 silu_mul, 2 add + rms_norm, 3 rms_norm) through the whole compiler for sm_90: the SiLU's
-    exponential, the norm's square root and, with the add, the residual's store are in the PTX.
-    A norm is one program along K (split 1); silu_mul takes split-K too."""
-    from triton.backends.compiler import GPUTarget
-    cx = _gemv_constexprs(mode, dot, split, 16 if dot else 1, 16 if dot else 8, 256, x_f16=x_f16, one_row=x_f16, pro=pro)
-    ptx = triton.compile(_gemv_source(weight, "*bf16", cx), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-    assert ("ex2.approx" in ptx) == (pro == 1)
-    assert ("sqrt" in ptx) == (pro >= 2)
-    assert ptx.count("st.global") > (2 if pro == 2 else 0)  # the output, and the residual sum
-
-
-def test_launch_constexprs_refuse_prologues_they_cannot_compute():
-    import torch
-
-    from specdeploy.engine.kernels import gemv
-    args = ("fp8", torch.bfloat16, 1, 4096, 4096, 1, 128, False, True)
-    for variant, m, split, pro in [("dot", 1, 1, 1), ("fma", 2, 1, 1), ("fma", 1, 2, 2), ("sw8", 1, 1, 3)]:
-        with pytest.raises(ValueError):
-            gemv.launch_constexprs(*args[:2], m, *args[3:], variant, 64, 256, split, 3, pro=pro)
-    assert gemv.launch_constexprs(*args, "fma", 8, 512, 2, 3, pro=1)[1]["PRO"] == 1
+            "X_ROWS": x_rows, "PF_COLS": 0, "PF_STEP": 32, "SWAP": False}
 
 
 @pytest.mark.parametrize("weight,act,mode", [("*fp8e4nv", "*bf16", 1), ("*fp8e4nv", "*bf16", 2), ("*fp8e4nv", "*fp32", 3),
