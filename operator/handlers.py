@@ -451,6 +451,9 @@ def pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any)
     if old.get("blockedBy") != new.get("blockedBy") and new.get("blockedBy"):
         # Logged, not posted as an event on the pod (kopf would post a pod handler's lines there).
         log.info(f"[{namespace}/{name}] engine not ready: {new['blockedBy']['reason']}: {new['blockedBy']['message']}")
+    # The pod that stops blocking may be the one whose event turns the resource Ready first (the
+    # Deployment's event then finds the phase already written): said here too, once.
+    _phase_changed(kube, namespace, name, old, new, log, prefix=f"[{namespace}/{name}] ")
 
 
 def group_poll(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
@@ -483,13 +486,14 @@ def group_event(
 
 
 def _phase_changed(kube: KubeClient, namespace: str, name: str, old: dict[str, Any], new: dict[str, Any],
-                   logger: logging.Logger) -> None:
+                   logger: logging.Logger, prefix: str = "") -> None:
     """One log line per phase change, whoever wrote it (the reconciler or a watch); an event when
-    the resource turns Ready."""
+    the resource turns Ready. prefix: the "[namespace/name] " a logger that is not the
+    resource's own (kopf's) lacks."""
     if old.get("phase") == new.get("phase") or new.get("phase") is None:
         return
     ready = (status.get_condition(new, api.READY) or {}).get("message", "")
-    logger.info(f"status: phase {old.get('phase') or 'new'} -> {new.get('phase')} ({ready})")
+    logger.info(f"{prefix}status: phase {old.get('phase') or 'new'} -> {new.get('phase')} ({ready})")
     if new.get("phase") == api.PHASE_READY:
         sdd = kube.get_sdd(namespace, name)
         if sdd is not None:
